@@ -1,0 +1,50 @@
+# gemma-finetune: every command a user or CI needs. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STACK  ?= dev
+STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Tests and the demo never reach the Hub; the Pulumi program never reaches the cloud here.
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help venv test test-fast lint demo plan bench clean
+
+help: ## list the commands
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(STAMP) ## create .venv and install the pinned CPU requirements (once)
+
+lint: $(STAMP) ## ruff, mypy on infra/, workflow/Dockerfile linters
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy infra trainer/recipe.py
+
+test: lint ## lint + every test (slow ones too: CI runs them)
+	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP) ## the tests not marked slow
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query it
+	$(PY) -m serving.demo
+
+plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4
+	$(PY) -m infra.plan --stack $(STACK)
+
+bench: $(STAMP) ## training throughput, seed configuration vs ours (CPU)
+	$(PY) bench/train_throughput.py --device cpu
+
+clean: ## remove build outputs (keeps .venv and the prepared local model)
+	rm -rf build outputs .pytest_cache .ruff_cache .mypy_cache
