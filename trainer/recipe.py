@@ -55,7 +55,7 @@ class ModelSpec(_Strict):
     dtype: str = Field("auto", description="auto (bf16 where supported, else fp16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
     attn_implementation: str = Field("sdpa", description="sdpa | eager | flash_attention_2 | kernels-community/…")
     chat_template: str | None = Field(
-        "gemma", description="trl chat template used when the tokenizer has none (gemma); null to require one"
+        "gemma3", description="trl chat template (file stem in trl/chat_templates) used when the tokenizer has none; null to require one"
     )
     text_only: bool = Field(True, description="train only the language model; vision/audio towers are never LoRA targets")
 
