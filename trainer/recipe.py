@@ -52,12 +52,17 @@ class DataSource(StrEnum):
 class ModelSpec(_Strict):
     name_or_path: str = Field(description="Hub id (google/gemma-3-1b-it), a local folder, or local:gemma3-270m")
     revision: str | None = None
-    dtype: str = Field("auto", description="auto (bf16 where supported, else fp16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
+    dtype: str = Field(
+        "auto", description="auto (bf16 where supported, else fp16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32"
+    )
     attn_implementation: str = Field("sdpa", description="sdpa | eager | flash_attention_2 | kernels-community/…")
     chat_template: str | None = Field(
-        "gemma3", description="trl chat template (file stem in trl/chat_templates) used when the tokenizer has none; null to require one"
+        "gemma3",
+        description="trl chat template (file stem in trl/chat_templates) used when the tokenizer has none; null to require one",
     )
-    text_only: bool = Field(True, description="train only the language model; vision/audio towers are never LoRA targets")
+    text_only: bool = Field(
+        True, description="train only the language model; vision/audio towers are never LoRA targets"
+    )
 
     @field_validator("dtype")
     @classmethod
@@ -126,7 +131,9 @@ class DataSpec(_Strict):
     max_rows: int | None = Field(None, gt=0, description="rows taken after the seeded shuffle (train + eval)")
     eval_rows: int = Field(0, ge=0, description="rows held out for evaluation, taken after the shuffle")
     seed: int = 42
-    image_dir: str | None = Field(None, description="folder that relative image paths in local rows are resolved against")
+    image_dir: str | None = Field(
+        None, description="folder that relative image paths in local rows are resolved against"
+    )
 
     @model_validator(mode="after")
     def _rows(self) -> DataSpec:
@@ -178,7 +185,9 @@ class OutputSpec(_Strict):
     @model_validator(mode="after")
     def _hub(self) -> OutputSpec:
         if self.push_to_hub and not self.hub_model_id:
-            raise ValueError("output.push_to_hub is true but output.hub_model_id is empty: set it to `your-org/model-name`")
+            raise ValueError(
+                "output.push_to_hub is true but output.hub_model_id is empty: set it to `your-org/model-name`"
+            )
         return self
 
 

@@ -1,0 +1,413 @@
+"""One typed, validated stack configuration, read from `pulumi.Config`.
+
+Every key the program reads is a field of `StackConfig`, spelled as in the stack file
+(`gemma-finetune:gpuType` → `gpu_type`) and declared with its type, default and
+description in `Pulumi.yaml` (a test keeps the two in step). Validation runs before any
+resource is declared: a bad stack fails with every problem listed, each naming the key,
+the value, what is allowed and the command that fixes it.
+
+Decisions
+- Keys are flat: Pulumi's project-level config declarations only type strings,
+  integers, booleans and arrays, so maps (labels) are arrays of `key=value`.
+- Defaults that depend on the workload (GPU type, GPUs per node, timeouts) are computed
+  here, not in `Pulumi.yaml`.
+- The Hugging Face token never enters this model: only whether it is set. The value
+  stays a Pulumi secret Output (see `load`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import pulumi
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
+from trainer.recipe import RecipeError, list_recipes, load_recipe
+
+PROJECT_NAMESPACE = "gemma-finetune"
+
+
+class ConfigError(pulumi.RunError):
+    """Bad stack configuration; raised before any resource is declared."""
+
+
+class Workload(StrEnum):
+    GKE_JOB = "gke-job"
+    GKE_RAY = "gke-ray"
+    CLOUD_RUN = "cloud-run"
+
+
+class Capacity(StrEnum):
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"
+    FLEX_START = "flex-start"
+    RESERVATION = "reservation"
+
+
+class ImageBuild(StrEnum):
+    DOCKER = "docker"
+    CLOUD_BUILD = "cloud-build"
+    PREBUILT = "prebuilt"
+
+
+class RayClusterMode(StrEnum):
+    EPHEMERAL = "ephemeral"
+    STANDING = "standing"
+
+
+_LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+_DIGEST_REF = re.compile(r"^[a-z0-9.-]+(:\d+)?/[^@\s]+@sha256:[0-9a-f]{64}$")
+_STACK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
+
+
+def _set(key: str, value: object = "VALUE", secret: bool = False) -> str:
+    """The command that sets a key, for error messages."""
+    flag = "--secret " if secret else ""
+    shown = json.dumps(value) if not isinstance(value, str) else value
+    return f"pulumi config set {flag}{key} {shown}"
+
+
+class StackConfig(BaseModel):
+    """Everything a stack decides. Field aliases are the keys of `Pulumi.<stack>.yaml`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    stack: str = Field(description="the Pulumi stack name; part of every resource name")
+    project: str = Field(alias="gcp:project", description="Google Cloud project id")
+    region: str = Field(alias="gcp:region", description="region for the cluster, bucket, registry and Cloud Run")
+
+    workload: Workload = Field(description="gke-job | gke-ray | cloud-run")
+    recipe: str = Field(description="a recipe under trainer/recipes/ (file stem)")
+    recipe_overrides: list[str] = Field(default_factory=list, alias="recipeOverrides")
+
+    gpu_type: str | None = Field(None, alias="gpuType")
+    gpus_per_node: int | None = Field(None, alias="gpusPerNode", gt=0)
+    nodes: int = Field(1, gt=0, le=64)
+    capacity: Capacity = Capacity.ON_DEMAND
+    reservation_name: str | None = Field(None, alias="reservationName")
+    reservation_project: str | None = Field(None, alias="reservationProject")
+
+    hf_token_set: bool = Field(False, description="whether gemma-finetune:hfToken is set (the value stays secret)")
+
+    serving_enabled: bool = Field(False, alias="servingEnabled")
+    serving_gpu_type: str = Field("nvidia-l4", alias="servingGpuType")
+    serving_public: bool = Field(False, alias="servingPublic")
+    serving_invokers: list[str] = Field(default_factory=list, alias="servingInvokers")
+    serving_max_instances: int = Field(1, alias="servingMaxInstances", gt=0, le=10)
+    serving_max_model_len: int = Field(4096, alias="servingMaxModelLen", gt=0)
+    serving_extra_args: list[str] = Field(default_factory=list, alias="servingExtraArgs")
+
+    image_build: ImageBuild = Field(ImageBuild.DOCKER, alias="imageBuild")
+    trainer_image: str | None = Field(None, alias="trainerImage")
+    serving_image: str | None = Field(None, alias="servingImage")
+
+    labels: list[str] = Field(default_factory=list)
+    bucket_force_destroy: bool = Field(False, alias="bucketForceDestroy")
+    deletion_protection: bool = Field(False, alias="deletionProtection")
+    release_channel: str = Field("REGULAR", alias="releaseChannel")
+    namespace: str = "gemma-finetune"
+    ray_cluster: RayClusterMode = Field(RayClusterMode.EPHEMERAL, alias="rayCluster")
+    ray_version: str = Field("2.48.0", alias="rayVersion")
+    training_timeout_minutes: int | None = Field(None, alias="trainingTimeoutMinutes", gt=0)
+    training_retries: int = Field(2, alias="trainingRetries", ge=0, le=10)
+    gpu_zonal_redundancy: bool = Field(False, alias="gpuZonalRedundancy")
+    network: str | None = None
+    subnetwork: str | None = None
+
+    # --- single-field checks ---------------------------------------------------------
+
+    @field_validator("stack")
+    @classmethod
+    def _stack_name(cls, v: str) -> str:
+        if not _STACK_NAME.match(v):
+            raise ValueError(
+                f"stack name {v!r} must be 1-20 lowercase letters, digits or '-', starting with a letter "
+                "(it prefixes service account ids, which are at most 30 characters)"
+            )
+        return v
+
+    @field_validator("recipe")
+    @classmethod
+    def _recipe_exists(cls, v: str) -> str:
+        if v not in list_recipes():
+            close = difflib.get_close_matches(v, list_recipes(), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"recipe={v!r} is not a file under trainer/recipes/. Allowed: {', '.join(list_recipes())}.{hint} "
+                f"Fix: {_set('recipe', close[0] if close else 'emoji-gemma3-1b')}"
+            )
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: list[str]) -> list[str]:
+        for item in v:
+            key, sep, value = item.partition("=")
+            if not sep or not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value):
+                raise ValueError(
+                    f"labels entry {item!r} must be key=value with lowercase letters, digits, '_' or '-' "
+                    "(key starts with a letter, each at most 63 characters), e.g. team=ml-platform"
+                )
+        return v
+
+    @field_validator("serving_invokers")
+    @classmethod
+    def _invokers(cls, v: list[str]) -> list[str]:
+        for member in v:
+            if member in {"allUsers", "allAuthenticatedUsers"}:
+                raise ValueError(
+                    f"servingInvokers contains {member!r}: a public endpoint is chosen with servingPublic=true, "
+                    "never through the invoker list"
+                )
+            if not re.match(r"^(user|serviceAccount|group|domain|principal|principalSet):.+", member):
+                raise ValueError(
+                    f"servingInvokers entry {member!r} is not an IAM member; use user:alice@example.com, "
+                    "serviceAccount:ci@PROJECT.iam.gserviceaccount.com, group:… or domain:…"
+                )
+        return v
+
+    @field_validator("trainer_image", "serving_image")
+    @classmethod
+    def _digest(cls, v: str | None) -> str | None:
+        if v is not None and not _DIGEST_REF.match(v):
+            raise ValueError(
+                f"image {v!r} is not pinned by digest; give REGISTRY/PATH@sha256:<64 hex> "
+                "(find it with `gcloud artifacts docker images describe IMAGE:TAG --format='value(image_summary.digest)'`)"
+            )
+        return v
+
+    @field_validator("release_channel")
+    @classmethod
+    def _channel(cls, v: str) -> str:
+        if v not in {"RAPID", "REGULAR", "STABLE", "EXTENDED"}:
+            raise ValueError(f"releaseChannel={v!r}: use RAPID, REGULAR, STABLE or EXTENDED")
+        return v
+
+    # --- cross-field checks ----------------------------------------------------------
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> StackConfig:
+        problems: list[str] = []
+        if self.workload is Workload.CLOUD_RUN:
+            problems += self._check_cloud_run()
+        else:
+            problems += self._check_gke()
+        if self.image_build is ImageBuild.PREBUILT:
+            missing = [
+                k for k, v in (("trainerImage", self.trainer_image), ("servingImage", self.serving_image)) if not v
+            ]
+            if self.workload is not Workload.CLOUD_RUN or not self.serving_enabled:
+                missing = [k for k in missing if k != "servingImage"]
+            if missing:
+                problems.append(
+                    f"imageBuild=prebuilt needs {', '.join(missing)} (an image pinned by digest). "
+                    f"Fix: {_set(missing[0], 'REGION-docker.pkg.dev/PROJECT/REPO/NAME@sha256:…')}, "
+                    "or use imageBuild=docker / cloud-build"
+                )
+        if self.serving_enabled and self.workload is not Workload.CLOUD_RUN:
+            problems.append(
+                f"servingEnabled=true is only implemented for workload cloud-run (this stack is {self.workload}); "
+                f"Fix: {_set('servingEnabled', False)}"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _check_cloud_run(self) -> list[str]:
+        problems = []
+        gpu = self.gpu_type
+        if gpu not in CLOUD_RUN_GPUS:
+            problems.append(
+                f"gpuType={gpu!r} is not offered by Cloud Run (workload cloud-run). Cloud Run offers: "
+                f"{', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('gpuType', 'nvidia-l4')}, or use workload gke-job for "
+                "A4/B200-class GPUs"
+            )
+        else:
+            regions = CLOUD_RUN_GPUS[gpu].regions
+            if self.region not in regions:
+                problems.append(
+                    f"gcp:region={self.region!r} has no Cloud Run {gpu} GPUs. Regions with them: {', '.join(regions)}. "
+                    f"Fix: {_set('gcp:region', regions[0])}"
+                )
+        if self.gpus_per_node != 1:
+            problems.append(
+                f"gpusPerNode={self.gpus_per_node} but Cloud Run attaches exactly one GPU per instance. "
+                f"Fix: {_set('gpusPerNode', 1)}"
+            )
+        if self.nodes != 1:
+            problems.append(f"nodes={self.nodes}: a Cloud Run training job runs one task. Fix: {_set('nodes', 1)}")
+        if self.capacity is not Capacity.ON_DEMAND:
+            problems.append(
+                f"capacity={self.capacity} does not apply to Cloud Run (GPU quota is per region). "
+                f"Fix: pulumi config rm capacity"
+            )
+        if self.serving_gpu_type not in CLOUD_RUN_GPUS:
+            problems.append(
+                f"servingGpuType={self.serving_gpu_type!r} is not offered by Cloud Run. "
+                f"Cloud Run offers: {', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('servingGpuType', 'nvidia-l4')}"
+            )
+        if bool(self.network) != bool(self.subnetwork):
+            problems.append("network and subnetwork go together (Direct VPC egress); set both or neither")
+        return problems
+
+    def _check_gke(self) -> list[str]:
+        problems = []
+        acc = GKE_ACCELERATORS.get(self.gpu_type or "")
+        if acc is None:
+            problems.append(
+                f"gpuType={self.gpu_type!r} is not a GKE Autopilot accelerator. Allowed: {', '.join(GKE_ACCELERATORS)}. "
+                f"Fix: {_set('gpuType', 'nvidia-b200')}"
+            )
+        elif self.gpus_per_node not in acc.counts:
+            problems.append(
+                f"gpusPerNode={self.gpus_per_node} is not a machine shape for {acc.value} ({acc.machine}); "
+                f"allowed counts: {', '.join(map(str, acc.counts))}. Fix: {_set('gpusPerNode', acc.counts[-1])}"
+            )
+        if self.capacity is Capacity.RESERVATION and not self.reservation_name:
+            problems.append(
+                "capacity=reservation needs reservationName (GKE Autopilot consumes specific reservations only). "
+                "Find it with `gcloud compute reservations list --project PROJECT`. "
+                f"Fix: {_set('reservationName', 'my-a4-reservation')}, or choose capacity spot | flex-start | on-demand"
+            )
+        if self.capacity is not Capacity.RESERVATION and self.reservation_name:
+            problems.append(
+                f"reservationName={self.reservation_name!r} is set but capacity={self.capacity}; "
+                f"Fix: {_set('capacity', 'reservation')} or pulumi config rm reservationName"
+            )
+        return problems
+
+    # --- derived values --------------------------------------------------------------
+
+    @property
+    def total_gpus(self) -> int:
+        return (self.gpus_per_node or 1) * self.nodes
+
+    @property
+    def resource_labels(self) -> dict[str, str]:
+        """Labels on every labelled resource: cost attribution by app, stack and workload."""
+        labels = {"app": "gemma-finetune", "stack": self.stack, "workload": str(self.workload)}
+        labels.update(dict(item.split("=", 1) for item in self.labels))
+        return labels
+
+    @property
+    def timeout_minutes(self) -> int:
+        if self.training_timeout_minutes:
+            return self.training_timeout_minutes
+        return {Workload.GKE_JOB: 8 * 60, Workload.GKE_RAY: 4 * 60, Workload.CLOUD_RUN: 60}[self.workload]
+
+
+_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    Workload.GKE_JOB: {"gpuType": "nvidia-b200", "gpusPerNode": 8},
+    Workload.GKE_RAY: {"gpuType": "nvidia-b200", "gpusPerNode": 8},
+    Workload.CLOUD_RUN: {"gpuType": "nvidia-l4", "gpusPerNode": 1},
+}
+
+_LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "labels"}
+
+
+def config_keys() -> dict[str, str]:
+    """Stack-file key -> field name, for every key a user may set (hfToken included)."""
+    keys = {
+        (f.alias or name): name for name, f in StackConfig.model_fields.items() if name not in {"stack", "hf_token_set"}
+    }
+    keys["hfToken"] = "hf_token"
+    return keys
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The validated configuration plus the secret that must stay an Output."""
+
+    cfg: StackConfig
+    hf_token: pulumi.Output[str] | None
+
+
+def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig:
+    """Validate raw stack values (keys as in the stack file, without namespace) or raise ConfigError."""
+    problems: list[str] = []
+    known = config_keys()
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"unknown key {PROJECT_NAMESPACE}:{key}{hint} (allowed keys are declared in Pulumi.yaml)")
+    values = {k: v for k, v in raw.items() if k in known and k != "hfToken"}
+    for key in _LIST_FIELDS & values.keys():
+        if isinstance(values[key], str):
+            try:
+                values[key] = json.loads(values[key])
+            except json.JSONDecodeError:
+                problems.append(f"{key} must be a list, e.g. `pulumi config set --path '{key}[0]' VALUE`")
+    workload = values.get("workload")
+    for key, default in _WORKLOAD_DEFAULTS.get(workload or "", {}).items():
+        values.setdefault(key, default)
+    if problems:
+        raise ConfigError(_render(stack, problems))
+    try:
+        cfg = StackConfig.model_validate({**values, "stack": stack, "hf_token_set": hf_token_set})
+    except ValidationError as exc:
+        raise ConfigError(_render(stack, [_describe(e) for e in exc.errors()])) from None
+    token_problem = _hf_token_problem(cfg)
+    if token_problem:
+        raise ConfigError(_render(stack, [token_problem]))
+    return cfg
+
+
+def _hf_token_problem(cfg: StackConfig) -> str | None:
+    try:
+        recipe = load_recipe(cfg.recipe, cfg.recipe_overrides)
+    except RecipeError as exc:
+        return f"recipeOverrides do not apply to recipe {cfg.recipe!r}: {exc}"
+    reason = recipe.hf_token_reason()
+    if reason and not cfg.hf_token_set:
+        return (
+            f"hfToken is missing and recipe {cfg.recipe!r} needs it: {reason}. "
+            f"Fix: {_set('hfToken', 'hf_…', secret=True)} (a token from https://huggingface.co/settings/tokens)"
+        )
+    return None
+
+
+def _describe(err: Any) -> str:
+    loc = ".".join(str(x) for x in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not loc:
+        return msg
+    if err["type"] == "enum" or err["type"].endswith("_parsing") or err["type"].startswith(("greater", "less")):
+        return f"{loc}={err.get('input')!r}: {msg}. Fix: {_set(loc)}"
+    if err["type"] == "missing":
+        return f"{loc} is required. Fix: {_set(loc)}"
+    return msg if loc in msg else f"{loc}: {msg}"
+
+
+def _render(stack: str, problems: list[str]) -> str:
+    lines = [f"stack {stack!r} has invalid configuration (nothing was created):"]
+    for p in problems:
+        lines.extend(f"  - {line}" for line in p.splitlines())
+    return "\n".join(lines)
+
+
+def load() -> LoadedConfig:
+    """Read this stack's configuration from Pulumi and validate it."""
+    raw: dict[str, Any] = {}
+    all_config = pulumi.runtime.config.CONFIG.get()
+    prefix = f"{PROJECT_NAMESPACE}:"
+    for full_key, value in all_config.items():
+        if full_key.startswith(prefix):
+            raw[full_key[len(prefix) :]] = value
+    gcp = pulumi.Config("gcp")
+    project, region = gcp.get("project"), gcp.get("region")
+    if project is not None:
+        raw["gcp:project"] = project
+    if region is not None:
+        raw["gcp:region"] = region
+    hf_token_set = raw.get("hfToken") not in (None, "")
+    cfg = validate(raw, pulumi.get_stack(), hf_token_set)
+    token = pulumi.Config(PROJECT_NAMESPACE).get_secret("hfToken") if hf_token_set else None
+    return LoadedConfig(cfg=cfg, hf_token=token)

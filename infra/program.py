@@ -1,0 +1,63 @@
+"""The Pulumi program as a function, so every stack can run fresh in one process (tests, `make plan`).
+
+Flow: validated config → foundation → images → the workload the stack names → outputs.
+Bad configuration raises `ConfigError` before the first resource is declared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infra import config as stack_config
+from infra.config import Workload
+from infra.foundation import Foundation, FoundationArgs
+from infra.images import Images, ImagesArgs
+
+
+def run() -> dict[str, Any]:
+    """Declare the stack's resources; return the stack outputs (the caller exports them)."""
+    loaded = stack_config.load()
+    cfg = loaded.cfg
+    name = f"gft-{cfg.stack}"
+
+    foundation = Foundation(name, FoundationArgs(cfg=cfg, hf_token=loaded.hf_token))
+    images = Images(
+        name,
+        ImagesArgs(cfg=cfg, registry_url=foundation.registry_url, depends_on=[foundation.registry, *foundation.apis]),
+    )
+
+    outputs: dict[str, Any] = {
+        "workload": str(cfg.workload),
+        "recipe": cfg.recipe,
+        "bucket": foundation.bucket_uri,
+        "bucketOnDestroy": (
+            "deleted with its contents (bucketForceDestroy=true)"
+            if cfg.bucket_force_destroy
+            else "kept: `pulumi destroy` leaves the bucket and its models; delete it with "
+            "`gcloud storage rm -r gs://BUCKET` or set bucketForceDestroy=true first"
+        ),
+        "registry": foundation.registry_url,
+        "trainerImage": images.trainer_image,
+    }
+    if images.serving_image is not None:
+        outputs["servingImage"] = images.serving_image
+
+    outputs.update(_workload(cfg, loaded, foundation, images))
+    return outputs
+
+
+def _workload(
+    cfg: stack_config.StackConfig, loaded: stack_config.LoadedConfig, foundation: Foundation, images: Images
+) -> dict[str, Any]:
+    """Declare the workload the stack names; each returns its own outputs."""
+    if cfg.workload is Workload.CLOUD_RUN:
+        from infra import cloud_run
+
+        return cloud_run.declare(cfg, loaded, foundation, images)
+    if cfg.workload is Workload.GKE_JOB:
+        from infra import gke_job
+
+        return gke_job.declare(cfg, loaded, foundation, images)
+    from infra import ray_job
+
+    return ray_job.declare(cfg, loaded, foundation, images)
