@@ -121,7 +121,16 @@ def _fake_digest(*parts: Any) -> str:
 
 
 class Mocks(pulumi_mocks.Mocks):
-    """Fills what a real provider computes; echoes everything else."""
+    """Fills what a real provider computes; echoes everything else.
+
+    `bucket_objects` maps `bucket/object` to its content for the storage read the program
+    makes (the serving step reads the training run's completion marker); with
+    `assume_trained` every such read finds a marker, as after a finished training run.
+    """
+
+    def __init__(self, bucket_objects: dict[str, str] | None = None, assume_trained: bool = False) -> None:
+        self.bucket_objects = dict(bucket_objects or {})
+        self.assume_trained = assume_trained
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str | None, dict]:
         inputs = dict(args.inputs)
@@ -167,13 +176,19 @@ class Mocks(pulumi_mocks.Mocks):
             state["metadata"] = meta
         return rid, state
 
-    def call(self, args: pulumi_mocks.MockCallArgs) -> tuple[dict, list[tuple[str, str]] | None]:
+    def call(self, args: pulumi_mocks.MockCallArgs) -> tuple[dict, list[tuple[str, str]]]:
         if args.token == "gcp:organizations/getProject:getProject":
             pid = args.args.get("projectId", "mock-project")
-            return {"number": MOCK_PROJECT_NUMBER, "projectId": pid, "name": pid}, None
+            return {"number": MOCK_PROJECT_NUMBER, "projectId": pid, "name": pid}, []
         if args.token == "gcp:organizations/getClientConfig:getClientConfig":
-            return {"accessToken": "mock-access-token", "project": "mock-project", "region": "", "zone": ""}, None
-        return dict(args.args), None
+            return {"accessToken": "mock-access-token", "project": "mock-project", "region": "", "zone": ""}, []
+        if args.token == "gcp:storage/getBucketObjectContent:getBucketObjectContent":
+            key = f"{args.args.get('bucket')}/{args.args.get('name')}"
+            content = self.bucket_objects.get(key)
+            if content is None and self.assume_trained:
+                content = json.dumps({"complete": True, "object": key})
+            return {**dict(args.args), "content": content or ""}, []
+        return dict(args.args), []
 
 
 class RecordingMonitor(pulumi_mocks.MockMonitor):
@@ -240,6 +255,8 @@ def run_stack(
     remove: tuple[str, ...] = (),
     hf_token: str | None = MOCK_HF_TOKEN,
     preview: bool = False,
+    bucket_objects: dict[str, str] | None = None,
+    assume_trained: bool = False,
 ) -> StackRun:
     """Run the program for `stack` under mocks with its real stack file (plus overrides)."""
     values: dict[str, Any] = {_full_key(k): v for k, v in project_defaults().items()}
@@ -258,7 +275,7 @@ def run_stack(
 
     pulumi.runtime.reset_options(project=PROJECT, stack=stack, preview=preview)
     pulumi.runtime.set_all_config({k: _as_config_string(v) for k, v in values.items()}, secret_keys)
-    mocks = Mocks()
+    mocks = Mocks(bucket_objects=bucket_objects, assume_trained=assume_trained)
     monitor = RecordingMonitor(mocks)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor)
 

@@ -1,0 +1,346 @@
+"""Stack `dev`: a Cloud Run GPU Job trains, a vLLM Cloud Run GPU Service serves.
+
+Decisions
+- Training starts on `pulumi up` through the Job's `start_execution_token`, a short hash
+  of the image digest, the recipe file and its overrides (`run_id`): an unchanged
+  `pulumi up` starts nothing, a changed recipe or image starts a new execution. The
+  token also names the run folder, so each run resumes only its own checkpoints.
+  (`run_execution_token` would block `pulumi up` until training ends; we don't want that.)
+- The bucket is mounted at /mnt/bucket (Cloud Storage volume); the trainer writes
+  `runs/<run_id>/merged/` and the completion marker last.
+- Serving is a second step (`servingEnabled: true`, then `pulumi up`). Before declaring
+  the Service the program reads the run's completion marker from the bucket; if training
+  has not finished, `pulumi up` stops with a message saying so, and no Service (or broken
+  revision) is created. The entrypoint also refuses a model without the marker.
+- The Service is private: `roles/run.invoker` only for `servingInvokers`; it is public
+  only when the stack says `servingPublic: true` (then the invoker check is disabled,
+  with no allUsers binding). Scale to zero, `servingMaxInstances` GPUs at most.
+- Jobs cannot use GPU zonal redundancy (CLOUD-FACTS §6): the Job always disables it; the
+  Service follows `gpuZonalRedundancy` (default off: the cheaper quota, see README).
+
+Not here: Cloud Run GPU task timeouts above one hour are UNCONFIRMED (CLOUD-FACTS §6), so the
+default deadline is 60 minutes; raise `trainingTimeoutMinutes` only after checking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra.catalog import CLOUD_RUN_GPUS
+from infra.config import LoadedConfig, StackConfig
+from infra.foundation import Foundation
+from infra.images import Images
+from serving.vllm_args import COMPLETION_MARKER, VllmServerConfig, render_args
+from trainer.recipe import recipe_path
+
+BUCKET_MOUNT = "/mnt/bucket"
+MODEL_MOUNT = "/mnt/models"
+JOB_CPU, JOB_MEMORY_GIB = 8, 32
+SERVICE_CPU, SERVICE_MEMORY_GIB = 8, 32
+VLLM_PORT = 8000
+
+
+def run_id(cfg: StackConfig, image: str) -> str:
+    """12 hex characters that change exactly when the image, the recipe file or the overrides change."""
+    recipe_bytes = recipe_path(cfg.recipe).read_bytes()
+    payload = json.dumps(
+        {"image": image, "recipe": hashlib.sha256(recipe_bytes).hexdigest(), "overrides": cfg.recipe_overrides},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def run_prefix(cfg: StackConfig, rid: str) -> str:
+    """Where one training run writes in the bucket (relative to the bucket root)."""
+    return f"runs/{cfg.recipe}-{rid}"
+
+
+def trainer_args(cfg: StackConfig, rid: str) -> list[str]:
+    return [
+        "-m",
+        "trainer",
+        "--recipe",
+        cfg.recipe,
+        "--set",
+        f"output.dir={BUCKET_MOUNT}/{run_prefix(cfg, rid)}",
+        *[arg for override in cfg.recipe_overrides for arg in ("--set", override)],
+    ]
+
+
+def _resources(gpu: str, cpu: int, memory_gib: int) -> dict[str, str]:
+    spec = CLOUD_RUN_GPUS[gpu]
+    return {
+        "cpu": str(max(cpu, spec.min_cpu)),
+        "memory": f"{max(memory_gib, spec.min_memory_gib)}Gi",
+        "nvidia.com/gpu": "1",
+    }
+
+
+def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
+    return VllmServerConfig(
+        model=f"{MODEL_MOUNT}/{run_prefix(cfg, rid)}/merged",
+        served_model_name=cfg.recipe,
+        max_model_len=cfg.serving_max_model_len,
+        dtype="bfloat16",
+        port=VLLM_PORT,
+        extra_args=cfg.serving_extra_args,
+    )
+
+
+class CloudRunTraining(pulumi.ComponentResource):
+    """The Cloud Run GPU Job that runs one recipe, started by its execution token."""
+
+    job: gcp.cloudrunv2.Job
+    run_id: pulumi.Output[str]
+
+    def __init__(
+        self, name: str, cfg: StackConfig, foundation: Foundation, image: pulumi.Output[str], opts=None
+    ) -> None:
+        super().__init__("gemma-finetune:gcp:CloudRunTraining", name, None, opts)
+        self.run_id = image.apply(lambda ref: run_id(cfg, ref))
+        envs = [gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs(name="HF_HUB_ENABLE_HF_TRANSFER", value="0")]
+        if foundation.hf_secret is not None and foundation.hf_secret_version is not None:
+            envs.append(
+                gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs(
+                    name="HF_TOKEN",
+                    value_source=gcp.cloudrunv2.JobTemplateTemplateContainerEnvValueSourceArgs(
+                        secret_key_ref=gcp.cloudrunv2.JobTemplateTemplateContainerEnvValueSourceSecretKeyRefArgs(
+                            secret=foundation.hf_secret.secret_id,
+                            version=foundation.hf_secret_version.version,
+                        )
+                    ),
+                )
+            )
+        depends = [*foundation.apis, foundation.bucket, foundation.trainer_account]
+        if foundation.hf_secret_version is not None:
+            depends.append(foundation.hf_secret_version)
+        self.job = gcp.cloudrunv2.Job(
+            f"{name}-job",
+            project=cfg.project,
+            location=cfg.region,
+            name=f"gft-{cfg.stack}-train",
+            deletion_protection=False,
+            labels=cfg.resource_labels,
+            start_execution_token=self.run_id,
+            template=gcp.cloudrunv2.JobTemplateArgs(
+                task_count=1,
+                parallelism=1,
+                labels=cfg.resource_labels,
+                template=gcp.cloudrunv2.JobTemplateTemplateArgs(
+                    service_account=foundation.trainer_account.email,
+                    timeout=f"{cfg.timeout_minutes * 60}s",
+                    max_retries=cfg.training_retries,
+                    gpu_zonal_redundancy_disabled=True,
+                    node_selector=gcp.cloudrunv2.JobTemplateTemplateNodeSelectorArgs(accelerator=cfg.gpu_type),
+                    containers=[
+                        gcp.cloudrunv2.JobTemplateTemplateContainerArgs(
+                            image=image,
+                            commands=["python"],
+                            args=self.run_id.apply(lambda rid: trainer_args(cfg, rid)),
+                            envs=envs,
+                            resources=gcp.cloudrunv2.JobTemplateTemplateContainerResourcesArgs(
+                                limits=_resources(cfg.gpu_type or "nvidia-l4", JOB_CPU, JOB_MEMORY_GIB)
+                            ),
+                            volume_mounts=[
+                                gcp.cloudrunv2.JobTemplateTemplateContainerVolumeMountArgs(
+                                    name="bucket", mount_path=BUCKET_MOUNT
+                                )
+                            ],
+                        )
+                    ],
+                    volumes=[
+                        gcp.cloudrunv2.JobTemplateTemplateVolumeArgs(
+                            name="bucket",
+                            gcs=gcp.cloudrunv2.JobTemplateTemplateVolumeGcsArgs(
+                                bucket=foundation.bucket_name, read_only=False
+                            ),
+                        )
+                    ],
+                ),
+            ),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=depends),
+        )
+        self.register_outputs({"job_name": self.job.name, "run_id": self.run_id})
+
+
+def _require_complete_model(cfg: StackConfig, bucket: pulumi.Output[str], prefix: pulumi.Output[str]) -> Any:
+    """Read the run's completion marker; stop `pulumi up` with a clear message when training has not finished."""
+    marker = pulumi.Output.all(bucket, prefix).apply(lambda p: f"{p[1]}/merged/{COMPLETION_MARKER}")
+    content = gcp.storage.get_bucket_object_content_output(bucket=bucket, name=marker).content
+
+    def check(parts: list[Any]) -> str:
+        text, path, bucket_name = parts
+        if not text:
+            raise pulumi.RunError(
+                f"servingEnabled=true but gs://{bucket_name}/{path} does not exist: the training run has not "
+                f"finished (or failed). Follow it with `gcloud run jobs executions list --job gft-{cfg.stack}-train "
+                f"--region {cfg.region}`, then run `pulumi up` again. To skip serving for now: "
+                "pulumi config set servingEnabled false"
+            )
+        return path
+
+    return pulumi.Output.all(content, marker, bucket).apply(check)
+
+
+class VllmService(pulumi.ComponentResource):
+    """The vLLM Cloud Run GPU Service over the merged model of one training run."""
+
+    service: gcp.cloudrunv2.Service
+    url: pulumi.Output[str]
+
+    def __init__(
+        self,
+        name: str,
+        cfg: StackConfig,
+        foundation: Foundation,
+        image: pulumi.Output[str],
+        run: pulumi.Output[str],
+        opts=None,
+    ) -> None:
+        super().__init__("gemma-finetune:gcp:VllmService", name, None, opts)
+        assert foundation.serving_account is not None, "the foundation creates a serving account when serving is on"
+        child = pulumi.ResourceOptions(parent=self)
+        marker_checked = _require_complete_model(cfg, foundation.bucket_name, run.apply(lambda r: run_prefix(cfg, r)))
+        network, subnetwork = self._vpc(name, cfg, child)
+        vllm_args = pulumi.Output.all(run, marker_checked).apply(lambda p: render_args(vllm_config(cfg, p[0])))
+        self.service = gcp.cloudrunv2.Service(
+            f"{name}-service",
+            project=cfg.project,
+            location=cfg.region,
+            name=f"gft-{cfg.stack}-vllm",
+            deletion_protection=False,
+            ingress="INGRESS_TRAFFIC_ALL",
+            invoker_iam_disabled=cfg.serving_public,
+            labels=cfg.resource_labels,
+            template=gcp.cloudrunv2.ServiceTemplateArgs(
+                service_account=foundation.serving_account.email,
+                gpu_zonal_redundancy_disabled=not cfg.gpu_zonal_redundancy,
+                node_selector=gcp.cloudrunv2.ServiceTemplateNodeSelectorArgs(accelerator=cfg.serving_gpu_type),
+                max_instance_request_concurrency=16,
+                timeout="600s",
+                scaling=gcp.cloudrunv2.ServiceTemplateScalingArgs(
+                    min_instance_count=0, max_instance_count=cfg.serving_max_instances
+                ),
+                vpc_access=gcp.cloudrunv2.ServiceTemplateVpcAccessArgs(
+                    egress="ALL_TRAFFIC",
+                    network_interfaces=[
+                        gcp.cloudrunv2.ServiceTemplateVpcAccessNetworkInterfaceArgs(
+                            network=network, subnetwork=subnetwork
+                        )
+                    ],
+                ),
+                containers=[
+                    gcp.cloudrunv2.ServiceTemplateContainerArgs(
+                        image=image,
+                        args=vllm_args,
+                        ports=gcp.cloudrunv2.ServiceTemplateContainerPortsArgs(container_port=VLLM_PORT),
+                        envs=[gcp.cloudrunv2.ServiceTemplateContainerEnvArgs(name="HF_HUB_OFFLINE", value="1")],
+                        resources=gcp.cloudrunv2.ServiceTemplateContainerResourcesArgs(
+                            limits=_resources(cfg.serving_gpu_type, SERVICE_CPU, SERVICE_MEMORY_GIB),
+                            cpu_idle=False,
+                            startup_cpu_boost=True,
+                        ),
+                        # Loading weights from the bucket and capturing CUDA graphs takes minutes:
+                        # probe every 10 s for up to 240 s (the platform's cap), after a 30 s grace.
+                        startup_probe=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeArgs(
+                            initial_delay_seconds=30,
+                            period_seconds=10,
+                            timeout_seconds=5,
+                            failure_threshold=21,
+                            http_get=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeHttpGetArgs(
+                                path="/health", port=VLLM_PORT
+                            ),
+                        ),
+                        volume_mounts=[
+                            gcp.cloudrunv2.ServiceTemplateContainerVolumeMountArgs(
+                                name="models", mount_path=MODEL_MOUNT
+                            )
+                        ],
+                    )
+                ],
+                volumes=[
+                    gcp.cloudrunv2.ServiceTemplateVolumeArgs(
+                        name="models",
+                        gcs=gcp.cloudrunv2.ServiceTemplateVolumeGcsArgs(
+                            bucket=foundation.bucket_name, read_only=True, mount_options=["implicit-dirs"]
+                        ),
+                    )
+                ],
+            ),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*foundation.apis, foundation.serving_account]),
+        )
+        for i, member in enumerate(cfg.serving_invokers):
+            gcp.cloudrunv2.ServiceIamMember(
+                f"{name}-invoker-{i}",
+                project=cfg.project,
+                location=cfg.region,
+                name=self.service.name,
+                role="roles/run.invoker",
+                member=member,
+                opts=child,
+            )
+        self.url = self.service.uri
+        self.register_outputs({"url": self.url})
+
+    @staticmethod
+    def _vpc(name: str, cfg: StackConfig, opts: pulumi.ResourceOptions) -> tuple[pulumi.Input[str], pulumi.Input[str]]:
+        """Direct VPC egress: the configured network, or one created for this stack with Private Google Access."""
+        if cfg.network and cfg.subnetwork:
+            return cfg.network, cfg.subnetwork
+        network = gcp.compute.Network(
+            f"{name}-network",
+            project=cfg.project,
+            name=f"gft-{cfg.stack}-serving",
+            auto_create_subnetworks=False,
+            opts=opts,
+        )
+        subnetwork = gcp.compute.Subnetwork(
+            f"{name}-subnet",
+            project=cfg.project,
+            name=f"gft-{cfg.stack}-serving",
+            region=cfg.region,
+            network=network.id,
+            ip_cidr_range="10.8.0.0/26",
+            private_ip_google_access=True,
+            opts=opts,
+        )
+        return network.name, subnetwork.name
+
+
+def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images) -> dict[str, Any]:
+    """The `cloud-run` workload: the training Job and, when enabled, the vLLM Service."""
+    name = f"gft-{cfg.stack}"
+    training = CloudRunTraining(name, cfg, foundation, images.trainer_image)
+    run_uri = pulumi.Output.all(foundation.bucket_uri, training.run_id).apply(
+        lambda p: f"{p[0]}/{run_prefix(cfg, p[1])}"
+    )
+    outputs: dict[str, Any] = {
+        "trainingJob": training.job.name,
+        "runId": training.run_id,
+        "runUri": run_uri,
+        "modelUri": run_uri.apply(lambda u: f"{u}/merged"),
+        "followTraining": f"gcloud run jobs executions list --job gft-{cfg.stack}-train --region {cfg.region} "
+        f"--project {cfg.project}",
+        "trainingLogs": f"gcloud beta run jobs logs read gft-{cfg.stack}-train --region {cfg.region} "
+        f"--project {cfg.project}",
+    }
+    if cfg.serving_enabled:
+        assert images.serving_image is not None
+        service = VllmService(name, cfg, foundation, images.serving_image, training.run_id)
+        outputs["servingUrl"] = service.url
+        outputs["query"] = service.url.apply(
+            lambda url: (
+                f'python -m serving.client --url {url} --model {cfg.recipe} "Translate to emoji: I ate a banana '
+                "for breakfast, later I'm thinking of having soup!\""
+            )
+        )
+    else:
+        outputs["nextStep"] = (
+            "when the training execution has succeeded: pulumi config set servingEnabled true && pulumi up"
+        )
+    return outputs
