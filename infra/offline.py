@@ -294,5 +294,10 @@ def run_stack(
     def program() -> Any:
         return resolve_outputs(run())
 
-    _sync_await(run_pulumi_func(program))
+    try:
+        _sync_await(run_pulumi_func(program))
+    except Exception as exc:
+        # Tests check that bad configuration declared nothing before failing.
+        exc.declared_resources = list(monitor.recorded)  # type: ignore[attr-defined]
+        raise
     return StackRun(stack=stack, resources=list(monitor.recorded), outputs=result, secret_outputs=secret_outputs)

@@ -1,0 +1,168 @@
+"""The GKE Autopilot cluster both GKE stacks train on, and the Kubernetes provider that reaches it.
+
+    pulumi up --stack a4-gemma4            # cluster + training Job
+    gcloud container clusters get-credentials gft-a4-gemma4 --region us-central1 --project PROJECT
+
+Decisions
+- Autopilot, regional (`gcp:region`, the region of the GPU reservation): GKE provisions the
+  A4 nodes a Pod asks for and removes them when it ends, so no GPU node pool idles between runs.
+- Workload Identity pool `PROJECT.svc.id.goog` is set explicitly (Autopilot turns it on anyway)
+  so the Kubernetes service account bindings in `infra.gke_workload` name a pool we declared.
+- Release channel and deletion protection come from config; deletion protection is off by
+  default so `pulumi destroy` works on a disposable training stack.
+- The Ray operator add-on (Google-managed KubeRay, with Ray cluster logging and monitoring) is
+  enabled only for workload gke-ray. `ray_operator_configs` is a LIST in pulumi-gcp.
+- The cluster hands out ONE `pulumi_kubernetes.Provider`, built from its endpoint and CA with a
+  kubeconfig that authenticates through the `gke-gcloud-auth-plugin` exec plugin (the same path
+  `gcloud container clusters get-credentials` writes): no static token or client certificate
+  ever lands in state, and the kubeconfig is a secret Output all the same. Workload components
+  receive this provider; they never build their own.
+
+Not here: node pools (Autopilot has none to manage), private clusters / authorized networks
+(the default public endpoint is protected by IAM), Kubernetes objects (see `infra.gke_workload`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_gcp as gcp
+import pulumi_kubernetes as k8s
+import yaml
+
+from infra.config import StackConfig, Workload
+
+# Installed with `gcloud components install gke-gcloud-auth-plugin`; kubectl and pulumi-kubernetes call it.
+AUTH_PLUGIN = "gke-gcloud-auth-plugin"
+AUTH_API_VERSION = "client.authentication.k8s.io/v1beta1"
+
+
+def cluster_name(cfg: StackConfig) -> str:
+    """GKE cluster names are at most 40 characters; stack names are at most 20."""
+    return f"gft-{cfg.stack}"
+
+
+def workload_pool(project: str) -> str:
+    return f"{project}.svc.id.goog"
+
+
+def get_credentials_command(cfg: StackConfig) -> str:
+    return (
+        f"gcloud container clusters get-credentials {cluster_name(cfg)} --region {cfg.region} --project {cfg.project}"
+    )
+
+
+def render_kubeconfig(name: str, endpoint: str, ca_certificate: str) -> str:
+    """A kubeconfig for one cluster whose user is the gke-gcloud-auth-plugin exec plugin (no credentials inside)."""
+    context = f"gke-{name}"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": context,
+                "cluster": {"server": f"https://{endpoint}", "certificate-authority-data": ca_certificate},
+            }
+        ],
+        "contexts": [{"name": context, "context": {"cluster": context, "user": context}}],
+        "current-context": context,
+        "users": [
+            {
+                "name": context,
+                "user": {
+                    "exec": {
+                        "apiVersion": AUTH_API_VERSION,
+                        "command": AUTH_PLUGIN,
+                        "installHint": f"Install {AUTH_PLUGIN}: gcloud components install {AUTH_PLUGIN}",
+                        "provideClusterInfo": True,
+                    }
+                },
+            }
+        ],
+    }
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+@dataclass
+class AutopilotClusterArgs:
+    cfg: StackConfig
+    """The validated stack configuration (region, release channel, deletion protection, workload)."""
+    depends_on: list[pulumi.Resource] = field(default_factory=list)
+    """The foundation's API enablements: the cluster cannot be created before container.googleapis.com is on."""
+
+
+class AutopilotCluster(pulumi.ComponentResource):
+    """A regional GKE Autopilot cluster (+ Ray operator add-on for gke-ray) and its Kubernetes provider."""
+
+    cluster: gcp.container.Cluster
+    name: pulumi.Output[str]
+    kubeconfig: pulumi.Output[str]
+    provider: k8s.Provider
+    workload_pool: str
+    get_credentials: str
+
+    def __init__(self, name: str, args: AutopilotClusterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gemma-finetune:gcp:AutopilotCluster", name, None, opts)
+        cfg = args.cfg
+        self.workload_pool = workload_pool(cfg.project)
+        self.get_credentials = get_credentials_command(cfg)
+
+        addons = None
+        if cfg.workload is Workload.GKE_RAY:
+            addons = gcp.container.ClusterAddonsConfigArgs(
+                ray_operator_configs=[
+                    gcp.container.ClusterAddonsConfigRayOperatorConfigArgs(
+                        enabled=True,
+                        ray_cluster_logging_config=(
+                            gcp.container.ClusterAddonsConfigRayOperatorConfigRayClusterLoggingConfigArgs(enabled=True)
+                        ),
+                        ray_cluster_monitoring_config=(
+                            gcp.container.ClusterAddonsConfigRayOperatorConfigRayClusterMonitoringConfigArgs(
+                                enabled=True
+                            )
+                        ),
+                    )
+                ]
+            )
+
+        self.cluster = gcp.container.Cluster(
+            f"{name}-cluster",
+            name=cluster_name(cfg),
+            project=cfg.project,
+            location=cfg.region,
+            description=f"gemma-finetune {cfg.stack}: {cfg.workload} training on {cfg.gpu_type}",
+            enable_autopilot=True,
+            workload_identity_config=gcp.container.ClusterWorkloadIdentityConfigArgs(workload_pool=self.workload_pool),
+            release_channel=gcp.container.ClusterReleaseChannelArgs(channel=cfg.release_channel),
+            deletion_protection=cfg.deletion_protection,
+            resource_labels=cfg.resource_labels,
+            addons_config=addons,
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                depends_on=args.depends_on,
+                # Regional Autopilot creation usually takes 5-10 minutes; leave room for slow days.
+                custom_timeouts=pulumi.CustomTimeouts(create="45m", update="45m", delete="45m"),
+            ),
+        )
+        self.name = self.cluster.name
+
+        self.kubeconfig = pulumi.Output.secret(
+            pulumi.Output.all(
+                self.cluster.name,
+                self.cluster.endpoint,
+                self.cluster.master_auth.apply(lambda auth: auth.cluster_ca_certificate or ""),
+            ).apply(lambda parts: render_kubeconfig(parts[0], parts[1], parts[2]))
+        )
+        self.provider = k8s.Provider(
+            f"{name}-k8s",
+            kubeconfig=self.kubeconfig,
+            # Objects are applied server-side (the v4 default) so fields set by GKE's admission
+            # (Autopilot adds tolerations and resource defaults) do not show as drift.
+            enable_server_side_apply=True,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.cluster]),
+        )
+
+        self.register_outputs(
+            {"name": self.name, "kubeconfig": self.kubeconfig, "get_credentials": self.get_credentials}
+        )

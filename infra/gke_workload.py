@@ -1,0 +1,232 @@
+"""Kubernetes pieces both GKE workloads share: namespace, identity, the HF token Secret, GPU placement.
+
+Decisions
+- One namespace per stack (`namespace`, default gemma-finetune) holds everything the stack runs.
+- Identity is Workload Identity through the trainer's Google service account (GSA): a Kubernetes
+  ServiceAccount annotated `iam.gke.io/gcp-service-account: <GSA>` and
+  `roles/iam.workloadIdentityUser` for `serviceAccount:PROJECT.svc.id.goog[NS/KSA]` granted ON
+  THAT GSA (not on the project). The GSA itself only holds object access on the stack's bucket
+  (`infra.foundation`), so pods can write checkpoints there and nowhere else. The binding waits
+  for the cluster: the identity pool only exists once the cluster does.
+- The Hugging Face token lives in the Kubernetes Secret `hf-secret` (key `hf_api_token`, as in
+  the seed tutorial), written from the secret Output so it stays encrypted in Pulumi state;
+  containers read it only through `secretKeyRef`.
+- Capacity is chosen with pod nodeSelectors (CLOUD-FACTS §1): every GPU pod names the accelerator,
+  its count and the `latest` driver; reservation adds the reservation name, `specific` affinity
+  (+ the owning project for shared reservations); spot and flex-start add their one label;
+  on-demand adds nothing. No tolerations: Autopilot adds the GPU and Spot ones itself.
+
+Not here: the workloads (`infra.gke_job`, `infra.ray_job`), Kueue / quota management, network
+policies, and the GCS FUSE CSI driver (the trainer writes gs:// URIs directly with its
+Workload Identity credentials, so no pod needs a bucket mount).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_gcp as gcp
+import pulumi_kubernetes as k8s
+
+from infra.config import Capacity, StackConfig
+from trainer.recipe import RECIPES_DIR
+
+TRAINER_KSA = "trainer"
+HF_SECRET_NAME = "hf-secret"
+HF_SECRET_KEY = "hf_api_token"
+HF_TOKEN_ENV = "HF_TOKEN"
+
+ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+ACCELERATOR_COUNT_LABEL = "cloud.google.com/gke-accelerator-count"
+DRIVER_LABEL = "cloud.google.com/gke-gpu-driver-version"
+RESERVATION_NAME_LABEL = "cloud.google.com/reservation-name"
+RESERVATION_AFFINITY_LABEL = "cloud.google.com/reservation-affinity"
+RESERVATION_PROJECT_LABEL = "cloud.google.com/reservation-project"
+SPOT_LABEL = "cloud.google.com/gke-spot"
+FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
+GSA_ANNOTATION = "iam.gke.io/gcp-service-account"
+
+
+@dataclass(frozen=True)
+class PerGpuShare:
+    """CPU, memory (GiB) and ephemeral storage (GiB) a pod asks for per GPU it holds."""
+
+    cpu: int
+    memory_gib: int
+    ephemeral_gib: int
+
+
+# The largest Autopilot pod on each GPU machine is UNCONFIRMED (CLOUD-FACTS §1), so these stay well
+# below the machines: 8 x B200 -> 96 vCPU / 1200Gi / 352Gi of an a4-highgpu-8g's 224 vCPU / 3,968 GB /
+# 12,000 GiB local SSD (1200Gi memory and ~350Gi disk are what the seed tutorial ran with).
+# Autopilot bills GPU pods per node, so asking for less than the node costs nothing extra.
+GPU_SHARE: dict[str, PerGpuShare] = {
+    "nvidia-b200": PerGpuShare(cpu=12, memory_gib=150, ephemeral_gib=44),
+    "nvidia-h200-141gb": PerGpuShare(cpu=12, memory_gib=150, ephemeral_gib=44),
+    "nvidia-h100-mega-80gb": PerGpuShare(cpu=11, memory_gib=100, ephemeral_gib=44),
+    "nvidia-h100-80gb": PerGpuShare(cpu=11, memory_gib=100, ephemeral_gib=44),
+    "nvidia-l4": PerGpuShare(cpu=8, memory_gib=32, ephemeral_gib=40),
+    "nvidia-rtx-pro-6000": PerGpuShare(cpu=20, memory_gib=80, ephemeral_gib=100),
+}
+
+
+def gpu_pod_resources(cfg: StackConfig) -> dict[str, dict[str, str]]:
+    """Requests = limits for a pod holding all `gpus_per_node` GPUs of one node (Autopilot sets requests to
+    limits anyway; stating both keeps the intent visible)."""
+    assert cfg.gpu_type and cfg.gpus_per_node, "config validation guarantees a GKE accelerator shape"
+    share = GPU_SHARE[cfg.gpu_type]
+    n = cfg.gpus_per_node
+    amounts = {
+        "cpu": str(share.cpu * n),
+        "memory": f"{share.memory_gib * n}Gi",
+        "ephemeral-storage": f"{share.ephemeral_gib * n}Gi",
+        "nvidia.com/gpu": str(n),
+    }
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def recipe_fingerprint(recipe: str) -> str:
+    """sha256 of the recipe file: editing the recipe gives a new training run."""
+    return hashlib.sha256((RECIPES_DIR / f"{recipe}.yaml").read_bytes()).hexdigest()
+
+
+def run_name(prefix: str, cfg: StackConfig, image: str, max_len: int) -> str:
+    """`<prefix>-<recipe-short>-<hash8>`: the same image, recipe content, overrides and shape give the same
+    name (so `pulumi up` changes nothing); a change to any of them gives a new name (a new training run).
+    Where the pods run (capacity) is deliberately NOT part of it: moving a run resumes its checkpoints."""
+    identity = {
+        "image": image,
+        "recipe": cfg.recipe,
+        "recipe_sha256": recipe_fingerprint(cfg.recipe),
+        "overrides": list(cfg.recipe_overrides),
+        "gpu_type": cfg.gpu_type,
+        "gpus_per_node": cfg.gpus_per_node,
+        "nodes": cfg.nodes,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+    room = max_len - len(prefix) - len(digest) - 2
+    short = cfg.recipe[:room].rstrip("-")
+    return f"{prefix}-{short}-{digest}"
+
+
+def gpu_node_selector(cfg: StackConfig) -> dict[str, str]:
+    """nodeSelector for a pod that takes a whole GPU node of `cfg.gpu_type` under the chosen capacity mode."""
+    assert cfg.gpu_type and cfg.gpus_per_node, "config validation guarantees a GKE accelerator shape"
+    selector = {
+        ACCELERATOR_LABEL: cfg.gpu_type,
+        ACCELERATOR_COUNT_LABEL: str(cfg.gpus_per_node),
+        DRIVER_LABEL: "latest",
+    }
+    if cfg.capacity is Capacity.RESERVATION:
+        assert cfg.reservation_name, "config validation guarantees reservationName with capacity=reservation"
+        selector[RESERVATION_NAME_LABEL] = cfg.reservation_name
+        selector[RESERVATION_AFFINITY_LABEL] = "specific"
+        if cfg.reservation_project and cfg.reservation_project != cfg.project:
+            selector[RESERVATION_PROJECT_LABEL] = cfg.reservation_project
+    elif cfg.capacity is Capacity.SPOT:
+        selector[SPOT_LABEL] = "true"
+    elif cfg.capacity is Capacity.FLEX_START:
+        selector[FLEX_START_LABEL] = "true"
+    return selector
+
+
+def hf_token_env(secret_name: str | None) -> list[dict[str, Any]]:
+    """The HF_TOKEN env entry (a secretKeyRef, never a value), or nothing when the recipe needs no token."""
+    if secret_name is None:
+        return []
+    return [{"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": HF_SECRET_KEY}}}]
+
+
+def workload_identity_member(project: str, namespace: str, ksa: str) -> str:
+    return f"serviceAccount:{project}.svc.id.goog[{namespace}/{ksa}]"
+
+
+def common_labels(cfg: StackConfig, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "gemma-finetune",
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "pulumi",
+        "gemma-finetune/stack": cfg.stack,
+    }
+
+
+@dataclass
+class TrainingNamespaceArgs:
+    cfg: StackConfig
+    """The validated stack configuration (namespace, project)."""
+    provider: k8s.Provider
+    """The cluster's Kubernetes provider (from `AutopilotCluster`)."""
+    cluster: pulumi.Resource
+    """The GKE cluster: the Workload Identity pool exists only once it does."""
+    trainer_account: gcp.serviceaccount.Account
+    """The trainer's Google service account (object access on the stack's bucket only)."""
+    hf_token: pulumi.Output[str] | None
+    """The Hugging Face token as a secret Output, or None when the recipe needs none."""
+
+
+class TrainingNamespace(pulumi.ComponentResource):
+    """Namespace, Workload Identity-bound Kubernetes service account and the HF token Secret."""
+
+    namespace: str
+    service_account_name: str
+    hf_secret_name: str | None
+    ready: list[pulumi.Resource]
+    """Everything a training pod needs to exist first."""
+
+    def __init__(self, name: str, args: TrainingNamespaceArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gemma-finetune:k8s:TrainingNamespace", name, None, opts)
+        cfg = args.cfg
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        labels = common_labels(cfg, "training")
+        self.namespace = cfg.namespace
+        self.service_account_name = TRAINER_KSA
+
+        namespace = k8s.core.v1.Namespace(
+            f"{name}-ns",
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=cfg.namespace, labels=labels),
+            opts=k8s_opts,
+        )
+        in_namespace = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[namespace])
+
+        ksa = k8s.core.v1.ServiceAccount(
+            f"{name}-ksa",
+            metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=TRAINER_KSA,
+                namespace=cfg.namespace,
+                labels=labels,
+                annotations={GSA_ANNOTATION: args.trainer_account.email},
+            ),
+            opts=in_namespace,
+        )
+        binding = gcp.serviceaccount.IAMMember(
+            f"{name}-wi",
+            service_account_id=args.trainer_account.name,
+            role="roles/iam.workloadIdentityUser",
+            member=workload_identity_member(cfg.project, cfg.namespace, TRAINER_KSA),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[args.cluster]),
+        )
+        self.ready = [namespace, ksa, binding]
+
+        self.hf_secret_name = None
+        if args.hf_token is not None:
+            secret = k8s.core.v1.Secret(
+                f"{name}-hf",
+                metadata=k8s.meta.v1.ObjectMetaArgs(name=HF_SECRET_NAME, namespace=cfg.namespace, labels=labels),
+                type="Opaque",
+                string_data={HF_SECRET_KEY: pulumi.Output.secret(args.hf_token)},
+                opts=in_namespace,
+            )
+            self.hf_secret_name = HF_SECRET_NAME
+            self.ready.append(secret)
+
+        self.register_outputs(
+            {
+                "namespace": self.namespace,
+                "service_account": self.service_account_name,
+                "hf_secret": self.hf_secret_name,
+            }
+        )

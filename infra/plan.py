@@ -1,0 +1,145 @@
+"""`make plan STACK=<name>`: what `pulumi up` would create, offline, without a cloud account.
+
+    python -m infra.plan --stack dev
+    python -m infra.plan --stack dev --set servingEnabled=true --assume-trained
+    python -m infra.plan --stack a4-gemma4 --out build/plan
+
+Runs the program under mocks (infra/offline.py) with the real stack file, prints a
+preview-like table (type, name, parent, key inputs), and writes
+`build/plan/<stack>/resources.json` (every resource: type, name, parent, inputs; secrets
+as "[secret]") and every Kubernetes object the stack would apply as YAML under
+`build/plan/<stack>/manifests/`, ready for strict schema validation.
+
+Computed values are the mocks' stand-ins (digests, emails, endpoints), not real ones; the
+shape of every request is real. It does not contact Google Cloud and needs no Pulumi CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import yaml
+
+from infra.offline import REPO_ROOT, Recorded, StackRun, redact_secrets, run_stack, stack_names
+
+# Inputs worth a glance in the table, per resource type (the JSON has everything).
+_KEY_INPUTS = ("accountId", "name", "role", "member", "service", "location", "repositoryId", "secretId", "metadata")
+
+
+def k8s_manifest(resource: Recorded) -> dict[str, Any] | None:
+    """The Kubernetes object a `kubernetes:*` resource applies, secrets redacted; None for other resources."""
+    if not resource.type.startswith("kubernetes:") or resource.type.startswith("kubernetes:yaml"):
+        return None
+    _, group_version, kind = resource.type.split(":")
+    api_version = group_version.removeprefix("core/")
+    body = redact_secrets(resource.inputs)
+    manifest = {"apiVersion": body.pop("apiVersion", api_version), "kind": body.pop("kind", kind)}
+    manifest.update(body)
+    return manifest
+
+
+def _parent_name(resource: Recorded) -> str:
+    return resource.parent.rsplit("::", 1)[-1] if resource.parent else ""
+
+
+def _summary(resource: Recorded) -> str:
+    inputs = redact_secrets(resource.inputs)
+    parts = []
+    for key in _KEY_INPUTS:
+        value = inputs.get(key)
+        if isinstance(value, dict) and key == "metadata":
+            value = value.get("name")
+        if value not in (None, "", {}, []):
+            parts.append(f"{key}={value}")
+    return ", ".join(parts)[:110]
+
+
+def resources_json(run: StackRun) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": r.type,
+            "name": r.name,
+            "parent": _parent_name(r),
+            "inputs": redact_secrets(r.inputs),
+            "dependsOn": [d.rsplit("::", 1)[-1] for d in r.dependencies],
+            "retainOnDelete": r.retain_on_delete,
+        }
+        for r in run.resources
+    ]
+
+
+def write_plan(run: StackRun, out_root: Path) -> Path:
+    out = out_root / run.stack
+    if out.exists():
+        shutil.rmtree(out)
+    manifests_dir = out / "manifests"
+    manifests_dir.mkdir(parents=True)
+    (out / "resources.json").write_text(json.dumps(resources_json(run), indent=2, default=str) + "\n")
+    outputs = {k: ("[secret]" if k in run.secret_outputs else v) for k, v in run.outputs.items()}
+    (out / "outputs.json").write_text(json.dumps(outputs, indent=2, default=str) + "\n")
+    count = 0
+    for resource in run.resources:
+        manifest = k8s_manifest(resource)
+        if manifest is None:
+            continue
+        count += 1
+        name = manifest.get("metadata", {}).get("name", resource.name)
+        path = manifests_dir / f"{count:02d}-{manifest['kind'].lower()}-{name}.yaml"
+        path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return out
+
+
+def print_table(run: StackRun, out: Path) -> None:
+    rows = [(r.type, r.name, _parent_name(r), _summary(r)) for r in run.resources]
+    widths = [max(len(row[i]) for row in [("TYPE", "NAME", "PARENT", ""), *rows]) for i in range(3)]
+    print(f"Plan for stack {run.stack!r} (offline, under mocks): {len(rows)} resources to create\n")
+    print(f"    {'TYPE':<{widths[0]}}  {'NAME':<{widths[1]}}  {'PARENT':<{widths[2]}}  KEY INPUTS")
+    for typ, name, parent, summary in rows:
+        print(f"  + {typ:<{widths[0]}}  {name:<{widths[1]}}  {parent:<{widths[2]}}  {summary}")
+    print("\nOutputs:")
+    for key, value in run.outputs.items():
+        shown = "[secret]" if key in run.secret_outputs else value
+        print(f"    {key}: {shown}")
+    print(f"\nWrote {out / 'resources.json'} and {out / 'manifests'}/")
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: use KEY=VALUE, e.g. --set servingEnabled=true")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stack", required=True, help=f"one of: {', '.join(stack_names())}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument(
+        "--assume-trained", action="store_true", help="plan serving as if the training run had finished"
+    )
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "plan")
+    args = parser.parse_args(argv)
+    if args.stack not in stack_names():
+        print(f"unknown stack {args.stack!r}: stacks here are {', '.join(stack_names())}", file=sys.stderr)
+        return 2
+    try:
+        run = run_stack(args.stack, overrides=_parse_sets(args.set), assume_trained=args.assume_trained)
+    except pulumi.RunError as exc:  # ConfigError included: the message is the whole story
+        print(str(exc), file=sys.stderr)
+        return 2
+    out = write_plan(run, args.out)
+    print_table(run, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

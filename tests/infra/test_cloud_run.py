@@ -1,0 +1,153 @@
+"""Stack `dev`: the Cloud Run training Job and the vLLM service, under mocks with the real Pulumi.dev.yaml."""
+
+from __future__ import annotations
+
+import pulumi
+import pytest
+
+from infra.offline import redact_secrets, run_stack
+from tests.infra.conftest import PREBUILT
+
+JOB = "gcp:cloudrunv2/job:Job"
+SERVICE = "gcp:cloudrunv2/service:Service"
+INVOKER = "gcp:cloudrunv2/serviceIamMember:ServiceIamMember"
+
+
+def job_inputs(**overrides: object) -> dict:
+    return run_stack("dev", overrides={**PREBUILT, **overrides}).one(JOB).plain_inputs()
+
+
+class TestTrainingJob:
+    def test_one_l4_with_cpu_and_memory(self) -> None:
+        template = job_inputs()["template"]["template"]
+        limits = template["containers"][0]["resources"]["limits"]
+        assert limits == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
+        assert template["nodeSelector"] == {"accelerator": "nvidia-l4"}
+        assert template["gpuZonalRedundancyDisabled"] is True  # jobs cannot use zonal redundancy
+
+    def test_rtx_pro_gets_its_minimum_cpu_and_memory(self) -> None:
+        limits = job_inputs(gpuType="nvidia-rtx-pro-6000")["template"]["template"]["containers"][0]["resources"]
+        assert limits["limits"]["cpu"] == "20" and limits["limits"]["memory"] == "80Gi"
+
+    def test_token_by_secret_reference_only(self) -> None:
+        run = run_stack("dev", overrides=PREBUILT)
+        job = run.one(JOB)
+        env = {e["name"]: e for e in job.plain_inputs()["template"]["template"]["containers"][0]["envs"]}
+        ref = env["HF_TOKEN"]["valueSource"]["secretKeyRef"]
+        assert ref["secret"] == "gft-dev-hf-token" and ref["version"] == "1"
+        assert "value" not in env["HF_TOKEN"]
+
+    def test_bucket_mounted_and_trainer_writes_there(self) -> None:
+        inputs = job_inputs()
+        template = inputs["template"]["template"]
+        assert template["volumes"][0]["gcs"] == {"bucket": "my-gcp-project-gft-dev", "readOnly": False}
+        args = template["containers"][0]["args"]
+        assert args[:4] == ["-m", "trainer", "--recipe", "emoji-gemma3-1b"]
+        assert args[5].startswith("output.dir=/mnt/bucket/runs/emoji-gemma3-1b-")
+
+    def test_deadline_retries_and_service_account(self) -> None:
+        template = job_inputs()["template"]["template"]
+        assert template["timeout"] == "3600s" and template["maxRetries"] == 2
+        assert template["serviceAccount"] == "gft-dev-train@my-gcp-project.iam.gserviceaccount.com"
+
+    def test_destroy_is_not_blocked(self) -> None:
+        assert job_inputs()["deletionProtection"] is False
+
+
+class TestExecutionToken:
+    """An unchanged `pulumi up` starts nothing; a changed recipe or image starts a new run."""
+
+    def test_stable_for_same_inputs(self) -> None:
+        assert job_inputs()["startExecutionToken"] == job_inputs()["startExecutionToken"]
+
+    def test_changes_with_recipe_overrides(self) -> None:
+        changed = job_inputs(recipeOverrides=["training.learning_rate=0.0001"])["startExecutionToken"]
+        assert changed != job_inputs()["startExecutionToken"]
+
+    def test_changes_with_image(self) -> None:
+        other = PREBUILT["trainerImage"].replace("1" * 64, "3" * 64)
+        assert job_inputs(trainerImage=other)["startExecutionToken"] != job_inputs()["startExecutionToken"]
+
+    def test_token_names_the_run_folder_and_fits_the_name_limit(self) -> None:
+        inputs = job_inputs()
+        token = inputs["startExecutionToken"]
+        assert len(token) == 12 and len(inputs["name"]) + len(token) < 63
+        assert token in inputs["template"]["template"]["containers"][0]["args"][5]
+
+    def test_does_not_block_until_training_ends(self) -> None:
+        assert "runExecutionToken" not in job_inputs()
+
+
+class TestServing:
+    def test_disabled_means_no_service(self) -> None:
+        run = run_stack("dev", overrides=PREBUILT)
+        assert run.of_type(SERVICE) == [] and "servingEnabled true" in run.outputs["nextStep"]
+
+    def test_service_waits_for_a_complete_model(self) -> None:
+        with pytest.raises(pulumi.RunError, match="the training run has not finished") as info:
+            run_stack("dev", overrides={**PREBUILT, "servingEnabled": True})
+        assert "gcloud run jobs executions list" in str(info.value)
+
+    def test_private_by_default_with_configured_invokers_only(self) -> None:
+        run = run_stack(
+            "dev",
+            overrides={**PREBUILT, "servingEnabled": True, "servingInvokers": ["user:a@example.com"]},
+            assume_trained=True,
+        )
+        assert run.one(SERVICE).plain_inputs()["invokerIamDisabled"] is False
+        members = [r.plain_inputs()["member"] for r in run.of_type(INVOKER)]
+        assert members == ["user:a@example.com"]
+
+    def test_public_only_when_the_stack_says_so(self) -> None:
+        run = run_stack(
+            "dev", overrides={**PREBUILT, "servingEnabled": True, "servingPublic": True}, assume_trained=True
+        )
+        assert run.one(SERVICE).plain_inputs()["invokerIamDisabled"] is True
+        assert run.of_type(INVOKER) == []
+
+    def test_gpu_probe_volume_and_scaling(self) -> None:
+        run = run_stack("dev", overrides={**PREBUILT, "servingEnabled": True}, assume_trained=True)
+        template = run.one(SERVICE).plain_inputs()["template"]
+        container = template["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert container["resources"]["cpuIdle"] is False
+        assert template["nodeSelector"] == {"accelerator": "nvidia-l4"}
+        assert template["gpuZonalRedundancyDisabled"] is True
+        assert template["scaling"] == {"minInstanceCount": 0, "maxInstanceCount": 1}
+        probe = container["startupProbe"]
+        assert probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"] == 240
+        assert template["volumes"][0]["gcs"]["readOnly"] is True
+        assert container["ports"] == {"containerPort": 8000}
+        assert template["vpcAccess"]["egress"] == "ALL_TRAFFIC"
+
+    def test_vllm_serves_the_run_that_trained(self) -> None:
+        run = run_stack("dev", overrides={**PREBUILT, "servingEnabled": True}, assume_trained=True)
+        args = run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"]
+        run_id = run.outputs["runId"]
+        assert args[0] == f"/mnt/models/runs/emoji-gemma3-1b-{run_id}/merged"
+        assert args[args.index("--served-model-name") + 1] == "emoji-gemma3-1b"
+
+    def test_zonal_redundancy_is_a_choice_for_the_service(self) -> None:
+        run = run_stack(
+            "dev", overrides={**PREBUILT, "servingEnabled": True, "gpuZonalRedundancy": True}, assume_trained=True
+        )
+        assert run.one(SERVICE).plain_inputs()["template"]["gpuZonalRedundancyDisabled"] is False
+
+    def test_configured_network_is_used_not_created(self) -> None:
+        run = run_stack(
+            "dev",
+            overrides={**PREBUILT, "servingEnabled": True, "network": "prod-vpc", "subnetwork": "prod-sub"},
+            assume_trained=True,
+        )
+        assert run.of_type("gcp:compute/network:Network") == []
+        nic = run.one(SERVICE).plain_inputs()["template"]["vpcAccess"]["networkInterfaces"][0]
+        assert nic == {"network": "prod-vpc", "subnetwork": "prod-sub"}
+
+    def test_extra_vllm_flags_pass_through(self) -> None:
+        run = run_stack(
+            "dev",
+            overrides={**PREBUILT, "servingEnabled": True, "servingExtraArgs": ["--enable-prefix-caching"]},
+            assume_trained=True,
+        )
+        assert run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"][-1] == "--enable-prefix-caching"
+        assert redact_secrets(run.outputs)["query"].startswith("python -m serving.client --url https://")

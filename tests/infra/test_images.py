@@ -1,0 +1,66 @@
+"""Images are pinned by digest and rebuilt only when their build context changes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from infra.config import ConfigError
+from infra.images import SERVING, TRAINER, ImageSpec, content_hash, context_files
+from infra.offline import SECRET_MARK, redact_secrets, run_stack
+from tests.infra.conftest import PREBUILT
+
+
+class TestBuildContext:
+    def test_trainer_context_excludes_tests_and_outputs(self) -> None:
+        files = [f.as_posix() for f in context_files(TRAINER)]
+        assert "trainer/Dockerfile" in files and "trainer/recipe.py" in files
+        assert not [f for f in files if f.startswith(("tests/", ".venv/", "outputs/")) or "__pycache__" in f]
+
+    def test_hash_is_stable_and_follows_content(self, tmp_path: Path) -> None:
+        copy = tmp_path / "ctx"
+        shutil.copytree(SERVING.context, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        spec = ImageSpec("serving", copy, copy / "Dockerfile", (".",))
+        first = content_hash(spec)
+        assert content_hash(spec) == first
+        (copy / "__pycache__").mkdir(exist_ok=True)
+        (copy / "__pycache__" / "x.pyc").write_bytes(b"ignored")
+        assert content_hash(spec) == first, "caches must not trigger a rebuild"
+        (copy / "entrypoint.sh").write_text((copy / "entrypoint.sh").read_text() + "\n# changed\n")
+        assert content_hash(spec) != first
+
+
+class TestModes:
+    def test_docker_mode_pushes_to_the_stack_registry_with_a_secret_token(self) -> None:
+        run = run_stack("dev")
+        image = run.one("docker-build:index:Image")
+        inputs = image.plain_inputs()
+        assert inputs["push"] is True
+        assert inputs["tags"][0].startswith("us-central1-docker.pkg.dev/my-gcp-project/gemma-finetune-dev/trainer:")
+        assert inputs["platforms"] == ["linux/amd64"]
+        assert redact_secrets(image.inputs)["registries"][0]["password"] == SECRET_MARK
+        assert run.outputs["trainerImage"].split("@")[1].startswith("sha256:")
+
+    def test_cloud_build_mode_rebuilds_on_content_hash(self) -> None:
+        run = run_stack("dev", overrides={"imageBuild": "cloud-build"})
+        build = run.one("command:local:Command").plain_inputs()
+        assert build["triggers"] == [content_hash(TRAINER)[:16]]
+        assert "gcloud builds submit" in build["create"] and "results.images[0].digest" in build["create"]
+        assert build["environment"]["DOCKERFILE"] == "trainer/Dockerfile"
+        assert "@sha256:" in run.outputs["trainerImage"]
+
+    def test_prebuilt_mode_builds_nothing(self) -> None:
+        run = run_stack("dev", overrides=PREBUILT)
+        assert run.of_type("docker-build:index:Image") == [] and run.of_type("command:local:Command") == []
+        assert run.outputs["trainerImage"] == PREBUILT["trainerImage"]
+
+    def test_prebuilt_without_reference_fails(self) -> None:
+        with pytest.raises(ConfigError, match="imageBuild=prebuilt needs trainerImage"):
+            run_stack("dev", overrides={"imageBuild": "prebuilt"})
+
+    def test_serving_image_only_with_serving(self) -> None:
+        run = run_stack("dev", overrides={"servingEnabled": True}, assume_trained=True)
+        names = sorted(r.name for r in run.of_type("docker-build:index:Image"))
+        assert names == ["gft-dev-serving", "gft-dev-trainer"]
