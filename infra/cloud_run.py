@@ -35,7 +35,7 @@ from infra.catalog import CLOUD_RUN_GPUS
 from infra.config import LoadedConfig, StackConfig
 from infra.foundation import Foundation
 from infra.images import Images
-from serving.vllm_args import COMPLETION_MARKER, VllmServerConfig, render_args
+from serving.vllm_args import COMPLETION_MARKER, Dtype, VllmServerConfig, render_args
 from trainer.recipe import recipe_path
 
 BUCKET_MOUNT = "/mnt/bucket"
@@ -86,7 +86,7 @@ def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
         model=f"{MODEL_MOUNT}/{run_prefix(cfg, rid)}/merged",
         served_model_name=cfg.recipe,
         max_model_len=cfg.serving_max_model_len,
-        dtype="bfloat16",
+        dtype=Dtype.BFLOAT16,
         port=VLLM_PORT,
         extra_args=cfg.serving_extra_args,
     )
@@ -136,7 +136,7 @@ class CloudRunTraining(pulumi.ComponentResource):
                     timeout=f"{cfg.timeout_minutes * 60}s",
                     max_retries=cfg.training_retries,
                     gpu_zonal_redundancy_disabled=True,
-                    node_selector=gcp.cloudrunv2.JobTemplateTemplateNodeSelectorArgs(accelerator=cfg.gpu_type),
+                    node_selector=gcp.cloudrunv2.JobTemplateTemplateNodeSelectorArgs(accelerator=cfg.gpu_type or "nvidia-l4"),
                     containers=[
                         gcp.cloudrunv2.JobTemplateTemplateContainerArgs(
                             image=image,

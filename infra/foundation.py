@@ -144,7 +144,7 @@ class Foundation(pulumi.ComponentResource):
             self.hf_secret_version = gcp.secretmanager.SecretVersion(
                 f"{name}-hf-token-v",
                 secret=self.hf_secret.id,
-                secret_data=pulumi.Output.secret(args.hf_token),
+                secret_data=pulumi.Output.secret(args.hf_token),  # type: ignore[arg-type]
                 opts=child,
             )
             if cfg.workload is Workload.CLOUD_RUN:

@@ -69,7 +69,7 @@ class TestLeastPrivilege:
         for run in all_runs:
             for r in iam_resources(run):
                 role = r.plain_inputs().get("role", "")
-                assert not (role == "roles/storage.admin"), f"{r.urn} grants storage admin"
+                assert role != "roles/storage.admin", f"{r.urn} grants storage admin"
 
 
 class TestSecrets:

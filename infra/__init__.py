@@ -1,0 +1,1 @@
+"""gemma-finetune's Pulumi program: one module per concern (see infra/README.md)."""
