@@ -121,9 +121,15 @@ def _with_stop_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
 
 
 def save_tiny_model(directory: str | Path, family: Family = "gemma3", seed: int = 0) -> Path:
-    """Save a tiny model + tokenizer as an ordinary model folder a recipe can name in `model.name_or_path`."""
+    """Save a tiny model + tokenizer as an ordinary model folder a recipe can name in `model.name_or_path`.
+
+    The Gemma 4 folder carries trl's Gemma 4 chat template, for which trl 1.16 has no training variant,
+    so runs on it take the prompt/completion loss path.
+    """
     directory = Path(directory)
     tokenizer = tiny_tokenizer()
+    if family == "gemma4":
+        tokenizer.chat_template = trl_chat_template("gemma4")  # as the real checkpoints ship it
     model = (tiny_gemma3 if family == "gemma3" else tiny_gemma4)(tokenizer, seed=seed)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -1,0 +1,72 @@
+"""Command line: `python -m trainer --recipe <name|path> [--set section.key=value ...]`.
+
+    .venv/bin/python -m trainer --recipe emoji-local
+    .venv/bin/python -m trainer --recipe emoji-local --set training.max_steps=5 --set output.dir=/tmp/emoji
+    .venv/bin/python -m trainer --list
+
+Parses arguments, loads and validates the recipe, and calls the typed `trainer.train.main`.
+A problem the user can fix (bad recipe, bad override, missing data file, full disk) is printed
+as one clear message without a traceback, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from trainer.recipe import RecipeError, list_recipes, load_recipe
+
+USER_ERRORS: tuple[type[Exception], ...] = (RecipeError,)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="Fine-tune Gemma from a recipe.")
+    parser.add_argument("--recipe", help=f"a recipe name ({', '.join(list_recipes())}) or a path to a .yaml file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one recipe value (repeatable), e.g. --set training.max_steps=5",
+    )
+    parser.add_argument("--list", action="store_true", help="list the bundled recipes and exit")
+    args = parser.parse_args(argv)
+    if not args.list and not args.recipe:
+        parser.error("--recipe is required (or --list)")
+    return args
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors with a message meant for the user; the local model's is imported only when needed."""
+    from trainer.local_model import LocalModelError
+
+    return (*USER_ERRORS, LocalModelError)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        print("\n".join(list_recipes()))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        from trainer.train import main
+
+        result = main(recipe)
+    except _user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.summary, indent=2))
+    print(f"adapter: {result.adapter_dir}")
+    if result.merged_dir:
+        print(f"merged model: {result.merged_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())

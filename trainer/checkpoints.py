@@ -1,0 +1,198 @@
+"""Checkpoints that survive a lost machine: train locally, mirror to the output URL, resume from the latest.
+
+`output.dir` is a local folder or any URL fsspec handles (`gs://…` in the cloud through gcsfs;
+`file://` and `memory://` in tests). Training always writes to a LOCAL staging folder (fast disk,
+what transformers expects); after every checkpoint save the folder is mirrored to the remote and
+a per-checkpoint marker, `_CHECKPOINT_COMPLETE.json`, is written LAST. On start the latest
+checkpoint that has its marker — locally or remotely — is found and training resumes from it.
+A checkpoint without a marker (the job died while saving or uploading) is ignored.
+
+    .venv/bin/python -c "from trainer.checkpoints import OutputLocation; \
+        print(OutputLocation.from_dir('gs://bucket/runs/emoji').latest_checkpoint())"
+
+It does not decide when to save (SFTConfig.save_steps does) and it is not a general sync tool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+    from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_MARKER = "_CHECKPOINT_COMPLETE.json"
+CHECKPOINTS_SUBDIR = "checkpoints"
+STAGING_ENV = "GEMMA_FT_STAGING"
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    match = _CHECKPOINT_NAME.match(Path(str(path).rstrip("/")).name)
+    return int(match.group(1)) if match else None
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON to a temporary file in the same folder, then rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _remote(url: str) -> tuple[AbstractFileSystem, str]:
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(url)
+
+
+def upload_dir(local: Path, url: str, marker: str | None = None) -> None:
+    """Copy every file of `local` to `url`; the file named `marker` (if present) is copied last.
+
+    A stale marker at the destination is removed FIRST, so a folder being rewritten never looks complete.
+    """
+    fs, root = _remote(url)
+    if marker and fs.exists(f"{root}/{marker}"):
+        fs.rm(f"{root}/{marker}")
+    files = sorted(p for p in local.rglob("*") if p.is_file())
+    ordered = [p for p in files if p.name != marker] + [p for p in files if p.name == marker]
+    for path in ordered:
+        target = f"{root}/{path.relative_to(local).as_posix()}"
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(str(path), target)
+
+
+def download_dir(url: str, local: Path) -> None:
+    """Copy a remote folder to `local` (replacing it), through a temporary sibling and a rename."""
+    fs, root = _remote(url)
+    staging = Path(tempfile.mkdtemp(prefix=f".{local.name}.download-", dir=local.parent))
+    try:
+        prefix = root.rstrip("/") + "/"
+        for remote_file in fs.find(root):
+            relative = remote_file.removeprefix(prefix)
+            target = staging / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(remote_file, str(target))
+        if local.exists():
+            shutil.rmtree(local)
+        os.replace(staging, local)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class OutputLocation:
+    """Where a run's results go (`remote`, a URL, or None) and where it trains (`local`, always a folder)."""
+
+    local: Path
+    remote: str | None
+
+    @classmethod
+    def from_dir(cls, output_dir: str, staging_root: str | Path | None = None) -> OutputLocation:
+        """A plain folder is used directly; a URL gets a stable local staging folder (same URL, same folder)."""
+        if not is_url(output_dir):
+            return cls(local=Path(output_dir).expanduser().resolve(), remote=None)
+        root = Path(staging_root or os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "gemma-finetune")
+        digest = hashlib.sha256(output_dir.encode()).hexdigest()[:12]
+        return cls(local=root / digest, remote=output_dir.rstrip("/"))
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.local / CHECKPOINTS_SUBDIR
+
+    def remote_path(self, relative: str) -> str | None:
+        return f"{self.remote}/{relative}" if self.remote else None
+
+    def mark_checkpoint(self, checkpoint: Path, step: int) -> None:
+        """Write the local completion marker of a checkpoint, then mirror the checkpoint (marker last)."""
+        write_json_atomic(checkpoint / CHECKPOINT_MARKER, {"step": step, "completed_at": time.time()})
+        remote = self.remote_path(f"{CHECKPOINTS_SUBDIR}/{checkpoint.name}")
+        if remote:
+            upload_dir(checkpoint, remote, marker=CHECKPOINT_MARKER)
+            log.info("mirrored %s to %s", checkpoint.name, remote)
+
+    def prune_remote(self, keep: set[str]) -> None:
+        """Delete remote checkpoints that no longer exist locally (transformers rotated them out); marker first."""
+        remote = self.remote_path(CHECKPOINTS_SUBDIR)
+        if not remote:
+            return
+        fs, root = _remote(remote)
+        if not fs.exists(root):
+            return
+        for entry in fs.ls(root, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if checkpoint_step(name) is not None and name not in keep:
+                if fs.exists(f"{entry}/{CHECKPOINT_MARKER}"):
+                    fs.rm(f"{entry}/{CHECKPOINT_MARKER}")
+                fs.rm(entry, recursive=True)
+
+    def local_checkpoints(self) -> dict[int, Path]:
+        """Complete local checkpoints by step."""
+        if not self.checkpoints_dir.is_dir():
+            return {}
+        found = {}
+        for path in self.checkpoints_dir.iterdir():
+            step = checkpoint_step(path)
+            if step is not None and (path / CHECKPOINT_MARKER).is_file():
+                found[step] = path
+        return found
+
+    def remote_checkpoints(self) -> dict[int, str]:
+        """Complete remote checkpoints by step (URL of each)."""
+        remote = self.remote_path(CHECKPOINTS_SUBDIR)
+        if not remote:
+            return {}
+        fs, root = _remote(remote)
+        if not fs.exists(root):
+            return {}
+        found = {}
+        for entry in fs.ls(root, detail=False):
+            step = checkpoint_step(entry)
+            if step is not None and fs.exists(f"{entry.rstrip('/')}/{CHECKPOINT_MARKER}"):
+                found[step] = f"{remote}/checkpoint-{step}"
+        return found
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint as a LOCAL folder (downloaded first if only the remote has it)."""
+        local, remote = self.local_checkpoints(), self.remote_checkpoints()
+        if not local and not remote:
+            return None
+        step = max(set(local) | set(remote))
+        if step in local:
+            return local[step]
+        target = self.checkpoints_dir / f"checkpoint-{step}"
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        log.info("downloading checkpoint-%d from %s", step, remote[step])
+        download_dir(remote[step], target)
+        return target
+
+
+def mirror_callback(location: OutputLocation) -> TrainerCallback:
+    """A TrainerCallback that marks (and mirrors) each checkpoint right after transformers saved it."""
+    from transformers import TrainerCallback
+
+    class MirrorCheckpoints(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.is_world_process_zero:
+                checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                if checkpoint.is_dir():
+                    location.mark_checkpoint(checkpoint, state.global_step)
+                    location.prune_remote({p.name for p in Path(args.output_dir).glob("checkpoint-*")})
+            return control
+
+    return MirrorCheckpoints()

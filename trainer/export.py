@@ -1,0 +1,108 @@
+"""Export: merge a LoRA adapter into its base model and save a folder vLLM can serve.
+
+    .venv/bin/python -m trainer.export --base local:gemma3-270m --adapter outputs/emoji-local/adapter \
+        --out outputs/emoji-local/merged
+
+Decisions:
+- The base is reloaded in bf16 (never the 4-bit QLoRA weights, and not fp16: Gemma 3 is trained
+  in bf16 and overflows in fp16), the adapter merged, and the result saved as safetensors with the
+  tokenizer, chat template and a generation_config whose stop tokens include `<end_of_turn>`.
+- `_COMPLETE.json` is written LAST and atomically; the serving image waits for exactly this file
+  name. A stale marker is removed before anything else is written, so a folder being rewritten, or a
+  half-written export, is never mistaken for a model. The marker records the base model, the adapter,
+  the time and the list of files with their sizes.
+- Pushing to the Hub (`output.push_to_hub`) is the real code path for the cloud; it needs a token
+  and is not exercised offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoints import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+COMPLETION_MARKER = "_COMPLETE.json"
+
+
+def is_complete(directory: str | Path) -> bool:
+    """True only when the export's completion marker exists (local folder or fsspec URL)."""
+    directory = str(directory)
+    if "://" in directory:
+        from fsspec.core import url_to_fs
+
+        fs, root = url_to_fs(directory)
+        return fs.exists(f"{root.rstrip('/')}/{COMPLETION_MARKER}")
+    return (Path(directory) / COMPLETION_MARKER).is_file()
+
+
+def file_inventory(directory: Path) -> list[dict[str, Any]]:
+    return [
+        {"path": p.relative_to(directory).as_posix(), "bytes": p.stat().st_size}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != COMPLETION_MARKER
+    ]
+
+
+def write_completion_marker(directory: Path, **details: Any) -> Path:
+    """Write `_COMPLETE.json` (atomically) listing every other file in the folder. Call it last."""
+    marker = directory / COMPLETION_MARKER
+    write_json_atomic(marker, {**details, "completed_at": time.time(), "files": file_inventory(directory)})
+    return marker
+
+
+def merge_and_export(base_model: str, adapter_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Merge `adapter_dir` into `base_model` (reloaded in `dtype`) and save a complete, marked model folder."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.local_model import resolve_model_path, set_stop_tokens
+
+    out_dir, adapter_dir = Path(out_dir), Path(adapter_dir)
+    (out_dir / COMPLETION_MARKER).unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base_path = resolve_model_path(base_model)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(
+        adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_path
+    )
+    set_stop_tokens(merged, tokenizer)
+    merged.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    write_completion_marker(out_dir, base_model=base_model, adapter=str(adapter_dir), dtype=dtype)
+    log.info("exported merged model to %s", out_dir)
+    return out_dir
+
+
+def push_to_hub(model_dir: Path, repo_id: str, private: bool = True) -> str:
+    """Upload a finished export to the Hub (needs HF_TOKEN with write scope); returns the repo URL."""
+    if not is_complete(model_dir):
+        raise RuntimeError(f"{model_dir} has no {COMPLETION_MARKER}: refusing to push an incomplete export")
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(model_dir), repo_id=repo_id, commit_message="gemma-finetune export")
+    return f"https://huggingface.co/{repo_id}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="base model: Hub id, folder or local:gemma3-270m")
+    parser.add_argument("--adapter", required=True, help="folder with the LoRA adapter")
+    parser.add_argument("--out", required=True, help="folder for the merged model")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args(argv)
+    print(merge_and_export(args.base, args.adapter, args.out, args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Model, tokenizer and LoRA loading for a recipe.
+
+    .venv/bin/python -c "from trainer.modeling import *; from trainer.recipe import load_recipe; \
+        r = load_recipe('emoji-local'); m, t = load_model_and_tokenizer(r); print(lora_config(r.lora))"
+
+Decisions:
+- dtype `auto` means bf16 where the GPU supports it, else fp16 on a GPU, else fp32 on the CPU.
+- QLoRA is bitsandbytes 4-bit (nf4/fp4, optional double quantisation) with the recipe's compute
+  and storage dtypes; the adapters train on top in higher precision (trl casts them).
+- LoRA never targets a vision or audio tower (nor the projector that feeds images into the
+  language model), whatever `target_modules` says: `exclude_modules` is a regex over module
+  names, so even `all-linear` stays inside the language model. Text tasks on multimodal Gemma
+  checkpoints (Gemma 3 4B+, Gemma 4) therefore only adapt the decoder.
+- A tokenizer without a chat template gets trl's ORIGINAL `<name>.jinja`; trl itself swaps in
+  the matching `<name>_training.jinja` (with `{% generation %}` markers) for assistant-only loss,
+  so what is saved with the model is the template used for inference.
+
+It does not build Ray/FSDP wrappers (trainer/fsdp.py, trainer/ray_entry.py do) or batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from trainer.local_model import resolve_model_path, trl_chat_template
+from trainer.recipe import LoraSpec, ModelSpec, QuantizationSpec, Recipe, RecipeError
+
+if TYPE_CHECKING:
+    import torch
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+
+log = logging.getLogger(__name__)
+
+# Module-name fragments of the parts of multimodal Gemma checkpoints that are not the language model.
+NON_LANGUAGE_MODULES = ("vision_tower", "audio_tower", "multi_modal_projector", "embed_vision", "embed_audio")
+NON_LANGUAGE_MODULES_REGEX = r".*(" + "|".join(NON_LANGUAGE_MODULES) + r").*"
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`auto` -> bf16 on GPUs that support it, fp16 on older GPUs, fp32 on the CPU; else the named dtype."""
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def quantization_config(spec: QuantizationSpec | None) -> BitsAndBytesConfig | None:
+    """The bitsandbytes 4-bit config for QLoRA, or None for plain LoRA."""
+    if spec is None or not spec.load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=spec.quant_type,
+        bnb_4bit_use_double_quant=spec.double_quant,
+        bnb_4bit_compute_dtype=resolve_dtype(spec.compute_dtype),
+        bnb_4bit_quant_storage=resolve_dtype(spec.storage_dtype or spec.compute_dtype),
+    )
+
+
+def load_tokenizer(spec: ModelSpec, model_path: str | None = None) -> PreTrainedTokenizerBase | ProcessorMixin:
+    """The tokenizer (text tasks) or processor (vision tasks), with a chat template guaranteed."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    path = model_path or resolve_model_path(spec.name_or_path)
+    loader = AutoTokenizer if spec.text_only else AutoProcessor
+    processing_class = loader.from_pretrained(path, revision=spec.revision)
+    ensure_chat_template(processing_class, spec.chat_template)
+    return processing_class
+
+
+def ensure_chat_template(processing_class: Any, template_name: str | None) -> None:
+    """Give a tokenizer/processor without a chat template trl's `<template_name>.jinja`."""
+    if getattr(processing_class, "chat_template", None):
+        return
+    if template_name is None:
+        raise RecipeError(
+            "the tokenizer has no chat template and model.chat_template is null: "
+            "set model.chat_template to a trl template name such as gemma3"
+        )
+    processing_class.chat_template = trl_chat_template(template_name)
+    tokenizer = getattr(processing_class, "tokenizer", None)
+    if tokenizer is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = processing_class.chat_template
+
+
+def load_model(
+    spec: ModelSpec, quantization: QuantizationSpec | None = None, model_path: str | None = None
+) -> PreTrainedModel:
+    """The base model in the recipe's dtype and attention implementation, 4-bit when quantization is set."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    path = model_path or resolve_model_path(spec.name_or_path)
+    loader = AutoModelForCausalLM if spec.text_only else AutoModelForImageTextToText
+    kwargs: dict[str, Any] = {
+        "revision": spec.revision,
+        "dtype": resolve_dtype(spec.dtype),
+        "attn_implementation": spec.attn_implementation,
+    }
+    bnb = quantization_config(quantization)
+    if bnb is not None:
+        kwargs["quantization_config"] = bnb
+        kwargs["dtype"] = bnb.bnb_4bit_compute_dtype
+    model = loader.from_pretrained(path, **kwargs)
+    log.info("loaded %s (%s, %s%s)", path, kwargs["dtype"], spec.attn_implementation, ", 4-bit" if bnb else "")
+    return model
+
+
+def load_model_and_tokenizer(recipe: Recipe) -> tuple[PreTrainedModel, Any]:
+    """Base model + tokenizer/processor for a recipe (resolving `local:` models once)."""
+    path = resolve_model_path(recipe.model.name_or_path)
+    return load_model(recipe.model, recipe.quantization, path), load_tokenizer(recipe.model, path)
+
+
+def lora_config(spec: LoraSpec, model: PreTrainedModel | None = None) -> LoraConfig:
+    """A causal-LM LoRA config whose targets can never fall inside a vision or audio tower.
+
+    Given the model, the exclusion is only added when the model has such towers (peft warns otherwise).
+    """
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=spec.target_modules,
+        exclude_modules=NON_LANGUAGE_MODULES_REGEX if model is None or has_non_language_modules(model) else None,
+        modules_to_save=list(spec.modules_to_save) or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def has_non_language_modules(model: PreTrainedModel) -> bool:
+    return any(part in name for name, _ in model.named_modules() for part in NON_LANGUAGE_MODULES)

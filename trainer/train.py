@@ -1,0 +1,269 @@
+"""Supervised fine-tuning of a recipe with trl's SFTTrainer: LoRA/QLoRA, resumable, exported for serving.
+
+    .venv/bin/python -m trainer --recipe emoji-local --set training.max_steps=5
+    .venv/bin/python -c "from trainer.recipe import load_recipe; from trainer.train import main; \
+        print(main(load_recipe('emoji-local', ['training.max_steps=5'])).summary)"
+
+Output layout under `output.dir` (a folder, or a URL mirrored from a local staging folder):
+
+    checkpoints/checkpoint-N/   trainer checkpoints, each with _CHECKPOINT_COMPLETE.json written last
+    adapter/                    the final LoRA adapter + tokenizer
+    merged/                     base + adapter merged in bf16, with _COMPLETE.json last (output.merge)
+    logs/                       TensorBoard event files
+    run_summary.json            steps, non-pad tokens seen, tokens/s, losses, wall time, recipe, model
+
+Decisions:
+- Loss is on the assistant's tokens only. trl does this with `assistant_only_loss` when the chat
+  template has (or trl can patch in) `{% generation %}` markers; for templates trl cannot patch
+  (Gemma 4's, in trl 1.16) the conversations become prompt/completion pairs and trl's
+  `completion_only_loss` masks the prompt instead. Same loss, any template.
+- `training.packing` packs with trl's best-fit-decreasing strategy, which is padding-free;
+  `training.padding_free` alone is honoured too.
+- A run resumes by itself from the latest complete checkpoint (trainer/checkpoints.py).
+- `training.extra` is passed verbatim to SFTConfig, so any trl/transformers argument can be set
+  from a recipe without a code change.
+
+It does not launch processes (trainer/launch.py) or wrap the model for FSDP/Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.checkpoints import OutputLocation, checkpoint_step, mirror_callback, upload_dir
+from trainer.recipe import Recipe
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "run_summary.json"
+
+
+class LossMode(StrEnum):
+    ASSISTANT = "assistant"  # trl assistant_only_loss via {% generation %} markers
+    COMPLETION = "completion"  # prompt/completion pairs, trl completion_only_loss
+    FULL = "full"  # every token (training.assistant_only_loss: false)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    output_dir: str
+    adapter_dir: str
+    merged_dir: str | None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def choose_loss_mode(tokenizer: PreTrainedTokenizerBase, assistant_only: bool) -> LossMode:
+    """ASSISTANT when trl can mask by generation markers for this template, else COMPLETION; FULL if asked."""
+    if not assistant_only:
+        return LossMode.FULL
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    template = tokenizer.chat_template
+    if template and has_generation_markers(template):
+        return LossMode.ASSISTANT
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError:
+        log.info("trl has no training variant of this chat template: masking the prompt with completion_only_loss")
+        return LossMode.COMPLETION
+    return LossMode.ASSISTANT
+
+
+def to_prompt_completion(dataset: Dataset) -> Dataset:
+    """{"messages": [..., assistant]} -> {"prompt": [...], "completion": [assistant]} (other columns kept)."""
+    return dataset.map(
+        lambda messages: {"prompt": messages[:-1], "completion": messages[-1:]},
+        input_columns=["messages"],
+        remove_columns=["messages"],
+    )
+
+
+def sft_config(recipe: Recipe, location: OutputLocation, has_eval: bool, loss: LossMode) -> SFTConfig:
+    """The SFTConfig for a recipe: its training section, our output layout, then `training.extra` on top."""
+    import torch
+    from trl import SFTConfig
+
+    from trainer.modeling import resolve_dtype
+
+    t = recipe.training
+    compute_dtype = resolve_dtype(recipe.quantization.compute_dtype if recipe.quantization else recipe.model.dtype)
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = {
+        "output_dir": str(location.checkpoints_dir),
+        "num_train_epochs": t.num_train_epochs,
+        "max_steps": t.max_steps,
+        "per_device_train_batch_size": t.per_device_train_batch_size,
+        "per_device_eval_batch_size": t.per_device_eval_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "learning_rate": t.learning_rate,
+        "lr_scheduler_type": t.lr_scheduler_type,
+        # transformers 5 takes the warmup ratio as a float in [0, 1) in warmup_steps (warmup_ratio is gone)
+        "warmup_steps": float(t.warmup_ratio),
+        "weight_decay": t.weight_decay,
+        "optim": t.optim,
+        "max_grad_norm": t.max_grad_norm,
+        "max_length": t.max_length,
+        "packing": t.packing,
+        "padding_free": t.padding_free,
+        "assistant_only_loss": loss is LossMode.ASSISTANT,
+        "completion_only_loss": loss is LossMode.COMPLETION,
+        "gradient_checkpointing": t.gradient_checkpointing,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False} if t.gradient_checkpointing else None,
+        "logging_steps": t.logging_steps,
+        "save_strategy": "steps",
+        "save_steps": t.save_steps,
+        "save_total_limit": t.save_total_limit,
+        "eval_strategy": "steps" if has_eval and t.eval_steps else "no",
+        "eval_steps": t.eval_steps,
+        "seed": t.seed,
+        "data_seed": t.seed,
+        "report_to": list(t.report_to) or "none",
+        "bf16": on_gpu and compute_dtype == torch.bfloat16,
+        "fp16": on_gpu and compute_dtype == torch.float16,
+        "include_num_input_tokens_seen": "non_padding",
+        "dataset_num_proc": None,
+        "disable_tqdm": True,
+    }
+    kwargs.update(t.extra)
+    return SFTConfig(**kwargs)
+
+
+@contextlib.contextmanager
+def _tensorboard_dir(path: Path) -> Iterator[None]:
+    """transformers' TensorBoard callback reads its folder from the environment when the trainer is built."""
+    previous = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
+        else:
+            os.environ["TENSORBOARD_LOGGING_DIR"] = previous
+
+
+def build_trainer(
+    recipe: Recipe, location: OutputLocation, callbacks: Sequence[TrainerCallback] = ()
+) -> tuple[SFTTrainer, Any]:
+    """Load model, tokenizer and data for a recipe and wire them into an SFTTrainer (not yet trained)."""
+    from trl import SFTTrainer
+
+    from trainer.data import prepare_datasets
+    from trainer.modeling import load_model_and_tokenizer, lora_config
+
+    model, tokenizer = load_model_and_tokenizer(recipe)
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    split = prepare_datasets(recipe.data, text_tokenizer, recipe.training.max_length)
+    loss = choose_loss_mode(text_tokenizer, recipe.training.assistant_only_loss)
+    train_set, eval_set = split.train, split.eval
+    if loss is LossMode.COMPLETION:
+        train_set = to_prompt_completion(train_set)
+        eval_set = to_prompt_completion(eval_set) if eval_set is not None else None
+    args = sft_config(recipe, location, has_eval=eval_set is not None, loss=loss)
+    with _tensorboard_dir(location.local / "logs"):
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=train_set,
+            eval_dataset=eval_set,
+            processing_class=tokenizer,
+            peft_config=lora_config(recipe.lora, model),
+            callbacks=[mirror_callback(location), *callbacks],
+        )
+    return trainer, tokenizer
+
+
+def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult:
+    """Train, save the adapter, optionally merge, write run_summary.json, mirror everything to output.dir."""
+    from trainer.export import merge_and_export, push_to_hub
+
+    started = time.perf_counter()
+    location = OutputLocation.from_dir(recipe.output.dir)
+    location.local.mkdir(parents=True, exist_ok=True)
+    resume_from = location.latest_checkpoint()
+    if resume_from is not None:
+        log.info("resuming from %s", resume_from)
+    trainer, tokenizer = build_trainer(recipe, location, callbacks)
+    train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    eval_loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else None
+
+    adapter_dir = location.local / "adapter"
+    trainer.save_model(str(adapter_dir))
+    tokenizer.save_pretrained(adapter_dir)
+    merged_dir = None
+    if recipe.output.merge and trainer.is_world_process_zero():
+        merged_dir = merge_and_export(recipe.model.name_or_path, adapter_dir, location.local / "merged")
+
+    summary = run_summary(recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started)
+    if trainer.is_world_process_zero():
+        (location.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        _publish(location, merged_dir is not None)
+        if recipe.output.push_to_hub and recipe.output.hub_model_id:
+            summary["hub_url"] = push_to_hub(
+                merged_dir or adapter_dir, recipe.output.hub_model_id, recipe.output.hub_private
+            )
+    return RunResult(
+        output_dir=recipe.output.dir,
+        adapter_dir=location.remote_path("adapter") or str(adapter_dir),
+        merged_dir=(location.remote_path("merged") or str(merged_dir)) if merged_dir else None,
+        summary=summary,
+    )
+
+
+def run_summary(
+    recipe: Recipe,
+    trainer: SFTTrainer,
+    train_output: Any,
+    eval_loss: float | None,
+    resumed_from: Path | None,
+    wall_time_s: float,
+) -> dict[str, Any]:
+    """What a person checks after a run: how far it got, how fast, and how well."""
+    state = trainer.state
+    train_losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
+    runtime = float(train_output.metrics.get("train_runtime", wall_time_s))
+    tokens = int(state.num_input_tokens_seen)
+    return {
+        "recipe": recipe.name,
+        "model": recipe.model.name_or_path,
+        "steps": state.global_step,
+        "resumed_from_step": checkpoint_step(resumed_from) if resumed_from else None,
+        "tokens_seen": tokens,
+        "tokens_per_second": round(tokens / runtime, 2) if runtime > 0 else None,
+        "final_train_loss": train_losses[-1] if train_losses else None,
+        "mean_train_loss": train_output.training_loss,
+        "eval_loss": eval_loss,
+        "train_runtime_s": round(runtime, 2),
+        "wall_time_s": round(wall_time_s, 2),
+    }
+
+
+def _publish(location: OutputLocation, merged: bool) -> None:
+    """Mirror the final artefacts to a remote output.dir: adapter, logs, summary, then the merged model (marker last)."""
+    if not location.remote:
+        return
+    from trainer.export import COMPLETION_MARKER
+
+    upload_dir(location.local / "adapter", f"{location.remote}/adapter")
+    if (location.local / "logs").is_dir():
+        upload_dir(location.local / "logs", f"{location.remote}/logs")
+    from fsspec.core import url_to_fs
+
+    fs, root = url_to_fs(location.remote)
+    fs.put_file(str(location.local / SUMMARY_FILE), f"{root}/{SUMMARY_FILE}")
+    if merged:
+        upload_dir(location.local / "merged", f"{location.remote}/merged", marker=COMPLETION_MARKER)
