@@ -1,0 +1,541 @@
+"""A local OpenAI-compatible server for a merged model folder, on 127.0.0.1 (CPU), and its keeper.
+
+    python -m serving.local_server outputs/emoji-local/merged --port 8000     # foreground
+    python -m serving.client --url http://127.0.0.1:8000 "Translate to emoji: I love pizza"
+
+    from serving.local_server import LocalServer
+    with LocalServer("outputs/emoji-local/merged") as server:   # a free port, stopped on exit
+        chat(server.url, [{"role": "user", "content": "Translate to emoji: I love pizza"}])
+
+It speaks the part of vLLM's API our client and tests use (`GET /v1/models`,
+`POST /v1/chat/completions`, plus `GET /health`) with the same response shapes and the same
+served model name (`gemma`), so what works against it works against the Cloud Run service.
+
+Decisions:
+- Our own small server (stdlib `http.server` + transformers `generate` with the model's chat
+  template) rather than `transformers serve`: the latter's `/v1/models` lists the Hub cache
+  and fails without one, names the model by its path, and needs FastAPI/uvicorn/openai.
+- Loopback only: the server refuses any host but 127.0.0.1/::1/localhost.
+- Like the vLLM entrypoint, it refuses a folder without the trainer's completion marker.
+- The socket is bound before the model loads, so a busy port fails in milliseconds; until
+  the model is loaded every endpoint but `/health` answers 503 (what a cold Cloud Run
+  instance answers, so the client's retry path is exercised here too).
+- `LocalServer` runs it as a child in its own process group and always stops the group
+  (exceptions, Ctrl-C, SIGTERM turned into an exception by the caller); the child also exits
+  by itself when its parent dies, so an abrupt kill of the parent leaves nothing behind.
+
+It does not stream, batch, or serve LoRA adapters; it is not for production traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from serving.vllm_args import COMPLETION_MARKER, DEFAULT_SERVED_MODEL_NAME
+
+log = logging.getLogger("serving.local_server")
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+MAX_NEW_TOKENS_LIMIT = 512  # CPU generation; a runaway request should not take minutes
+EXIT_PORT_BUSY = 98
+EXIT_MODEL_NOT_READY = 3
+
+
+class LocalServerError(RuntimeError):
+    """The local server could not be started or stopped; the message says why and what to do."""
+
+
+class PortBusyError(LocalServerError):
+    """The requested port is taken."""
+
+
+class ModelNotReadyError(LocalServerError):
+    """The model folder is missing or has no completion marker."""
+
+
+# --------------------------------------------------------------------------- checks shared by both sides
+
+
+def check_loopback(host: str) -> None:
+    if host not in LOOPBACK_HOSTS:
+        raise LocalServerError(
+            f"host {host!r}: the local server binds only to 127.0.0.1 (or ::1); it is not for exposure"
+        )
+
+
+def port_busy_message(host: str, port: int) -> str:
+    return (
+        f"port {port} on {host} is in use (another server, or an earlier demo still running?): "
+        f"find it with `ss -ltnp 'sport = :{port}'` and stop it, or choose another port (--port N, or 0 for a free one)"
+    )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise `PortBusyError` when something listens on (host, port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # as the server does: a port in TIME_WAIT from a stopped server is free, a listener is not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise PortBusyError(port_busy_message(host, port)) from None
+            raise
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free right now (another process could still take it before we bind)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def check_model_dir(model_dir: Path, require_marker: bool = True) -> None:
+    """The same rule as serving/entrypoint.sh: a model folder is served only once the trainer marked it complete."""
+    if not model_dir.is_dir():
+        raise ModelNotReadyError(
+            f"model at {model_dir} does not exist: train and export it first (make demo does both)"
+        )
+    if require_marker and not (model_dir / COMPLETION_MARKER).is_file():
+        raise ModelNotReadyError(
+            f"model at {model_dir} is not complete (no {COMPLETION_MARKER}): training has not finished or failed; "
+            "rerun the export (or `make demo`) instead of serving a half-written model"
+        )
+    if not (model_dir / "config.json").is_file():
+        raise ModelNotReadyError(f"model at {model_dir} has no config.json: point at the merged model folder")
+
+
+# --------------------------------------------------------------------------- the server (child process)
+
+
+class _Engine:
+    """The model and tokenizer, loaded once; generation is serialised (one CPU, one request at a time)."""
+
+    def __init__(self, model_dir: Path, served_model_name: str) -> None:
+        self.model_dir = model_dir
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self._lock = threading.Lock()
+        self.model: Any = None
+        self.tokenizer: Any = None
+
+    def load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        started = time.monotonic()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise LocalServerError(f"the tokenizer in {self.model_dir} has no chat template; the export must save one")
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model.eval()
+        log.info("model %s loaded in %.1f s", self.model_dir, time.monotonic() - started)
+        self.ready.set()
+
+    def generate(
+        self, messages: list[dict[str, str]], max_tokens: int, temperature: float, top_p: float
+    ) -> dict[str, Any]:
+        import torch
+
+        inputs = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        prompt_len = int(inputs["input_ids"].shape[1])
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+        )
+        with self._lock, torch.inference_mode():
+            output = self.model.generate(
+                **inputs, max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id, **sampling
+            )
+        new_tokens = output[0, prompt_len:].tolist()
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
+        finish = "stop" if (new_tokens and new_tokens[-1] in eos_ids) or len(new_tokens) < max_tokens else "length"
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": self.tokenizer.decode(new_tokens, skip_special_tokens=True).strip(),
+                    },
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_len,
+                "completion_tokens": len(new_tokens),
+                "total_tokens": prompt_len + len(new_tokens),
+            },
+        }
+
+
+class _BadRequest(ValueError):
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def _text_content(content: Any) -> str:
+    """OpenAI content: a string, or a list of parts of which only text parts are accepted."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise _BadRequest("message content must be a string or a list of text parts (this server is text-only)")
+
+
+def parse_chat_request(body: Any, served_model_name: str) -> tuple[list[dict[str, str]], int, float, float]:
+    """Validate a chat request the way vLLM would answer it: messages, max_tokens, temperature, top_p."""
+    if not isinstance(body, dict):
+        raise _BadRequest("the request body must be a JSON object")
+    model = body.get("model", served_model_name)
+    if model != served_model_name:
+        raise _BadRequest(f"The model `{model}` does not exist. Served: {served_model_name}", 404, "model_not_found")
+    if body.get("stream"):
+        raise _BadRequest("stream=true is not supported by the local server; omit it")
+    if body.get("n", 1) != 1:
+        raise _BadRequest("only n=1 is supported")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _BadRequest("messages must be a non-empty list of {role, content}")
+    messages = []
+    for m in raw:
+        if not isinstance(m, dict) or m.get("role") not in {"system", "user", "assistant"}:
+            raise _BadRequest("each message needs a role of system, user or assistant")
+        messages.append({"role": m["role"], "content": _text_content(m.get("content", ""))})
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 64
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT:
+        raise _BadRequest(f"max_tokens={max_tokens!r}: must be an integer between 1 and {MAX_NEW_TOKENS_LIMIT}")
+    temperature = body.get("temperature", 0.0)
+    top_p = body.get("top_p", 1.0)
+    if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
+        raise _BadRequest(f"temperature={temperature!r}: must be between 0 and 2")
+    if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+        raise _BadRequest(f"top_p={top_p!r}: must be in (0, 1]")
+    return messages, max_tokens, float(temperature), float(top_p)
+
+
+def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "gemma-finetune-local"
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.info("%s %s", self.address_string(), format % args)
+
+        def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(payload, ensure_ascii=False).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str, code: str) -> None:
+            extra = {"Retry-After": "1"} if status == 503 else None
+            self._send(status, {"error": {"message": message, "type": code, "code": status}}, extra)
+
+        def _not_ready(self) -> bool:
+            if engine.ready.is_set():
+                return False
+            self._error(503, engine.load_error or "the model is loading", "service_unavailable")
+            return True
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                status = 200 if engine.ready.is_set() else 503
+                self._send(status, {"status": "ok" if status == 200 else "loading", "model": engine.served_model_name})
+            elif self.path == "/v1/models":
+                if self._not_ready():
+                    return
+                card = {
+                    "id": engine.served_model_name,
+                    "object": "model",
+                    "created": engine.created,
+                    "owned_by": "gemma-finetune",
+                    "root": str(engine.model_dir),
+                }
+                self._send(200, {"object": "list", "data": [card]})
+            else:
+                self._error(404, f"no route {self.path}", "not_found")
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            if self.path != "/v1/chat/completions":
+                self._error(404, f"no route {self.path}", "not_found")
+                return
+            if self._not_ready():
+                return
+            try:
+                request = parse_chat_request(json.loads(raw or b"null"), engine.served_model_name)
+                self._send(200, engine.generate(*request))
+            except _BadRequest as exc:
+                self._error(exc.status, str(exc), exc.code)
+            except json.JSONDecodeError as exc:
+                self._error(400, f"the body is not JSON: {exc}", "invalid_request_error")
+            except Exception as exc:  # a bug or an OOM must not kill the server mid-demo
+                log.exception("generation failed")
+                self._error(500, f"generation failed: {type(exc).__name__}: {exc}", "internal_error")
+
+    return Handler
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """The keeper died without stopping us (SIGKILL, crash): exit rather than hold the port and memory."""
+    while True:
+        if os.getppid() != parent_pid:
+            log.warning("parent %d is gone; stopping", parent_pid)
+            os._exit(0)
+        time.sleep(1.0)
+
+
+def serve(
+    model_dir: Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
+    require_marker: bool = True,
+    parent_pid: int | None = None,
+) -> int:
+    """Run the server in the foreground until SIGTERM/SIGINT; returns the process exit code."""
+    check_loopback(host)
+    try:
+        check_model_dir(model_dir, require_marker)
+    except ModelNotReadyError as exc:
+        log.error("%s", exc)
+        return EXIT_MODEL_NOT_READY
+    engine = _Engine(model_dir, served_model_name)
+
+    class _Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+    try:
+        httpd = _Server((host, port), _make_handler(engine))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            log.error("%s", port_busy_message(host, port))
+            return EXIT_PORT_BUSY
+        raise
+    if parent_pid is not None:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+    log.info("listening on http://%s:%d (model %s as %r)", host, httpd.server_address[1], model_dir, served_model_name)
+    try:
+        try:
+            engine.load()
+        except Exception as exc:
+            engine.load_error = f"the model failed to load: {type(exc).__name__}: {exc}"
+            log.exception("model load failed")
+            return 1
+        while True:
+            time.sleep(3600)  # requests are served by the http thread; SIGTERM/SIGINT end this
+    except (KeyboardInterrupt, SystemExit):
+        log.info("stopping")
+        return 0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+# --------------------------------------------------------------------------- the keeper (parent process)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class LocalServer:
+    """Start the server as a child process, wait until it answers, and always stop it.
+
+    Use it as a context manager; `start()`/`stop()` exist for callers that manage lifetimes
+    themselves. `port=0` (the default) picks a free port.
+    """
+
+    model_dir: Path | str
+    port: int = 0
+    host: str = "127.0.0.1"
+    served_model_name: str = DEFAULT_SERVED_MODEL_NAME
+    log_path: Path | str | None = None
+    startup_timeout_s: float = 300.0
+    require_marker: bool = True
+    _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def start(self) -> LocalServer:
+        check_loopback(self.host)
+        self.model_dir = Path(self.model_dir).resolve()
+        check_model_dir(self.model_dir, self.require_marker)
+        if self.port == 0:
+            self.port = free_port(self.host)
+        else:
+            check_port_free(self.host, self.port)
+        self.log_path = Path(self.log_path or Path(tempfile.gettempdir()) / f"gemma-local-server-{self.port}.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "serving.local_server", str(self.model_dir),
+            "--host", self.host, "--port", str(self.port), "--served-model-name", self.served_model_name,
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        if not self.require_marker:
+            command.append("--no-require-marker")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")])
+        )
+        with open(self.log_path, "ab") as log_file:
+            # own session = own process group, so stop() reaches anything the server spawns
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        log.info("local server pid %d starting on %s (log %s)", self._process.pid, self.url, self.log_path)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        """Poll `/health` until 200, the process exits, or the deadline passes."""
+        assert self._process is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while True:
+            code = self._process.poll()
+            if code is not None:
+                if code == EXIT_PORT_BUSY:
+                    raise PortBusyError(port_busy_message(self.host, self.port))
+                raise LocalServerError(
+                    f"the local server exited with code {code} before it was ready; log {self.log_path}:\n{_tail(Path(str(self.log_path)))}"
+                )
+            try:
+                with opener.open(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise LocalServerError(
+                    f"the local server was not ready within {self.startup_timeout_s:g} s; log {self.log_path}:\n{_tail(Path(str(self.log_path)))}"
+                )
+            time.sleep(0.25)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left; safe to call twice."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _reap_group(process.pid)
+        log.info("local server pid %d stopped", process.pid)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _reap_group(pgid: int) -> None:
+    """Kill any straggler left in the group (e.g. a grandchild that ignored SIGTERM)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving.local_server", description=__doc__.splitlines()[0])
+    p.add_argument("model_dir", type=Path, help="merged model folder (with the trainer's completion marker)")
+    p.add_argument("--host", default="127.0.0.1", help="loopback only: 127.0.0.1 or ::1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=DEFAULT_SERVED_MODEL_NAME)
+    p.add_argument("--no-require-marker", action="store_true", help=f"serve a folder without {COMPLETION_MARKER}")
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return serve(
+            args.model_dir.resolve(),
+            args.host,
+            args.port,
+            args.served_model_name,
+            not args.no_require_marker,
+            args.parent_pid,
+        )
+    except LocalServerError as exc:
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Typed vLLM server settings, rendered to the arguments of the official `vllm/vllm-openai` image.
+
+The image's ENTRYPOINT is `vllm serve` (our serving/entrypoint.sh keeps that contract), so
+the rendered list starts with the model path and never repeats `serve`:
+
+    >>> from serving.vllm_args import VllmServerConfig, render_args
+    >>> render_args(VllmServerConfig(model="/mnt/models/merged", max_model_len=4096))[:3]
+    ['/mnt/models/merged', '--served-model-name', 'gemma']
+
+Decisions:
+- Every flag we rely on is a typed field, validated before any resource is declared; the
+  `extra_args` escape hatch takes anything else but refuses a flag that duplicates a typed
+  field (two sources of truth for one setting is how a stack silently serves the wrong thing).
+- A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
+  serving several fine-tunes on one base.
+- `served_model_name` defaults to `gemma` so clients need not know the mount path.
+
+This module imports only pydantic and the standard library: the Pulumi program imports it
+and `pulumi up` does not install torch or vLLM. It does not know where the model comes from
+(the infra mounts the bucket) and does not start anything.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# The official image, pinned to an exact release (see serving/README.md, "Base image").
+VLLM_IMAGE = "vllm/vllm-openai:v0.28.0"
+# Where the serving container sees the trainer's output (the bucket is mounted here).
+MODEL_MOUNT_PATH = "/mnt/models"
+DEFAULT_MODEL_PATH = f"{MODEL_MOUNT_PATH}/merged"
+DEFAULT_SERVED_MODEL_NAME = "gemma"
+DEFAULT_PORT = 8000
+# Written by the trainer as the last file of an export; must equal
+# trainer.export.COMPLETION_MARKER (tests/serving/test_marker_contract.py checks it).
+COMPLETION_MARKER = "_COMPLETE.json"
+# vLLM accepts only these values for --max-lora-rank.
+ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class VllmConfigError(ValueError):
+    """Settings that cannot be served, with a message naming the field, the value and what is allowed."""
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+# typed field -> the vLLM flags (and aliases) that set it; used to reject duplicates in extra_args
+_TYPED_FLAGS: dict[str, tuple[str, ...]] = {
+    "model": ("--model",),
+    "served_model_name": ("--served-model-name",),
+    "max_model_len": ("--max-model-len",),
+    "dtype": ("--dtype",),
+    "gpu_memory_utilization": ("--gpu-memory-utilization",),
+    "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+    "host": ("--host",),
+    "port": ("--port",),
+    "enforce_eager": ("--enforce-eager", "--no-enforce-eager"),
+    "lora_modules": ("--enable-lora", "--no-enable-lora", "--lora-modules"),
+    "max_lora_rank": ("--max-lora-rank",),
+    "max_loras": ("--max-loras",),
+}
+_FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
+
+
+def _flag_name(arg: str) -> str:
+    """`--max_model_len=8` -> `--max-model-len` (vLLM accepts both spellings)."""
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].replace("_", "-")
+    return name
+
+
+class VllmServerConfig(BaseModel):
+    """What the vLLM OpenAI-compatible server is started with. Field names follow vLLM's flags."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(DEFAULT_MODEL_PATH, description="model folder (the merged export) or a Hub id")
+    served_model_name: str | None = Field(
+        DEFAULT_SERVED_MODEL_NAME, description="the `model` clients send; null serves it under its path"
+    )
+    max_model_len: int | None = Field(None, description="context length; null uses the model's own")
+    dtype: Dtype = Field(Dtype.AUTO, description="auto | bfloat16 | float16 (auto: bf16 for Gemma 3 on L4)")
+    gpu_memory_utilization: float = Field(0.90, description="share of GPU memory vLLM may take, 0 < x <= 1")
+    tensor_parallel_size: int = Field(1, description="GPUs per model replica (Cloud Run has one)")
+    host: str = Field("0.0.0.0", description="listen address inside the container")
+    port: int = Field(DEFAULT_PORT, description="listen port; Cloud Run's container port must match")
+    enforce_eager: bool = Field(False, description="skip CUDA-graph capture: faster cold start, slower decode")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="adapter name -> folder, served on the base `model` instead of a merge"
+    )
+    max_lora_rank: int | None = Field(None, description=f"largest adapter rank, one of {ALLOWED_LORA_RANKS}")
+    max_loras: int | None = Field(None, description="adapters active in one batch")
+    extra_args: list[str] = Field(default_factory=list, description="other `vllm serve` flags, passed as given")
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if not v or v != v.strip() or any(c.isspace() for c in v):
+            raise ValueError(
+                f"model={v!r}: give a folder path such as {DEFAULT_MODEL_PATH} or a Hub id, without spaces"
+            )
+        if v.startswith("-"):
+            raise ValueError(f"model={v!r} looks like a flag: give the model folder or Hub id")
+        return v
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_name(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.match(v):
+            raise ValueError(
+                f"served_model_name={v!r}: use letters, digits and . _ - : / (no spaces), e.g. {DEFAULT_SERVED_MODEL_NAME!r}"
+            )
+        return v
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _max_len(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"max_model_len={v}: must be a positive number of tokens (e.g. 4096), or null")
+        return v
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _gpu_mem(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"gpu_memory_utilization={v}: must be a fraction with 0 < x <= 1 (e.g. 0.9)")
+        return v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"tensor_parallel_size={v}: must be at least 1 (the number of GPUs per replica)")
+        return v
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError(f"host={v!r}: give an address such as 0.0.0.0 (container) or 127.0.0.1 (local)")
+        return v
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 1 <= v <= 65535:
+            raise ValueError(f"port={v}: must be between 1 and 65535 (vLLM's default is {DEFAULT_PORT})")
+        return v
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not _LORA_NAME.match(name):
+                raise ValueError(
+                    f"lora_modules name {name!r}: use letters, digits and . _ - (it becomes `name=path` on the command line)"
+                )
+            if not path or any(c.isspace() for c in path):
+                raise ValueError(f"lora_modules[{name!r}]={path!r}: give the adapter folder, without spaces")
+        return v
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, v: int | None) -> int | None:
+        if v is not None and v not in ALLOWED_LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank={v}: vLLM allows {list(ALLOWED_LORA_RANKS)}; pick the smallest one >= your LoRA r"
+            )
+        return v
+
+    @field_validator("max_loras")
+    @classmethod
+    def _max_loras(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"max_loras={v}: must be at least 1, or null for vLLM's default")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, v: list[str]) -> list[str]:
+        if v and v[0] == "serve":
+            raise ValueError("extra_args starts with 'serve': the image's entrypoint is already `vllm serve`; drop it")
+        for arg in v:
+            field = _FLAG_TO_FIELD.get(_flag_name(arg))
+            if field is not None:
+                raise ValueError(
+                    f"extra_args contains {arg!r}, which duplicates the typed field `{field}`: set `{field}` instead"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _lora_settings_need_adapters(self) -> VllmServerConfig:
+        if not self.lora_modules:
+            for field in ("max_lora_rank", "max_loras"):
+                if getattr(self, field) is not None:
+                    raise ValueError(
+                        f"{field}={getattr(self, field)} is set but lora_modules is empty: "
+                        "add adapters to lora_modules or remove the setting"
+                    )
+        return self
+
+
+def load_config(data: dict[str, Any]) -> VllmServerConfig:
+    """Validate plain data (e.g. from a stack file) into a config, or raise `VllmConfigError` listing every problem."""
+    try:
+        return VllmServerConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = ["vLLM server settings are invalid:"]
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown setting (allowed: {', '.join(VllmServerConfig.model_fields)})"
+            elif err["type"] == "enum":
+                msg = f"{err['input']!r} is not allowed; use one of {[d.value for d in Dtype]}"
+            lines.append(f"  {loc}: {msg}")
+        raise VllmConfigError("\n".join(lines)) from None
+
+
+def _number(value: float) -> str:
+    return format(value, "g")
+
+
+def render_args(cfg: VllmServerConfig) -> list[str]:
+    """The container `args` for `vllm serve`: the model first, then flags, then `extra_args` verbatim."""
+    args = [cfg.model]
+    if cfg.served_model_name is not None:
+        args += ["--served-model-name", cfg.served_model_name]
+    if cfg.max_model_len is not None:
+        args += ["--max-model-len", str(cfg.max_model_len)]
+    args += [
+        "--dtype",
+        cfg.dtype.value,
+        "--gpu-memory-utilization",
+        _number(cfg.gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(cfg.tensor_parallel_size),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+    ]
+    if cfg.enforce_eager:
+        args.append("--enforce-eager")
+    if cfg.lora_modules:
+        args += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in cfg.lora_modules.items())]
+        if cfg.max_lora_rank is not None:
+            args += ["--max-lora-rank", str(cfg.max_lora_rank)]
+        if cfg.max_loras is not None:
+            args += ["--max-loras", str(cfg.max_loras)]
+    return args + list(cfg.extra_args)

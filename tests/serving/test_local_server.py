@@ -1,0 +1,218 @@
+"""serving/local_server.py on a tiny Gemma 3: a real server on 127.0.0.1, queried by serving/client.py.
+
+Every test checks that nothing is left running: the process group is gone and the port is free.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serving.client import ClientError, NotFoundError, chat, chat_completion, list_models
+from serving.local_server import (
+    EXIT_PORT_BUSY,
+    LocalServer,
+    LocalServerError,
+    ModelNotReadyError,
+    PortBusyError,
+    check_port_free,
+    free_port,
+    parse_chat_request,
+)
+from serving.vllm_args import COMPLETION_MARKER
+from tests.serving.conftest import build_tiny_gemma
+
+REPO = Path(__file__).resolve().parents[2]
+USER = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is not running; it only waits for its parent to reap it
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _assert_stopped(pid: int, port: int) -> None:
+    assert not _alive(pid), f"server pid {pid} still running"
+    check_port_free("127.0.0.1", port)
+
+
+class TestServesTheModel:
+    def test_models_chat_and_shape(self, tiny_model_dir: Path, tmp_path: Path) -> None:
+        log = tmp_path / "server.log"
+        with LocalServer(tiny_model_dir, log_path=log) as server:
+            assert server.url.startswith("http://127.0.0.1:")
+            assert list_models(server.url) == ["gemma"]
+            body = chat_completion(server.url, USER, max_tokens=6)
+            answer = chat(server.url, USER, max_tokens=6)
+            pid, port = server.pid, server.port
+        assert body["object"] == "chat.completion" and body["model"] == "gemma"
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+        assert choice["finish_reason"] in {"stop", "length"}
+        assert body["usage"]["completion_tokens"] <= 6
+        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        assert answer == choice["message"]["content"], "greedy decoding is repeatable"
+        assert "POST /v1/chat/completions" in log.read_text()
+        assert pid is not None
+        _assert_stopped(pid, port)
+
+    def test_unknown_model_and_bad_request(self, tiny_model_dir: Path) -> None:
+        with LocalServer(tiny_model_dir) as server:
+            with pytest.raises(NotFoundError, match="The model `other` does not exist"):
+                chat(server.url, USER, model="other")
+            with pytest.raises(ClientError, match=r"HTTP 400.*max_tokens=100000"):
+                chat(server.url, USER, max_tokens=100_000)
+            # the server survives bad requests
+            assert list_models(server.url) == ["gemma"]
+
+    def test_given_port_and_name(self, tiny_model_dir: Path) -> None:
+        port = free_port()
+        with LocalServer(tiny_model_dir, port=port, served_model_name="gemma-emoji") as server:
+            assert server.url == f"http://127.0.0.1:{port}"
+            assert list_models(server.url) == ["gemma-emoji"]
+
+
+class TestRefusals:
+    def test_busy_port(self, tiny_model_dir: Path) -> None:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            server = LocalServer(tiny_model_dir, port=port)
+            with pytest.raises(PortBusyError, match=f"port {port} on 127.0.0.1 is in use.*--port N"):
+                server.start()
+            assert server.pid is None, "nothing was started"
+
+    def test_busy_port_seen_by_the_server_itself(self, tiny_model_dir: Path) -> None:
+        """The race the keeper cannot see: the port is taken between its check and the child's bind."""
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            done = subprocess.run(
+                [sys.executable, "-m", "serving.local_server", str(tiny_model_dir), "--port", str(port)],
+                capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
+            )  # fmt: skip
+        assert done.returncode == EXIT_PORT_BUSY
+        assert "is in use" in done.stderr
+
+    def test_model_without_marker(self, tmp_path: Path) -> None:
+        model = build_tiny_gemma(tmp_path / "merged", marker=False)
+        with pytest.raises(ModelNotReadyError, match=f"not complete \\(no {COMPLETION_MARKER}\\)"):
+            LocalServer(model).start()
+
+    def test_missing_folder(self, tmp_path: Path) -> None:
+        with pytest.raises(ModelNotReadyError, match="does not exist"):
+            LocalServer(tmp_path / "nothing").start()
+
+    @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::"])
+    def test_loopback_only(self, tiny_model_dir: Path, host: str) -> None:
+        with pytest.raises(LocalServerError, match=r"binds only to 127\.0\.0\.1"):
+            LocalServer(tiny_model_dir, host=host).start()
+
+    def test_load_failure_is_reported_with_the_log(self, tmp_path: Path) -> None:
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "config.json").write_text("{not json")
+        (broken / COMPLETION_MARKER).write_text("{}")
+        with pytest.raises(LocalServerError, match="exited with code 1 before it was ready"):
+            LocalServer(broken, startup_timeout_s=60).start()
+
+
+class TestAlwaysStops:
+    def test_exception_inside_the_block(self, tiny_model_dir: Path) -> None:
+        with pytest.raises(RuntimeError, match="injected"), LocalServer(tiny_model_dir) as server:
+            pid, port = server.pid, server.port
+            raise RuntimeError("injected")
+        assert pid is not None
+        _assert_stopped(pid, port)
+
+    def test_keyboard_interrupt_inside_the_block(self, tiny_model_dir: Path) -> None:
+        with pytest.raises(KeyboardInterrupt), LocalServer(tiny_model_dir) as server:
+            pid, port = server.pid, server.port
+            raise KeyboardInterrupt
+        assert pid is not None
+        _assert_stopped(pid, port)
+
+    def test_startup_timeout_stops_the_child(self, tiny_model_dir: Path) -> None:
+        server = LocalServer(tiny_model_dir, startup_timeout_s=0.01)
+        with pytest.raises(LocalServerError, match="not ready within"):
+            server.start()
+        assert server.pid is None
+
+    def test_stop_twice(self, tiny_model_dir: Path) -> None:
+        server = LocalServer(tiny_model_dir).start()
+        server.stop()
+        server.stop()
+
+    @pytest.mark.slow
+    def test_child_exits_when_the_keeper_is_killed(self, tiny_model_dir: Path) -> None:
+        """SIGKILL gives the keeper no chance to clean up; the server notices it is orphaned and exits."""
+        script = (
+            "import sys, time; from serving.local_server import LocalServer; "
+            f"s = LocalServer({str(tiny_model_dir)!r}).start(); print(s.pid, s.port, flush=True); time.sleep(600)"
+        )
+        keeper = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            assert keeper.stdout is not None
+            pid, port = (int(x) for x in keeper.stdout.readline().split())
+            assert _alive(pid)
+            keeper.send_signal(signal.SIGKILL)
+            keeper.wait(timeout=10)
+            assert _wait_gone(pid), f"orphaned server {pid} kept running"
+            _assert_stopped(pid, port)
+        finally:
+            if keeper.poll() is None:
+                keeper.kill()
+                keeper.wait()
+
+
+class TestRequestParsing:
+    def test_defaults(self) -> None:
+        assert parse_chat_request({"messages": USER}, "gemma") == (USER, 64, 0.0, 1.0)
+
+    def test_text_parts(self) -> None:
+        body = {
+            "model": "gemma",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        }
+        assert parse_chat_request(body, "gemma")[0] == [{"role": "user", "content": "ab"}]
+
+    @pytest.mark.parametrize(
+        ("body", "message"),
+        [
+            ({"messages": []}, "non-empty list"),
+            ({"messages": [{"role": "tool", "content": "x"}]}, "role of system, user or assistant"),
+            ({"messages": USER, "stream": True}, "stream=true is not supported"),
+            ({"messages": USER, "temperature": 3}, "temperature=3"),
+            ({"messages": USER, "n": 2}, "n=1"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text-only"),
+        ],
+    )
+    def test_rejections(self, body: dict[str, object], message: str) -> None:
+        with pytest.raises(ValueError, match=message):
+            parse_chat_request(body, "gemma")

@@ -1,0 +1,186 @@
+"""Rendered `vllm serve` arguments and the validation of the typed settings.
+
+The Cloud Run service passes exactly these arguments to the image, so a wrong flag here is a
+service that never becomes ready; a bad value must fail at `pulumi preview` with a message.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serving.vllm_args import (
+    DEFAULT_MODEL_PATH,
+    VllmConfigError,
+    VllmServerConfig,
+    load_config,
+    render_args,
+)
+
+
+def _flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+class TestMergedModel:
+    """The default: one merged model folder from the bucket mount."""
+
+    def test_model_path_comes_first_and_serve_is_not_repeated(self) -> None:
+        args = render_args(VllmServerConfig())
+        assert args[0] == DEFAULT_MODEL_PATH
+        assert "serve" not in args
+
+    def test_defaults(self) -> None:
+        args = render_args(VllmServerConfig())
+        assert _flag_value(args, "--served-model-name") == "gemma"
+        assert _flag_value(args, "--dtype") == "auto"
+        assert _flag_value(args, "--gpu-memory-utilization") == "0.9"
+        assert _flag_value(args, "--tensor-parallel-size") == "1"
+        assert _flag_value(args, "--host") == "0.0.0.0"
+        assert _flag_value(args, "--port") == "8000"
+        for absent in ("--max-model-len", "--enforce-eager", "--enable-lora", "--lora-modules"):
+            assert absent not in args
+
+    def test_everything_set(self) -> None:
+        cfg = VllmServerConfig(
+            model="/mnt/models/run-7/merged",
+            served_model_name="gemma-emoji",
+            max_model_len=4096,
+            dtype="bfloat16",
+            gpu_memory_utilization=0.85,
+            tensor_parallel_size=2,
+            host="127.0.0.1",
+            port=8080,
+            enforce_eager=True,
+        )
+        assert render_args(cfg) == [
+            "/mnt/models/run-7/merged",
+            "--served-model-name", "gemma-emoji",
+            "--max-model-len", "4096",
+            "--dtype", "bfloat16",
+            "--gpu-memory-utilization", "0.85",
+            "--tensor-parallel-size", "2",
+            "--host", "127.0.0.1",
+            "--port", "8080",
+            "--enforce-eager",
+        ]  # fmt: skip
+
+    def test_served_model_name_can_be_left_to_vllm(self) -> None:
+        assert "--served-model-name" not in render_args(VllmServerConfig(served_model_name=None))
+
+    def test_all_strings(self) -> None:
+        """Cloud Run and Kubernetes `args` must be strings."""
+        cfg = VllmServerConfig(lora_modules={"a": "/m/a"}, max_lora_rank=16, max_loras=2, max_model_len=2048)
+        assert all(isinstance(a, str) for a in render_args(cfg))
+
+
+class TestLoraAdapters:
+    """Adapters served on the base model instead of a merge."""
+
+    def test_enable_lora_and_modules(self) -> None:
+        cfg = VllmServerConfig(
+            model="/mnt/models/base",
+            lora_modules={"emoji": "/mnt/models/emoji-adapter", "sql": "/mnt/models/sql-adapter"},
+            max_lora_rank=16,
+            max_loras=2,
+        )
+        args = render_args(cfg)
+        assert args[0] == "/mnt/models/base"
+        i = args.index("--lora-modules")
+        assert args[i - 1] == "--enable-lora"
+        assert args[i + 1 : i + 3] == ["emoji=/mnt/models/emoji-adapter", "sql=/mnt/models/sql-adapter"]
+        assert _flag_value(args, "--max-lora-rank") == "16"
+        assert _flag_value(args, "--max-loras") == "2"
+
+    def test_lora_settings_without_adapters_are_rejected(self) -> None:
+        with pytest.raises(VllmConfigError, match="max_lora_rank=16 is set but lora_modules is empty"):
+            load_config({"max_lora_rank": 16})
+
+    @pytest.mark.parametrize("rank", [0, 7, 1024])
+    def test_rank_must_be_one_vllm_allows(self, rank: int) -> None:
+        with pytest.raises(VllmConfigError, match=rf"max_lora_rank={rank}: vLLM allows \[1, 8, 16"):
+            load_config({"lora_modules": {"a": "/m/a"}, "max_lora_rank": rank})
+
+    @pytest.mark.parametrize("name", ["has space", "a=b", "-flag", ""])
+    def test_adapter_names(self, name: str) -> None:
+        with pytest.raises(VllmConfigError, match="lora_modules name"):
+            load_config({"lora_modules": {name: "/m/a"}})
+
+
+class TestExtraArgs:
+    def test_passed_through_last_and_verbatim(self) -> None:
+        args = render_args(VllmServerConfig(extra_args=["--load-format", "runai_streamer", "--disable-log-requests"]))
+        assert args[-3:] == ["--load-format", "runai_streamer", "--disable-log-requests"]
+
+    @pytest.mark.parametrize(
+        ("arg", "field"),
+        [
+            ("--port", "port"),
+            ("--port=9000", "port"),
+            ("--max_model_len=8", "max_model_len"),
+            ("-tp", "tensor_parallel_size"),
+            ("--enable-lora", "lora_modules"),
+            ("--model", "model"),
+            ("--enforce-eager", "enforce_eager"),
+        ],
+    )
+    def test_duplicates_of_typed_fields_are_rejected(self, arg: str, field: str) -> None:
+        with pytest.raises(VllmConfigError, match=f"duplicates the typed field `{field}`: set `{field}` instead"):
+            load_config({"extra_args": [arg, "1"]})
+
+    def test_serve_is_rejected(self) -> None:
+        with pytest.raises(VllmConfigError, match="already `vllm serve`"):
+            load_config({"extra_args": ["serve"]})
+
+
+class TestBadValues:
+    """Each message names the field, the value and what is allowed."""
+
+    @pytest.mark.parametrize(
+        ("data", "expected"),
+        [
+            ({"gpu_memory_utilization": 0}, "gpu_memory_utilization=0.0: must be a fraction with 0 < x <= 1"),
+            ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization=1.2: must be a fraction with 0 < x <= 1"),
+            ({"dtype": "float32"}, "dtype: 'float32' is not allowed; use one of ['auto', 'bfloat16', 'float16']"),
+            ({"tensor_parallel_size": 0}, "tensor_parallel_size=0: must be at least 1"),
+            ({"port": 70000}, "port=70000: must be between 1 and 65535"),
+            ({"max_model_len": -1}, "max_model_len=-1: must be a positive number of tokens"),
+            ({"model": ""}, "model='': give a folder path"),
+            ({"model": "--model"}, "looks like a flag"),
+            ({"served_model_name": "my model"}, "served_model_name='my model': use letters"),
+            ({"max_loras": 0, "lora_modules": {"a": "/m"}}, "max_loras=0: must be at least 1"),
+            ({"gpu_memory": 0.9}, "gpu_memory: unknown setting (allowed: model, served_model_name"),
+        ],
+    )
+    def test_message(self, data: dict[str, object], expected: str) -> None:
+        with pytest.raises(VllmConfigError) as info:
+            load_config(data)
+        assert expected in str(info.value)
+
+    def test_every_problem_is_listed(self) -> None:
+        with pytest.raises(VllmConfigError) as info:
+            load_config({"port": 0, "tensor_parallel_size": 0})
+        assert "port=0" in str(info.value) and "tensor_parallel_size=0" in str(info.value)
+
+    def test_direct_construction_also_validates(self) -> None:
+        with pytest.raises(ValidationError, match="gpu_memory_utilization=2"):
+            VllmServerConfig(gpu_memory_utilization=2)
+
+    def test_frozen(self) -> None:
+        cfg = VllmServerConfig()
+        with pytest.raises(ValidationError):
+            cfg.port = 1  # type: ignore[misc]
+
+
+def test_imports_only_pydantic_and_stdlib() -> None:
+    """The Pulumi program imports this module; `pulumi up` has no torch or vLLM."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import serving.vllm_args; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers', 'vllm', 'numpy', 'yaml'}); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
