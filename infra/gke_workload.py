@@ -213,11 +213,12 @@ class TrainingNamespace(pulumi.ComponentResource):
 
         self.hf_secret_name = None
         if args.hf_token is not None:
+            token: pulumi.Output[str] = pulumi.Output.secret(args.hf_token)
             secret = k8s.core.v1.Secret(
                 f"{name}-hf",
                 metadata=k8s.meta.v1.ObjectMetaArgs(name=HF_SECRET_NAME, namespace=cfg.namespace, labels=labels),
                 type="Opaque",
-                string_data={HF_SECRET_KEY: pulumi.Output.secret(args.hf_token)},
+                string_data={HF_SECRET_KEY: token},
                 opts=in_namespace,
             )
             self.hf_secret_name = HF_SECRET_NAME

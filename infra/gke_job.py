@@ -1,0 +1,341 @@
+"""The a4-gemma4 workload: a Kubernetes Job running `accelerate launch` (FSDP2) on whole A4 nodes.
+
+    pulumi up --stack a4-gemma4                      # cluster, identity, secret, and the training Job
+    kubectl logs -f job/<jobName> -n gemma-finetune  # the exact command is a stack output
+
+Decisions
+- `render_training_job` is a pure function from plain values to camelCase Kubernetes manifests
+  (a headless Service when nodes > 1, then the Job); the tests validate its output strictly
+  against the Kubernetes 1.33 schemas. The Pulumi resources are created from those manifests
+  with the cluster's provider.
+- The Job's name is `train-<recipe>-<hash8>` over the image digest, the recipe file's bytes, the
+  overrides and the shape (GPU type, GPUs per node, nodes): `pulumi up` with the same inputs
+  changes nothing; a new image or recipe gives a new Job, so a new training run, whose output
+  dir `gs://BUCKET/runs/<job>` starts empty. Capacity is not in the hash: moving a run to spot
+  replaces the Job under the same name and it resumes from its last complete checkpoint.
+- `pulumi.com/skipAwait: "true"`: `pulumi up` returns once the Job exists (training takes hours);
+  watch it with the `logs` output. `ttlSecondsAfterFinished` (3 days) removes the finished Job
+  and its pods, after which a plain `pulumi up` still changes nothing (no refresh); after a
+  `pulumi refresh` the next `up` recreates it and the trainer finds its completed run.
+- Failures: `restartPolicy: Never` with a podFailurePolicy that ignores `DisruptionTarget`
+  (spot preemption, node maintenance) so those do not use up retries; `backoffLimit` =
+  trainingRetries x nodes (one failed multi-node run fails every pod); `activeDeadlineSeconds`
+  from trainingTimeoutMinutes. Each retry resumes from the latest complete checkpoint.
+  `terminationGracePeriodSeconds: 600` gives a checkpoint time to flush (Spot grants at most 25 s).
+- Pods take whole nodes: 8 GPUs and CPU/memory/ephemeral storage from `infra.gke_workload.GPU_SHARE`
+  (requests = limits); `/dev/shm` is a 64Gi Memory emptyDir (NCCL and dataloader workers need it).
+- Multi-node (nodes > 1): an Indexed Job (completions = parallelism = nodes) plus a headless
+  Service named like the Job; pods find rank 0 at `<job>-0.<job>:29500` and take their node rank
+  from the Job's completion index. World size = nodes x gpusPerNode.
+- HF_TOKEN only through `secretKeyRef`; the image only by digest.
+
+Not here: JobSet (not installed on GKE), the A4 RDMA / GPUDirect multi-networking setup
+(multi-node NCCL runs over the pod network: correct, not fast), Kueue, waiting for completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.config import StackConfig
+from infra.gke import AutopilotCluster, AutopilotClusterArgs
+from infra.gke_workload import (
+    TrainingNamespace,
+    TrainingNamespaceArgs,
+    common_labels,
+    gpu_node_selector,
+    gpu_pod_resources,
+    hf_token_env,
+    run_name,
+)
+
+if TYPE_CHECKING:
+    from infra.config import LoadedConfig
+    from infra.foundation import Foundation
+    from infra.images import Images
+
+JOB_NAME_PREFIX = "train"
+# Indexed pods are named `<job>-<index>` as hostnames (63 characters at most).
+JOB_NAME_MAX = 56
+MAIN_PROCESS_PORT = 29500
+TTL_AFTER_FINISHED_S = 3 * 24 * 3600
+TERMINATION_GRACE_S = 600
+SHM_SIZE = "64Gi"
+NODE_RANK_ENV = "NODE_RANK"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
+RUNS_PREFIX = "runs"
+TENSORBOARD_SUBDIR = "logs"
+ADAPTER_SUBDIR = "adapter"
+
+
+@dataclass(frozen=True)
+class TrainingJobSpec:
+    """Everything the training Job's manifests depend on, as plain values."""
+
+    name: str
+    namespace: str
+    image: str
+    recipe: str
+    output_dir: str
+    gpus_per_node: int
+    nodes: int
+    node_selector: dict[str, str]
+    resources: dict[str, dict[str, str]]
+    service_account: str
+    hf_secret_name: str | None
+    retries: int
+    timeout_seconds: int
+    overrides: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+    @property
+    def main_process_ip(self) -> str:
+        """Rank 0's stable DNS name: `<job>-<index>` hostname under the headless Service `<job>`."""
+        return f"{self.name}-0.{self.name}"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def run_dir(bucket: str, job: str) -> str:
+    return f"gs://{bucket}/{RUNS_PREFIX}/{job}"
+
+
+def launch_args(spec: TrainingJobSpec) -> list[str]:
+    """Arguments of `python -m trainer.launch`: recipe, processes per node, rendezvous, overrides, output dir."""
+    args = ["--recipe", spec.recipe, "--nproc-per-node", str(spec.gpus_per_node)]
+    if spec.multi_node:
+        args += [
+            "--nnodes",
+            str(spec.nodes),
+            "--node-rank",
+            f"$({NODE_RANK_ENV})",  # expanded by the kubelet from the env var below
+            "--main-process-ip",
+            spec.main_process_ip,
+            "--main-process-port",
+            str(MAIN_PROCESS_PORT),
+        ]
+    for override in spec.overrides:
+        args += ["--set", override]
+    # Last, so the stack's run directory always wins: the outputs below point there.
+    args += ["--set", f"output.dir={spec.output_dir}"]
+    return args
+
+
+def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
+    """The manifests of one training run: [headless Service (nodes > 1)], Job."""
+    env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}, *hf_token_env(spec.hf_secret_name)]
+    if spec.multi_node:
+        env.append(
+            {
+                "name": NODE_RANK_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}},
+            }
+        )
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": spec.service_account,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "nodeSelector": dict(spec.node_selector),
+        "containers": [
+            {
+                "name": "trainer",
+                "image": spec.image,
+                "command": ["python", "-m", "trainer.launch"],
+                "args": launch_args(spec),
+                "env": env,
+                "resources": spec.resources,
+                "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+            }
+        ],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}],
+    }
+    if spec.multi_node:
+        pod_spec["subdomain"] = spec.name
+
+    job_spec: dict[str, Any] = {
+        "backoffLimit": spec.retries * spec.nodes,
+        "activeDeadlineSeconds": spec.timeout_seconds,
+        "ttlSecondsAfterFinished": TTL_AFTER_FINISHED_S,
+        "completions": spec.nodes,
+        "parallelism": spec.nodes,
+        "podFailurePolicy": {
+            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        },
+        "template": {"metadata": {"labels": dict(spec.labels)}, "spec": pod_spec},
+    }
+    if spec.multi_node:
+        job_spec["completionMode"] = "Indexed"
+
+    manifests: list[dict[str, Any]] = []
+    if spec.multi_node:
+        manifests.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": dict(spec.labels)},
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": {"job-name": spec.name},
+                    # Peers resolve each other while they start, before any readiness.
+                    "publishNotReadyAddresses": True,
+                    "ports": [{"name": "rendezvous", "port": MAIN_PROCESS_PORT, "targetPort": MAIN_PROCESS_PORT}],
+                },
+            }
+        )
+    manifests.append(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": spec.name,
+                "namespace": spec.namespace,
+                "labels": dict(spec.labels),
+                "annotations": dict(SKIP_AWAIT),
+            },
+            "spec": job_spec,
+        }
+    )
+    return manifests
+
+
+def job_spec_for(
+    cfg: StackConfig, image: str, bucket: str, service_account: str, hf_secret: str | None
+) -> TrainingJobSpec:
+    """The plain values for this stack's Job, once the image digest and bucket name are known."""
+    assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
+    name = run_name(JOB_NAME_PREFIX, cfg, image, JOB_NAME_MAX)
+    return TrainingJobSpec(
+        name=name,
+        namespace=cfg.namespace,
+        image=image,
+        recipe=cfg.recipe,
+        output_dir=run_dir(bucket, name),
+        gpus_per_node=cfg.gpus_per_node,
+        nodes=cfg.nodes,
+        node_selector=gpu_node_selector(cfg),
+        resources=gpu_pod_resources(cfg),
+        service_account=service_account,
+        hf_secret_name=hf_secret,
+        retries=cfg.training_retries,
+        timeout_seconds=cfg.timeout_minutes * 60,
+        overrides=tuple(cfg.recipe_overrides),
+        labels={**common_labels(cfg, "training"), "gemma-finetune/recipe": cfg.recipe[:63]},
+    )
+
+
+@dataclass
+class TrainingJobArgs:
+    cfg: StackConfig
+    """The validated stack configuration."""
+    provider: k8s.Provider
+    """The cluster's Kubernetes provider."""
+    namespace: TrainingNamespace
+    """Namespace, service account and HF Secret the pods use (created first)."""
+    image: pulumi.Input[str]
+    """The trainer image, pinned by digest."""
+    bucket_name: pulumi.Input[str]
+    """The stack's bucket: runs write under gs://BUCKET/runs/<job>."""
+
+
+class TrainingJob(pulumi.ComponentResource):
+    """The training Job (+ headless Service for multi-node) rendered by `render_training_job`."""
+
+    job_name: pulumi.Output[str]
+    run_dir: pulumi.Output[str]
+    job: k8s.batch.v1.Job
+    service: k8s.core.v1.Service | None
+
+    def __init__(self, name: str, args: TrainingJobArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gemma-finetune:k8s:TrainingJob", name, None, opts)
+        cfg = args.cfg
+        ns = args.namespace
+        spec = pulumi.Output.all(args.image, args.bucket_name).apply(
+            lambda v: job_spec_for(cfg, v[0], v[1], ns.service_account_name, ns.hf_secret_name)
+        )
+        manifests = spec.apply(render_training_job)
+        self.job_name = spec.apply(lambda s: s.name)
+        self.run_dir = spec.apply(lambda s: s.output_dir)
+
+        depends: list[pulumi.Resource] = list(ns.ready)
+        self.service = None
+        if cfg.nodes > 1:
+            service_manifest = manifests.apply(lambda ms: ms[0])
+            self.service = k8s.core.v1.Service(
+                f"{name}-svc",
+                metadata=service_manifest.apply(lambda m: m["metadata"]),
+                spec=service_manifest.apply(lambda m: m["spec"]),
+                opts=pulumi.ResourceOptions(
+                    parent=self, provider=args.provider, depends_on=depends, delete_before_replace=True
+                ),
+            )
+            depends = [*depends, self.service]
+
+        job_manifest = manifests.apply(lambda ms: ms[-1])
+        self.job = k8s.batch.v1.Job(
+            f"{name}-job",
+            metadata=job_manifest.apply(lambda m: m["metadata"]),
+            spec=job_manifest.apply(lambda m: m["spec"]),
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                provider=args.provider,
+                depends_on=depends,
+                # The name is fixed by content; a capacity change replaces the Job under the same name.
+                delete_before_replace=True,
+            ),
+        )
+        self.register_outputs({"job_name": self.job_name, "run_dir": self.run_dir})
+
+
+def declare(
+    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
+) -> dict[str, pulumi.Input[Any]]:
+    """The a4-gemma4 workload: cluster, namespace pieces, training Job; returns the stack outputs."""
+    base = f"gft-{cfg.stack}"
+    cluster = AutopilotCluster(base, AutopilotClusterArgs(cfg=cfg, depends_on=list(foundation.apis)))
+    namespace = TrainingNamespace(
+        base,
+        TrainingNamespaceArgs(
+            cfg=cfg,
+            provider=cluster.provider,
+            cluster=cluster.cluster,
+            trainer_account=foundation.trainer_account,
+            hf_token=loaded.hf_token,
+        ),
+    )
+    job = TrainingJob(
+        base,
+        TrainingJobArgs(
+            cfg=cfg,
+            provider=cluster.provider,
+            namespace=namespace,
+            image=images.trainer_image,
+            bucket_name=foundation.bucket_name,
+        ),
+    )
+    ns = cfg.namespace
+    return {
+        "clusterName": cluster.name,
+        "getCredentials": cluster.get_credentials,
+        "namespace": ns,
+        "jobName": job.job_name,
+        "worldSize": cfg.total_gpus,
+        "logs": job.job_name.apply(lambda j: f"kubectl logs -f job/{j} -n {ns}"),
+        "status": job.job_name.apply(
+            lambda j: f"kubectl get job {j} -n {ns} -o wide && kubectl get pods -n {ns} -l job-name={j}"
+        ),
+        "runDir": job.run_dir,
+        "tensorboardLogs": job.run_dir.apply(lambda d: f"{d}/{TENSORBOARD_SUBDIR}"),
+        "tensorboard": job.run_dir.apply(lambda d: f"tensorboard --logdir {d}/{TENSORBOARD_SUBDIR}"),
+        "adapter": job.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
+    }

@@ -1,0 +1,78 @@
+"""The GKE Autopilot cluster and the Kubernetes provider it hands out, under mocks with the real stack files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from infra.offline import StackRun, is_secret, run_stack, unwrap_secrets
+from tests.infra.conftest import PREBUILT
+
+CLUSTER = "gcp:container/cluster:Cluster"
+PROVIDER = "pulumi:providers:kubernetes"
+
+
+@pytest.fixture(scope="module")
+def a4() -> StackRun:
+    return run_stack("a4-gemma4", overrides=PREBUILT)
+
+
+def cluster_inputs(stack_run: StackRun) -> dict[str, Any]:
+    return stack_run.one(CLUSTER).plain_inputs()
+
+
+class TestClusterArguments:
+    def test_autopilot_regional_with_workload_identity(self, a4: StackRun) -> None:
+        inputs = cluster_inputs(a4)
+        assert inputs["enableAutopilot"] is True
+        assert inputs["location"] == "us-central1", "regional, in the reservation's region"
+        assert inputs["name"] == "gft-a4-gemma4" and len(inputs["name"]) <= 40
+        assert inputs["workloadIdentityConfig"] == {"workloadPool": "my-gcp-project.svc.id.goog"}
+        assert inputs["releaseChannel"] == {"channel": "REGULAR"}
+        assert inputs["resourceLabels"]["stack"] == "a4-gemma4"
+
+    def test_deletion_protection_off_by_default(self, a4: StackRun) -> None:
+        assert cluster_inputs(a4)["deletionProtection"] is False, "`pulumi destroy` must work"
+
+    def test_config_reaches_the_cluster(self) -> None:
+        inputs = cluster_inputs(
+            run_stack("a4-gemma4", overrides={**PREBUILT, "deletionProtection": True, "releaseChannel": "RAPID"})
+        )
+        assert inputs["deletionProtection"] is True
+        assert inputs["releaseChannel"] == {"channel": "RAPID"}
+
+    def test_no_ray_add_on_for_the_job_stack(self, a4: StackRun) -> None:
+        addons = cluster_inputs(a4).get("addonsConfig") or {}
+        assert not addons.get("rayOperatorConfigs")
+
+    def test_waits_for_the_container_api(self, a4: StackRun) -> None:
+        cluster = a4.one(CLUSTER)
+        api = a4.by_name("gft-a4-gemma4-api-container")
+        assert api.urn in cluster.dependencies
+
+    def test_component(self, a4: StackRun) -> None:
+        assert a4.one(CLUSTER).parent.endswith("gemma-finetune:gcp:AutopilotCluster::gft-a4-gemma4")
+
+
+class TestProvider:
+    def test_kubeconfig_is_secret(self, a4: StackRun) -> None:
+        assert is_secret(a4.one(PROVIDER).inputs["kubeconfig"])
+
+    def test_kubeconfig_authenticates_through_the_exec_plugin(self, a4: StackRun) -> None:
+        config = yaml.safe_load(unwrap_secrets(a4.one(PROVIDER).inputs["kubeconfig"]))
+        (cluster,) = config["clusters"]
+        assert cluster["cluster"]["server"] == "https://192.0.2.10"
+        assert cluster["cluster"]["certificate-authority-data"] == "bW9jay1jYQ=="
+        (user,) = config["users"]
+        assert set(user["user"]) == {"exec"}, "no token, password or client certificate in the kubeconfig"
+        assert user["user"]["exec"]["command"] == "gke-gcloud-auth-plugin"
+        assert user["user"]["exec"]["apiVersion"] == "client.authentication.k8s.io/v1beta1"
+        assert config["current-context"] == config["contexts"][0]["name"]
+
+    def test_one_provider_for_all_workload_objects(self, a4: StackRun) -> None:
+        provider = a4.one(PROVIDER)
+        assert provider.parent.endswith("gemma-finetune:gcp:AutopilotCluster::gft-a4-gemma4")
+        k8s = [r for r in a4.resources if r.type.startswith("kubernetes:")]
+        assert k8s and all(r.provider.startswith(provider.urn) for r in k8s)
