@@ -107,9 +107,10 @@ class OutputLocation:
         """A plain folder is used directly; a URL gets a stable local staging folder (same URL, same folder)."""
         if not is_url(output_dir):
             return cls(local=Path(output_dir).expanduser().resolve(), remote=None)
+        remote = output_dir.rstrip("/")
         root = Path(staging_root or os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "gemma-finetune")
-        digest = hashlib.sha256(output_dir.encode()).hexdigest()[:12]
-        return cls(local=root / digest, remote=output_dir.rstrip("/"))
+        digest = hashlib.sha256(remote.encode()).hexdigest()[:12]
+        return cls(local=root / digest, remote=remote)
 
     @property
     def checkpoints_dir(self) -> Path:
