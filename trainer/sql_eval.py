@@ -326,12 +326,13 @@ def _register_functions(conn: sqlite3.Connection, now: datetime) -> None:
     }
     for name, (n_args, fn) in scalar.items():
         conn.create_function(name, n_args, fn, deterministic=name not in {"NOW", "CURDATE"})
-    for name, cls in {
+    aggregates: dict[str, Any] = {
         "VARIANCE_POP": _Variance,
         "VARIANCE": _Variance,
         "STDDEV_POP": _StdDev,
         "STDDEV": _StdDev,
-    }.items():
+    }
+    for name, cls in aggregates.items():
         conn.create_aggregate(name, 1, cls)
 
 

@@ -1,0 +1,160 @@
+"""FSDP wrap class and accelerate config.
+
+Why it matters: a wrong wrap class (Gemma 4's text layer is not `Gemma3DecoderLayer`) or a
+misspelled accelerate key does not fail loudly: FSDP then shards nothing per layer, or
+accelerate quietly uses its default. These tests build the configs from tiny model configs and
+push the rendered file through accelerate's OWN launch parsing and FSDP plugin.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.fsdp import FsdpConfigError, decoder_layer_class, render_accelerate_config
+
+REFERENCE = Path(__file__).resolve().parents[2] / "trainer" / "accelerate" / "fsdp2-gemma4-1x8.yaml"
+
+
+def tiny_gemma3_text_config():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+
+
+def tiny_gemma3_vision_config():
+    from transformers import Gemma3Config
+
+    return Gemma3Config(
+        text_config=tiny_gemma3_text_config().to_dict(),
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+        mm_tokens_per_image=4,
+    )  # fmt: skip
+
+
+def tiny_gemma4_config():
+    from transformers import Gemma4Config
+
+    return Gemma4Config(
+        text_config={"vocab_size": 64, "vocab_size_per_layer_input": 64, "hidden_size": 16,
+                     "hidden_size_per_layer_input": 4, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "global_head_dim": 8,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+    )  # fmt: skip
+
+
+class TestDecoderLayerClass:
+    def test_gemma4_multimodal_config_gives_the_text_layer(self):
+        """Gemma 4's _no_split_modules also lists vision/audio blocks; only the text layer is right."""
+        assert decoder_layer_class(tiny_gemma4_config()) == "Gemma4TextDecoderLayer"
+
+    def test_gemma3_vision_config(self):
+        assert decoder_layer_class(tiny_gemma3_vision_config()) == "Gemma3DecoderLayer"
+
+    def test_gemma3_text_config(self):
+        assert decoder_layer_class(tiny_gemma3_text_config()) == "Gemma3DecoderLayer"
+
+    @pytest.mark.parametrize(
+        ("model_type", "expected"),
+        [("gemma4", "Gemma4TextDecoderLayer"), ("gemma3", "Gemma3DecoderLayer"), ("gemma3_text", "Gemma3DecoderLayer")],
+    )
+    def test_model_type_strings(self, model_type, expected):
+        assert decoder_layer_class(model_type) == expected
+
+    def test_config_dict(self):
+        assert decoder_layer_class(tiny_gemma3_text_config().to_dict()) == "Gemma3DecoderLayer"
+
+    def test_another_family_is_looked_up_too(self):
+        """No per-family string: a Llama config yields Llama's block."""
+        assert decoder_layer_class("llama") == "LlamaDecoderLayer"
+
+    def test_unknown_model_type_fails_clearly(self):
+        with pytest.raises(FsdpConfigError, match="no-such-model"):
+            decoder_layer_class("no-such-model")
+
+
+class TestRenderedConfig:
+    def test_single_node_fsdp2(self):
+        config = render_accelerate_config(tiny_gemma4_config(), num_processes=8)
+        fsdp = config["fsdp_config"]
+        assert config["distributed_type"] == "FSDP" and config["num_processes"] == 8
+        assert fsdp["fsdp_version"] == 2
+        assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "Gemma4TextDecoderLayer"
+        assert fsdp["fsdp_reshard_after_forward"] is True
+        assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+        assert fsdp["fsdp_cpu_ram_efficient_loading"] is True
+        assert fsdp["fsdp_offload_params"] is False and fsdp["fsdp_activation_checkpointing"] is False
+        assert config["mixed_precision"] == "bf16" and config["rdzv_backend"] == "static"
+
+    def test_multi_node_counts_all_processes(self):
+        config = render_accelerate_config("gemma4", 16, num_machines=2, machine_rank=1, main_process_ip="10.1.0.2")
+        assert (config["num_processes"], config["num_machines"], config["machine_rank"]) == (16, 2, 1)
+        assert config["main_process_ip"] == "10.1.0.2"
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [
+            {"num_processes": 8, "num_machines": 2},  # no main_process_ip
+            {"num_processes": 9, "num_machines": 2, "main_process_ip": "h"},
+            {"num_processes": 8, "num_machines": 2, "machine_rank": 2, "main_process_ip": "h"},
+            {"num_processes": 8, "mixed_precision": "bfloat16"},
+        ],
+    )
+    def test_inconsistent_settings_are_rejected(self, kwargs):
+        with pytest.raises(FsdpConfigError):
+            render_accelerate_config("gemma3_text", **kwargs)
+
+    def test_reference_file_matches_the_renderer(self):
+        assert yaml.safe_load(REFERENCE.read_text()) == render_accelerate_config("gemma4", 8)
+
+
+class TestAccelerateReadsIt:
+    """The rendered file goes through accelerate 1.15's launch parsing and its FSDP plugin."""
+
+    @pytest.fixture
+    def launched_env(self, tmp_path, monkeypatch):
+        from accelerate.commands.config.config_args import ClusterConfig
+        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+        from accelerate.utils.launch import prepare_multi_gpu_env
+
+        config = render_accelerate_config(
+            tiny_gemma4_config(), 16, num_machines=2, machine_rank=1, main_process_ip="n0"
+        )
+        path = tmp_path / "accelerate.yaml"
+        path.write_text(yaml.safe_dump(config))
+        ClusterConfig.from_yaml_file(str(path))  # raises on an unknown top-level key
+        parser = launch_command_parser()
+        known = {action.dest for action in parser._actions}
+        unknown = sorted(k for k in config["fsdp_config"] if k not in known)
+        assert not unknown, f"accelerate launch has no argument for {unknown}: it would set them silently"
+        args = parser.parse_args(["--config_file", str(path), "-m", "trainer", "--recipe", "x"])
+        args, _, _ = _validate_launch_command(args)
+        env = prepare_multi_gpu_env(args)
+        for key, value in env.items():
+            if key.startswith(("FSDP_", "ACCELERATE_")):
+                monkeypatch.setenv(key, value)
+        return args, env
+
+    def test_torchrun_arguments(self, launched_env):
+        args, _ = launched_env
+        assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "2", 1)
+        assert args.rdzv_backend == "static" and args.rdzv_endpoint == "n0:29500"
+
+    def test_fsdp_plugin_sees_our_settings(self, launched_env):
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2
+        assert plugin.transformer_cls_names_to_wrap == ["Gemma4TextDecoderLayer"]
+        assert plugin.reshard_after_forward is True
+        assert plugin.state_dict_type.name == "FULL_STATE_DICT"
+        assert plugin.cpu_ram_efficient_loading is True
+        assert plugin.activation_checkpointing is False
+        assert launched_env[1]["ACCELERATE_MIXED_PRECISION"] == "bf16"
