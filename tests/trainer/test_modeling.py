@@ -1,0 +1,100 @@
+"""Model loading decisions: dtype choice, QLoRA config, LoRA never inside a vision tower, chat template fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.modeling import (
+    NON_LANGUAGE_MODULES,
+    ensure_chat_template,
+    lora_config,
+    quantization_config,
+    resolve_dtype,
+)
+from trainer.recipe import LoraSpec, QuantizationSpec, RecipeError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_auto_dtype_is_fp32_on_cpu_and_named_dtypes_pass_through() -> None:
+    expected = torch.float32
+    if torch.cuda.is_available():
+        expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    assert resolve_dtype("auto") == expected
+    assert resolve_dtype("bfloat16") == torch.bfloat16
+
+
+def test_qlora_config_follows_the_recipe() -> None:
+    config = quantization_config(
+        QuantizationSpec(double_quant=True, compute_dtype="bfloat16", storage_dtype="bfloat16")
+    )
+    assert config is not None and config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    assert config.bnb_4bit_use_double_quant and config.bnb_4bit_compute_dtype == torch.bfloat16
+    assert config.bnb_4bit_quant_storage == torch.bfloat16
+    assert quantization_config(None) is None
+
+
+def _tiny_gemma3_vision(vocab_size: int) -> torch.nn.Module:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+        image_token_index=vocab_size - 1,
+        boi_token_index=vocab_size - 2,
+        eoi_token_index=vocab_size - 3,
+    )
+    return Gemma3ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "out_proj"]])
+def test_lora_never_targets_the_vision_tower(targets: list[str] | str) -> None:
+    from peft import get_peft_model
+
+    model = _tiny_gemma3_vision(vocab_size=300)
+    peft_model = get_peft_model(model, lora_config(LoraSpec(target_modules=targets), model))
+    adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
+    assert adapted, "nothing was adapted"
+    assert all("language_model" in name for name in adapted), adapted
+    assert not any(part in name for name in adapted for part in NON_LANGUAGE_MODULES)
+
+
+def test_text_only_model_gets_no_exclusion(tiny_gemma3_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir)
+    assert lora_config(LoraSpec(), model).exclude_modules is None
+    assert lora_config(LoraSpec()).exclude_modules is not None  # without a model, stay safe
+
+
+def test_missing_chat_template_comes_from_trl(tiny_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tiny_tokenizer = type(tiny_tokenizer).from_pretrained
+    from tests.trainer.tiny import tiny_tokenizer as make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None
+    ensure_chat_template(tokenizer, "gemma3")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered == "<bos><start_of_turn>user\nhi<end_of_turn>\n"
+    tokenizer.chat_template = None
+    with pytest.raises(RecipeError, match=r"model\.chat_template"):
+        ensure_chat_template(tokenizer, None)
