@@ -44,6 +44,8 @@ import pulumi_kubernetes as k8s
 from infra.config import StackConfig
 from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from infra.gke_workload import (
+    CONTAINER_SECURITY_CONTEXT,
+    POD_SECURITY_CONTEXT,
     TrainingNamespace,
     TrainingNamespaceArgs,
     common_labels,
@@ -147,6 +149,7 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "nodeSelector": dict(spec.node_selector),
+        "securityContext": dict(POD_SECURITY_CONTEXT),
         "containers": [
             {
                 "name": "trainer",
@@ -156,6 +159,7 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
                 "env": env,
                 "resources": spec.resources,
                 "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
             }
         ],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}],

@@ -49,6 +49,9 @@ RESERVATION_PROJECT_LABEL = "cloud.google.com/reservation-project"
 SPOT_LABEL = "cloud.google.com/gke-spot"
 FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
 GSA_ANNOTATION = "iam.gke.io/gcp-service-account"
+# The trainer image runs as uid 1000 (trainer/Dockerfile); Kubernetes checks it, nothing escalates.
+POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False}
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,16 @@ class TestProvider:
         assert provider.parent.endswith("gemma-finetune:gcp:AutopilotCluster::gft-a4-gemma4")
         k8s = [r for r in a4.resources if r.type.startswith("kubernetes:")]
         assert k8s and all(r.provider.startswith(provider.urn) for r in k8s)
+
+
+class TestRayAddOn:
+    def test_ray_operator_with_logging_and_monitoring(self) -> None:
+        inputs = cluster_inputs(run_stack("ray-gemma3-vision", overrides=PREBUILT))
+        assert inputs["enableAutopilot"] is True
+        assert inputs["addonsConfig"]["rayOperatorConfigs"] == [
+            {
+                "enabled": True,
+                "rayClusterLoggingConfig": {"enabled": True},
+                "rayClusterMonitoringConfig": {"enabled": True},
+            }
+        ], "a LIST in pulumi-gcp"

@@ -134,6 +134,11 @@ class TestTrainingJob:
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container_of(job_of(single))["volumeMounts"]
 
+    def test_runs_as_non_root(self, single: StackRun) -> None:
+        job = job_of(single)
+        assert job["spec"]["template"]["spec"]["securityContext"] == {"runAsNonRoot": True}
+        assert container_of(job)["securityContext"] == {"allowPrivilegeEscalation": False}
+
     def test_no_tolerations(self, single: StackRun) -> None:
         assert "tolerations" not in job_of(single)["spec"]["template"]["spec"], "Autopilot adds them itself"
 

@@ -1,0 +1,392 @@
+"""The ray-gemma3-vision workload: a KubeRay RayJob on GKE Autopilot with the Ray operator add-on.
+
+    pulumi up --stack ray-gemma3-vision            # cluster (+ Ray add-on), identity, secret, RayJob
+    kubectl get rayjob <rayJobName> -n gemma-finetune   # the exact commands are stack outputs
+
+Decisions
+- `render_ray_cluster_spec` / `render_ray_job` / `render_ray_cluster` are pure functions from plain
+  values to camelCase manifests; the tests validate them with `infra/schemas/kuberay.schema.json`
+  (which `$ref`s the strict Kubernetes PodTemplateSpec) and every pod template strictly as a Pod.
+- Default (`rayCluster: ephemeral`): the RayJob carries its own `rayClusterSpec`, KubeRay creates
+  the cluster, runs `python -m trainer.ray_entry …` through a submitter Kubernetes Job
+  (`submissionMode: K8sJobMode`) and deletes the cluster `ttlSecondsAfterFinished` (60 s) after the
+  job ends (`shutdownAfterJobFinishes`): no GPU idles after a run. `activeDeadlineSeconds` comes
+  from trainingTimeoutMinutes and `backoffLimit` from trainingRetries (each retry is a new cluster
+  and resumes from the run's checkpoints).
+- `rayCluster: standing`: a RayCluster `gemma-tuning` (as in the seed tutorial) stays up for
+  interactive use and the RayJob targets it with `clusterSelector`; its GPU workers bill until
+  the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it.
+- Workers = total GPUs (nodes x gpusPerNode), one `gpu-group` worker per node holding all its
+  GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`). The head is
+  small (8 vCPU / 32Gi / 9Gi ephemeral: Autopilot caps ephemeral storage on general-purpose pods,
+  9Gi is what the seed ran with) and runs no Ray tasks (`num-cpus: "0"`). rayStartParams values are
+  strings and the field is always present.
+- Image = the trainer image by digest (Ray is inside it): no runtimeEnv pip installs, no minutes
+  of idle GPUs while packages download. rayVersion comes from config and must match that Ray.
+- The RayJob's name is `ft-<recipe>-<hash8>` over image, recipe bytes, overrides and shape (as the
+  Job's, `infra.gke_workload.run_name`), at most 40 characters (KubeRay allows 47). KubeRay does not
+  act on spec edits of a started RayJob, so any spec change replaces it (same name: delete first).
+- Checkpoints: Ray Train's storage path `gs://BUCKET/ray/<name>`; the final adapter goes to
+  `gs://BUCKET/runs/<name>` (`output.dir`), as for the Job. Writes use the pods' Workload Identity.
+- The RayJob depends on the cluster; the add-on installs the CRDs, and whether they are ready
+  the moment cluster creation returns is UNCONFIRMED (CLOUD-FACTS §3), so the create has a long
+  custom timeout; if the first `pulumi up` fails with "no matches for kind RayJob", run it again.
+  `pulumi.com/skipAwait` keeps `pulumi up` from waiting on the training.
+
+Not here: Ray autoscaling (fixed-size worker group), RayService / serving, a ConfigMap with the
+training script (the image carries the trainer package), Kueue.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.config import RayClusterMode, StackConfig
+from infra.gke import AutopilotCluster, AutopilotClusterArgs
+from infra.gke_workload import (
+    CONTAINER_SECURITY_CONTEXT,
+    POD_SECURITY_CONTEXT,
+    TrainingNamespace,
+    TrainingNamespaceArgs,
+    common_labels,
+    gpu_node_selector,
+    gpu_pod_resources,
+    hf_token_env,
+    run_name,
+)
+
+if TYPE_CHECKING:
+    from infra.config import LoadedConfig
+    from infra.foundation import Foundation
+    from infra.images import Images
+
+RAY_API_VERSION = "ray.io/v1"
+RAYJOB_NAME_PREFIX = "ft"
+RAYJOB_NAME_MAX = 40
+STANDING_CLUSTER_NAME = "gemma-tuning"
+WORKER_GROUP = "gpu-group"
+RAY_STORAGE_PREFIX = "ray"
+RUNS_PREFIX = "runs"
+ADAPTER_SUBDIR = "adapter"
+CLUSTER_TTL_AFTER_FINISHED_S = 60
+SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
+HEAD_RESOURCES = {"cpu": "8", "memory": "32Gi", "ephemeral-storage": "9Gi"}
+HEAD_PORTS = [
+    {"name": "gcs-server", "containerPort": 6379},
+    {"name": "dashboard", "containerPort": 8265},
+    {"name": "client", "containerPort": 10001},
+]
+# The add-on installs the CRDs with the cluster; give the first create room in case they lag.
+CRD_CREATE_TIMEOUT = "20m"
+
+
+@dataclass(frozen=True)
+class RayRunSpec:
+    """Everything the Ray manifests depend on, as plain values."""
+
+    name: str
+    namespace: str
+    image: str
+    recipe: str
+    ray_version: str
+    nodes: int
+    gpus_per_node: int
+    node_selector: dict[str, str]
+    worker_resources: dict[str, dict[str, str]]
+    service_account: str
+    hf_secret_name: str | None
+    storage_path: str
+    output_dir: str
+    retries: int
+    timeout_seconds: int
+    standing_cluster: str | None = None
+    overrides: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_workers(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def entrypoint(spec: RayRunSpec) -> str:
+    """The command KubeRay submits: the trainer's Ray adapter with one Ray Train worker per GPU."""
+    args = [
+        "python",
+        "-m",
+        "trainer.ray_entry",
+        "--recipe",
+        spec.recipe,
+        "--num-workers",
+        str(spec.num_workers),
+        "--use-gpu",
+        "--storage-path",
+        spec.storage_path,
+        "--name",
+        spec.name,
+    ]
+    for override in spec.overrides:
+        args += ["--set", override]
+    args += ["--set", f"output.dir={spec.output_dir}"]
+    return shlex.join(args)
+
+
+def _ray_container(name: str, spec: RayRunSpec, resources: dict[str, dict[str, str]]) -> dict[str, Any]:
+    # No command: KubeRay writes `ray start …` from rayStartParams. It also mounts /dev/shm itself.
+    return {
+        "name": name,
+        "image": spec.image,
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, *hf_token_env(spec.hf_secret_name)],
+        "resources": resources,
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
+def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
+    """A fixed-size Ray cluster: a small CPU head and one whole-node GPU worker per node."""
+    head_resources = {"requests": dict(HEAD_RESOURCES), "limits": dict(HEAD_RESOURCES)}
+    head = _ray_container("ray-head", spec, head_resources)
+    head["ports"] = [dict(p) for p in HEAD_PORTS]
+    worker = _ray_container("ray-worker", spec, spec.worker_resources)
+    pod_labels = dict(spec.labels)
+    return {
+        "rayVersion": spec.ray_version,
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": {
+            # Strings only; num-cpus "0" keeps Ray tasks off the head (the driver still runs there).
+            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "serviceAccountName": spec.service_account,
+                    "securityContext": dict(POD_SECURITY_CONTEXT),
+                    "containers": [head],
+                },
+            },
+        },
+        "workerGroupSpecs": [
+            {
+                "groupName": WORKER_GROUP,
+                "replicas": spec.nodes,
+                "minReplicas": spec.nodes,
+                "maxReplicas": spec.nodes,
+                "rayStartParams": {},
+                "template": {
+                    "metadata": {"labels": pod_labels},
+                    "spec": {
+                        "serviceAccountName": spec.service_account,
+                        "nodeSelector": dict(spec.node_selector),
+                        "securityContext": dict(POD_SECURITY_CONTEXT),
+                        "containers": [worker],
+                    },
+                },
+            }
+        ],
+    }
+
+
+def render_ray_cluster(spec: RayRunSpec) -> dict[str, Any]:
+    """The standing RayCluster (rayCluster: standing)."""
+    assert spec.standing_cluster is not None
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayCluster",
+        "metadata": {
+            "name": spec.standing_cluster,
+            "namespace": spec.namespace,
+            "labels": dict(spec.labels),
+            "annotations": dict(SKIP_AWAIT),
+        },
+        "spec": render_ray_cluster_spec(spec),
+    }
+
+
+def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
+    """The RayJob: with its own cluster (ephemeral) or on the standing one (clusterSelector)."""
+    job_spec: dict[str, Any] = {
+        "entrypoint": entrypoint(spec),
+        "submissionMode": "K8sJobMode",
+        "activeDeadlineSeconds": spec.timeout_seconds,
+        "backoffLimit": spec.retries,
+    }
+    if spec.standing_cluster is None:
+        job_spec["rayClusterSpec"] = render_ray_cluster_spec(spec)
+        job_spec["shutdownAfterJobFinishes"] = True
+        job_spec["ttlSecondsAfterFinished"] = CLUSTER_TTL_AFTER_FINISHED_S
+    else:
+        # KubeRay rejects a TTL without shutdownAfterJobFinishes; a standing cluster is never shut down by a job.
+        job_spec["clusterSelector"] = {"ray.io/cluster": spec.standing_cluster}
+        job_spec["shutdownAfterJobFinishes"] = False
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayJob",
+        "metadata": {
+            "name": spec.name,
+            "namespace": spec.namespace,
+            "labels": dict(spec.labels),
+            "annotations": dict(SKIP_AWAIT),
+        },
+        "spec": job_spec,
+    }
+
+
+def ray_spec_for(cfg: StackConfig, image: str, bucket: str, service_account: str, hf_secret: str | None) -> RayRunSpec:
+    """The plain values for this stack's RayJob, once the image digest and bucket name are known."""
+    assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
+    name = run_name(RAYJOB_NAME_PREFIX, cfg, image, RAYJOB_NAME_MAX)
+    return RayRunSpec(
+        name=name,
+        namespace=cfg.namespace,
+        image=image,
+        recipe=cfg.recipe,
+        ray_version=cfg.ray_version,
+        nodes=cfg.nodes,
+        gpus_per_node=cfg.gpus_per_node,
+        node_selector=gpu_node_selector(cfg),
+        worker_resources=gpu_pod_resources(cfg),
+        service_account=service_account,
+        hf_secret_name=hf_secret,
+        storage_path=f"gs://{bucket}/{RAY_STORAGE_PREFIX}",
+        output_dir=f"gs://{bucket}/{RUNS_PREFIX}/{name}",
+        retries=cfg.training_retries,
+        timeout_seconds=cfg.timeout_minutes * 60,
+        standing_cluster=STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None,
+        overrides=tuple(cfg.recipe_overrides),
+        labels={**common_labels(cfg, "training"), "gemma-finetune/recipe": cfg.recipe[:63]},
+    )
+
+
+@dataclass
+class RayTrainingArgs:
+    cfg: StackConfig
+    """The validated stack configuration."""
+    provider: k8s.Provider
+    """The cluster's Kubernetes provider."""
+    cluster: pulumi.Resource
+    """The GKE cluster whose Ray add-on installs the KubeRay CRDs."""
+    namespace: TrainingNamespace
+    """Namespace, service account and HF Secret the Ray pods use (created first)."""
+    image: pulumi.Input[str]
+    """The trainer image (with Ray inside), pinned by digest."""
+    bucket_name: pulumi.Input[str]
+    """The stack's bucket: Ray checkpoints under gs://BUCKET/ray, the adapter under gs://BUCKET/runs."""
+
+
+class RayTraining(pulumi.ComponentResource):
+    """The RayJob (+ a standing RayCluster when rayCluster=standing)."""
+
+    job_name: pulumi.Output[str]
+    checkpoints: pulumi.Output[str]
+    run_dir: pulumi.Output[str]
+    ray_job: k8s.apiextensions.CustomResource
+    ray_cluster: k8s.apiextensions.CustomResource | None
+
+    def __init__(self, name: str, args: RayTrainingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gemma-finetune:k8s:RayTraining", name, None, opts)
+        cfg = args.cfg
+        ns = args.namespace
+        spec = pulumi.Output.all(args.image, args.bucket_name).apply(
+            lambda v: ray_spec_for(cfg, v[0], v[1], ns.service_account_name, ns.hf_secret_name)
+        )
+        self.job_name = spec.apply(lambda s: s.name)
+        self.checkpoints = spec.apply(lambda s: f"{s.storage_path}/{s.name}")
+        self.run_dir = spec.apply(lambda s: s.output_dir)
+
+        depends: list[pulumi.Resource] = [args.cluster, *ns.ready]
+        self.ray_cluster = None
+        if cfg.ray_cluster is RayClusterMode.STANDING:
+            cluster_manifest = spec.apply(render_ray_cluster)
+            self.ray_cluster = k8s.apiextensions.CustomResource(
+                f"{name}-raycluster",
+                api_version=RAY_API_VERSION,
+                kind="RayCluster",
+                metadata=cluster_manifest.apply(lambda m: m["metadata"]),
+                spec=cluster_manifest.apply(lambda m: m["spec"]),
+                opts=pulumi.ResourceOptions(
+                    parent=self,
+                    provider=args.provider,
+                    depends_on=depends,
+                    # KubeRay does not roll pods on template edits: a new image gets a new cluster.
+                    replace_on_changes=["spec"],
+                    delete_before_replace=True,
+                    custom_timeouts=pulumi.CustomTimeouts(create=CRD_CREATE_TIMEOUT),
+                ),
+            )
+            depends = [*depends, self.ray_cluster]
+
+        job_manifest = spec.apply(render_ray_job)
+        self.ray_job = k8s.apiextensions.CustomResource(
+            f"{name}-rayjob",
+            api_version=RAY_API_VERSION,
+            kind="RayJob",
+            metadata=job_manifest.apply(lambda m: m["metadata"]),
+            spec=job_manifest.apply(lambda m: m["spec"]),
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                provider=args.provider,
+                depends_on=depends,
+                replace_on_changes=["spec"],
+                delete_before_replace=True,
+                custom_timeouts=pulumi.CustomTimeouts(create=CRD_CREATE_TIMEOUT),
+            ),
+        )
+        self.register_outputs({"job_name": self.job_name, "checkpoints": self.checkpoints, "run_dir": self.run_dir})
+
+
+def dashboard_command(namespace: str, job_name: str, standing_cluster: str | None) -> str:
+    """Port-forward to the Ray dashboard; an ephemeral cluster's name is in the RayJob's status."""
+    if standing_cluster is not None:
+        return f"kubectl port-forward -n {namespace} service/{standing_cluster}-head-svc 8265:8265"
+    cluster = f"$(kubectl get rayjob {job_name} -n {namespace} -o jsonpath='{{.status.rayClusterName}}')"
+    return f"kubectl port-forward -n {namespace} service/{cluster}-head-svc 8265:8265"
+
+
+def declare(
+    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
+) -> dict[str, pulumi.Input[Any]]:
+    """The ray-gemma3-vision workload: cluster with the Ray add-on, namespace pieces, RayJob; returns outputs."""
+    base = f"gft-{cfg.stack}"
+    cluster = AutopilotCluster(base, AutopilotClusterArgs(cfg=cfg, depends_on=list(foundation.apis)))
+    namespace = TrainingNamespace(
+        base,
+        TrainingNamespaceArgs(
+            cfg=cfg,
+            provider=cluster.provider,
+            cluster=cluster.cluster,
+            trainer_account=foundation.trainer_account,
+            hf_token=loaded.hf_token,
+        ),
+    )
+    training = RayTraining(
+        base,
+        RayTrainingArgs(
+            cfg=cfg,
+            provider=cluster.provider,
+            cluster=cluster.cluster,
+            namespace=namespace,
+            image=images.trainer_image,
+            bucket_name=foundation.bucket_name,
+        ),
+    )
+    ns = cfg.namespace
+    standing = STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None
+    outputs: dict[str, pulumi.Input[Any]] = {
+        "clusterName": cluster.name,
+        "getCredentials": cluster.get_credentials,
+        "namespace": ns,
+        "rayJobName": training.job_name,
+        "rayWorkers": cfg.total_gpus,
+        "rayJobStatus": training.job_name.apply(lambda j: f"kubectl get rayjob {j} -n {ns}"),
+        "logs": training.job_name.apply(lambda j: f"kubectl logs -f job/{j} -n {ns}"),
+        "dashboard": training.job_name.apply(lambda j: dashboard_command(ns, j, standing)),
+        "checkpoints": training.checkpoints,
+        "runDir": training.run_dir,
+        "adapter": training.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
+    }
+    if standing is not None:
+        outputs["rayCluster"] = standing
+    return outputs
