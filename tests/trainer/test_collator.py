@@ -1,0 +1,229 @@
+"""The vision collator: exactly the pad and image tokens (and, by default, the prompt) carry no loss.
+
+Why it matters: a label on an image soft token asks the model to predict image placeholders,
+and a magic id like 262144 silently stops matching when the vocabulary changes. Here the ids
+come from a tiny Gemma 3 processor built on this machine (no Hub), including one whose image
+tokens sit at other ids, and the masks are checked position by position.
+
+`tiny_vision_processor` / `tiny_vision_model` are reused by tests/trainer/test_ray_entry.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.collators import IGNORE_INDEX, VisionSFTCollator, image_token_ids, masked_token_ids
+from trainer.formatting import format_product_description
+
+DATA = Path(__file__).resolve().parents[2] / "trainer" / "data"
+IMAGE_SEQ_LENGTH = 4  # soft tokens per image: a perfect square, (image_size / patch_size)^2 pooled to 2x2
+IMAGE_SIZE = 32
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+IMAGE_SPECIALS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def product_rows() -> list[dict]:
+    return [json.loads(line) for line in (DATA / "products.jsonl").read_text().splitlines()]
+
+
+def tiny_vision_processor(image_tokens_first: bool = False):
+    """A Gemma3Processor around a small BPE tokenizer with Gemma's special and image tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+    from trainer.local_model import trl_chat_template
+
+    specials = IMAGE_SPECIALS + GEMMA_SPECIALS if image_tokens_first else GEMMA_SPECIALS + IMAGE_SPECIALS
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    corpus = [r["description"] + " " + r["Product Name"] + " " + r["Category"] for r in product_rows()]
+    corpus += ["You are an expert product description writer. Create a Short Product description <PRODUCT>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(corpus * 2, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=trl_chat_template("gemma3"),
+        image_seq_length=IMAGE_SEQ_LENGTH,
+    )
+
+
+def tiny_vision_model(processor, seed: int = 0):
+    """A random Gemma3ForConditionalGeneration: 2 text layers, a 1-layer SigLIP on 32x32 images."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    torch.manual_seed(seed)
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "query_pre_attn_scalar": 16,
+            "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": 1024, "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        },
+        vision_config={
+            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "image_size": IMAGE_SIZE, "patch_size": 8,
+        },
+        mm_tokens_per_image=IMAGE_SEQ_LENGTH,
+        image_token_index=tokenizer.image_token_id,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    return Gemma3ForConditionalGeneration(config)
+
+
+def examples(n: int = 3) -> list[dict]:
+    from PIL import Image
+
+    out = []
+    for row in product_rows()[:n]:
+        conversation = format_product_description(row)
+        conversation["images"] = [Image.open(DATA / image) for image in conversation["images"]]
+        out.append(conversation)
+    return out
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return tiny_vision_processor()
+
+
+@pytest.fixture(scope="module")
+def batch_and_ids(processor):
+    collator = VisionSFTCollator(processor, mask_prompt=False)
+    return collator(examples(3)), processor.tokenizer
+
+
+class TestTokenIds:
+    def test_ids_come_from_the_processor(self, processor):
+        tok = processor.tokenizer
+        assert image_token_ids(processor) == {tok.image_token_id, tok.boi_token_id, tok.eoi_token_id}
+        assert masked_token_ids(processor) == {tok.image_token_id, tok.boi_token_id, tok.eoi_token_id, tok.pad_token_id}
+        assert tok.convert_ids_to_tokens(sorted(image_token_ids(processor))) == sorted(
+            IMAGE_SPECIALS, key=tok.convert_tokens_to_ids
+        )
+
+    def test_other_vocabulary_other_ids(self):
+        moved = tiny_vision_processor(image_tokens_first=True)
+        tok = moved.tokenizer
+        assert image_token_ids(moved) == {0, 1, 2} == {tok.boi_token_id, tok.eoi_token_id, tok.image_token_id}
+        assert tok.pad_token_id not in image_token_ids(moved)
+
+
+class TestLabelsWithoutPromptMasking:
+    def test_masked_exactly_where_pad_or_image_tokens_are(self, batch_and_ids):
+        batch, tok = batch_and_ids
+        ids, labels = batch["input_ids"], batch["labels"]
+        special = {tok.pad_token_id, tok.image_token_id, tok.boi_token_id, tok.eoi_token_id}
+        expected_masked = sum(int(i) in special for i in ids.flatten())
+        assert int((labels == IGNORE_INDEX).sum()) == expected_masked
+        for row in range(ids.shape[0]):
+            for pos in range(ids.shape[1]):
+                token = int(ids[row, pos])
+                if token in special or batch["attention_mask"][row, pos] == 0:
+                    assert labels[row, pos] == IGNORE_INDEX, (row, pos, token)
+                else:
+                    assert labels[row, pos] == token, (row, pos, token)
+
+    def test_image_token_counts(self, batch_and_ids):
+        batch, tok = batch_and_ids
+        ids = batch["input_ids"]
+        for row in range(ids.shape[0]):
+            assert int((ids[row] == tok.image_token_id).sum()) == IMAGE_SEQ_LENGTH
+            assert int((ids[row] == tok.boi_token_id).sum()) == 1 and int((ids[row] == tok.eoi_token_id).sum()) == 1
+        assert batch["pixel_values"].shape == (3, 3, IMAGE_SIZE, IMAGE_SIZE)
+
+    def test_padding_is_masked_and_rows_differ_in_length(self, batch_and_ids):
+        batch, tok = batch_and_ids
+        pads = batch["attention_mask"] == 0
+        assert int(pads.sum()) > 0, "the sample rows should need padding"
+        assert bool((batch["labels"][pads] == IGNORE_INDEX).all())
+        assert bool((batch["input_ids"][pads] == tok.pad_token_id).all())
+
+    def test_single_bos(self, batch_and_ids):
+        batch, tok = batch_and_ids
+        for row in range(batch["input_ids"].shape[0]):
+            assert int((batch["input_ids"][row] == tok.bos_token_id).sum()) == 1
+
+
+class TestAssistantOnlyLoss:
+    @pytest.mark.parametrize("padding_side", ["right", "left"])
+    def test_only_the_answer_carries_loss(self, processor, padding_side):
+        processor.tokenizer.padding_side = padding_side
+        try:
+            rows = examples(3)
+            batch = VisionSFTCollator(processor)(rows)
+        finally:
+            processor.tokenizer.padding_side = "right"
+        tok = processor.tokenizer
+        for row, example in enumerate(rows):
+            kept = batch["labels"][row][batch["labels"][row] != IGNORE_INDEX].tolist()
+            answer = example["messages"][-1]["content"][0]["text"]
+            assert tok.decode(kept) == answer + "<end_of_turn>\n"
+
+    def test_forward_pass_gives_a_finite_loss(self, processor):
+        import torch
+
+        model = tiny_vision_model(processor)
+        batch = VisionSFTCollator(processor)(examples(2))
+        loss = model(**batch).loss
+        assert torch.isfinite(loss) and loss.item() > 0
+
+    def test_conversation_without_answer_is_rejected(self, processor):
+        broken = examples(1)
+        broken[0]["messages"] = broken[0]["messages"][:-1]
+        with pytest.raises(ValueError, match="assistant"):
+            VisionSFTCollator(processor)(broken)
+
+    def test_overlong_batch_raises(self, processor):
+        with pytest.raises(ValueError, match="max_length"):
+            VisionSFTCollator(processor, max_length=16)(examples(1))
+
+
+class TestProductSample:
+    def test_rows_and_images(self):
+        from PIL import Image
+
+        rows = product_rows()
+        assert 24 <= len(rows) <= 60
+        total = 0
+        for row in rows:
+            assert {"Product Name", "Category", "description", "image"} <= set(row)
+            path = DATA / row["image"]
+            assert path.parent == DATA / "products" and path.suffix == ".png"
+            with Image.open(path) as image:
+                assert image.size == (64, 64)
+            total += path.stat().st_size
+        assert total < 300_000
+        assert len({r["Product Name"] for r in rows}) == len(rows)
+
+    def test_every_row_formats(self):
+        for row in product_rows():
+            conversation = format_product_description(row)
+            assert conversation["images"] == [row["image"]]

@@ -1,0 +1,163 @@
+"""Batches for vision SFT (Gemma 3 image + text → text): chat template, images, labels.
+
+    from trainer.collators import VisionSFTCollator
+    collator = VisionSFTCollator(processor, max_length=1024)
+    batch = collator([{"messages": [...], "images": [PIL.Image]}, ...])   # input_ids, pixel_values, labels, …
+
+Decisions:
+- The processor does the work it knows best: `apply_chat_template` renders each conversation
+  (`{"type": "image"}` parts become the begin-of-image token), then `processor(text, images)`
+  expands every image into its soft tokens and produces pixel_values. The rendered text
+  already starts with `<bos>`, so the processor adds no special tokens (no double BOS).
+- Labels are input_ids with these set to -100: padding, and every image token — the soft
+  tokens and the begin/end-of-image markers. Their ids are read from the processor and its
+  tokenizer (`tokenizer.pad_token_id`, `tokenizer.image_token_id`, `boi_token_id`,
+  `eoi_token_id`, `processor.image_token_ids`, `convert_tokens_to_ids(processor.boi_token)`),
+  never typed in: transformers 5.23's `processor.image_token_id` is the BEGIN-of-image id while
+  older releases used it for the soft token, and a fixed 262144 only fits one vocabulary.
+- Loss on the assistant only (`mask_prompt=True`, the default): each conversation is also
+  rendered WITHOUT its final assistant turn (with the generation prompt) and processed with the
+  same images; that prompt must be a token-for-token prefix of the full sequence, and those
+  prefix positions are masked. When a template breaks the prefix property for a row, that row
+  keeps its prompt in the loss and a warning says so: wrong masking is worse than none.
+- Truncation is not done here: the data loader drops rows longer than `max_length`, and
+  cutting through an image's soft tokens would break the model's image/token alignment. A
+  batch longer than `max_length` raises instead.
+
+It does not load images from paths beyond opening a path string with PIL (the data loader
+normally hands over PIL images), and does not support pan-and-scan crops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+_IMAGE_ID_ATTRIBUTES = ("image_token_id", "boi_token_id", "eoi_token_id")
+_IMAGE_TOKEN_ATTRIBUTES = ("image_token", "boi_token", "eoi_token")
+
+
+def image_token_ids(processor: Any) -> set[int]:
+    """Every id that stands for image content in this processor's vocabulary (soft, begin, end tokens)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    ids: set[int] = set()
+    for owner in (processor, tokenizer):
+        for attr in _IMAGE_ID_ATTRIBUTES:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int):
+                ids.add(value)
+        for attr in _IMAGE_TOKEN_ATTRIBUTES:
+            token = getattr(owner, attr, None)
+            if isinstance(token, str) and token:
+                token_id = tokenizer.convert_tokens_to_ids(token)
+                if isinstance(token_id, int):
+                    ids.add(token_id)
+    extra = getattr(processor, "image_token_ids", None)
+    if isinstance(extra, Iterable):
+        ids.update(int(i) for i in extra)
+    ids.discard(unk)  # a token the vocabulary does not have maps to unk: never mask real unknown text by it
+    if not ids:
+        raise ValueError(f"{type(processor).__name__} exposes no image token ids (image_token_id, boi_token, …)")
+    return ids
+
+
+def masked_token_ids(processor: Any) -> set[int]:
+    """Ids that never carry loss: the image tokens plus the pad token."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = image_token_ids(processor)
+    if tokenizer.pad_token_id is not None:
+        ids.add(int(tokenizer.pad_token_id))
+    return ids
+
+
+def _as_rgb(image: Any) -> Any:
+    from PIL import Image
+
+    if isinstance(image, str):
+        image = Image.open(image)
+    return image.convert("RGB") if getattr(image, "mode", "RGB") != "RGB" else image
+
+
+def _prompt_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("each conversation must end with the assistant's answer")
+    return list(messages[:-1])
+
+
+class VisionSFTCollator:
+    """Callable collator for trl/transformers Trainers (set `remove_unused_columns=False`)."""
+
+    def __init__(self, processor: Any, max_length: int | None = None, mask_prompt: bool = True) -> None:
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.max_length = max_length
+        self.mask_prompt = mask_prompt
+        self.masked_ids = sorted(masked_token_ids(processor))
+
+    def _encode(self, conversations: Sequence[Sequence[Mapping[str, Any]]], images: list[list[Any]], prompt: bool):
+        texts = [
+            self.processor.apply_chat_template(list(c), tokenize=False, add_generation_prompt=prompt)
+            for c in conversations
+        ]
+        has_images = any(images)
+        return self.processor(
+            text=texts,
+            images=images if has_images else None,
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        import torch
+
+        conversations = [example["messages"] for example in examples]
+        images = [[_as_rgb(image) for image in example.get("images") or []] for example in examples]
+        batch = self._encode(conversations, images, prompt=False)
+        input_ids = batch["input_ids"]
+        if self.max_length is not None and input_ids.shape[1] > self.max_length:
+            raise ValueError(
+                f"a batch is {input_ids.shape[1]} tokens long, over max_length={self.max_length}: "
+                "the data loader should have dropped such rows"
+            )
+        labels = input_ids.clone()
+        labels[torch.isin(input_ids, torch.tensor(self.masked_ids))] = IGNORE_INDEX
+        if "attention_mask" in batch:
+            labels[batch["attention_mask"] == 0] = IGNORE_INDEX
+        if self.mask_prompt:
+            self._mask_prompts(labels, batch, conversations, images)
+        batch["labels"] = labels
+        return dict(batch)
+
+    def _mask_prompts(self, labels: torch.Tensor, batch: Any, conversations: Sequence[Any], images: list[list[Any]]):
+        prompts = self._encode([_prompt_messages(c) for c in conversations], images, prompt=True)
+        for row in range(labels.shape[0]):
+            full = _real_tokens(batch, row)
+            prompt = _real_tokens(prompts, row)
+            start = _first_real_position(batch, row)
+            if len(prompt) >= len(full) or full[: len(prompt)] != prompt:
+                log.warning("row %d: the prompt is not a prefix of the conversation; its prompt stays in the loss", row)
+                continue
+            labels[row, start : start + len(prompt)] = IGNORE_INDEX
+
+
+def _real_tokens(batch: Any, row: int) -> list[int]:
+    ids = batch["input_ids"][row]
+    if "attention_mask" in batch:
+        ids = ids[batch["attention_mask"][row].bool()]
+    return ids.tolist()
+
+
+def _first_real_position(batch: Any, row: int) -> int:
+    """0 with right padding; the number of pads with left padding."""
+    if "attention_mask" not in batch:
+        return 0
+    return int(batch["attention_mask"][row].int().argmax())
