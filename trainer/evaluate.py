@@ -28,7 +28,7 @@ import math
 import sys
 import unicodedata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer.formatting import prompt_messages, reference_text
 from trainer.recipe import Recipe, RecipeError, Task, load_recipe
@@ -114,11 +114,12 @@ def generate(
     """Greedy completion of a conversation's next assistant turn, without special tokens."""
     import torch
 
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    prompt = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    inputs = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(model.device)
+    prompt_length = int(inputs["input_ids"].shape[1])
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+        output: Any = cast(Any, model).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return str(tokenizer.decode(output[0, prompt_length:], skip_special_tokens=True)).strip()
 
 
 def answer_loss(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conversation: dict) -> tuple[float, int]:

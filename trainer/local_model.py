@@ -123,8 +123,8 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
 
 def _drop_gguf_quantizer(model: PreTrainedModel) -> None:
     """The GGUF weights are already dequantised to float32 tensors; forget the loader so the model saves normally."""
-    model.hf_quantizer = None
-    model.is_quantized = False
+    setattr(model, "hf_quantizer", None)  # noqa: B010 - transformers types these attributes loosely
+    setattr(model, "is_quantized", False)  # noqa: B010
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
 

@@ -34,12 +34,12 @@ def test_short_lora_run_on_gemma3_270m(tmp_path: Path) -> None:
         [
             f"output.dir={tmp_path / 'run'}",
             "training.max_steps=3",
-            "training.per_device_train_batch_size=4",
+            "training.per_device_train_batch_size=2",
             "training.save_steps=3",
             "training.logging_steps=1",
             "training.report_to=[]",
             "data.max_rows=48",
-            "data.eval_rows=4",
+            "data.eval_rows=2",
             "output.merge=true",
         ],
     )
