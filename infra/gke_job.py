@@ -27,7 +27,10 @@ Decisions
 - Multi-node (nodes > 1): an Indexed Job (completions = parallelism = nodes) plus a headless
   Service named like the Job; pods find rank 0 at `<job>-0.<job>:29500` and take their node rank
   from the Job's completion index. World size = nodes x gpusPerNode.
-- HF_TOKEN only through `secretKeyRef`; the image only by digest.
+  The pods must share a zone (required pod affinity on the run label).
+- HF_TOKEN only through `secretKeyRef`; the image only by digest; pods run as non-root.
+- After `ttlSecondsAfterFinished` the Job is gone from the cluster but not from Pulumi's state:
+  run `pulumi refresh` before changing a setting of a finished run.
 
 Not here: JobSet (not installed on GKE), the A4 RDMA / GPUDirect multi-networking setup
 (multi-node NCCL runs over the pod network: correct, not fast), Kueue, waiting for completion.
@@ -46,6 +49,7 @@ from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from infra.gke_workload import (
     CONTAINER_SECURITY_CONTEXT,
     POD_SECURITY_CONTEXT,
+    RUN_LABEL,
     TrainingNamespace,
     TrainingNamespaceArgs,
     common_labels,
@@ -53,6 +57,7 @@ from infra.gke_workload import (
     gpu_pod_resources,
     hf_token_env,
     run_name,
+    same_zone_affinity,
 )
 
 if TYPE_CHECKING:
@@ -166,6 +171,7 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
     }
     if spec.multi_node:
         pod_spec["subdomain"] = spec.name
+        pod_spec["affinity"] = same_zone_affinity(spec.name)
 
     job_spec: dict[str, Any] = {
         "backoffLimit": spec.retries * spec.nodes,
@@ -176,7 +182,7 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
         "podFailurePolicy": {
             "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
         },
-        "template": {"metadata": {"labels": dict(spec.labels)}, "spec": pod_spec},
+        "template": {"metadata": {"labels": {**spec.labels, RUN_LABEL: spec.name}}, "spec": pod_spec},
     }
     if spec.multi_node:
         job_spec["completionMode"] = "Indexed"

@@ -144,6 +144,24 @@ def hf_token_env(secret_name: str | None) -> list[dict[str, Any]]:
     return [{"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": HF_SECRET_KEY}}}]
 
 
+RUN_LABEL = "gemma-finetune/run"
+ZONE_TOPOLOGY = "topology.kubernetes.io/zone"
+
+
+def same_zone_affinity(run: str) -> dict[str, Any]:
+    """Keep the pods of one multi-node run in one zone: NCCL across zones is slow and pays for egress.
+    The first pod matches its own selector, so it may go anywhere; the rest follow it. (A specific
+    reservation is zonal anyway; for spot / flex-start / on-demand a later pod waits for capacity in
+    that zone rather than spilling into another.)"""
+    return {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {RUN_LABEL: run}}, "topologyKey": ZONE_TOPOLOGY}
+            ]
+        }
+    }
+
+
 def workload_identity_member(project: str, namespace: str, ksa: str) -> str:
     return f"serviceAccount:{project}.svc.id.goog[{namespace}/{ksa}]"
 

@@ -17,10 +17,12 @@ Decisions
   interactive use and the RayJob targets it with `clusterSelector`; its GPU workers bill until
   the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it.
 - Workers = total GPUs (nodes x gpusPerNode), one `gpu-group` worker per node holding all its
-  GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`). The head is
+  GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`) and, with more
+  than one node, kept in one zone by required pod affinity (NCCL across zones is slow). The head is
   small (8 vCPU / 32Gi / 9Gi ephemeral: Autopilot caps ephemeral storage on general-purpose pods,
   9Gi is what the seed ran with) and runs no Ray tasks (`num-cpus: "0"`). rayStartParams values are
   strings and the field is always present.
+- Pods run as non-root (the image's uid 1000) and use the Workload Identity service account.
 - Image = the trainer image by digest (Ray is inside it): no runtimeEnv pip installs, no minutes
   of idle GPUs while packages download. rayVersion comes from config and must match that Ray.
 - The RayJob's name is `ft-<recipe>-<hash8>` over image, recipe bytes, overrides and shape (as the
@@ -51,6 +53,7 @@ from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from infra.gke_workload import (
     CONTAINER_SECURITY_CONTEXT,
     POD_SECURITY_CONTEXT,
+    RUN_LABEL,
     TrainingNamespace,
     TrainingNamespaceArgs,
     common_labels,
@@ -58,6 +61,7 @@ from infra.gke_workload import (
     gpu_pod_resources,
     hf_token_env,
     run_name,
+    same_zone_affinity,
 )
 
 if TYPE_CHECKING:
@@ -152,7 +156,17 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
     head = _ray_container("ray-head", spec, head_resources)
     head["ports"] = [dict(p) for p in HEAD_PORTS]
     worker = _ray_container("ray-worker", spec, spec.worker_resources)
-    pod_labels = dict(spec.labels)
+    run = spec.standing_cluster or spec.name
+    pod_labels = {**spec.labels, RUN_LABEL: run}
+    worker_pod: dict[str, Any] = {
+        "serviceAccountName": spec.service_account,
+        "nodeSelector": dict(spec.node_selector),
+        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "containers": [worker],
+    }
+    if spec.nodes > 1:
+        # NCCL between GPU workers stays in one zone.
+        worker_pod["affinity"] = same_zone_affinity(run)
     return {
         "rayVersion": spec.ray_version,
         "enableInTreeAutoscaling": False,
@@ -177,12 +191,7 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
                 "rayStartParams": {},
                 "template": {
                     "metadata": {"labels": pod_labels},
-                    "spec": {
-                        "serviceAccountName": spec.service_account,
-                        "nodeSelector": dict(spec.node_selector),
-                        "securityContext": dict(POD_SECURITY_CONTEXT),
-                        "containers": [worker],
-                    },
+                    "spec": worker_pod,
                 },
             }
         ],

@@ -280,6 +280,13 @@ class TestMultiNode:
         assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]
         assert multi.one(SERVICE).urn in multi.one(JOB).dependencies
 
+    def test_pods_share_a_zone(self, multi: StackRun) -> None:
+        template = job_of(multi)["spec"]["template"]
+        (term,) = template["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "topology.kubernetes.io/zone"
+        selector = term["labelSelector"]["matchLabels"]
+        assert selector.items() <= template["metadata"]["labels"].items(), "pod 0 matches itself"
+
     def test_pods_agree(self, multi: StackRun) -> None:
         job = job_of(multi)
         name = job["metadata"]["name"]

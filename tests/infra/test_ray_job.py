@@ -196,6 +196,9 @@ class TestRayJob:
         }
         assert "tolerations" not in pod
         assert pod["securityContext"] == {"runAsNonRoot": True}
+        (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "topology.kubernetes.io/zone", "2 nodes: NCCL stays in one zone"
+        assert term["labelSelector"]["matchLabels"].items() <= group["template"]["metadata"]["labels"].items()
 
     def test_spot_workers(self) -> None:
         stack_run = run_stack(STACK, overrides={**PREBUILT, "capacity": "spot"}, remove=("reservationName",))
