@@ -30,6 +30,12 @@ lint: $(STAMP) ## ruff, mypy on infra/, workflow/Dockerfile linters
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy infra trainer/recipe.py
+	$(VENV)/bin/actionlint -no-color -pyflakes=
+	@files=$$(find . \( -name .git -o -name .venv -o -name venv -o -name build -o -name outputs -o -name .cache \
+	    -o -name node_modules \) -prune -o -type f \( -name Dockerfile -o -name 'Dockerfile.*' -o -name '*.Dockerfile' \) \
+	    ! -name '*.dockerignore' -print | sort); \
+	  echo "hadolint $$files"; [ -z "$$files" ] || $(VENV)/bin/hadolint $$files
+	$(PY) -m infra.validate_manifests
 
 test: lint ## lint + every test (slow ones too: CI runs them)
 	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
