@@ -309,3 +309,22 @@ class TestRenderer:
         assert "--num-workers 8" in job["spec"]["entrypoint"]
         head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
         assert [e["name"] for e in head["env"]] == ["PYTHONUNBUFFERED"], "no token, no HF_TOKEN env"
+
+
+class TestTrainerContract:
+    """The RayJob speaks the trainer's language: its entrypoint parses and its Ray matches the image's."""
+
+    def test_entrypoint_parses(self, ephemeral: StackRun) -> None:
+        ray_entry = pytest.importorskip("trainer.ray_entry")
+        args = entrypoint_args(ephemeral)
+        assert args[:3] == ["python", "-m", "trainer.ray_entry"]
+        run_spec = ray_entry.parse_args(args[3:], env={})
+        assert run_spec.recipe == "product-descriptions-gemma3-4b"
+        assert run_spec.num_workers == 16 and run_spec.use_gpu is True
+        assert run_spec.name == ephemeral.outputs["rayJobName"]
+        assert f"{run_spec.storage_path}/{run_spec.name}" == ephemeral.outputs["checkpoints"]
+        assert run_spec.overrides[-1] == f"output.dir={ephemeral.outputs['runDir']}"
+
+    def test_ray_version_matches_the_image(self, ephemeral: StackRun) -> None:
+        ray_entry = pytest.importorskip("trainer.ray_entry")
+        assert cluster_spec(ephemeral)["rayVersion"] == ray_entry.RAY_VERSION
