@@ -32,13 +32,24 @@ from infra.offline import REPO_ROOT, Recorded, StackRun, redact_secrets, run_sta
 _KEY_INPUTS = ("accountId", "name", "role", "member", "service", "location", "repositoryId", "secretId", "metadata")
 
 
+def _whole_numbers(value: Any) -> Any:
+    """The engine carries every number as a double; show 600, not 600.0 (Kubernetes int fields reject floats)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
+
+
 def k8s_manifest(resource: Recorded) -> dict[str, Any] | None:
     """The Kubernetes object a `kubernetes:*` resource applies, secrets redacted; None for other resources."""
     if not resource.type.startswith("kubernetes:") or resource.type.startswith("kubernetes:yaml"):
         return None
     _, group_version, kind = resource.type.split(":")
     api_version = group_version.removeprefix("core/")
-    body = redact_secrets(resource.inputs)
+    body = _whole_numbers(redact_secrets(resource.inputs))
     manifest = {"apiVersion": body.pop("apiVersion", api_version), "kind": body.pop("kind", kind)}
     manifest.update(body)
     return manifest
@@ -66,7 +77,7 @@ def resources_json(run: StackRun) -> list[dict[str, Any]]:
             "type": r.type,
             "name": r.name,
             "parent": _parent_name(r),
-            "inputs": redact_secrets(r.inputs),
+            "inputs": _whole_numbers(redact_secrets(r.inputs)),
             "dependsOn": [d.rsplit("::", 1)[-1] for d in r.dependencies],
             "retainOnDelete": r.retain_on_delete,
         }
