@@ -1,0 +1,845 @@
+"""Training throughput: the seed configuration against ours, same model, same data, same optimizer steps.
+
+    .venv/bin/python bench/train_throughput.py --device cpu                      # real Gemma 3 270M, text-to-SQL
+    .venv/bin/python bench/train_throughput.py --device cpu --model tiny --steps 3   # seconds, used by the test
+    .venv/bin/python bench/train_throughput.py --device cuda --model gemma3-1b   # H200: 1B shape, bf16, MFU
+    .venv/bin/python bench/train_throughput.py --device cuda --model gemma3-4b --peak-tflops 989
+
+Both configurations are built in ONE process from the trainer's own pieces (recipe schema, `sft_config`,
+`prepare_datasets`, `lora_config`, `choose_loss_mode`) and trained by trl's SFTTrainer in two threads that
+hand a baton to each other after every optimizer step: seed step 1, ours step 1, seed step 2, ... Only one
+trains at a time, so background load on a shared machine hits both alike; the result is a ratio.
+
+- SEED: W1's SFT settings (pad to the longest sequence, no packing, per-device batch 2, gradient
+  checkpointing, unfused `adamw_torch`) with W2's `eager` attention.
+- OURS: trl best-fit-decreasing packing, which is padding-free (sequences are concatenated into one row and
+  `position_ids` restart at every sequence; transformers turns that into a block-diagonal mask for sdpa and
+  eager, and flash-attention uses the sequence boundaries directly), sdpa attention (flash_attention_2 on a GPU
+  with `flash_attn` installed), fused AdamW, Liger's layer kernels on a GPU when `liger_kernel` is installed,
+  one larger micro-batch per optimizer step, no gradient checkpointing.
+
+Fairness: both see every training row exactly once in the same number of optimizer steps. The bin length of
+the packing is chosen so that the packed rows divide into exactly that many steps, so the mean number of real
+tokens per optimizer step is identical (packing regroups sequences, so a single step's count differs).
+Loss parity is therefore judged on a held-out set scored identically for both (padded batches, each model with
+its own attention), plus the mean training loss over the last steps.
+
+Not measured here: multi-GPU (FSDP) scaling, QLoRA (bitsandbytes), data loading from the Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: make `trainer` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from trainer.recipe import Recipe  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, TrainerCallback
+    from trl import SFTTrainer
+
+log = logging.getLogger("bench")
+
+DEFAULT_OUT = "build/bench/train_throughput.json"
+DATASETS = {"text-to-sql": "trainer/data/text_to_sql.jsonl", "emoji": "trainer/data/emoji.jsonl"}
+SEED = 42
+H200_BF16_DENSE_TFLOPS = 989.0
+
+# Gemma 3 text shapes from the published google/gemma-3-1b-pt and google/gemma-3-4b-it (text_config) configs.
+# Random weights: throughput does not depend on their values. Vocabulary is the Gemma 3 tokenizer's 262,144
+# (the 4B checkpoint pads its embedding to 262,208 for image tokens; irrelevant to text throughput).
+GPU_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma3-1b": {
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "sliding_window": 512,
+    },
+    "gemma3-4b": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 1024,
+    },
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One side of the comparison, in recipe terms (so the winning settings map straight onto a recipe)."""
+
+    name: str
+    attn_implementation: str
+    micro_batch: int
+    grad_accum: int
+    packing: bool
+    gradient_checkpointing: bool
+    optim: str
+    liger: bool = False
+    pack_length: int | None = None  # packed row length; None = no packing
+
+    def recipe_training(self, max_length: int, learning_rate: float) -> dict[str, Any]:
+        extra: dict[str, Any] = {"save_strategy": "no", "dataloader_num_workers": 0}
+        if self.packing:
+            extra["packing_strategy"] = "bfd"
+        if self.liger:
+            extra["use_liger_kernel"] = True  # layer kernels only: trl already fuses the LM head + loss
+        return {
+            "num_train_epochs": 1,
+            "per_device_train_batch_size": self.micro_batch,
+            "gradient_accumulation_steps": self.grad_accum,
+            "learning_rate": learning_rate,
+            "lr_scheduler_type": "constant",
+            "optim": self.optim,
+            "max_length": self.pack_length if self.packing and self.pack_length else max_length,
+            "packing": self.packing,
+            "padding_free": self.packing,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "logging_steps": 1,
+            "save_steps": 10**9,
+            "save_total_limit": None,
+            "seed": SEED,
+            "report_to": [],
+            "extra": extra,
+        }
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    real_tokens: int
+
+
+@dataclass
+class RunStats:
+    """What one configuration did in the interleaved run."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    real_tokens_collated: int = 0
+    slots_collated: int = 0
+    peak_memory_gib: float | None = None
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def seed_config(steps_sequences: int) -> RunConfig:
+    """W1's settings: batch 2 padded to the longest, gradient checkpointing, adamw_torch; W2's eager attention."""
+    if steps_sequences % 2:
+        raise ValueError(f"--seqs-per-step={steps_sequences} must be even (the seed's per-device batch is 2)")
+    return RunConfig(
+        name="seed",
+        attn_implementation="eager",
+        micro_batch=2,
+        grad_accum=steps_sequences // 2,
+        packing=False,
+        gradient_checkpointing=True,
+        optim="adamw_torch",
+    )
+
+
+def ours_config(device: str, micro_batch: int, grad_accum: int, checkpointing: bool) -> RunConfig:
+    """Padding-free packing, the fastest attention available, fused AdamW, Liger layer kernels on GPU."""
+    return RunConfig(
+        name="ours",
+        attn_implementation=best_attention(device),
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        packing=True,
+        gradient_checkpointing=checkpointing,
+        optim="adamw_torch_fused",
+        liger=device == "cuda" and _importable("liger_kernel"),
+    )
+
+
+def best_attention(device: str) -> str:
+    """flash_attention_2 (varlen: packed rows cost nothing extra) when installed on a GPU, else sdpa."""
+    if device == "cuda" and _importable("flash_attn"):
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def bench_recipe(cfg: RunConfig, model_path: str, args: argparse.Namespace, out_dir: Path) -> Recipe:
+    """A complete recipe for one side, validated by the trainer's own schema."""
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return Recipe.model_validate(
+        {
+            "name": f"bench-{cfg.name}",
+            "model": {"name_or_path": model_path, "dtype": dtype, "attn_implementation": cfg.attn_implementation},
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.05},  # W1's adapter
+            "data": {
+                "task": args.data,
+                "source": "local",
+                "path": DATASETS[args.data],
+                "max_rows": args.train_rows + args.eval_rows,
+                "eval_rows": args.eval_rows,
+                "seed": SEED,
+            },
+            "training": cfg.recipe_training(args.max_length, args.learning_rate),
+            "output": {"dir": str(out_dir / cfg.name), "merge": False},
+            "evaluation": {"enabled": False},
+        }
+    )
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_source(args: argparse.Namespace, workdir: Path) -> str:
+    """A model folder for the CPU modes: the real Gemma 3 270M, or a tiny random Gemma 3 saved on the spot."""
+    if args.model == "gemma3-270m":
+        from trainer.local_model import ensure_local_model
+
+        return str(ensure_local_model())
+    if args.model == "tiny":
+        from tests.trainer.tiny import save_tiny_model
+
+        return str(save_tiny_model(workdir / "tiny-gemma3", "gemma3"))
+    # GPU shapes: weights are built in memory, only the Gemma 3 tokenizer comes from the local model folder
+    from trainer.local_model import ensure_local_model
+
+    return str(ensure_local_model())
+
+
+def load_bench_model(recipe: Recipe, model_path: str, shape: str) -> PreTrainedModel:
+    """The recipe's model from disk (CPU modes), or a random Gemma 3 of a published shape in bf16 on the GPU."""
+    import torch
+
+    if shape not in GPU_SHAPES:
+        from trainer.modeling import load_model
+
+        return load_model(recipe.model, None, model_path)
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    sizes = GPU_SHAPES[shape]
+    pattern = ["sliding_attention"] * 5 + ["full_attention"]
+    config = Gemma3TextConfig(
+        vocab_size=262144,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=32768,
+        layer_types=[pattern[i % 6] for i in range(sizes["num_hidden_layers"])],
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        **sizes,
+    )
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        return Gemma3ForCausalLM._from_config(
+            config, dtype=torch.bfloat16, attn_implementation=recipe.model.attn_implementation
+        )
+
+
+# --------------------------------------------------------------------------- packing size
+
+
+def token_lengths(trainer: SFTTrainer) -> list[int]:
+    return [len(ids) for ids in trainer.train_dataset["input_ids"]]
+
+
+def packed_rows(lengths: Sequence[int], pack_length: int) -> int:
+    """How many rows trl's best-fit-decreasing packing makes of these sequences."""
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    dataset = Dataset.from_dict({"input_ids": [[1] * n for n in lengths]})
+    return len(pack_dataset(dataset, pack_length, strategy="bfd"))
+
+
+def choose_pack_length(lengths: Sequence[int], target_rows: int) -> int:
+    """The shortest packed row length (a multiple of 8, never truncating) that packs into at most `target_rows`."""
+    length = max(max(lengths), -(-sum(lengths) // target_rows))
+    length += -length % 8
+    while packed_rows(lengths, length) > target_rows:
+        length += 8
+    return length
+
+
+# --------------------------------------------------------------------------- interleaving
+
+
+class Baton:
+    """Turn-taking between training threads: the holder trains one optimizer step, then passes it on."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._order = list(names)
+        self._turn = self._order[0]
+        self._done: set[str] = set()
+        self._cond = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == name)
+
+    def pass_on(self, name: str, finished: bool = False) -> None:
+        with self._cond:
+            if finished:
+                self._done.add(name)
+            waiting = [n for n in self._order if n not in self._done]
+            if waiting:
+                i = self._order.index(name)
+                following = self._order[i + 1 :] + self._order[: i + 1]
+                self._turn = next(n for n in following if n not in self._done)
+            self._cond.notify_all()
+
+
+def interleave_callback(name: str, baton: Baton, stats: RunStats, sync: Callable[[], None]) -> TrainerCallback:
+    """Times each optimizer step of one trainer (data fetch included) and hands over the baton after it."""
+    from transformers import TrainerCallback
+
+    class _Interleave(TrainerCallback):
+        def __init__(self) -> None:
+            self.started = 0.0
+            self.tokens_before = 0
+
+        def _take(self, state: Any) -> None:
+            baton.wait(name)
+            self.started = time.perf_counter()
+            self.tokens_before = int(state.num_input_tokens_seen)
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._take(state)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            sync()
+            seconds = time.perf_counter() - self.started
+            stats.steps.append(StepRecord(seconds, int(state.num_input_tokens_seen) - self.tokens_before))
+            baton.pass_on(name)
+            self._take(state)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            baton.pass_on(name, finished=True)
+
+    return _Interleave()
+
+
+class CountingCollator:
+    """Wraps a trainer's collator to count real tokens against the slots of the batches it builds."""
+
+    def __init__(self, inner: Callable[[list[dict[str, Any]]], dict[str, Any]], stats: RunStats) -> None:
+        self.inner = inner
+        self.stats = stats
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.inner(examples)
+        self.stats.real_tokens_collated += sum(len(example["input_ids"]) for example in examples)
+        self.stats.slots_collated += int(batch["input_ids"].numel())
+        return batch
+
+
+def train_interleaved(trainers: dict[str, SFTTrainer], stats: dict[str, RunStats]) -> None:
+    """Run every trainer's `train()` in its own thread; the baton lets exactly one step run at a time."""
+    errors: list[BaseException] = []
+
+    def run(name: str, trainer: SFTTrainer) -> None:
+        try:
+            trainer.train()
+        except BaseException as exc:  # surfaced below, after the other thread is released
+            errors.append(exc)
+            baton.pass_on(name, finished=True)
+
+    baton = Baton(list(trainers))
+    sync = _synchronizer()
+    from transformers import PrinterCallback
+
+    for name, trainer in trainers.items():
+        trainer.remove_callback(PrinterCallback)  # the table at the end says it all
+        trainer.add_callback(interleave_callback(name, baton, stats[name], sync))
+        trainer.data_collator = CountingCollator(trainer.data_collator, stats[name])
+    threads = [threading.Thread(target=run, args=item, name=f"train-{item[0]}") for item in trainers.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _synchronizer() -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+
+# --------------------------------------------------------------------------- building
+
+
+@dataclass
+class Built:
+    trainer: SFTTrainer
+    tokenizer: Any
+    recipe: Recipe
+
+
+def build(cfg: RunConfig, model_path: str, args: argparse.Namespace, workdir: Path, eval_set: bool = False) -> Built:
+    """An SFTTrainer for one configuration, assembled from the trainer package's functions."""
+    from transformers import set_seed
+    from trl import SFTTrainer
+
+    from trainer.checkpoints import OutputLocation
+    from trainer.data import prepare_datasets
+    from trainer.modeling import load_tokenizer, lora_config
+    from trainer.train import LossMode, choose_loss_mode, sft_config, to_prompt_completion
+
+    recipe = bench_recipe(cfg, model_path, args, workdir)
+    tokenizer = load_tokenizer(recipe.model, model_path)
+    split = prepare_datasets(recipe.data, tokenizer, args.max_length)
+    loss = choose_loss_mode(tokenizer, recipe.training.assistant_only_loss)
+    train_set, held_out = split.train, split.eval
+    if loss is LossMode.COMPLETION:
+        train_set = to_prompt_completion(train_set)
+        held_out = to_prompt_completion(held_out) if held_out is not None else None
+    set_seed(SEED)  # identical base weights (GPU shapes) and identical LoRA initialisation on both sides
+    model = load_bench_model(recipe, model_path, args.model)
+    set_seed(SEED)
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_config(recipe, OutputLocation.from_dir(recipe.output.dir), has_eval=False, loss=loss),
+        train_dataset=train_set,
+        eval_dataset=held_out if eval_set else None,
+        processing_class=tokenizer,
+        peft_config=lora_config(recipe.lora, model),
+    )
+    return Built(trainer, tokenizer, recipe)
+
+
+def sized_ours(seed: Built, args: argparse.Namespace) -> RunConfig:
+    """Ours, with a packed row length that gives exactly the seed's number of optimizer steps."""
+    rows = len(seed.trainer.train_dataset)
+    steps = -(-rows // (seed.trainer.args.per_device_train_batch_size * seed.trainer.args.gradient_accumulation_steps))
+    base = ours_config(args.device, args.ours_micro_batch, args.ours_grad_accum, args.ours_checkpointing)
+    target_rows = steps * base.micro_batch * base.grad_accum
+    return replace(base, pack_length=choose_pack_length(token_lengths(seed.trainer), target_rows))
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def packing_isolation_error(trainer: SFTTrainer, sequences: Sequence[Sequence[int]]) -> float:
+    """Max |logit difference| between sequences run alone and the same sequences packed padding-free.
+
+    Near zero means the packed row's attention does not leak across sequence boundaries with this
+    attention implementation (transformers derives a block-diagonal mask from the restarting position_ids).
+    """
+    import torch
+
+    model = trainer.model
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = trainer.data_collator([{"input_ids": list(ids)} for ids in sequences])
+            inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.items() if k != "labels"}
+            logits_packed = model(**inputs).logits[0].float()
+            alone = [model(input_ids=torch.tensor([list(ids)], device=device)).logits[0].float() for ids in sequences]
+    finally:
+        model.train(was_training)
+    return float((logits_packed - torch.cat(alone)).abs().max())
+
+
+def isolation_sequences(seed: Built, length: int = 96) -> list[list[int]]:
+    """Two different training sequences, cut short: enough to expose a leak, cheap on a CPU."""
+    ids = seed.trainer.train_dataset.select(range(2))["input_ids"]
+    return [list(ids[0][:length]), list(ids[1][: length // 2])]
+
+
+def held_out_loss(model: Any, batches: Sequence[dict[str, Any]]) -> float:
+    """Token-weighted cross-entropy on the held-out batches (assistant tokens only)."""
+    import torch
+
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                batch = {k: v.to(device) for k, v in batch.items() if torch.is_tensor(v)}
+                n = int((batch["labels"][:, 1:] != -100).sum())
+                loss = model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+                ).loss
+                total += float(loss) * n
+                count += n
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+def held_out_batches(seed: Built, batch_size: int = 2) -> list[dict[str, Any]]:
+    """Padded batches of the held-out rows built with the seed's collator, scored the same way for both."""
+    dataset = seed.trainer.eval_dataset
+    if dataset is None:
+        return []
+    rows = [dataset[i] for i in range(len(dataset))]
+    return [seed.trainer.data_collator(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+
+
+def train_losses(trainer: SFTTrainer) -> list[float]:
+    return [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def flops_per_token(model: Any, mean_seq_len: float) -> dict[str, float]:
+    """LoRA training FLOPs per real token: 4 x N_frozen + 6 x N_lora + attention.
+
+    The frozen base runs forward (2N) and a backward for the input gradients only (2N); the adapters
+    run forward and both backward passes (6N). N_frozen counts every matmul weight, the tied LM head
+    included and the embedding lookup excluded. Attention (score and value products, forward 4·H·D·ctx
+    per layer, backward twice that) adds 12·H·D·ctx per layer, ctx = min(mean sequence length, window).
+    Recomputation by gradient checkpointing and work on padding are NOT useful FLOPs.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config()
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    matmul = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n and "embed_tokens" not in n)
+    if not any(n.endswith("lm_head.weight") for n, _ in model.named_parameters()):
+        matmul += config.vocab_size * config.hidden_size  # LM head tied to the embedding: counted once, as a matmul
+    windows = [
+        min(mean_seq_len, config.sliding_window) if kind == "sliding_attention" else mean_seq_len
+        for kind in config.layer_types
+    ]
+    attention = 12 * config.num_attention_heads * config.head_dim * sum(windows)
+    return {"n_frozen": float(matmul), "n_lora": float(lora), "per_token": 4 * matmul + 6 * lora + attention}
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def peak_memory_gib() -> float:
+    """Peak GPU memory allocated by tensors, else peak resident set size of this process."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def memory_probe(side: str, argv: Sequence[str], steps: int) -> float | None:
+    """Peak memory of one configuration trained alone for a few steps in a fresh process."""
+    script = str(Path(__file__).resolve())
+    command = [sys.executable, script, *argv, "--memory-probe", side, "--probe-steps", str(steps)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("PEAK_MEMORY_GIB="):
+            return float(line.split("=", 1)[1])
+    log.warning("memory probe for %s failed (rc %s): %s", side, done.returncode, done.stderr[-2000:])
+    return None
+
+
+def run_memory_probe(args: argparse.Namespace) -> None:
+    """Child-process entry: train one side for `--probe-steps` optimizer steps, print its peak memory."""
+    with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
+        workdir = Path(tmp)
+        model_path = model_source(args, workdir)
+        if args.memory_probe == "seed":
+            cfg = seed_config(args.seqs_per_step)
+        else:
+            base = ours_config(args.device, args.ours_micro_batch, args.ours_grad_accum, args.ours_checkpointing)
+            cfg = replace(base, pack_length=args.pack_length)
+        chosen = build(cfg, model_path, args, workdir)
+        chosen.trainer.args.max_steps = args.probe_steps
+        chosen.trainer.train()
+        print(f"PEAK_MEMORY_GIB={peak_memory_gib():.4f}")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def side_report(
+    cfg: RunConfig, stats: RunStats, trainer: SFTTrainer, warmup: int, held_out: float | None, last_k: int
+) -> dict[str, Any]:
+    timed = stats.steps[warmup:] or stats.steps
+    seconds = sum(s.seconds for s in timed)
+    tokens = sum(s.real_tokens for s in timed)
+    losses = train_losses(trainer)
+    tail = losses[-last_k:]
+    return {
+        "config": asdict(cfg),
+        "optimizer_steps": len(stats.steps),
+        "timed_steps": len(timed),
+        "real_tokens_timed": tokens,
+        "real_tokens_total": sum(s.real_tokens for s in stats.steps),
+        "seconds_timed": round(seconds, 3),
+        "wall_seconds_all_steps": round(sum(s.seconds for s in stats.steps), 3),
+        "tokens_per_second": round(tokens / seconds, 2) if seconds > 0 else 0.0,
+        "padding_fraction": round(1 - stats.real_tokens_collated / max(stats.slots_collated, 1), 4),
+        "peak_memory_gib": None if stats.peak_memory_gib is None else round(stats.peak_memory_gib, 3),
+        "final_train_loss": losses[-1] if losses else None,
+        f"mean_train_loss_last_{last_k}": sum(tail) / len(tail) if tail else None,
+        "held_out_loss": held_out,
+        "train_losses": losses,
+        "step_seconds": [round(s.seconds, 3) for s in stats.steps],
+    }
+
+
+def parity(seed: dict[str, Any], ours: dict[str, Any], tolerance: float, last_k: int) -> dict[str, Any]:
+    """Relative differences of the held-out loss (the decisive one) and of the last-k mean training loss."""
+
+    def rel(key: str) -> float | None:
+        a, b = seed.get(key), ours.get(key)
+        return None if a is None or b is None else abs(b - a) / abs(a)
+
+    held = rel("held_out_loss")
+    decisive = held if held is not None else rel(f"mean_train_loss_last_{last_k}")
+    return {
+        "tolerance_relative": tolerance,
+        "held_out_loss_rel_diff": held,
+        f"mean_train_loss_last_{last_k}_rel_diff": rel(f"mean_train_loss_last_{last_k}"),
+        "ok": decisive is not None and decisive <= tolerance,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    s, o, r = result["seed"], result["ours"], result["ratio_ours_over_seed"]
+    rows = [
+        ("real tokens/s", s["tokens_per_second"], o["tokens_per_second"], r["tokens_per_second"]),
+        ("padding fraction", s["padding_fraction"], o["padding_fraction"], None),
+        ("peak memory GiB", s["peak_memory_gib"], o["peak_memory_gib"], r["peak_memory"]),
+        ("wall s (all steps)", s["wall_seconds_all_steps"], o["wall_seconds_all_steps"], r["wall_time"]),
+        ("optimizer steps", s["optimizer_steps"], o["optimizer_steps"], None),
+        ("real tokens", s["real_tokens_total"], o["real_tokens_total"], None),
+        ("final train loss", s["final_train_loss"], o["final_train_loss"], None),
+        (f"mean loss last {result['last_k']}", *[x[f"mean_train_loss_last_{result['last_k']}"] for x in (s, o)], None),
+        ("held-out loss", s["held_out_loss"], o["held_out_loss"], None),
+    ]
+    if "mfu" in s:
+        rows.append(("MFU", s["mfu"], o["mfu"], r.get("mfu")))
+
+    def fmt(x: Any) -> str:
+        if x is None:
+            return "-"
+        return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+    lines = [f"{'':22}{'seed':>14}{'ours':>14}{'ours/seed':>12}"]
+    lines += [f"{name:22}{fmt(a):>14}{fmt(b):>14}{fmt(c):>12}" for name, a, b, c in rows]
+    return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a in (None, 0) or b is None else round(b / a, 3)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", choices=["gemma3-270m", "tiny", *GPU_SHAPES], default=None)
+    p.add_argument("--data", choices=list(DATASETS), default="text-to-sql")
+    p.add_argument("--train-rows", type=int, default=None, help="training rows (seqs-per-step x steps by default)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps for both sides")
+    p.add_argument("--seqs-per-step", type=int, default=None, help="sequences per optimizer step (seed: batch 2 x GA)")
+    p.add_argument("--eval-rows", type=int, default=None, help="held-out rows for the loss-parity check")
+    p.add_argument("--max-length", type=int, default=1024, help="longest conversation kept (the seed's max_length)")
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--ours-micro-batch", type=int, default=1, help="packed rows per micro-batch (ours)")
+    p.add_argument("--ours-grad-accum", type=int, default=None, help="micro-batches per optimizer step (ours)")
+    p.add_argument("--ours-checkpointing", action="store_true", help="gradient checkpointing for ours (memory)")
+    p.add_argument("--warmup-steps", type=int, default=1, help="first steps of each side left out of tokens/s")
+    p.add_argument("--last-k", type=int, default=None, help="steps averaged for the training-loss comparison")
+    p.add_argument("--loss-tolerance", type=float, default=0.05, help="relative held-out loss difference allowed")
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="GPU dense bf16 peak for MFU")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--no-memory-probe", action="store_true", help="skip the per-side peak-memory subprocesses")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--memory-probe", choices=["seed", "ours"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--probe-steps", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--pack-length", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    return apply_defaults(args)
+
+
+def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Sizes that finish in a few minutes: on 2 CPU cores for the 270M, inside 5 minutes on one H200."""
+    cpu = args.device == "cpu"
+    if args.model is None:
+        args.model = "gemma3-270m" if cpu else "gemma3-1b"
+    if cpu and args.model in GPU_SHAPES:
+        raise SystemExit(f"--model {args.model} is a GPU shape: use --device cuda, or --model gemma3-270m|tiny on CPU")
+    if not cpu and args.model not in GPU_SHAPES:
+        raise SystemExit(f"--device cuda benchmarks the Gemma 3 shapes {sorted(GPU_SHAPES)}, not {args.model}")
+    tiny = args.model == "tiny"
+    args.seqs_per_step = args.seqs_per_step or (4 if cpu else 16)
+    args.steps = args.steps or (3 if tiny else 5 if cpu else 12)
+    args.train_rows = args.train_rows or args.seqs_per_step * args.steps
+    args.eval_rows = args.eval_rows if args.eval_rows is not None else (4 if cpu else 16)
+    args.ours_grad_accum = args.ours_grad_accum or (2 if cpu else 1)
+    args.last_k = args.last_k or max(1, args.steps // 2)
+    if args.ours_micro_batch * args.ours_grad_accum > args.seqs_per_step:
+        raise SystemExit("ours would pack fewer than one sequence per row: lower --ours-micro-batch/--ours-grad-accum")
+    return args
+
+
+def probe_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line flags that make a child process build exactly the same two sides."""
+    argv = [
+        "--device", args.device, "--model", args.model, "--data", args.data,
+        "--train-rows", str(args.train_rows), "--steps", str(args.steps),
+        "--seqs-per-step", str(args.seqs_per_step), "--eval-rows", str(args.eval_rows),
+        "--max-length", str(args.max_length), "--learning-rate", str(args.learning_rate),
+        "--ours-micro-batch", str(args.ours_micro_batch), "--ours-grad-accum", str(args.ours_grad_accum),
+    ]  # fmt: skip
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.ours_checkpointing:
+        argv.append("--ours-checkpointing")
+    return argv
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+    import trl
+
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "cpu": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return platform.processor()
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build both sides, train them interleaved, score them, and return the result document."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no GPU")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        workdir = Path(tmp)
+        model_path = model_source(args, workdir)
+        seed_cfg = seed_config(args.seqs_per_step)
+        seed = build(seed_cfg, model_path, args, workdir, eval_set=True)
+        ours_cfg = sized_ours(seed, args)
+        ours = build(ours_cfg, model_path, args, workdir)
+        batches = held_out_batches(seed)
+        isolation = packing_isolation_error(ours.trainer, isolation_sequences(seed))
+        initial_loss = held_out_loss(seed.trainer.model, batches) if batches else None
+        stats = {"seed": RunStats(), "ours": RunStats()}
+        train_interleaved({"seed": seed.trainer, "ours": ours.trainer}, stats)
+        reports = {}
+        for name, built, cfg in (("seed", seed, seed_cfg), ("ours", ours, ours_cfg)):
+            held = held_out_loss(built.trainer.model, batches) if batches else None
+            reports[name] = side_report(cfg, stats[name], built.trainer, args.warmup_steps, held, args.last_k)
+        lengths = token_lengths(seed.trainer)
+        flops = flops_per_token(ours.trainer.model, sum(n * n for n in lengths) / sum(lengths))
+    if not args.no_memory_probe:
+        for name in ("seed", "ours"):
+            argv = [*probe_argv(args), "--pack-length", str(ours_cfg.pack_length)]
+            reports[name]["peak_memory_gib"] = memory_probe(name, argv, args.probe_steps)
+    if args.device == "cuda":
+        for report in reports.values():
+            report["mfu"] = round(report["tokens_per_second"] * flops["per_token"] / (args.peak_tflops * 1e12), 4)
+    s, o = reports["seed"], reports["ours"]
+    return {
+        "benchmark": "train_throughput",
+        "device": args.device,
+        "model": args.model,
+        "data": DATASETS[args.data],
+        "command": " ".join([Path(sys.executable).name, "bench/train_throughput.py", *sys.argv[1:]]),
+        "environment": environment(args),
+        "train_rows": args.train_rows,
+        "eval_rows": args.eval_rows,
+        "sequences_per_step_seed": args.seqs_per_step,
+        "mean_real_tokens_per_step": {
+            k: round(v["real_tokens_total"] / max(v["optimizer_steps"], 1), 1) for k, v in reports.items()
+        },
+        "sequence_length": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
+        "warmup_steps_excluded": args.warmup_steps,
+        "last_k": args.last_k,
+        "packing_isolation_max_abs_logit_diff": isolation,
+        "held_out_loss_before_training": initial_loss,
+        "flops_per_token_lora": flops,
+        "peak_tflops": args.peak_tflops if args.device == "cuda" else None,
+        "seed": s,
+        "ours": o,
+        "ratio_ours_over_seed": {
+            "tokens_per_second": _ratio(s["tokens_per_second"], o["tokens_per_second"]),
+            "peak_memory": _ratio(s["peak_memory_gib"], o["peak_memory_gib"]),
+            "wall_time": _ratio(s["wall_seconds_all_steps"], o["wall_seconds_all_steps"]),
+            "mfu": _ratio(s.get("mfu"), o.get("mfu")),
+        },
+        "loss_parity": parity(s, o, args.loss_tolerance, args.last_k),
+        "bench_wall_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        run_memory_probe(args)
+        return 0
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(
+        f"packing isolation (max |logit diff|, packed vs alone): {result['packing_isolation_max_abs_logit_diff']:.2e}"
+    )
+    print(f"loss parity: {json.dumps(result['loss_parity'])}")
+    print(f"wrote {out}")
+    return 0 if result["loss_parity"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
