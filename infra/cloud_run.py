@@ -136,7 +136,9 @@ class CloudRunTraining(pulumi.ComponentResource):
                     timeout=f"{cfg.timeout_minutes * 60}s",
                     max_retries=cfg.training_retries,
                     gpu_zonal_redundancy_disabled=True,
-                    node_selector=gcp.cloudrunv2.JobTemplateTemplateNodeSelectorArgs(accelerator=cfg.gpu_type or "nvidia-l4"),
+                    node_selector=gcp.cloudrunv2.JobTemplateTemplateNodeSelectorArgs(
+                        accelerator=cfg.gpu_type or "nvidia-l4"
+                    ),
                     containers=[
                         gcp.cloudrunv2.JobTemplateTemplateContainerArgs(
                             image=image,
@@ -216,7 +218,8 @@ class VllmService(pulumi.ComponentResource):
             deletion_protection=False,
             ingress="INGRESS_TRAFFIC_ALL",
             invoker_iam_disabled=cfg.serving_public,
-            labels=cfg.resource_labels,
+            # The policy pack allows a disabled invoker check only on a service labelled public=true.
+            labels={**cfg.resource_labels, "public": "true"} if cfg.serving_public else cfg.resource_labels,
             template=gcp.cloudrunv2.ServiceTemplateArgs(
                 service_account=foundation.serving_account.email,
                 gpu_zonal_redundancy_disabled=not cfg.gpu_zonal_redundancy,

@@ -157,6 +157,8 @@ class Images(pulumi.ComponentResource):
             dockerfile=docker_build.DockerfileArgs(location=str(spec.dockerfile)),
             platforms=[docker_build.Platform.LINUX_AMD64],
             push=True,
+            # A preview (every PR) must not build and push images; the digest stays unknown until `up`.
+            build_on_preview=False,
             registries=[
                 docker_build.RegistryArgs(
                     address=f"{cfg.region}-docker.pkg.dev",

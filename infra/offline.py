@@ -107,7 +107,11 @@ def unwrap_secrets(value: Any) -> Any:
 
 
 def redact_secrets(value: Any) -> Any:
+    """Secrets become "[secret]"; a secret map keeps its keys (a Secret's stringData stays a map)."""
     if rpc.is_rpc_secret(value):
+        inner = rpc.unwrap_rpc_secret(value)
+        if isinstance(inner, dict):
+            return {k: SECRET_MARK for k in inner}
         return SECRET_MARK
     if isinstance(value, dict):
         return {k: redact_secrets(v) for k, v in value.items()}

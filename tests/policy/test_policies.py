@@ -94,11 +94,7 @@ class TestPublicServing:
 
     def test_public_stack_as_the_program_declares_it(self, stack_runs: dict[str, StackRun]) -> None:
         service = stack_runs[SERVING_PUBLIC].one(CLOUD_RUN_SERVICE)
-        if (service.plain_inputs().get("labels") or {}).get("public") != "true":
-            pytest.xfail(
-                "infra/cloud_run.py does not yet add the label public=true when servingPublic=true "
-                "(infra/policy/README.md); until it does, the pack blocks a public dev stack"
-            )
+        assert service.plain_inputs()["labels"]["public"] == "true"
         for resource in stack_runs[SERVING_PUBLIC].resources:
             found = violations(resource.type, resource.plain_inputs())
             assert not found, f"{resource.urn}: {_report(found)}"
