@@ -133,7 +133,8 @@ def build_vision_trainer(
     args = sft_config(recipe, location, has_eval=split.eval is not None, loss=LossMode.FULL)
     # The collator builds input_ids, pixel_values and labels from the raw conversations.
     args.remove_unused_columns = False
-    args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    existing = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
+    args.dataset_kwargs = {**existing, "skip_prepare_dataset": True}
     collator = VisionSFTCollator(processor, mask_prompt=recipe.training.assistant_only_loss)
     trainer = SFTTrainer(
         model=model,
@@ -177,7 +178,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         trainer, processor = build_trainer(recipe, location, callbacks)
     else:
         trainer, processor = build_vision_trainer(recipe, location, callbacks)
-    trainer = prepare_trainer(trainer)
+    trainer = prepare_trainer(trainer)  # type: ignore[assignment]  # same class, Ray-aware dataloaders
 
     rank = ray.train.get_context().get_world_rank()
     scratch = Path(tempfile.mkdtemp(prefix=f"ray-worker{rank}-"))

@@ -129,7 +129,8 @@ def test_two_rank_fsdp2_adapter_equals_unsharded(tmp_path):
 
     from trainer.fsdp import save_adapter_fsdp_safe
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # loopback only: gloo otherwise binds to whatever the hostname resolves to
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [
         sys.executable,
         "-m",
@@ -140,8 +141,14 @@ def test_two_rank_fsdp2_adapter_equals_unsharded(tmp_path):
         str(Path(__file__).resolve()),
         str(tmp_path / "sharded"),
     ]
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    failures = []
+    for _attempt in range(2):  # one retry: a loaded CI box can abort a gloo rendezvous; results are checked below
+        done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=170)
+        if done.returncode == 0:
+            break
+        stderr = "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)
+        failures.append(done.stdout[-2000:] + stderr[-6000:])
+    assert done.returncode == 0, "\n----- retry -----\n".join(failures)
 
     reference = build_model()
     train(reference)
