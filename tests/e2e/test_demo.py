@@ -1,0 +1,161 @@
+"""`make demo` end to end: the real Gemma 3 270M, a few training steps, a real server on 127.0.0.1, a real request.
+
+And the promise that matters on a laptop: whatever fails, nothing is left running.
+
+    .venv/bin/python -m pytest -q tests/e2e          # about 2-3 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serving import demo
+from serving.local_server import check_port_free
+from serving.vllm_args import COMPLETION_MARKER
+from tests.serving.conftest import build_tiny_gemma
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _server_pids(needle: str) -> list[int]:
+    """Running local servers whose command line mentions `needle` (a test's own folder)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if "serving.local_server" in cmdline and needle in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def _tensor(folder: Path, suffix: str) -> Any:
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if key.endswith(suffix):
+                    return f.get_tensor(key)
+    raise AssertionError(f"no tensor ending in {suffix} in {folder}")
+
+
+@pytest.mark.slow
+def test_demo_pipeline(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "serving.demo", "--max-steps", "3", "--eval-samples", "2", "--port", "0",
+         "--max-tokens", "8", "--output-dir", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    # the report: answer, scores, outputs, next steps
+    assert "Answer : " in done.stdout and "Before : emoji F1" in done.stdout and "After  : emoji F1" in done.stdout
+    assert "pulumi config set --secret hfToken" in done.stdout and "pulumi destroy" in done.stdout
+
+    # the real HTTP response, as the client received it
+    summary = json.loads((out / "demo_summary.json").read_text())
+    response = summary["response"]
+    assert summary["prompt"] == demo.SEED_PROMPT
+    assert response["object"] == "chat.completion" and response["model"] == "gemma"
+    choice = response["choices"][0]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str) and choice["message"]["content"] == summary["answer"]
+    assert choice["finish_reason"] in {"stop", "length"}
+    assert 0 < response["usage"]["completion_tokens"] <= 8
+
+    # scores before and after, on the same rows
+    assert summary["before"]["samples"] == summary["after"]["samples"] == 2
+    assert summary["after"]["held_out_loss"] is not None
+
+    # exported as the cloud expects, and actually trained
+    merged, base = out / "merged", Path(summary["paths"]["base_model"])
+    assert (merged / COMPLETION_MARKER).is_file() and (merged / "config.json").is_file()
+    merged_q = _tensor(merged, "layers.0.self_attn.q_proj.weight")
+    base_q = _tensor(base, "layers.0.self_attn.q_proj.weight").to(merged_q.dtype)
+    assert merged_q.shape == base_q.shape
+    assert (merged_q.float() - base_q.float()).abs().max().item() > 0, (
+        "the merged LoRA target equals the base: the adapter did not change anything"
+    )
+    untouched_m, untouched_b = (
+        _tensor(merged, "layers.0.mlp.down_proj.weight"),
+        _tensor(base, "layers.0.mlp.down_proj.weight"),
+    )
+    assert (untouched_m.float() - untouched_b.to(untouched_m.dtype).float()).abs().max().item() == 0, (
+        "a weight LoRA does not target changed: the merge is not what the recipe trained"
+    )
+
+    # the loss curve and the trainer's run summary
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    run_summary = json.loads((out / "run_summary.json").read_text())
+    assert run_summary["steps"] == 3
+
+    # nothing left running
+    assert _server_pids(str(out)) == []
+
+
+def _fake_pipeline(monkeypatch: pytest.MonkeyPatch, model_dir: Path, failure: BaseException) -> dict[str, Any]:
+    """The real orchestration and a real server on a tiny model; the slow parts faked; `failure` raised once the server answers."""
+    import trainer.local_model
+    from trainer.train import RunResult
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(trainer.local_model, "ensure_local_model", lambda *a, **k: model_dir)
+    monkeypatch.setattr(demo, "score", lambda *a, **k: {"emoji_f1": 0.0, "held_out_loss": 1.0, "samples": 1})
+    monkeypatch.setattr(demo, "train", lambda recipe: (RunResult(recipe.output.dir, "adapter", str(model_dir), {}), []))
+
+    def failing_request(url: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from serving.client import list_models
+
+        assert list_models(url) == ["gemma"], "the server is up when the failure happens"
+        seen["port"] = int(url.rsplit(":", 1)[1])
+        raise failure
+
+    monkeypatch.setattr(demo, "chat_completion", failing_request)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("failure", "exit_code", "message"),
+    [
+        (RuntimeError("injected failure after the server started"), None, "injected failure"),
+        (KeyboardInterrupt(), 130, "interrupted: nothing is left running"),
+    ],
+)
+def test_failure_after_the_server_started_leaves_nothing_running(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failure: BaseException,
+    exit_code: int | None,
+    message: str,
+) -> None:
+    model_dir = build_tiny_gemma(tmp_path / "tiny-merged")
+    seen = _fake_pipeline(monkeypatch, model_dir, failure)
+    argv = ["--port", "0", "--max-steps", "2", "--output-dir", str(tmp_path / "demo")]
+    if exit_code is None:
+        with pytest.raises(RuntimeError, match=message):
+            demo.main(argv)
+    else:
+        assert demo.main(argv) == exit_code
+        assert message in capsys.readouterr().err
+    assert "port" in seen, "the failure was injected after the server answered"
+    assert _server_pids(str(model_dir)) == [], "the local server is still running"
+    check_port_free("127.0.0.1", seen["port"])
+
+
+def test_sigterm_becomes_an_interrupt() -> None:
+    """`kill PID` (CI cancelling a job) takes the same clean-up path as Ctrl-C."""
+    with pytest.raises(KeyboardInterrupt):
+        demo._sigterm_to_interrupt(15, None)

@@ -1,0 +1,125 @@
+"""The demo's decisions that need no model: output folder handling, early checks, options, the loss plot."""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from serving import demo
+from serving.demo import DemoError, DemoOptions, check_disk_space, check_port, plot_loss, prepare_output_dir
+
+
+def _checkpoint(output_dir: Path, step: int, complete: bool = True) -> None:
+    from trainer.checkpoints import CHECKPOINT_MARKER
+
+    ckpt = output_dir / "checkpoints" / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    if complete:
+        (ckpt / CHECKPOINT_MARKER).write_text(json.dumps({"step": step}))
+
+
+class TestOutputDir:
+    """Resume an interrupted run, replace a finished one, and never delete what the demo did not make."""
+
+    def test_new_folder(self, tmp_path: Path) -> None:
+        out = tmp_path / "demo"
+        assert prepare_output_dir(out, 30, fresh=False) is None
+        assert (out / demo.DEMO_SENTINEL).exists()
+
+    def test_interrupted_run_resumes(self, tmp_path: Path) -> None:
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _checkpoint(out, 15)
+        _checkpoint(out, 20, complete=False)  # cut off while saving: not a checkpoint
+        assert prepare_output_dir(out, 30, fresh=False) == 15
+        assert (out / "checkpoints" / "checkpoint-15").exists()
+
+    def test_fresh_starts_clean(self, tmp_path: Path) -> None:
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _checkpoint(out, 15)
+        assert prepare_output_dir(out, 30, fresh=True) is None
+        assert not (out / "checkpoints").exists()
+
+    def test_finished_run_is_replaced(self, tmp_path: Path) -> None:
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _checkpoint(out, 30)
+        (out / "run_summary.json").write_text("{}")
+        assert prepare_output_dir(out, 30, fresh=False) is None
+        assert not (out / "run_summary.json").exists()
+
+    def test_checkpoint_past_max_steps_is_not_resumed(self, tmp_path: Path) -> None:
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _checkpoint(out, 30)
+        assert prepare_output_dir(out, 10, fresh=False) is None
+
+    def test_refuses_a_folder_it_did_not_make(self, tmp_path: Path) -> None:
+        out = tmp_path / "mine"
+        out.mkdir()
+        (out / "thesis.tex").write_text("precious")
+        with pytest.raises(DemoError, match="was not made by the demo"):
+            prepare_output_dir(out, 30, fresh=True)
+        assert (out / "thesis.tex").exists()
+
+
+class TestEarlyChecks:
+    def test_busy_port_before_training(self) -> None:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            with pytest.raises(DemoError, match=f"port {port} on 127.0.0.1 is in use"):
+                check_port(port)
+            assert demo.main(["--port", str(port), "--output-dir", "/nonexistent/never-created"]) == 1
+        check_port(0)  # 0: a free port is chosen later
+
+    def test_low_disk_space(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(demo.shutil, "disk_usage", lambda _: usage(10**12, 10**12, 2 * 10**8))
+        with pytest.raises(DemoError, match=r"only 0\.2 GB free on the disk holding .*needs about 1\.5 GB"):
+            check_disk_space([tmp_path / "not" / "yet"], 1.5)
+
+    def test_no_space_left_is_explained(self) -> None:
+        err = demo._explain_os_error(OSError(errno.ENOSPC, "No space left on device"), "training")
+        assert "no space left on device while training" in str(err)
+        assert "resumes from the last complete checkpoint" in str(err)
+
+
+class TestOptions:
+    def test_flags(self) -> None:
+        opts = demo._parse_args(["--max-steps", "3", "--eval-samples", "2", "--port", "0", "--output-dir", "/tmp/x"])
+        assert opts == DemoOptions(Path("/tmp/x"), 0, 3, 2, False, 32)
+
+    @pytest.mark.parametrize("argv", [["--max-steps", "0"], ["--eval-samples", "0"], ["--port", "70000"]])
+    def test_bad_flags(self, argv: list[str]) -> None:
+        with pytest.raises(SystemExit):
+            demo._parse_args(argv)
+
+    def test_recipe_overrides(self, tmp_path: Path) -> None:
+        recipe = demo.build_recipe(DemoOptions(tmp_path, 0, 4, 3))
+        assert recipe.name == "emoji-local"
+        assert recipe.output.dir == str(tmp_path) and recipe.output.merge and not recipe.output.push_to_hub
+        assert recipe.training.max_steps == 4 and recipe.training.save_steps == 2 and recipe.training.logging_steps == 1
+        assert recipe.evaluation.max_samples == 3
+        assert recipe.training.extra["disable_tqdm"] is False
+
+    def test_default_steps_come_from_the_recipe(self, tmp_path: Path) -> None:
+        from trainer.recipe import load_recipe
+
+        assert (
+            demo.build_recipe(DemoOptions(tmp_path)).training.max_steps == load_recipe("emoji-local").training.max_steps
+        )
+
+
+def test_loss_plot(tmp_path: Path) -> None:
+    history = [{"step": s, "loss": 5.0 / s} for s in range(1, 6)] + [{"step": 5, "eval_loss": 1.2}]
+    path = plot_loss(history, tmp_path / "loss.png", "test")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_loss([{"step": 1, "train_runtime": 3}], tmp_path / "none.png", "test") is None
