@@ -56,7 +56,7 @@ class ImageSpec:
     content_paths: tuple[str, ...]
 
 
-TRAINER = ImageSpec("trainer", REPO_ROOT, REPO_ROOT / "trainer" / "Dockerfile", ("trainer",))
+TRAINER = ImageSpec("trainer", REPO_ROOT / "trainer", REPO_ROOT / "trainer" / "Dockerfile", (".",))
 SERVING = ImageSpec("serving", REPO_ROOT / "serving", REPO_ROOT / "serving" / "Dockerfile", (".",))
 
 

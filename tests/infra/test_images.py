@@ -16,8 +16,8 @@ from tests.infra.conftest import PREBUILT, contains, plain_paths
 class TestBuildContext:
     def test_trainer_context_excludes_tests_and_outputs(self) -> None:
         files = [f.as_posix() for f in context_files(TRAINER)]
-        assert "trainer/Dockerfile" in files and "trainer/recipe.py" in files
-        assert not [f for f in files if f.startswith(("tests/", ".venv/", "outputs/")) or "__pycache__" in f]
+        assert "Dockerfile" in files and "recipe.py" in files and "recipes/emoji-gemma3-1b.yaml" in files
+        assert not [f for f in files if f.startswith(("outputs/", ".venv/")) or "__pycache__" in f]
 
     def test_hash_is_stable_and_follows_content(self, tmp_path: Path) -> None:
         copy = tmp_path / "ctx"
@@ -49,7 +49,7 @@ class TestModes:
         build = run.one("command:local:Command").plain_inputs()
         assert build["triggers"] == [content_hash(TRAINER)[:16]]
         assert "gcloud builds submit" in build["create"] and "results.images[0].digest" in build["create"]
-        assert build["environment"]["DOCKERFILE"] == "trainer/Dockerfile"
+        assert build["environment"]["DOCKERFILE"] == "Dockerfile"
         assert "@sha256:" in run.outputs["trainerImage"]
 
     def test_prebuilt_mode_builds_nothing(self) -> None:
