@@ -202,8 +202,9 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     eval_loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else None
 
     adapter_dir = location.local / "adapter"
-    trainer.save_model(str(adapter_dir))
-    tokenizer.save_pretrained(adapter_dir)
+    save_adapter(trainer, adapter_dir)
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(adapter_dir)
     merged_dir = None
     if recipe.output.merge and trainer.is_world_process_zero():
         merged_dir = merge_and_export(recipe.model.name_or_path, adapter_dir, location.local / "merged")
@@ -222,6 +223,21 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         merged_dir=(location.remote_path("merged") or str(merged_dir)) if merged_dir else None,
         summary=summary,
     )
+
+
+def save_adapter(trainer: SFTTrainer, adapter_dir: Path) -> None:
+    """Save the LoRA adapter; under FSDP every shard is gathered first (all ranks call this).
+
+    FSDP2 with adapter-only saving has been seen to write only rank 0's shard of each
+    matrix; `save_adapter_fsdp_safe` gathers full tensors on every rank and writes on rank 0
+    (tests/trainer/test_fsdp_save.py proves it equals an unsharded run).
+    """
+    if getattr(trainer, "is_fsdp_enabled", False):
+        from trainer.fsdp import save_adapter_fsdp_safe
+
+        save_adapter_fsdp_safe(trainer.model, adapter_dir)
+    else:
+        trainer.save_model(str(adapter_dir))
 
 
 def run_summary(
