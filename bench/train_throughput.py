@@ -333,6 +333,9 @@ def interleave_callback(name: str, baton: Baton, stats: RunStats, sync: Callable
             sync()
             seconds = time.perf_counter() - self.started
             stats.steps.append(StepRecord(seconds, int(state.num_input_tokens_seen) - self.tokens_before))
+            log.info(
+                "%s step %d: %.1f s, %d real tokens", name, state.global_step, seconds, stats.steps[-1].real_tokens
+            )
             baton.pass_on(name)
             self._take(state)
 
@@ -692,11 +695,10 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--model {args.model} is a GPU shape: use --device cuda, or --model gemma3-270m|tiny on CPU")
     if not cpu and args.model not in GPU_SHAPES:
         raise SystemExit(f"--device cuda benchmarks the Gemma 3 shapes {sorted(GPU_SHAPES)}, not {args.model}")
-    tiny = args.model == "tiny"
     args.seqs_per_step = args.seqs_per_step or (4 if cpu else 16)
-    args.steps = args.steps or (3 if tiny else 5 if cpu else 12)
+    args.steps = args.steps or (3 if cpu else 12)
     args.train_rows = args.train_rows or args.seqs_per_step * args.steps
-    args.eval_rows = args.eval_rows if args.eval_rows is not None else (4 if cpu else 16)
+    args.eval_rows = args.eval_rows if args.eval_rows is not None else (2 if cpu else 16)
     args.ours_grad_accum = args.ours_grad_accum or (2 if cpu else 1)
     args.last_k = args.last_k or max(1, args.steps // 2)
     if args.ours_micro_batch * args.ours_grad_accum > args.seqs_per_step:
@@ -820,6 +822,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 

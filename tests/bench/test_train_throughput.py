@@ -1,6 +1,6 @@
 """The throughput benchmark end to end on a tiny random Gemma 3: both sides train, the JSON is complete.
 
-    .venv/bin/python -m pytest -q tests/bench/test_train_throughput.py
+.venv/bin/python -m pytest -q tests/bench/test_train_throughput.py
 """
 
 from __future__ import annotations
