@@ -13,11 +13,14 @@ Steps, each timed and explained if it fails:
  7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json
 
 Decisions:
+- The recipe's own 60 steps by default (`--max-steps` for fewer): the whole demo takes about
+  4-5 minutes on 2 free CPU cores, the first run included.
 - Outputs go to `outputs/demo` (not the recipe's `outputs/emoji-local`), so the demo never
   overwrites a run made with `python -m trainer`.
-- An interrupted run resumes from its last complete checkpoint (the trainer's own resume);
-  a finished one, or one whose checkpoints are past `--max-steps`, is replaced; `--fresh`
-  always starts clean. The demo deletes only folders it made itself (a `.gemma-demo` file marks them).
+- An interrupted run continues: after training if the trainer had already exported the model,
+  else from its last complete checkpoint (the trainer's own resume), reusing the base model's
+  scores. A finished run, or one whose checkpoints are past `--max-steps`, is replaced;
+  `--fresh` always starts clean. The demo deletes only folders it made itself (a `.gemma-demo` file marks them).
   The merged model is served only when its completion marker is there, so an interrupted
   export is re-done, never served.
 - The port (default 8000) and the free disk space are checked before anything slow starts.
@@ -57,6 +60,7 @@ SEED_PROMPT = "Translate to emoji: I ate a banana for breakfast, later I'm think
 DEFAULT_OUTPUT_DIR = Path("outputs/demo")
 DEFAULT_PORT = 8000
 DEMO_SENTINEL = ".gemma-demo"
+DEMO_SUMMARY = "demo_summary.json"
 # base model (fp32, ~1.1 GB) + GGUF (~0.25 GB) + staging while building; merged bf16 (~0.55 GB) + checkpoints
 NEED_GB_TO_BUILD = 3.0
 NEED_GB_TO_TRAIN = 1.5
@@ -123,10 +127,35 @@ def check_port(port: int) -> None:
             raise DemoError(str(exc)) from None
 
 
-def prepare_output_dir(output_dir: Path, max_steps: int, fresh: bool) -> int | None:
-    """Make `output_dir` ready; return the checkpoint step a run will resume from, or None for a clean start."""
-    from trainer.checkpoints import OutputLocation, checkpoint_step
+@dataclass(frozen=True)
+class PreviousRun:
+    """What an earlier, unfinished demo run in the same folder left that this one can use."""
+
+    resume_step: int | None = None  # training resumes from this complete checkpoint
+    trained: bool = False  # training and export finished (the demo stopped later): reuse them
+
+
+def _training_finished(output_dir: Path, max_steps: int) -> bool:
+    from trainer.export import is_complete
     from trainer.train import SUMMARY_FILE
+
+    summary_file = output_dir / SUMMARY_FILE
+    if not summary_file.is_file() or not is_complete(output_dir / "merged"):
+        return False
+    try:
+        return int(json.loads(summary_file.read_text()).get("steps", -1)) == max_steps
+    except (ValueError, TypeError):
+        return False
+
+
+def prepare_output_dir(output_dir: Path, max_steps: int, fresh: bool) -> PreviousRun:
+    """Make `output_dir` ready and say what of an earlier run is reused.
+
+    A finished demo (demo_summary.json written) is replaced; an unfinished one continues where it
+    stopped: after training when the trainer had exported a complete model for the same number of
+    steps, else from its last complete checkpoint. Anything else starts clean.
+    """
+    from trainer.checkpoints import OutputLocation, checkpoint_step
 
     if output_dir.exists() and any(output_dir.iterdir()):
         if not (output_dir / DEMO_SENTINEL).exists():
@@ -136,17 +165,33 @@ def prepare_output_dir(output_dir: Path, max_steps: int, fresh: bool) -> int | N
             )
         latest = OutputLocation.from_dir(str(output_dir)).latest_checkpoint()
         step = checkpoint_step(latest) if latest else None
-        finished = (output_dir / SUMMARY_FILE).exists()
-        if fresh or finished or step is None or step >= max_steps:
-            reason = "--fresh" if fresh else "a finished run" if finished else "nothing to resume"
-            print(f"      replacing the previous demo run in {output_dir} ({reason})")
-            shutil.rmtree(output_dir)
-        else:
-            print(f"      resuming the interrupted run in {output_dir} from step {step} (use --fresh to start clean)")
-            return step
+        demo_finished = (output_dir / DEMO_SUMMARY).exists()
+        if not fresh and not demo_finished and _training_finished(output_dir, max_steps):
+            print(f"      training already finished in {output_dir}; reusing it (--fresh retrains)")
+            return PreviousRun(trained=True)
+        if not fresh and not demo_finished and step is not None and step < max_steps:
+            print(f"      resuming the interrupted run in {output_dir} from step {step} (--fresh starts clean)")
+            return PreviousRun(resume_step=step)
+        reason = "--fresh" if fresh else "a finished run" if demo_finished else "nothing to resume"
+        print(f"      replacing the previous demo run in {output_dir} ({reason})")
+        shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / DEMO_SENTINEL).write_text("made by `python -m serving.demo`; safe to delete\n")
-    return None
+    return PreviousRun()
+
+
+def reuse_training(output_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """The RunResult and logged history of a training run that finished earlier in `output_dir`."""
+    from trainer.checkpoints import OutputLocation
+    from trainer.train import SUMMARY_FILE, RunResult
+
+    summary = json.loads((output_dir / SUMMARY_FILE).read_text())
+    history: list[dict[str, Any]] = []
+    latest = OutputLocation.from_dir(str(output_dir)).latest_checkpoint()
+    if latest is not None and (latest / "trainer_state.json").is_file():
+        history = json.loads((latest / "trainer_state.json").read_text()).get("log_history", [])
+    result = RunResult(str(output_dir), str(output_dir / "adapter"), str(output_dir / "merged"), summary)
+    return result, history
 
 
 # --------------------------------------------------------------------------- the steps
@@ -176,13 +221,30 @@ def build_recipe(opts: DemoOptions) -> Recipe:
     return load_recipe(RECIPE_NAME, overrides)
 
 
-def score(model_dir: Path, recipe: Recipe, out: Path) -> dict[str, Any]:
-    """emoji F1 and held-out loss on the recipe's eval split (the trainer's evaluator, the same rows every time)."""
+def score(model_dir: Path, recipe: Recipe, out: Path, reuse: bool = False) -> dict[str, Any]:
+    """emoji F1 and held-out loss on the recipe's eval split (the trainer's evaluator, the same rows every time).
+
+    With `reuse`, results an interrupted run already wrote for the same model and sample count are
+    returned as they are (the base model's scores do not change between runs).
+    """
     import gc
 
     from trainer.evaluate import evaluate
 
+    if reuse and out.is_file():
+        try:
+            previous = json.loads(out.read_text())
+            if (
+                previous.get("model") == str(model_dir)
+                and previous.get("requested_samples") == recipe.evaluation.max_samples
+            ):
+                print(f"      reusing {out} from the interrupted run")
+                return dict(previous)
+        except ValueError:
+            pass
     results = evaluate(model_dir, recipe, recipe.evaluation.max_samples, out)
+    results["requested_samples"] = recipe.evaluation.max_samples
+    out.write_text(json.dumps(results, indent=2, ensure_ascii=False))
     gc.collect()
     return results
 
@@ -200,6 +262,10 @@ def train(recipe: Recipe) -> tuple[Any, list[dict[str, Any]]]:
             self.history: list[dict[str, Any]] = []
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.history = [dict(entry) for entry in state.log_history]
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # the trainer's final held-out loss is logged after training ends
             self.history = [dict(entry) for entry in state.log_history]
 
     recorder = HistoryRecorder()
@@ -292,24 +358,29 @@ def run(opts: DemoOptions) -> DemoResult:
             print(f"      cached at {cache / 'gemma3-270m'}")
         else:
             print(f"      first run: assembling and dequantising the GGUF into {cache} (about a minute)")
+        previous = prepare_output_dir(output_dir, recipe.training.max_steps, opts.fresh)
         try:
             base_dir = _guard("preparing the model", ensure_local_model)
         except LocalModelError as exc:
             raise DemoError(str(exc)) from None
-        resumed = prepare_output_dir(output_dir, recipe.training.max_steps, opts.fresh)
 
     samples = recipe.evaluation.max_samples
     with _step(
         2, total, f"Scoring the base model on {samples} held-out rows (before training)", timings, "score_before"
     ):
-        before = _guard("scoring the base model", lambda: score(base_dir, recipe, output_dir / "eval_before.json"))
+        before = _guard(
+            "scoring the base model", lambda: score(base_dir, recipe, output_dir / "eval_before.json", reuse=True)
+        )
         print(f"      {_scores(before)}")
 
     steps = recipe.training.max_steps
     with _step(
         3, total, f"Fine-tuning with the {RECIPE_NAME} recipe ({steps} steps, LoRA r{recipe.lora.r})", timings, "train"
     ):
-        result, history = _guard("training", lambda: train(recipe))
+        if previous.trained:
+            result, history = reuse_training(output_dir)
+        else:
+            result, history = _guard("training", lambda: train(recipe))
     if not result.merged_dir:
         raise DemoError("the trainer did not export a merged model (output.merge is off?)")
     merged_dir = Path(result.merged_dir)
@@ -340,9 +411,19 @@ def run(opts: DemoOptions) -> DemoResult:
         )
         summary = result.summary
         demo = DemoResult(
-            output_dir, base_dir, merged_dir, answer, response, before, after, summary, loss_curve, timings, resumed
+            output_dir,
+            base_dir,
+            merged_dir,
+            answer,
+            response,
+            before,
+            after,
+            summary,
+            loss_curve,
+            timings,
+            previous.resume_step,
         )
-        _write_summary(demo, output_dir / "demo_summary.json")
+        _write_summary(demo, output_dir / DEMO_SUMMARY)
     return demo
 
 
@@ -351,6 +432,10 @@ def _scores(results: dict[str, Any]) -> str:
     parts = [f"emoji F1 {f1:.3f}" if f1 is not None else "emoji F1 n/a"]
     parts.append(f"held-out loss {loss:.3f}" if loss is not None else "held-out loss n/a")
     return ", ".join(parts) + f" ({results.get('samples', 0)} rows)"
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "n/a"
 
 
 def _write_summary(demo: DemoResult, path: Path) -> None:
@@ -396,8 +481,8 @@ def print_report(demo: DemoResult, wall_s: float) -> None:
     rs = demo.run_summary
     if rs:
         print(
-            f"Train  : {rs.get('steps')} steps, final loss {rs.get('final_train_loss')}, "
-            f"{rs.get('tokens_per_second')} tokens/s, {rs.get('train_runtime_s')} s"
+            f"Train  : {rs.get('steps')} steps, final loss {_number(rs.get('final_train_loss'))}, "
+            f"{_number(rs.get('tokens_per_second'), 0)} tokens/s, {_number(rs.get('train_runtime_s'), 0)} s"
         )
     print(f"Outputs: {demo.output_dir}")
     print(f"  merged model  {demo.merged_dir}  (served as `gemma`; vLLM serves this same folder in the cloud)")
@@ -418,7 +503,7 @@ def _parse_args(argv: list[str] | None) -> DemoOptions:
         "--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="where the run goes (default outputs/demo)"
     )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="local server port on 127.0.0.1; 0 picks a free one")
-    p.add_argument("--max-steps", type=int, help="training steps (default: the recipe's)")
+    p.add_argument("--max-steps", type=int, help="training steps (default: the recipe's, 60)")
     p.add_argument("--eval-samples", type=int, help="held-out rows scored before and after (default: the recipe's)")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length for the seed prompt")
     p.add_argument("--fresh", action="store_true", help="start clean instead of resuming an interrupted run")

@@ -18,7 +18,7 @@ import pytest
 from serving import demo
 from serving.local_server import check_port_free
 from serving.vllm_args import COMPLETION_MARKER
-from tests.serving.conftest import build_tiny_gemma
+from tests.serving.tiny_model import build_tiny_gemma
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,26 @@ from pathlib import Path
 import pytest
 
 from serving import demo
-from serving.demo import DemoError, DemoOptions, check_disk_space, check_port, plot_loss, prepare_output_dir
+from serving.demo import (
+    DemoError,
+    DemoOptions,
+    PreviousRun,
+    check_disk_space,
+    check_port,
+    plot_loss,
+    prepare_output_dir,
+)
+from serving.vllm_args import COMPLETION_MARKER
+
+
+def _finished_training(output_dir: Path, steps: int) -> None:
+    """What trainer.train.main leaves when it finished: a checkpoint, run_summary.json and a marked merged folder."""
+    _checkpoint(output_dir, steps)
+    state = {"log_history": [{"step": 5, "loss": 3.0}]}
+    (output_dir / "checkpoints" / f"checkpoint-{steps}" / "trainer_state.json").write_text(json.dumps(state))
+    (output_dir / "run_summary.json").write_text(json.dumps({"steps": steps}))
+    (output_dir / "merged").mkdir()
+    (output_dir / "merged" / COMPLETION_MARKER).write_text("{}")
 
 
 def _checkpoint(output_dir: Path, step: int, complete: bool = True) -> None:
@@ -24,41 +43,65 @@ def _checkpoint(output_dir: Path, step: int, complete: bool = True) -> None:
 
 
 class TestOutputDir:
-    """Resume an interrupted run, replace a finished one, and never delete what the demo did not make."""
+    """Continue an interrupted run, replace a finished one, and never delete what the demo did not make."""
 
     def test_new_folder(self, tmp_path: Path) -> None:
         out = tmp_path / "demo"
-        assert prepare_output_dir(out, 30, fresh=False) is None
+        assert prepare_output_dir(out, 30, fresh=False) == PreviousRun()
         assert (out / demo.DEMO_SENTINEL).exists()
 
-    def test_interrupted_run_resumes(self, tmp_path: Path) -> None:
+    def test_interrupted_training_resumes(self, tmp_path: Path) -> None:
         out = tmp_path / "demo"
         prepare_output_dir(out, 30, fresh=False)
         _checkpoint(out, 15)
         _checkpoint(out, 20, complete=False)  # cut off while saving: not a checkpoint
-        assert prepare_output_dir(out, 30, fresh=False) == 15
+        assert prepare_output_dir(out, 30, fresh=False) == PreviousRun(resume_step=15)
         assert (out / "checkpoints" / "checkpoint-15").exists()
+
+    def test_finished_training_is_reused(self, tmp_path: Path) -> None:
+        """Interrupted after the export (while scoring or serving): no need to train again."""
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _finished_training(out, 30)
+        assert prepare_output_dir(out, 30, fresh=False) == PreviousRun(trained=True)
+        result, history = demo.reuse_training(out)
+        assert result.merged_dir == str(out / "merged") and result.summary["steps"] == 30
+        assert history == [{"step": 5, "loss": 3.0}]
+
+    def test_half_written_export_is_not_reused(self, tmp_path: Path) -> None:
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _finished_training(out, 30)
+        (out / "merged" / COMPLETION_MARKER).unlink()
+        assert prepare_output_dir(out, 30, fresh=False) == PreviousRun()
+        assert not (out / "merged").exists()
+
+    def test_training_for_other_steps_is_not_reused(self, tmp_path: Path) -> None:
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _finished_training(out, 30)
+        assert prepare_output_dir(out, 10, fresh=False) == PreviousRun()
 
     def test_fresh_starts_clean(self, tmp_path: Path) -> None:
         out = tmp_path / "demo"
         prepare_output_dir(out, 30, fresh=False)
         _checkpoint(out, 15)
-        assert prepare_output_dir(out, 30, fresh=True) is None
+        assert prepare_output_dir(out, 30, fresh=True) == PreviousRun()
         assert not (out / "checkpoints").exists()
 
-    def test_finished_run_is_replaced(self, tmp_path: Path) -> None:
+    def test_finished_demo_is_replaced(self, tmp_path: Path) -> None:
         out = tmp_path / "demo"
         prepare_output_dir(out, 30, fresh=False)
-        _checkpoint(out, 30)
-        (out / "run_summary.json").write_text("{}")
-        assert prepare_output_dir(out, 30, fresh=False) is None
-        assert not (out / "run_summary.json").exists()
+        _finished_training(out, 30)
+        (out / demo.DEMO_SUMMARY).write_text("{}")
+        assert prepare_output_dir(out, 30, fresh=False) == PreviousRun()
+        assert not (out / demo.DEMO_SUMMARY).exists()
 
     def test_checkpoint_past_max_steps_is_not_resumed(self, tmp_path: Path) -> None:
         out = tmp_path / "demo"
         prepare_output_dir(out, 30, fresh=False)
         _checkpoint(out, 30)
-        assert prepare_output_dir(out, 10, fresh=False) is None
+        assert prepare_output_dir(out, 10, fresh=False) == PreviousRun()
 
     def test_refuses_a_folder_it_did_not_make(self, tmp_path: Path) -> None:
         out = tmp_path / "mine"
@@ -67,6 +110,24 @@ class TestOutputDir:
         with pytest.raises(DemoError, match="was not made by the demo"):
             prepare_output_dir(out, 30, fresh=True)
         assert (out / "thesis.tex").exists()
+
+    def test_base_scores_are_reused_only_when_they_match(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        import trainer.evaluate
+
+        recipe = demo.build_recipe(DemoOptions(tmp_path, 0, 2, 3))
+        out = tmp_path / "eval_before.json"
+        calls: list[int] = []
+
+        def fake_evaluate(model_dir: Path, recipe: object, samples: int, out: Path) -> dict[str, object]:
+            calls.append(samples)
+            return {"model": str(model_dir), "samples": samples, "emoji_f1": 0.5}
+
+        monkeypatch.setattr(trainer.evaluate, "evaluate", fake_evaluate)
+        demo.score(tmp_path / "base", recipe, out, reuse=True)
+        demo.score(tmp_path / "base", recipe, out, reuse=True)
+        assert calls == [3], "the second call reuses the file"
+        demo.score(tmp_path / "other", recipe, out, reuse=True)
+        assert calls == [3, 3], "another model is scored again"
 
 
 class TestEarlyChecks:
@@ -110,12 +171,13 @@ class TestOptions:
         assert recipe.evaluation.max_samples == 3
         assert recipe.training.extra["disable_tqdm"] is False
 
-    def test_default_steps_come_from_the_recipe(self, tmp_path: Path) -> None:
+    def test_default_steps_are_the_recipes(self, tmp_path: Path) -> None:
         from trainer.recipe import load_recipe
 
-        assert (
-            demo.build_recipe(DemoOptions(tmp_path)).training.max_steps == load_recipe("emoji-local").training.max_steps
-        )
+        recipe, original = demo.build_recipe(DemoOptions(tmp_path)), load_recipe("emoji-local")
+        assert recipe.training.max_steps == original.training.max_steps
+        assert recipe.training.learning_rate == original.training.learning_rate
+        assert recipe.training.per_device_train_batch_size == original.training.per_device_train_batch_size
 
 
 def test_loss_plot(tmp_path: Path) -> None:

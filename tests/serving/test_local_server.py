@@ -27,7 +27,7 @@ from serving.local_server import (
     parse_chat_request,
 )
 from serving.vllm_args import COMPLETION_MARKER
-from tests.serving.conftest import build_tiny_gemma
+from tests.serving.tiny_model import build_tiny_gemma
 
 REPO = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]
