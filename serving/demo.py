@@ -378,6 +378,7 @@ def run(opts: DemoOptions) -> DemoResult:
         3, total, f"Fine-tuning with the {RECIPE_NAME} recipe ({steps} steps, LoRA r{recipe.lora.r})", timings, "train"
     ):
         if previous.trained:
+            print(f"      reusing the finished training and export in {output_dir}")
             result, history = reuse_training(output_dir)
         else:
             result, history = _guard("training", lambda: train(recipe))

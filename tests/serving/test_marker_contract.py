@@ -5,11 +5,17 @@ If the two drift, every served model looks incomplete (or, worse, an incomplete 
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
 from serving.vllm_args import COMPLETION_MARKER
+from trainer import export
 
 
 def test_trainer_and_serving_agree() -> None:
-    export = pytest.importorskip("trainer.export", reason="trainer/export.py is not in this checkout yet")
     assert export.COMPLETION_MARKER == COMPLETION_MARKER
+
+
+def test_the_entrypoint_and_the_local_server_use_it() -> None:
+    serving = Path(__file__).resolve().parents[2] / "serving"
+    assert f'COMPLETION_MARKER="{COMPLETION_MARKER}"' in (serving / "entrypoint.sh").read_text()
+    assert "COMPLETION_MARKER" in (serving / "local_server.py").read_text()
