@@ -57,7 +57,13 @@ class ImageSpec:
 
 
 TRAINER = ImageSpec("trainer", REPO_ROOT / "trainer", REPO_ROOT / "trainer" / "Dockerfile", (".",))
-SERVING = ImageSpec("serving", REPO_ROOT / "serving", REPO_ROOT / "serving" / "Dockerfile", (".",))
+# The serving image holds only its entrypoint; edits to the client or the demo must not rebuild it.
+SERVING = ImageSpec(
+    "serving",
+    REPO_ROOT / "serving",
+    REPO_ROOT / "serving" / "Dockerfile",
+    ("Dockerfile", "entrypoint.sh", ".dockerignore"),
+)
 
 
 def _excluded(rel: Path) -> bool:

@@ -65,3 +65,15 @@ class TestModes:
         run = run_stack("dev", overrides={"servingEnabled": True}, assume_trained=True)
         names = sorted(r.name for r in run.of_type("docker-build:index:Image"))
         assert names == ["gft-dev-serving", "gft-dev-trainer"]
+
+
+class TestServingContext:
+    def test_client_and_demo_edits_do_not_rebuild_the_serving_image(self, tmp_path: Path) -> None:
+        copy = tmp_path / "serving"
+        shutil.copytree(SERVING.context, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        spec = ImageSpec("serving", copy, copy / "Dockerfile", SERVING.content_paths)
+        before = content_hash(spec)
+        (copy / "client.py").write_text((copy / "client.py").read_text() + "\n# changed\n")
+        assert content_hash(spec) == before
+        (copy / "entrypoint.sh").write_text((copy / "entrypoint.sh").read_text() + "\n# changed\n")
+        assert content_hash(spec) != before
