@@ -45,14 +45,13 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
-from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from infra.gke_workload import (
     CONTAINER_SECURITY_CONTEXT,
     POD_SECURITY_CONTEXT,
     RUN_LABEL,
     TrainingNamespace,
-    TrainingNamespaceArgs,
     common_labels,
+    declare_gke_base,
     gpu_node_selector,
     gpu_pod_resources,
     hf_token_env,
@@ -312,17 +311,8 @@ def declare(
 ) -> dict[str, pulumi.Input[Any]]:
     """The a4-gemma4 workload: cluster, namespace pieces, training Job; returns the stack outputs."""
     base = f"gft-{cfg.stack}"
-    cluster = AutopilotCluster(base, AutopilotClusterArgs(cfg=cfg, depends_on=list(foundation.apis)))
-    namespace = TrainingNamespace(
-        base,
-        TrainingNamespaceArgs(
-            cfg=cfg,
-            provider=cluster.provider,
-            cluster=cluster.cluster,
-            trainer_account=foundation.trainer_account,
-            hf_token=loaded.hf_token,
-        ),
-    )
+    gke = declare_gke_base(cfg, loaded, foundation)
+    cluster, namespace = gke.cluster, gke.namespace
     job = TrainingJob(
         base,
         TrainingJobArgs(
@@ -335,9 +325,7 @@ def declare(
     )
     ns = cfg.namespace
     return {
-        "clusterName": cluster.name,
-        "getCredentials": cluster.get_credentials,
-        "namespace": ns,
+        **gke.outputs(cfg),
         "jobName": job.job_name,
         "worldSize": cfg.total_gpus,
         "logs": job.job_name.apply(lambda j: f"kubectl logs -f job/{j} -n {ns}"),

@@ -26,14 +26,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
-from infra.config import Capacity, StackConfig
+from infra.config import Capacity, LoadedConfig, StackConfig
+from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from trainer.recipe import RECIPES_DIR
+
+if TYPE_CHECKING:
+    from infra.foundation import Foundation
 
 TRAINER_KSA = "trainer"
 HF_SECRET_NAME = "hf-secret"
@@ -252,3 +256,35 @@ class TrainingNamespace(pulumi.ComponentResource):
                 "hf_secret": self.hf_secret_name,
             }
         )
+
+
+@dataclass
+class GkeBase:
+    """What both GKE workloads stand on: the Autopilot cluster and the training namespace."""
+
+    cluster: AutopilotCluster
+    namespace: TrainingNamespace
+
+    def outputs(self, cfg: StackConfig) -> dict[str, pulumi.Input[Any]]:
+        return {
+            "clusterName": self.cluster.name,
+            "getCredentials": self.cluster.get_credentials,
+            "namespace": cfg.namespace,
+        }
+
+
+def declare_gke_base(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation) -> GkeBase:
+    """The cluster (after the foundation's APIs) and the namespace with identity and HF Secret."""
+    base = f"gft-{cfg.stack}"
+    cluster = AutopilotCluster(base, AutopilotClusterArgs(cfg=cfg, depends_on=list(foundation.apis)))
+    namespace = TrainingNamespace(
+        base,
+        TrainingNamespaceArgs(
+            cfg=cfg,
+            provider=cluster.provider,
+            cluster=cluster.cluster,
+            trainer_account=foundation.trainer_account,
+            hf_token=loaded.hf_token,
+        ),
+    )
+    return GkeBase(cluster=cluster, namespace=namespace)

@@ -49,14 +49,13 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
-from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from infra.gke_workload import (
     CONTAINER_SECURITY_CONTEXT,
     POD_SECURITY_CONTEXT,
     RUN_LABEL,
     TrainingNamespace,
-    TrainingNamespaceArgs,
     common_labels,
+    declare_gke_base,
     gpu_node_selector,
     gpu_pod_resources,
     hf_token_env,
@@ -359,17 +358,8 @@ def declare(
 ) -> dict[str, pulumi.Input[Any]]:
     """The ray-gemma3-vision workload: cluster with the Ray add-on, namespace pieces, RayJob; returns outputs."""
     base = f"gft-{cfg.stack}"
-    cluster = AutopilotCluster(base, AutopilotClusterArgs(cfg=cfg, depends_on=list(foundation.apis)))
-    namespace = TrainingNamespace(
-        base,
-        TrainingNamespaceArgs(
-            cfg=cfg,
-            provider=cluster.provider,
-            cluster=cluster.cluster,
-            trainer_account=foundation.trainer_account,
-            hf_token=loaded.hf_token,
-        ),
-    )
+    gke = declare_gke_base(cfg, loaded, foundation)
+    cluster, namespace = gke.cluster, gke.namespace
     training = RayTraining(
         base,
         RayTrainingArgs(
@@ -384,9 +374,7 @@ def declare(
     ns = cfg.namespace
     standing = STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None
     outputs: dict[str, pulumi.Input[Any]] = {
-        "clusterName": cluster.name,
-        "getCredentials": cluster.get_credentials,
-        "namespace": ns,
+        **gke.outputs(cfg),
         "rayJobName": training.job_name,
         "rayWorkers": cfg.total_gpus,
         "rayJobStatus": training.job_name.apply(lambda j: f"kubectl get rayjob {j} -n {ns}"),
