@@ -307,42 +307,40 @@ class RayTraining(pulumi.ComponentResource):
         depends: list[pulumi.Resource] = [args.cluster, *ns.ready]
         self.ray_cluster = None
         if cfg.ray_cluster is RayClusterMode.STANDING:
-            cluster_manifest = spec.apply(render_ray_cluster)
-            self.ray_cluster = k8s.apiextensions.CustomResource(
-                f"{name}-raycluster",
-                api_version=RAY_API_VERSION,
-                kind="RayCluster",
-                metadata=cluster_manifest.apply(lambda m: m["metadata"]),
-                spec=cluster_manifest.apply(lambda m: m["spec"]),
-                opts=pulumi.ResourceOptions(
-                    parent=self,
-                    provider=args.provider,
-                    depends_on=depends,
-                    # KubeRay does not roll pods on template edits: a new image gets a new cluster.
-                    replace_on_changes=["spec"],
-                    delete_before_replace=True,
-                    custom_timeouts=pulumi.CustomTimeouts(create=CRD_CREATE_TIMEOUT),
-                ),
+            self.ray_cluster = self._custom_resource(
+                f"{name}-raycluster", "RayCluster", spec.apply(render_ray_cluster), args.provider, depends
             )
             depends = [*depends, self.ray_cluster]
+        self.ray_job = self._custom_resource(
+            f"{name}-rayjob", "RayJob", spec.apply(render_ray_job), args.provider, depends
+        )
+        self.register_outputs({"job_name": self.job_name, "checkpoints": self.checkpoints, "run_dir": self.run_dir})
 
-        job_manifest = spec.apply(render_ray_job)
-        self.ray_job = k8s.apiextensions.CustomResource(
-            f"{name}-rayjob",
+    def _custom_resource(
+        self,
+        name: str,
+        kind: str,
+        manifest: pulumi.Output[dict[str, Any]],
+        provider: k8s.Provider,
+        depends: list[pulumi.Resource],
+    ) -> k8s.apiextensions.CustomResource:
+        """A KubeRay object. KubeRay ignores edits to a started job and does not roll a cluster's pods on
+        template edits, so a changed spec replaces the object (deleted first: the name is content-derived)."""
+        return k8s.apiextensions.CustomResource(
+            name,
             api_version=RAY_API_VERSION,
-            kind="RayJob",
-            metadata=job_manifest.apply(lambda m: m["metadata"]),
-            spec=job_manifest.apply(lambda m: m["spec"]),
+            kind=kind,
+            metadata=manifest.apply(lambda m: m["metadata"]),
+            spec=manifest.apply(lambda m: m["spec"]),
             opts=pulumi.ResourceOptions(
                 parent=self,
-                provider=args.provider,
+                provider=provider,
                 depends_on=depends,
                 replace_on_changes=["spec"],
                 delete_before_replace=True,
                 custom_timeouts=pulumi.CustomTimeouts(create=CRD_CREATE_TIMEOUT),
             ),
         )
-        self.register_outputs({"job_name": self.job_name, "checkpoints": self.checkpoints, "run_dir": self.run_dir})
 
 
 def dashboard_command(namespace: str, job_name: str, standing_cluster: str | None) -> str:
