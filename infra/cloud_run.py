@@ -36,7 +36,7 @@ from infra.config import LoadedConfig, StackConfig
 from infra.foundation import Foundation
 from infra.images import Images
 from serving.vllm_args import COMPLETION_MARKER, Dtype, VllmServerConfig, render_args
-from trainer.recipe import recipe_path
+from trainer.recipe import recipe_sha256
 
 BUCKET_MOUNT = "/mnt/bucket"
 MODEL_MOUNT = "/mnt/models"
@@ -47,10 +47,8 @@ VLLM_PORT = 8000
 
 def run_id(cfg: StackConfig, image: str) -> str:
     """12 hex characters that change exactly when the image, the recipe file or the overrides change."""
-    recipe_bytes = recipe_path(cfg.recipe).read_bytes()
     payload = json.dumps(
-        {"image": image, "recipe": hashlib.sha256(recipe_bytes).hexdigest(), "overrides": cfg.recipe_overrides},
-        sort_keys=True,
+        {"image": image, "recipe": recipe_sha256(cfg.recipe), "overrides": cfg.recipe_overrides}, sort_keys=True
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -103,7 +101,7 @@ class CloudRunTraining(pulumi.ComponentResource):
     ) -> None:
         super().__init__("gemma-finetune:gcp:CloudRunTraining", name, None, opts)
         self.run_id = image.apply(lambda ref: run_id(cfg, ref))
-        envs = [gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs(name="HF_HUB_ENABLE_HF_TRANSFER", value="0")]
+        envs: list[gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs] = []
         if foundation.hf_secret is not None and foundation.hf_secret_version is not None:
             envs.append(
                 gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs(

@@ -34,7 +34,7 @@ import pulumi_kubernetes as k8s
 
 from infra.config import Capacity, LoadedConfig, StackConfig
 from infra.gke import AutopilotCluster, AutopilotClusterArgs
-from trainer.recipe import RECIPES_DIR
+from trainer.recipe import recipe_sha256
 
 if TYPE_CHECKING:
     from infra.foundation import Foundation
@@ -96,11 +96,6 @@ def gpu_pod_resources(cfg: StackConfig) -> dict[str, dict[str, str]]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def recipe_fingerprint(recipe: str) -> str:
-    """sha256 of the recipe file: editing the recipe gives a new training run."""
-    return hashlib.sha256((RECIPES_DIR / f"{recipe}.yaml").read_bytes()).hexdigest()
-
-
 def run_name(prefix: str, cfg: StackConfig, image: str, max_len: int) -> str:
     """`<prefix>-<recipe-short>-<hash8>`: the same image, recipe content, overrides and shape give the same
     name (so `pulumi up` changes nothing); a change to any of them gives a new name (a new training run).
@@ -108,7 +103,7 @@ def run_name(prefix: str, cfg: StackConfig, image: str, max_len: int) -> str:
     identity = {
         "image": image,
         "recipe": cfg.recipe,
-        "recipe_sha256": recipe_fingerprint(cfg.recipe),
+        "recipe_sha256": recipe_sha256(cfg.recipe),
         "overrides": list(cfg.recipe_overrides),
         "gpu_type": cfg.gpu_type,
         "gpus_per_node": cfg.gpus_per_node,

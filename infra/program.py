@@ -30,11 +30,13 @@ def run() -> dict[str, Any]:
         "workload": str(cfg.workload),
         "recipe": cfg.recipe,
         "bucket": foundation.bucket_uri,
-        "bucketOnDestroy": (
-            "deleted with its contents (bucketForceDestroy=true)"
-            if cfg.bucket_force_destroy
-            else "kept: `pulumi destroy` leaves the bucket and its models; delete it with "
-            "`gcloud storage rm -r gs://BUCKET` or set bucketForceDestroy=true first"
+        "bucketOnDestroy": foundation.bucket_uri.apply(
+            lambda uri: (
+                "deleted with its contents (bucketForceDestroy=true)"
+                if cfg.bucket_force_destroy
+                else f"kept: `pulumi destroy` leaves {uri} and its models; delete it with "
+                f"`gcloud storage rm -r {uri}` or set bucketForceDestroy=true and `pulumi up` first"
+            )
         ),
         "registry": foundation.registry_url,
         "trainerImage": images.trainer_image,

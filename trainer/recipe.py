@@ -13,6 +13,7 @@ token, and `pulumi up` does not install torch.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from enum import StrEnum
@@ -255,6 +256,11 @@ def recipe_path(name_or_path: str) -> Path:
             f"(files under trainer/recipes/) or pass a path to a .yaml file"
         )
     return candidate
+
+
+def recipe_sha256(name_or_path: str) -> str:
+    """sha256 of the recipe file's bytes: the platforms start a new training run when it changes."""
+    return hashlib.sha256(recipe_path(name_or_path).read_bytes()).hexdigest()
 
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

@@ -151,3 +151,18 @@ class TestServing:
         )
         assert run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"][-1] == "--enable-prefix-caching"
         assert redact_secrets(run.outputs)["query"].startswith("python -m serving.client --url https://")
+
+
+class TestEditedRecipe:
+    def test_edited_recipe_file_starts_a_new_execution(self, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        import shutil
+
+        from trainer import recipe as trainer_recipe
+
+        before = job_inputs()["startExecutionToken"]
+        recipes = tmp_path / "recipes"
+        shutil.copytree(trainer_recipe.RECIPES_DIR, recipes)
+        path = recipes / "emoji-gemma3-1b.yaml"
+        path.write_text(path.read_text().replace("learning_rate: 2.0e-4", "learning_rate: 1.0e-4"))
+        monkeypatch.setattr(trainer_recipe, "RECIPES_DIR", recipes)
+        assert job_inputs()["startExecutionToken"] != before

@@ -20,6 +20,7 @@ from infra.offline import MOCK_HF_TOKEN, Recorded, StackRun, is_secret, run_stac
 from tests.infra.conftest import PREBUILT, contains, plain_paths
 from tests.infra.k8s_validate import k8s_resources, manifest, validate_object, validate_pod_template
 from trainer import launch
+from trainer import recipe as trainer_recipe
 
 STACK = "a4-gemma4"
 JOB = "kubernetes:batch/v1:Job"
@@ -211,10 +212,10 @@ class TestJobName:
 
     def test_edited_recipe_new_job(self, single: StackRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         recipes = tmp_path / "recipes"
-        shutil.copytree(gke_workload.RECIPES_DIR, recipes)
+        shutil.copytree(trainer_recipe.RECIPES_DIR, recipes)
         path = recipes / "text-to-sql-gemma4-31b.yaml"
         path.write_text(path.read_text().replace("learning_rate: 1.0e-5", "learning_rate: 2.0e-5"))
-        monkeypatch.setattr(gke_workload, "RECIPES_DIR", recipes)
+        monkeypatch.setattr(trainer_recipe, "RECIPES_DIR", recipes)
         assert run().outputs["jobName"] != single.outputs["jobName"]
 
     def test_capacity_is_not_identity(self, single: StackRun) -> None:
