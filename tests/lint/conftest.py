@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -40,3 +42,14 @@ def dockerfiles() -> list[Path]:
             if name == "Dockerfile" or name.startswith("Dockerfile.") or name.endswith(".Dockerfile"):
                 found.append(Path(folder) / name)
     return sorted(found)
+
+
+def ci_module(name: str) -> ModuleType:
+    """A script under .ci/ as a module (`.ci` is not a package: the runner calls these as scripts)."""
+    path = REPO_ROOT / ".ci" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"ci_{name}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
