@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One Pulumi command on one stack, as the CI workflows run it (preview.yml, deploy.yml):
 #   .ci/pulumi-run.sh preview STACK           # PR previews and the deploy's preview (reads state only)
-#   .ci/pulumi-run.sh preview-destroy STACK   # what `destroy` would delete (reads state only)
+#   .ci/pulumi-run.sh preview-destroy STACK   # what `destroy` would delete (the bucket backend locks for it)
 #   .ci/pulumi-run.sh up STACK | destroy STACK
 #   .ci/pulumi-run.sh cancel STACK            # release the lock of a run that was killed
 #

@@ -265,8 +265,10 @@ class TestWorkflowContract:
         assert deploy["concurrency"]["cancel-in-progress"] is False
         preview, apply = deploy["jobs"]["preview"], deploy["jobs"]["apply"]
         assert "environment" not in preview, "reviewers read the preview before they approve"
-        [pulumi] = runs(preview, ".ci/pulumi-run.sh")
+        [pulumi] = [step for step in runs(preview, ".ci/pulumi-run.sh") if "cancel" not in step["run"]]
         assert "preview-destroy" in pulumi["run"] and " preview)" in pulumi["run"]
+        [release_preview] = runs(preview, ".ci/pulumi-run.sh cancel")
+        assert release_preview["if"] == "cancelled() && inputs.action == 'destroy'", "destroy --preview-only locks"
         [summary] = runs(preview, ".ci/preview_report.py")
         assert "--summary" in summary["run"] and summary["if"] == "${{ !cancelled() }}"
         assert apply["needs"] == "preview"
