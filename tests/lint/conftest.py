@@ -53,3 +53,18 @@ def ci_module(name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def fake_command(tmp_path: Path, name: str, source: str) -> tuple[dict[str, str], Path]:
+    """Put the Python script `source` first on PATH as `name`, with an empty call log at FAKE_LOG.
+
+    Returns the base environment to run under it and the log, where the fake writes one JSON line per call.
+    """
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
+    path.write_text(source.replace("{python}", sys.executable))
+    path.chmod(0o755)
+    log = tmp_path / f"{name}-calls.jsonl"
+    log.write_text("")
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "FAKE_LOG": str(log)}, log

@@ -10,7 +10,6 @@ predefined roles' permissions (infra/bootstrap/role-permissions.json, public rol
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 import yaml
 
 from infra.offline import REPO_ROOT, run_stack, stack_names
-from tests.lint.conftest import ci_module
+from tests.lint.conftest import ci_module, fake_command
 
 BOOTSTRAP = REPO_ROOT / "infra" / "bootstrap"
 SCRIPT = BOOTSTRAP / "ci-setup.sh"
@@ -90,7 +89,7 @@ FAKE_GCLOUD = r'''#!{python}
 import json, os, sys
 
 args = sys.argv[1:]
-with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
+with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps(args) + "\n")
 state_path = os.environ["FAKE_GCLOUD_STATE"]
 state = set(json.load(open(state_path))) if os.path.exists(state_path) else set()
@@ -180,20 +179,12 @@ def _grant(call: list[str]) -> Grant | None:
 
 def run_setup(tmp_path: Path, repo: Path = REPO_ROOT, **overrides: str) -> SetupRun:
     """Run ci-setup.sh with a recording gcloud; the recorder's memory persists in tmp_path between runs."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    gcloud = bin_dir / "gcloud"
-    gcloud.write_text(FAKE_GCLOUD.replace("{python}", sys.executable).replace("{number}", VALUES["PROJECT_NUMBER"]))
-    gcloud.chmod(0o755)
+    base, log = fake_command(tmp_path, "gcloud", FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"]))
     state = tmp_path / "gcloud-state.json"
     if not state.exists():  # the Compute Engine default account exists once the API is on
         state.write_text(json.dumps([f"iam service-accounts {NODE_ACCOUNT.split('@')[0]}"]))
-    log = tmp_path / "gcloud-calls.jsonl"
-    log.write_text("")
     env = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "HOME": str(tmp_path),
-        "FAKE_GCLOUD_LOG": str(log),
+        **base,
         "FAKE_GCLOUD_STATE": str(state),
         "REPO_ROOT": str(repo),
         **{k: v for k, v in VALUES.items() if k != "PROJECT_NUMBER"},

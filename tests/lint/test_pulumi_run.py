@@ -8,12 +8,14 @@ cancellation) or ignores it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from infra.offline import REPO_ROOT
+from tests.lint.conftest import fake_command
 
 SCRIPT = REPO_ROOT / ".ci" / "pulumi-run.sh"
 
@@ -21,13 +23,13 @@ FAKE_PULUMI = r"""#!{python}
 import json, os, signal, sys, time
 
 args = sys.argv[1:]
-with open(os.environ["FAKE_PULUMI_LOG"], "a") as log:
+with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps(args) + "\n")
 mode = os.environ.get("FAKE_PULUMI_MODE", "ok")
 
 
 def note(event):
-    with open(os.environ["FAKE_PULUMI_LOG"], "a") as log:
+    with open(os.environ["FAKE_LOG"], "a") as log:
         log.write(json.dumps([event]) + "\n")
 
 
@@ -54,21 +56,13 @@ sys.exit(0)
 def run(
     tmp_path: Path, *args: str, **env: str
 ) -> tuple[subprocess.CompletedProcess[str], list[list[str]], dict[str, str]]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    fake = bin_dir / "pulumi"
-    fake.write_text(FAKE_PULUMI.replace("{python}", sys.executable))
-    fake.chmod(0o755)
-    calls_log = tmp_path / "calls.jsonl"
-    calls_log.write_text("")
+    base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
     output = tmp_path / "github_output"
     output.write_text("")
     environment = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "HOME": str(tmp_path),
+        **base,
         "RUNNER_TEMP": str(tmp_path),
         "GITHUB_OUTPUT": str(output),
-        "FAKE_PULUMI_LOG": str(calls_log),
         "PULUMI_BACKEND_URL": "gs://p-pulumi-state",
         **env,
     }
@@ -137,24 +131,23 @@ class TestUpWithinItsBudget:
         assert "cancel" not in commands(calls)
         assert outputs["exit-code"] == "0"
 
-    def test_past_its_budget_pulumi_gets_sigint_then_the_lock_is_released(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize(
+        ("command", "mode", "grace", "code"),
+        [("up", "graceful", "20s", 124), ("destroy", "stubborn", "1s", 137)],
+        ids=["pulumi-cancels-at-a-safe-point", "pulumi-ignores-sigint-and-is-killed"],
+    )
+    def test_past_its_budget_pulumi_gets_sigint_then_the_lock_is_released(
+        self, tmp_path: Path, command: str, mode: str, grace: str, code: int
+    ) -> None:
         result, calls, outputs = run(
-            tmp_path, "up", "dev", FAKE_PULUMI_MODE="graceful", PULUMI_BUDGET="1s", PULUMI_GRACE="20s"
+            tmp_path, command, "dev", FAKE_PULUMI_MODE=mode, PULUMI_BUDGET="1s", PULUMI_GRACE=grace
         )
-        assert result.returncode == 124
-        assert commands(calls) == ["login", "stack select", "up", "SIGINT", "cancel"]
+        assert result.returncode == code
+        assert commands(calls) == ["login", "stack select", command, "SIGINT", "cancel"]
         assert calls[-1][:2] == ["cancel", "--yes"] and calls[-1][calls[-1].index("--stack") + 1] == "dev"
         log = Path(outputs["log"]).read_text()
         assert "ran past its budget of 1s" in log and "pulumi refresh --stack dev" in log
-        assert outputs["exit-code"] == "124"
-
-    def test_a_pulumi_that_ignores_sigint_is_killed_after_the_grace_and_the_lock_released(self, tmp_path: Path) -> None:
-        result, calls, outputs = run(
-            tmp_path, "destroy", "dev", FAKE_PULUMI_MODE="stubborn", PULUMI_BUDGET="1s", PULUMI_GRACE="1s"
-        )
-        assert result.returncode == 137
-        assert commands(calls) == ["login", "stack select", "destroy", "SIGINT", "cancel"]
-        assert outputs["exit-code"] == "137"
+        assert outputs["exit-code"] == str(code)
 
 
 class TestCancel:
