@@ -26,11 +26,12 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 venv: $(STAMP) ## create .venv and install the pinned CPU requirements (once)
 
-lint: $(STAMP) ## ruff, mypy on infra/, workflow/Dockerfile linters
+lint: $(STAMP) ## ruff, mypy on infra/, workflow/shell/Dockerfile linters
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy infra trainer/recipe.py
-	$(VENV)/bin/actionlint -no-color -pyflakes=
+	$(VENV)/bin/actionlint -no-color -pyflakes= -shellcheck=$(VENV)/bin/shellcheck
+	$(VENV)/bin/shellcheck .ci/run .ci/pulumi-run.sh infra/bootstrap/ci-setup.sh
 	@files=$$(find . \( -name .git -o -name .venv -o -name venv -o -name build -o -name outputs -o -name .cache \
 	    -o -name node_modules \) -prune -o -type f \( -name Dockerfile -o -name 'Dockerfile.*' -o -name '*.Dockerfile' \) \
 	    ! -name '*.dockerignore' -print | sort); \

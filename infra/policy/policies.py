@@ -19,10 +19,17 @@ Decisions
   `servingPublic: true`: the label makes the choice visible (`gcloud run services list
   --filter=labels.public=true`) and turns an accidental flag into a violation. An `allUsers` /
   `allAuthenticatedUsers` IAM member is never allowed, on any resource.
-- "GPU workload" means a Cloud Run job, Kubernetes Job or RayJob that asks for a GPU
-  (`nvidia.com/gpu` in a resource list, a GKE accelerator nodeSelector, a Cloud Run accelerator).
-  Each must carry an explicit deadline (Cloud Run's implicit 10 minute default is not a decision),
-  and a RayJob that creates its own cluster must also delete it when the job ends.
+- "GPU workload" means a Cloud Run job, Kubernetes Job, CronJob, JobSet, Pod, RayJob, Deployment or
+  StatefulSet that asks for a GPU (`nvidia.com/gpu` in a resource list, a GKE accelerator
+  nodeSelector, a Cloud Run accelerator). Where a deadline field applies it must be set (Cloud Run's
+  implicit 10 minute default is not a decision), and a RayJob that creates its own cluster must also
+  delete it when the job ends. A Deployment or StatefulSet has no deadline: asking one for GPUs is
+  allowed only with the label `gemma-finetune/gpu-long-running: "true"`, so the choice is visible.
+- A credential is recognised by the words of its env var name (`HF_TOKEN`, `HuggingFaceToken`,
+  `HF_API_KEY`, `*_PASSWORD`), not by an exact list; a value that only references another variable
+  (`${HF_TOKEN}`, `$(HF_TOKEN)`) carries no secret and passes.
+- Rules fail closed: a malformed `policyData` is a violation (it cannot be checked), and a check that
+  raises becomes a violation of its rule instead of stopping the pack.
 - A standing RayCluster (`rayCluster: standing`) is an explicit choice for interactive use and has
   no deadline field; it is checked for pinned images only.
 
@@ -31,6 +38,7 @@ Not here: cost limits, regions, quotas (the stack configuration validates those)
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +60,15 @@ CLOUD_RUN_JOB = "gcp:cloudrunv2/job:Job"
 CLOUD_RUN_SERVICE = "gcp:cloudrunv2/service:Service"
 K8S_JOB = "kubernetes:batch/v1:Job"
 RAY_JOB = "kubernetes:ray.io/v1:RayJob"
+K8S_POD = "kubernetes:core/v1:Pod"
+K8S_CRON_JOB = "kubernetes:batch/v1:CronJob"
+K8S_DEPLOYMENT = "kubernetes:apps/v1:Deployment"
+K8S_STATEFUL_SET = "kubernetes:apps/v1:StatefulSet"
+# JobSet (sigs.k8s.io/jobset): replicatedJobs[].template is a Job template, so each one carries its own deadline.
+JOB_SET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+# Controllers whose pods run until the object is deleted: no deadline field applies, so a GPU one is an
+# explicit choice, marked with this label (like `public` on a Cloud Run service).
+LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
 # GCP resources that carry labels here, and the input that holds them.
 LABELLED: dict[str, str] = {
     BUCKET: "labels",
@@ -67,6 +84,13 @@ GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
 DIGEST_RE = re.compile(r"@sha256:[0-9a-f]{64}$")
 CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
 ENV_LISTS = ("env", "envs")
+# Words that make an env var name a credential (`HF_TOKEN`, `HuggingFaceToken`, `DB_PASSWORD`), and word pairs
+# (`HF_API_KEY`, `AWS_ACCESS_KEY_ID`). A lone KEY (`CACHE_KEY`) or CREDENTIALS (a file path) is not one.
+SECRET_WORDS = frozenset({"TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "APIKEY"})
+SECRET_WORD_PAIRS = frozenset({("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY")})
+# A value that only names another variable (`${HF_TOKEN}` for Ray's runtime env, `$(HF_TOKEN)` for Kubernetes)
+# carries no secret itself.
+ENV_REFERENCE = re.compile(r"^\s*(\$\{[A-Za-z_][A-Za-z0-9_]*\}|\$\([A-Za-z_][A-Za-z0-9_]*\))\s*$")
 
 # Sentinels the engine puts in place of values it does not know during preview (pulumi_policy.proxy).
 UNKNOWN_VALUES = frozenset(
@@ -140,15 +164,53 @@ def iam_members(props: Mapping[str, Any]) -> list[tuple[str, str]]:
         pairs.append((role_text, ""))
     policy_data = props.get("policyData")
     if isinstance(policy_data, str) and not is_unknown(policy_data):
-        try:
-            policy = json.loads(policy_data)
-        except json.JSONDecodeError:
-            policy = {}
-        for binding in policy.get("bindings", []) if isinstance(policy, dict) else []:
-            binding_role = str(binding.get("role", ""))
-            for binding_member in binding.get("members", []) or [""]:
-                pairs.append((binding_role, str(binding_member)))
+        pairs.extend(parse_policy_data(policy_data)[0])
     return pairs
+
+
+def parse_policy_data(text: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """(role, member) pairs of an IAM policy document (`policyData`), and what makes it unreadable.
+
+    The document comes from the program (`gcp.organizations.get_iam_policy`) or from a hand-written
+    string, so any JSON may arrive: a list, bindings that are not objects, members that are not strings.
+    Whatever can be read is returned; everything else is named, so the rules fail closed instead of
+    crashing the pack or passing a policy they could not read.
+    """
+    try:
+        policy = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return [], [f"is not JSON ({exc.msg} at character {exc.pos})"]
+    if not isinstance(policy, dict):
+        return [], [f"is a JSON {type(policy).__name__}, not an IAM policy object"]
+    bindings = policy.get("bindings") or []
+    if not isinstance(bindings, list):
+        return [], [f"has bindings of type {type(bindings).__name__}, not a list"]
+    pairs: list[tuple[str, str]] = []
+    problems: list[str] = []
+    for index, binding in enumerate(bindings):
+        if not isinstance(binding, dict):
+            problems.append(f"has bindings[{index}] of type {type(binding).__name__}, not an object")
+            continue
+        role = binding.get("role")
+        if not isinstance(role, str):
+            problems.append(f"has bindings[{index}].role={role!r}, not a role name")
+            role = ""
+        members = binding.get("members") or []
+        if not isinstance(members, list) or not all(isinstance(member, str) for member in members):
+            problems.append(f"has bindings[{index}].members={members!r}, not a list of principals")
+            members = [member for member in members if isinstance(member, str)] if isinstance(members, list) else []
+        pairs.extend((role, member) for member in members or [""])
+    return pairs, problems
+
+
+def policy_data_problems(props: Mapping[str, Any]) -> list[str]:
+    """Why an IAM policy resource's `policyData` cannot be read in full (empty when it can, or is unknown)."""
+    policy_data = props.get("policyData")
+    if policy_data is None or is_unknown(policy_data):
+        return []
+    if not isinstance(policy_data, str):
+        return [f"policyData is a {type(policy_data).__name__}, not a JSON string"]
+    return [f"policyData {problem}" for problem in parse_policy_data(policy_data)[1]]
 
 
 def is_iam_resource(resource_type: str) -> bool:
@@ -199,11 +261,16 @@ def no_basic_roles(resource_type: str, props: Mapping[str, Any]) -> list[str]:
     if not is_iam_resource(resource_type):
         return []
     found = sorted({role for role, _ in iam_members(props) if role in BASIC_ROLES})
-    return [
+    problems = [
         f"basic role {role} is granted; grant a predefined role on the one resource instead "
         "(e.g. roles/storage.objectUser on the bucket)"
         for role in found
     ]
+    problems.extend(
+        f"{problem}: it cannot be checked for basic roles; pass a document from gcp.organizations.get_iam_policy"
+        for problem in policy_data_problems(props)
+    )
+    return problems
 
 
 def no_public_principals(resource_type: str, props: Mapping[str, Any]) -> list[str]:
@@ -215,6 +282,11 @@ def no_public_principals(resource_type: str, props: Mapping[str, Any]) -> list[s
             f"public principal {member} is granted a role; name the principals who need access "
             "(a public vLLM service is chosen with servingPublic=true, never with an IAM member)"
             for member in public
+        )
+        problems.extend(
+            f"{problem}: it cannot be checked for public principals; pass a document from "
+            "gcp.organizations.get_iam_policy"
+            for problem in policy_data_problems(props)
         )
     if resource_type == CLOUD_RUN_SERVICE and props.get("invokerIamDisabled") is True:
         labels = props.get("labels") or {}
@@ -245,8 +317,15 @@ def bucket_is_private(resource_type: str, props: Mapping[str, Any]) -> list[str]
 
 
 def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -> list[str]:
-    """A GPU job that hangs must not bill GPUs for ever: every GPU workload has an explicit deadline."""
-    if resource_type not in (CLOUD_RUN_JOB, K8S_JOB, RAY_JOB) or not requests_gpu(props):
+    """A GPU job that hangs must not bill GPUs for ever: every GPU workload has an explicit deadline.
+
+    Where a deadline field applies it must be set: Cloud Run `template.template.timeout`; Job, RayJob
+    and Pod `spec.activeDeadlineSeconds`; CronJob `spec.jobTemplate.spec.activeDeadlineSeconds`; JobSet
+    each GPU `replicatedJobs[].template.spec.activeDeadlineSeconds`. A Deployment or StatefulSet has no
+    deadline and keeps its GPUs until deleted, so one that asks for GPUs must say so with the label
+    `gemma-finetune/gpu-long-running: "true"`.
+    """
+    if not requests_gpu(props):
         return []
     if resource_type == CLOUD_RUN_JOB:
         timeout = _dig(props, "template", "template", "timeout")
@@ -256,14 +335,29 @@ def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -
             f"Cloud Run GPU job has template.template.timeout={timeout!r}: set an explicit task timeout "
             '(e.g. "3600s", from trainingTimeoutMinutes)'
         ]
-    deadline = _dig(props, "spec", "activeDeadlineSeconds")
+    kinds = {K8S_JOB: "Kubernetes Job", RAY_JOB: "RayJob", K8S_POD: "Pod"}
     problems: list[str] = []
-    if not is_unknown(deadline) and not _seconds(deadline):
-        kind = "Kubernetes Job" if resource_type == K8S_JOB else "RayJob"
-        problems.append(
-            f"{kind} asking for GPUs has spec.activeDeadlineSeconds={deadline!r}: set a deadline "
-            "(from trainingTimeoutMinutes) so a hung run stops billing GPUs"
-        )
+    if resource_type in kinds:
+        problems.extend(_missing_deadline(kinds[resource_type], props, ("spec", "activeDeadlineSeconds")))
+    elif resource_type == K8S_CRON_JOB:
+        cron_path = ("spec", "jobTemplate", "spec", "activeDeadlineSeconds")
+        problems.extend(_missing_deadline("CronJob", props, cron_path))
+    elif resource_type == JOB_SET:
+        replicated = _dig(props, "spec", "replicatedJobs")
+        for index, job in enumerate(replicated if isinstance(replicated, list) else []):
+            if isinstance(job, Mapping) and requests_gpu(job):
+                name = job.get("name", index)
+                job_path = ("template", "spec", "activeDeadlineSeconds")
+                problems.extend(_missing_deadline(f"JobSet replicatedJobs[{index}] ({name})", job, job_path))
+    elif resource_type in (K8S_DEPLOYMENT, K8S_STATEFUL_SET):
+        labels = _dig(props, "metadata", "labels")
+        if not is_unknown(labels) and (not isinstance(labels, Mapping) or labels.get(LONG_RUNNING_LABEL) != "true"):
+            kind = resource_type.rsplit(":", 1)[-1]
+            problems.append(
+                f"{kind} asking for GPUs has no deadline and holds its GPUs until it is deleted: run training as a "
+                f"Job with activeDeadlineSeconds, or mark a deliberate long-running GPU service with the label "
+                f'{LONG_RUNNING_LABEL}: "true"'
+            )
     if resource_type == RAY_JOB and "rayClusterSpec" in (props.get("spec") or {}):
         shutdown = _dig(props, "spec", "shutdownAfterJobFinishes")
         if shutdown is not True and not is_unknown(shutdown):
@@ -272,6 +366,16 @@ def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -
                 "would keep its GPUs after the job ends"
             )
     return problems
+
+
+def _missing_deadline(kind: str, props: Mapping[str, Any], path: tuple[str, ...]) -> list[str]:
+    deadline = _dig(props, *path)
+    if is_unknown(deadline) or _seconds(deadline):
+        return []
+    return [
+        f"{kind} asking for GPUs has {'.'.join(path)}={deadline!r}: set a deadline "
+        "(from trainingTimeoutMinutes) so a hung run stops billing GPUs"
+    ]
 
 
 def images_pinned_by_digest(resource_type: str, props: Mapping[str, Any]) -> list[str]:
@@ -294,18 +398,37 @@ def images_pinned_by_digest(resource_type: str, props: Mapping[str, Any]) -> lis
     return problems
 
 
-def _token_name(name: Any) -> bool:
-    """HF_TOKEN, HUGGING_FACE_HUB_TOKEN, GITHUB_TOKEN…: a `TOKEN` word, not TOKENIZERS_PARALLELISM."""
-    return isinstance(name, str) and "TOKEN" in name.upper().replace("-", "_").split("_")
+def _name_words(name: str) -> list[str]:
+    """`HuggingFaceToken` -> HUGGING, FACE, TOKEN; `HF_API_KEY` -> HF, API, KEY; `HFToken` -> HF, TOKEN."""
+    spaced = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", spaced)
+    return [word for word in re.split(r"[^A-Za-z0-9]+", spaced.upper()) if word]
+
+
+def is_secret_name(name: Any) -> bool:
+    """HF_TOKEN, HuggingFaceToken, HF_API_KEY, DB_PASSWORD…: a credential's name; not TOKENIZERS_PARALLELISM."""
+    if not isinstance(name, str):
+        return False
+    words = _name_words(name)
+    return any(word in SECRET_WORDS for word in words) or any(
+        pair in SECRET_WORD_PAIRS for pair in itertools.pairwise(words)
+    )
+
+
+def _is_literal(value: Any) -> bool:
+    """A value written into the resource itself: not empty, not unknown, not a reference to another variable."""
+    if value is None or value == "" or is_unknown(value):
+        return False
+    return not (isinstance(value, str) and ENV_REFERENCE.match(value))
 
 
 def tokens_only_from_secrets(resource_type: str, props: Mapping[str, Any]) -> list[str]:
-    """A token reaches a container only through a secret reference, never as a literal env value."""
+    """A credential reaches a container only through a secret reference, never as a literal env value."""
     problems: list[str] = []
     for path, key, value in walk(dict(props)):
         if key in ENV_LISTS and isinstance(value, list):
             for index, entry in enumerate(value):
-                if isinstance(entry, dict) and _token_name(entry.get("name")) and entry.get("value") not in (None, ""):
+                if isinstance(entry, dict) and is_secret_name(entry.get("name")) and _is_literal(entry.get("value")):
                     problems.append(
                         f"{path}[{index}] sets {entry['name']} to a literal value: read it from a secret "
                         "(Kubernetes valueFrom.secretKeyRef, Cloud Run valueSource.secretKeyRef)"
@@ -316,7 +439,7 @@ def tokens_only_from_secrets(resource_type: str, props: Mapping[str, Any]) -> li
 
 
 def _runtime_env_tokens(path: str, text: str) -> list[str]:
-    """A RayJob's runtime env (YAML in a string) must not carry a token in env_vars."""
+    """A RayJob's runtime env (YAML in a string) must not carry a credential in env_vars."""
     try:
         runtime_env = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -327,7 +450,7 @@ def _runtime_env_tokens(path: str, text: str) -> list[str]:
     return [
         f"{path} env_vars sets {name} to a literal value: pods read it from the Kubernetes Secret instead"
         for name, value in env_vars.items()
-        if _token_name(name) and value not in (None, "")
+        if is_secret_name(name) and _is_literal(value)
     ]
 
 
@@ -371,13 +494,14 @@ GUARD_RAILS: tuple[GuardRail, ...] = (
     GuardRail("private-buckets", "Buckets use uniform access and enforce public access prevention.", bucket_is_private),
     GuardRail(
         "gpu-workload-deadlines",
-        "Every GPU job (Cloud Run Job, Kubernetes Job, RayJob) has an explicit deadline.",
+        "Every GPU workload (Cloud Run Job; Kubernetes Job, CronJob, JobSet, Pod, RayJob) has an explicit deadline; "
+        "a GPU Deployment/StatefulSet is labelled as a deliberate long-running service.",
         gpu_workloads_have_deadlines,
     ),
     GuardRail("images-pinned-by-digest", "Every container image is pinned by sha256 digest.", images_pinned_by_digest),
     GuardRail(
         "tokens-from-secrets",
-        "Tokens (HF_TOKEN, …) reach containers only through secret references.",
+        "Credentials (HF_TOKEN, HuggingFaceToken, HF_API_KEY, …) reach containers only through secret references.",
         tokens_only_from_secrets,
     ),
     GuardRail(
@@ -388,10 +512,22 @@ GUARD_RAILS: tuple[GuardRail, ...] = (
 )
 
 
+def run_check(rail: GuardRail, resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """One rail's violations; a check that raises on input nobody foresaw fails closed with a violation.
+
+    An exception inside a policy would stop the whole pack (every preview fails with a stack trace and
+    no other rule runs); a violation names the resource and the rule, and a mandatory rule still blocks.
+    """
+    try:
+        return rail.check(resource_type, props)
+    except Exception as exc:  # any crash becomes a violation on purpose
+        return [f"{rail.name} could not check this {resource_type} ({type(exc).__name__}: {exc}); fix the resource"]
+
+
 def violations(resource_type: str, props: Mapping[str, Any]) -> dict[str, list[str]]:
     """Every guard rail's violations for one resource, by policy name (only the failing ones)."""
     plain = to_plain(props)
-    found = {rail.name: rail.check(resource_type, plain) for rail in GUARD_RAILS}
+    found = {rail.name: run_check(rail, resource_type, plain) for rail in GUARD_RAILS}
     return {name: problems for name, problems in found.items() if problems}
 
 
@@ -401,7 +537,7 @@ def resource_policies() -> list[Any]:
 
     def wrap(rail: GuardRail) -> ResourceValidationPolicy:
         def validate(args: ResourceValidationArgs, report_violation: ReportViolation) -> None:
-            for problem in rail.check(args.resource_type, to_plain(args.props)):
+            for problem in run_check(rail, args.resource_type, to_plain(args.props)):
                 report_violation(problem, None)  # the engine names the resource
 
         return ResourceValidationPolicy(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -40,3 +42,29 @@ def dockerfiles() -> list[Path]:
             if name == "Dockerfile" or name.startswith("Dockerfile.") or name.endswith(".Dockerfile"):
                 found.append(Path(folder) / name)
     return sorted(found)
+
+
+def ci_module(name: str) -> ModuleType:
+    """A script under .ci/ as a module (`.ci` is not a package: the runner calls these as scripts)."""
+    path = REPO_ROOT / ".ci" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"ci_{name}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_command(tmp_path: Path, name: str, source: str) -> tuple[dict[str, str], Path]:
+    """Put the Python script `source` first on PATH as `name`, with an empty call log at FAKE_LOG.
+
+    Returns the base environment to run under it and the log, where the fake writes one JSON line per call.
+    """
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
+    path.write_text(source.replace("{python}", sys.executable))
+    path.chmod(0o755)
+    log = tmp_path / f"{name}-calls.jsonl"
+    log.write_text("")
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "FAKE_LOG": str(log)}, log

@@ -1,4 +1,10 @@
-"""The workflows pass actionlint, keep their contract, and actionlint catches a broken workflow."""
+"""The workflows pass actionlint (with shellcheck), keep their contract, and actionlint catches a broken workflow.
+
+The contract tests parse the YAML and check what GitHub cannot be asked offline: which job gets which
+identity, which steps see which secret, that failures are reported, that the GKE stacks get their auth
+plugin, that a deploy is previewed before the reviewed apply, and that every third-party action that
+can request an OIDC token is pinned by a commit SHA confirmed for its release.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from infra.offline import REPO_ROOT, stack_names
-from tests.lint.conftest import run_tool, tool
+from infra.gke import AUTH_PLUGIN
+from infra.offline import REPO_ROOT, run_stack, stack_names
+from tests.lint.conftest import ci_module, run_tool, tool
+
+ci_stacks = ci_module("stacks")
 
 WORKFLOWS = REPO_ROOT / ".github" / "workflows"
 # An exact release (vX.Y.Z) or a full commit SHA: never a branch, never a bare major tag.
@@ -26,6 +36,24 @@ def steps(workflow: dict[str, Any]) -> list[dict[str, Any]]:
     return [step for job in workflow["jobs"].values() for step in job.get("steps", [])]
 
 
+def uses(job: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    return [step for step in job["steps"] if str(step.get("uses", "")).startswith(prefix)]
+
+
+def runs(job: dict[str, Any], fragment: str) -> list[dict[str, Any]]:
+    return [step for step in job["steps"] if fragment in str(step.get("run", ""))]
+
+
+def index_of(job: dict[str, Any], step: dict[str, Any]) -> int:
+    return next(i for i, s in enumerate(job["steps"]) if s is step)
+
+
+def minutes(duration: str) -> int:
+    """'240m' / '4h' / '45m' / '30s' as whole minutes (rounded up)."""
+    value, unit = re.fullmatch(r"(\d+)([smh])", duration).groups()  # type: ignore[union-attr]
+    return -(-int(value) * {"s": 1, "m": 60, "h": 3600}[unit] // 60)
+
+
 def action(workflow: dict[str, Any], prefix: str) -> dict[str, Any]:
     found = [step for step in steps(workflow) if str(step.get("uses", "")).startswith(prefix)]
     assert len(found) == 1, f"expected one {prefix} step, found {len(found)}"
@@ -34,7 +62,8 @@ def action(workflow: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 class TestActionlint:
     def test_the_repository_workflows_pass(self) -> None:
-        result = run_tool(tool("actionlint"), "-no-color", "-pyflakes=")
+        """With shellcheck on every `run:` script, as `make lint` runs it."""
+        result = run_tool(tool("actionlint"), "-no-color", "-pyflakes=", f"-shellcheck={tool('shellcheck')}")
         assert result.returncode == 0, result.stdout + result.stderr
 
     def test_an_unknown_key_and_a_bad_expression_fail(self, tmp_path: Path) -> None:
@@ -75,6 +104,36 @@ class TestActionlint:
         assert 'property "stak" is not defined' in result.stdout, result.stdout
 
 
+# Release tags of the third-party actions that receive an OIDC token, each SHA confirmed in independent
+# pinned workflows and release notes (e.g. `auth@7c6bc77… # v3.0.0` in the google-github-actions ratchet
+# pins and GitHub release references; `setup-gcloud@aa5489c… # v3.0.1`; `pulumi/actions@8e5e406… # v7.0.0`).
+CONFIRMED_SHAS = {
+    "google-github-actions/auth": ("7c6bc770dae815cd3e89ee6cdf493a5fab2cc093", "v3.0.0"),
+    "google-github-actions/setup-gcloud": ("aa5489c8933f4cc7a4f7d45035b3b1440c9c10db", "v3.0.1"),
+    "pulumi/actions": ("8e5e406f4007fca908480587cb9893c07090f58d", "v7.0.0"),
+}
+IDENTITIES = yaml.safe_load((REPO_ROOT / "infra" / "bootstrap" / "ci-identities.yaml").read_text())["identities"]
+
+
+def auth(job: dict[str, Any]) -> dict[str, Any]:
+    [step] = uses(job, "google-github-actions/auth@")
+    return step
+
+
+def identity_of(job: dict[str, Any]) -> tuple[str, str]:
+    """(pool, service account) a job authenticates with."""
+    with_ = auth(job)["with"]
+    pool = re.fullmatch(
+        r"projects/\$\{\{ vars.GCP_PROJECT_NUMBER \}\}/locations/global/workloadIdentityPools/([a-z-]+)/providers/github",
+        with_["workload_identity_provider"],
+    )
+    account = re.fullmatch(
+        r"([a-z-]+)@\$\{\{ vars.GCP_PROJECT_ID \}\}\.iam\.gserviceaccount\.com", with_["service_account"]
+    )
+    assert pool and account, with_
+    return pool.group(1), account.group(1)
+
+
 class TestWorkflowContract:
     """What the team relies on the workflows to do, checked without GitHub."""
 
@@ -85,48 +144,178 @@ class TestWorkflowContract:
                 if "uses" in step:
                     assert PINNED.match(step["uses"]), f"{path.name}: {step['uses']} is not pinned to vX.Y.Z or a SHA"
 
-    def test_preview_runs_every_stack_with_the_policy_pack(self) -> None:
+    def test_third_party_actions_that_get_an_oidc_token_are_pinned_by_a_confirmed_sha(self) -> None:
+        for path in sorted(WORKFLOWS.glob("*.yml")):
+            workflow = load(path.name)
+            text = path.read_text()
+            for name, job in workflow["jobs"].items():
+                permissions = job.get("permissions", workflow.get("permissions", {}))
+                if permissions.get("id-token") != "write":
+                    continue
+                for step in job["steps"]:
+                    action, _, ref = str(step.get("uses", "")).partition("@")
+                    if not action or action.startswith("actions/"):
+                        continue
+                    assert action in CONFIRMED_SHAS, f"{path.name}/{name}: {action} has no confirmed SHA"
+                    sha, tag = CONFIRMED_SHAS[action]
+                    assert ref == sha, f"{path.name}/{name}: {action}@{ref} is not the confirmed SHA of {tag}"
+                    assert f"uses: {action}@{sha} # {tag}" in text, f"{path.name}: say which release {sha} is"
+
+    def test_previews_run_every_stack_with_the_policy_pack(self) -> None:
         preview = load("preview.yml")
         assert set(preview["on"]) == {"pull_request"}
-        job = preview["jobs"]["preview"]
-        assert job["permissions"] == {"contents": "read", "id-token": "write", "pull-requests": "write"}
         assert preview["permissions"] == {"contents": "read"}
         assert preview["concurrency"]["cancel-in-progress"] is True
         assert "pull_request.number" in preview["concurrency"]["group"]
-        assert "Pulumi.*.yaml" in str(preview["jobs"]["stacks"]), "the matrix must come from the stack files"
-        pulumi = action(preview, "pulumi/actions@")["with"]
-        assert pulumi["command"] == "preview"
-        assert pulumi["comment-on-pr"] is True and pulumi["diff"] is True
-        assert pulumi["policyPacks"] == "infra/policy"
-        assert (REPO_ROOT / pulumi["policyPacks"] / "PulumiPolicy.yaml").exists()
+        [list_step] = runs(preview["jobs"]["stacks"], ".ci/stacks.py")
+        assert list_step["run"] == 'python3 .ci/stacks.py --outputs >> "$GITHUB_OUTPUT"'
+        for job_name, group in (("preview", "cloud-run"), ("preview-gke", "gke")):
+            job = preview["jobs"][job_name]
+            assert job["strategy"]["matrix"]["stack"] == f"${{{{ fromJSON(needs.stacks.outputs.{group}) }}}}"
+            assert job["if"] == f"needs.stacks.outputs.{group} != '[]'"
+            assert job["permissions"] == {"contents": "read", "id-token": "write", "pull-requests": "write"}
+            [pulumi] = runs(job, ".ci/pulumi-run.sh")
+            assert pulumi["run"] == 'bash .ci/pulumi-run.sh preview "$STACK"'
+            assert pulumi["env"]["STACK"] == "${{ matrix.stack }}"
+        script = (REPO_ROOT / ".ci" / "pulumi-run.sh").read_text()
+        assert "policy=(--policy-pack infra/policy)" in script
+        assert (REPO_ROOT / "infra" / "policy" / "PulumiPolicy.yaml").exists()
 
-    def test_previews_and_deploys_authenticate_by_workload_identity(self) -> None:
-        for name, account in (
-            ("preview.yml", "GCP_PREVIEW_SERVICE_ACCOUNT"),
-            ("deploy.yml", "GCP_DEPLOY_SERVICE_ACCOUNT"),
-        ):
-            workflow = load(name)
-            auth = action(workflow, "google-github-actions/auth@")["with"]
-            assert auth == {
-                "workload_identity_provider": "${{ vars.GCP_WORKLOAD_IDENTITY_PROVIDER }}",
-                "service_account": f"${{{{ vars.{account} }}}}",
-            }, f"{name}: {auth}"
-            assert "credentials_json" not in str(workflow), f"{name}: no JSON keys"
-            order = [str(step.get("uses", "")) for step in steps(workflow)]
-            checkout = next(i for i, u in enumerate(order) if u.startswith("actions/checkout@"))
-            assert checkout < next(i for i, u in enumerate(order) if u.startswith("google-github-actions/auth@"))
+    def test_the_stack_groups_follow_the_stack_files(self) -> None:
+        """Each stack file lands in the job its workload needs (the same workload the program reads)."""
+        from infra.offline import project_defaults, stack_file_config
 
-    def test_deploy_is_manual_reviewed_and_offers_every_stack(self) -> None:
+        groups = ci_stacks.grouped(ci_stacks.stacks())
+        assert groups["all"] == stack_names()
+        for stack in stack_names():
+            workload = {**project_defaults(), **stack_file_config(stack)}["gemma-finetune:workload"]
+            assert stack in groups["gke" if workload.startswith("gke") else "cloud-run"], (stack, workload)
+
+    def test_forks_and_dependabot_get_no_preview(self) -> None:
+        preview = load("preview.yml")
+        condition = " ".join(preview["jobs"]["stacks"]["if"].split())
+        assert "github.event.pull_request.head.repo.full_name == github.repository" in condition
+        assert "github.event.pull_request.user.login != 'dependabot[bot]'" in condition
+        for name in ("preview", "preview-gke"):
+            assert preview["jobs"][name]["needs"] == "stacks"
+
+    def test_a_failed_preview_is_reported_on_the_pr(self) -> None:
+        preview = load("preview.yml")
+        for name in ("preview", "preview-gke"):
+            job = preview["jobs"][name]
+            [pulumi] = runs(job, ".ci/pulumi-run.sh")
+            [report] = runs(job, ".ci/preview_report.py")
+            assert index_of(job, report) > index_of(job, pulumi)
+            assert report["if"] == "${{ !cancelled() }}", "the report must run when the preview failed"
+            assert "--comment" in report["run"] and "--summary" in report["run"]
+            assert '--exit-code "${EXIT_CODE:-1}"' in report["run"]
+            assert report["env"]["EXIT_CODE"] == f"${{{{ steps.{pulumi['id']}.outputs.exit-code }}}}"
+            assert report["env"]["PR_NUMBER"] == "${{ github.event.pull_request.number }}"
+            assert report["env"]["GITHUB_TOKEN"] == "${{ github.token }}"
+            assert not uses(job, "pulumi/actions@")[0].get("with", {}).get("command"), "pulumi/actions only installs"
+
+    def test_the_auth_plugin_is_installed_with_setup_gcloud_for_gke_stacks_only(self) -> None:
+        assert AUTH_PLUGIN == "gke-gcloud-auth-plugin", "the component installed is the command the kubeconfig runs"
+        for path in sorted(WORKFLOWS.glob("*.yml")):
+            assert "apt-get" not in path.read_text(), f"{path.name}: the runner image has no Google apt source"
+        preview = load("preview.yml")
+        assert not uses(preview["jobs"]["preview"], "google-github-actions/setup-gcloud@"), (
+            "Cloud Run stacks need no plugin"
+        )
+        gke = preview["jobs"]["preview-gke"]
+        [setup] = uses(gke, "google-github-actions/setup-gcloud@")
+        assert setup["with"]["install_components"] == AUTH_PLUGIN and "if" not in setup
+        assert index_of(gke, auth(gke)) < index_of(gke, setup) < index_of(gke, runs(gke, ".ci/pulumi-run.sh")[0])
+        deploy = load("deploy.yml")
+        for name, source in (("preview", "steps.kind.outputs.workload"), ("apply", "needs.preview.outputs.workload")):
+            job = deploy["jobs"][name]
+            [setup] = uses(job, "google-github-actions/setup-gcloud@")
+            assert setup["with"]["install_components"] == AUTH_PLUGIN
+            assert setup["if"] == f"{source} != 'cloud-run'"
+            assert index_of(job, auth(job)) < index_of(job, setup) < index_of(job, runs(job, ".ci/pulumi-run.sh")[0])
+        [kind] = runs(deploy["jobs"]["preview"], ".ci/stacks.py --workload")
+        assert kind["id"] == "kind"
+
+    def test_each_job_uses_the_identity_and_gate_of_ci_identities(self) -> None:
+        preview = load("preview.yml")
+        deploy = load("deploy.yml")
+        jobs = {
+            "gft-ci-preview": [preview["jobs"]["preview"]],
+            "gft-ci-preview-gke": [preview["jobs"]["preview-gke"]],
+            "gft-ci-deploy": [deploy["jobs"]["preview"], deploy["jobs"]["apply"]],
+        }
+        for account, its_jobs in jobs.items():
+            for job in its_jobs:
+                assert identity_of(job) == (IDENTITIES[account]["federation"]["pool"], account)
+                assert "credentials_json" not in str(job), "no JSON keys"
+                order = [str(step.get("uses", "")) for step in job["steps"]]
+                assert order.index(next(u for u in order if u.startswith("actions/checkout@"))) < order.index(
+                    next(u for u in order if u.startswith("google-github-actions/auth@"))
+                )
+        assert preview["jobs"]["preview-gke"]["environment"] == "preview-gke"
+        assert "assertion.environment == 'preview-gke'" in IDENTITIES["gft-ci-preview-gke"]["federation"]["condition"]
+        assert "environment" not in preview["jobs"]["preview"]
+
+    def test_deploys_preview_first_then_apply_behind_the_environment(self) -> None:
         deploy = load("deploy.yml")
         inputs = deploy["on"]["workflow_dispatch"]["inputs"]
         assert set(deploy["on"]) == {"workflow_dispatch"}
         assert inputs["stack"]["options"] == stack_names(), "add the new stack file's name to deploy.yml's options"
         assert inputs["action"]["options"] == ["up", "destroy"]
-        job = deploy["jobs"]["deploy"]
-        assert job["environment"] == "deploy"
-        assert job["if"] == "github.ref == 'refs/heads/main'"
-        pulumi = action(deploy, "pulumi/actions@")["with"]
-        assert pulumi["command"] == "${{ inputs.action }}" and pulumi["policyPacks"] == "infra/policy"
+        assert deploy["concurrency"]["cancel-in-progress"] is False
+        preview, apply = deploy["jobs"]["preview"], deploy["jobs"]["apply"]
+        assert "environment" not in preview, "reviewers read the preview before they approve"
+        [pulumi] = [step for step in runs(preview, ".ci/pulumi-run.sh") if "cancel" not in step["run"]]
+        assert "preview-destroy" in pulumi["run"] and " preview)" in pulumi["run"]
+        [release_preview] = runs(preview, ".ci/pulumi-run.sh cancel")
+        assert release_preview["if"] == "cancelled() && inputs.action == 'destroy'", "destroy --preview-only locks"
+        [summary] = runs(preview, ".ci/preview_report.py")
+        assert "--summary" in summary["run"] and summary["if"] == "${{ !cancelled() }}"
+        assert apply["needs"] == "preview"
+        assert apply["environment"] == "${{ inputs.action == 'destroy' && 'destroy' || 'deploy' }}"
+        for job in (preview, apply):
+            assert job["if"] == "github.ref == 'refs/heads/main'"
+        [run_apply] = runs(apply, '.ci/pulumi-run.sh "$ACTION"')
+        assert run_apply["id"] == "apply"
+        [release] = runs(apply, ".ci/pulumi-run.sh cancel")
+        assert release["if"] == "cancelled()"
+
+    def test_secrets_reach_only_the_pulumi_steps(self) -> None:
+        """No workflow- or job-level secret; each secret only in the env of a step that runs Pulumi."""
+        for path in sorted(WORKFLOWS.glob("*.yml")):
+            workflow = load(path.name)
+            assert "secrets." not in str(workflow.get("env", {})), path.name
+            assert "PULUMI_CONFIG_PASSPHRASE" not in path.read_text(), "stack secrets use Cloud KMS, not a passphrase"
+            for name, job in workflow["jobs"].items():
+                assert "secrets." not in str(job.get("env", {})), f"{path.name}/{name}"
+                for step in job.get("steps", []):
+                    assert "secrets." not in str(step.get("with", {})), f"{path.name}/{name}: {step}"
+                    if "secrets." in str(step.get("env", {})):
+                        assert ".ci/pulumi-run.sh" in step["run"], f"{path.name}/{name}: {step.get('name')}"
+        deploy = load("deploy.yml")
+        assert [s["env"]["PULUMI_ACCESS_TOKEN"] for s in runs(deploy["jobs"]["apply"], ".ci/pulumi-run.sh")] == [
+            "${{ secrets.PULUMI_ACCESS_TOKEN }}"
+        ] * 2
+        preview_jobs = [*load("preview.yml")["jobs"].values(), deploy["jobs"]["preview"]]
+        for job in preview_jobs:
+            for step in runs(job, ".ci/pulumi-run.sh") if "steps" in job else []:
+                assert step["env"]["PULUMI_ACCESS_TOKEN"] == "${{ secrets.PULUMI_PREVIEW_ACCESS_TOKEN }}"
+
+    @pytest.mark.slow
+    def test_timeouts_cannot_kill_pulumi_mid_operation(self) -> None:
+        """The job limit is above Pulumi's budget + grace + setup (so .ci/pulumi-run.sh, not GitHub, stops it),
+        and the grace outlasts the slowest single operation any stack declares (its customTimeouts)."""
+        apply = load("deploy.yml")["jobs"]["apply"]
+        [step] = runs(apply, '.ci/pulumi-run.sh "$ACTION"')
+        budget, grace = minutes(step["env"]["PULUMI_BUDGET"]), minutes(step["env"]["PULUMI_GRACE"])
+        assert budget + grace + 30 <= apply["timeout-minutes"] <= 360, (budget, grace, apply["timeout-minutes"])
+        slowest = max(
+            minutes(timeout)
+            for stack in stack_names()
+            for resource in run_stack(stack).resources
+            for timeout in resource.custom_timeouts.values()
+        )
+        assert grace >= slowest, f"a {slowest}m operation would be killed {grace}m after SIGINT"
 
     def test_test_workflow_runs_make_test_on_prs_and_main(self) -> None:
         test = load("test.yml")

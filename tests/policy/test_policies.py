@@ -9,6 +9,7 @@ Then each policy is shown to fail, with its message, on a real resource broken i
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,13 @@ from infra.policy.policies import (
     BUCKET,
     CLOUD_RUN_JOB,
     CLOUD_RUN_SERVICE,
+    JOB_SET,
+    K8S_CRON_JOB,
+    K8S_DEPLOYMENT,
     K8S_JOB,
+    K8S_POD,
+    K8S_STATEFUL_SET,
+    LONG_RUNNING_LABEL,
     RAY_JOB,
     UNKNOWN_VALUES,
     violations,
@@ -138,6 +145,24 @@ def _cloud_run_literal_hf_token(props: dict[str, Any]) -> None:
         if env["name"] == "HF_TOKEN":
             env.pop("valueSource")
             env["value"] = "hf_literal"
+
+
+def _job_literal_env(name: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(props: dict[str, Any]) -> None:
+        props["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": name, "value": "hf_literal"})
+
+    return mutate
+
+
+def _cloud_run_literal_env(name: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(props: dict[str, Any]) -> None:
+        props["template"]["template"]["containers"][0]["envs"].append({"name": name, "value": "hf_literal"})
+
+    return mutate
+
+
+def _ray_runtime_env_api_key(props: dict[str, Any]) -> None:
+    props["spec"]["runtimeEnvYAML"] = yaml.safe_dump({"env_vars": {"HF_API_KEY": "hf_literal"}})
 
 
 def _ray_runtime_env_token(props: dict[str, Any]) -> None:
@@ -279,6 +304,27 @@ BROKEN: list[tuple[str, str, Callable[[dict[str, Any]], None], str, str]] = [
         "sets HF_TOKEN to a literal value",
     ),
     (
+        "k8s-job-literal-camel-case-token",
+        K8S_JOB,
+        _job_literal_env("HuggingFaceToken"),
+        "tokens-from-secrets",
+        "sets HuggingFaceToken to a literal value",
+    ),
+    (
+        "cloud-run-literal-api-key",
+        CLOUD_RUN_JOB,
+        _cloud_run_literal_env("HF_API_KEY"),
+        "tokens-from-secrets",
+        "sets HF_API_KEY to a literal value",
+    ),
+    (
+        "rayjob-runtime-env-api-key",
+        RAY_JOB,
+        _ray_runtime_env_api_key,
+        "tokens-from-secrets",
+        "env_vars sets HF_API_KEY to a literal value",
+    ),
+    (
         "rayjob-runtime-env-token",
         RAY_JOB,
         _ray_runtime_env_token,
@@ -407,6 +453,158 @@ class TestPolicyEdges:
         assert policies.PUBLIC_MEMBERS == catalog.PUBLIC_MEMBERS
 
 
+MALFORMED_POLICY_DATA = {
+    "not-json": "{bindings: [",
+    "a-list": '[{"role": "roles/owner", "members": ["allUsers"]}]',
+    "bindings-not-a-list": '{"bindings": {"role": "roles/owner"}}',
+    "binding-not-an-object": '{"bindings": ["roles/owner"]}',
+    "members-not-a-list": '{"bindings": [{"role": "roles/storage.objectViewer", "members": "allUsers"}]}',
+    "role-not-a-string": '{"bindings": [{"role": 7, "members": ["user:a@example.com"]}]}',
+}
+
+
+class TestMalformedPolicyData:
+    """An IAM policy document the rules cannot read fails both IAM rules; it never crashes the pack."""
+
+    @pytest.mark.parametrize("policy_data", MALFORMED_POLICY_DATA.values(), ids=MALFORMED_POLICY_DATA.keys())
+    def test_fails_closed_through_the_engine_wrappers(self, policy_data: str) -> None:
+        props = {"bucket": "b", "policyData": policy_data}
+        found = run_pack("gcp:storage/bucketIAMPolicy:BucketIAMPolicy", props)
+        assert set(found) == {"no-basic-roles", "no-public-principals"}, _report(found)
+        assert "cannot be checked for basic roles" in found["no-basic-roles"][-1], _report(found)
+        assert "cannot be checked for public principals" in found["no-public-principals"][-1], _report(found)
+        assert not any("could not check" in problem for problems in found.values() for problem in problems), (
+            "the rule must read the document, not crash on it"
+        )
+
+    def test_what_can_be_read_is_still_judged(self) -> None:
+        policy_data = '{"bindings": ["junk", {"role": "roles/editor", "members": ["allUsers"]}]}'
+        found = violations("gcp:projects/iAMPolicy:IAMPolicy", {"project": "p", "policyData": policy_data})
+        assert any("basic role roles/editor" in problem for problem in found["no-basic-roles"]), _report(found)
+        assert any("public principal allUsers" in problem for problem in found["no-public-principals"]), _report(found)
+
+    def test_a_well_formed_document_without_bindings_passes(self) -> None:
+        assert not violations("gcp:storage/bucketIAMPolicy:BucketIAMPolicy", {"bucket": "b", "policyData": "{}"})
+
+    def test_a_crashing_check_becomes_a_violation(self) -> None:
+        def explode(resource_type: str, props: Any) -> list[str]:
+            raise KeyError("spec")
+
+        rail = policies.GuardRail("exploding", "a rule with a bug", explode)
+        assert policies.run_check(rail, K8S_JOB, {}) == [
+            "exploding could not check this kubernetes:batch/v1:Job (KeyError: 'spec'); fix the resource"
+        ]
+
+
+def _pod_template(runs: dict[str, StackRun]) -> dict[str, Any]:
+    """The GPU pod template of a real training Job (metadata + spec), free to mutate."""
+    return props_of(find(runs, K8S_JOB))["spec"]["template"]
+
+
+class TestGpuWorkloadKinds:
+    """Every Kubernetes kind that can hold GPUs gets its deadline checked where a deadline applies."""
+
+    def test_gpu_pod_needs_a_deadline(self, stack_runs: dict[str, StackRun]) -> None:
+        pod = _pod_template(stack_runs)
+        pod["spec"].pop("activeDeadlineSeconds", None)
+        assert policies.requests_gpu(pod), "the template must ask for GPUs for this test to mean anything"
+        found = run_pack(K8S_POD, pod)
+        assert list(found) == ["gpu-workload-deadlines"], _report(found)
+        assert "Pod asking for GPUs has spec.activeDeadlineSeconds=None" in found["gpu-workload-deadlines"][0]
+        pod["spec"]["activeDeadlineSeconds"] = 3600
+        assert not run_pack(K8S_POD, pod)
+
+    def test_gpu_cron_job_needs_a_deadline_in_its_job_template(self, stack_runs: dict[str, StackRun]) -> None:
+        job_spec = props_of(find(stack_runs, K8S_JOB))["spec"]
+        cron = {"metadata": {"name": "nightly"}, "spec": {"schedule": "0 3 * * *", "jobTemplate": {"spec": job_spec}}}
+        assert not run_pack(K8S_CRON_JOB, cron)
+        job_spec.pop("activeDeadlineSeconds")
+        found = run_pack(K8S_CRON_JOB, cron)
+        assert list(found) == ["gpu-workload-deadlines"], _report(found)
+        assert "spec.jobTemplate.spec.activeDeadlineSeconds=None" in found["gpu-workload-deadlines"][0]
+
+    def test_each_gpu_job_of_a_job_set_needs_a_deadline(self, stack_runs: dict[str, StackRun]) -> None:
+        job_spec = props_of(find(stack_runs, K8S_JOB))["spec"]
+        cpu_spec = {"template": {"spec": {"containers": [{"name": "c", "image": "r/x@sha256:" + "a" * 64}]}}}
+        job_set = {
+            "metadata": {"name": "train"},
+            "spec": {
+                "replicatedJobs": [
+                    {"name": "coordinator", "replicas": 1, "template": {"spec": cpu_spec}},
+                    {"name": "workers", "replicas": 2, "template": {"spec": job_spec}},
+                ]
+            },
+        }
+        assert not run_pack(JOB_SET, job_set)
+        job_spec.pop("activeDeadlineSeconds")
+        found = run_pack(JOB_SET, job_set)
+        assert found == {
+            "gpu-workload-deadlines": [
+                "JobSet replicatedJobs[1] (workers) asking for GPUs has template.spec.activeDeadlineSeconds=None: "
+                "set a deadline (from trainingTimeoutMinutes) so a hung run stops billing GPUs"
+            ]
+        }, _report(found)
+
+    @pytest.mark.parametrize("kind", [K8S_DEPLOYMENT, K8S_STATEFUL_SET])
+    def test_gpu_controllers_without_a_deadline_need_the_explicit_label(
+        self, stack_runs: dict[str, StackRun], kind: str
+    ) -> None:
+        template = _pod_template(stack_runs)
+        controller = {
+            "metadata": {"name": "vllm", "labels": {"app": "x"}},
+            "spec": {"replicas": 1, "template": template},
+        }
+        found = run_pack(kind, controller)
+        assert list(found) == ["gpu-workload-deadlines"], _report(found)
+        assert "holds its GPUs until it is deleted" in found["gpu-workload-deadlines"][0]
+        controller["metadata"]["labels"][LONG_RUNNING_LABEL] = "true"
+        assert not run_pack(kind, controller)
+
+    def test_cpu_controllers_need_nothing(self) -> None:
+        template = {"spec": {"containers": [{"name": "c", "image": "r/x@sha256:" + "a" * 64}]}}
+        assert not run_pack(K8S_DEPLOYMENT, {"metadata": {"name": "web"}, "spec": {"template": template}})
+
+
+class TestCredentialNames:
+    """Credentials are found by the words of their names; references to other variables are not secrets."""
+
+    @pytest.mark.parametrize(
+        ("name", "secret"),
+        [
+            ("HF_TOKEN", True),
+            ("HuggingFaceToken", True),
+            ("HFToken", True),
+            ("HF_API_KEY", True),
+            ("AWS_ACCESS_KEY_ID", True),
+            ("DB_PASSWORD", True),
+            ("TOKENIZERS_PARALLELISM", False),
+            ("max_new_tokens", False),
+            ("CACHE_KEY", False),
+            ("GOOGLE_APPLICATION_CREDENTIALS", False),
+        ],
+    )
+    def test_names(self, name: str, secret: bool) -> None:
+        assert policies.is_secret_name(name) is secret
+
+    @pytest.mark.parametrize("reference", ["$(HF_TOKEN)", "${HF_TOKEN}", " ${HF_API_KEY} "])
+    def test_a_reference_in_a_pod_env_passes(self, stack_runs: dict[str, StackRun], reference: str) -> None:
+        props = props_of(find(stack_runs, K8S_JOB))
+        props["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "HF_TOKEN_COPY", "value": reference})
+        assert not run_pack(K8S_JOB, props)
+
+    def test_a_reference_in_a_ray_runtime_env_passes(self, stack_runs: dict[str, StackRun]) -> None:
+        props = props_of(find(stack_runs, RAY_JOB))
+        props["spec"]["runtimeEnvYAML"] = yaml.safe_dump({"env_vars": {"HF_TOKEN": "${HF_TOKEN}"}})
+        assert not run_pack(RAY_JOB, props)
+
+    def test_a_literal_around_a_reference_is_still_literal(self, stack_runs: dict[str, StackRun]) -> None:
+        props = props_of(find(stack_runs, K8S_JOB))
+        props["spec"]["template"]["spec"]["containers"][0]["env"].append(
+            {"name": "HF_TOKEN_COPY", "value": "hf_abc${HF_TOKEN}"}
+        )
+        assert list(run_pack(K8S_JOB, props)) == ["tokens-from-secrets"]
+
+
 class TestPackFiles:
     """The pack is loadable by the Pulumi CLI (Python runtime) without importing __main__.py here."""
 
@@ -414,6 +612,8 @@ class TestPackFiles:
         spec = yaml.safe_load((POLICY_DIR / "PulumiPolicy.yaml").read_text())
         assert spec["runtime"]["name"] == "python"
         assert spec["runtime"]["options"]["virtualenv"] == "venv"
+        # `version` (pulumi sdk/go/common/workspace/project.go, PolicyPackProject) names the pack a run used.
+        assert re.fullmatch(r"\d+\.\d+\.\d+", str(spec.get("version", ""))), spec
 
     def test_main_only_constructs_the_pack(self) -> None:
         tree = ast.parse((POLICY_DIR / "__main__.py").read_text())

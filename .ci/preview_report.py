@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Report a `pulumi preview` as a pull-request comment and in the run summary, whether it passed or failed.
+
+    pulumi preview --stack dev --diff --color never --policy-pack infra/policy 2>&1 | tee preview.log
+    python3 .ci/preview_report.py --stack dev --log preview.log --exit-code "$rc" --comment --summary
+
+Environment (set by GitHub Actions): GITHUB_SERVER_URL, GITHUB_REPOSITORY, GITHUB_RUN_ID, GITHUB_SHA,
+GITHUB_STEP_SUMMARY (`--summary`), GITHUB_API_URL, GITHUB_TOKEN and PR_NUMBER (`--comment`).
+
+Decisions
+- pulumi/actions comments only after a successful command (src/main.ts: the comment is posted after
+  `await actions[command]()`, which throws on failure), so a mandatory policy violation never reached
+  the PR. This report runs after the preview whatever its exit code: the comment says passed or
+  FAILED, links the run, lists each policy violation (`[mandatory]  rule  (type: name)` and its
+  message lines, the format the Pulumi CLI prints) and every `error:` line, then the output's tail.
+- One comment per stack, found by a hidden marker and updated on every push, so a PR shows the
+  latest preview of each stack and no history of stale ones. Only a comment written by the
+  workflow's own identity (`github-actions[bot]`) is edited: a marker pasted by someone else is
+  ignored.
+- Standard library only (urllib): it runs on the runner's python3 before anything is installed.
+- The output is fenced with more backticks than it contains and cut to its tail, within GitHub's
+  65,536-character comment limit. Pulumi prints secret values as `[secret]`; nothing else is masked here.
+
+Not here: running Pulumi (the workflow does), failing the job (the preview step's exit code does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MARKER = "<!-- gemma-finetune-preview:{stack} -->"
+COMMENT_LIMIT = 65_536
+OUTPUT_TAIL = 40_000
+BOT_LOGIN = "github-actions[bot]"
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_VIOLATION = re.compile(r"^(?P<indent>\s*)(?:- )?\[(?P<level>mandatory|advisory|remediate)\]\s+(?P<rest>.+)$")
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What one preview produced: the stack, its exit code and its output."""
+
+    stack: str
+    exit_code: int
+    output: str
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+
+def clean(text: str) -> str:
+    """The output without colour codes or carriage-return progress lines."""
+    return _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
+
+
+def policy_violations(output: str) -> list[str]:
+    """Each violation as one line: `[mandatory] rule (type: name): description — message`.
+
+    The CLI prints a violation as a `[level]  rule  (type: name)` line followed by more-indented lines
+    (the rule's description, then the message); the block ends at a blank line, a line indented no
+    deeper than the header, or the next violation.
+    """
+    lines = clean(output).splitlines()
+    found: list[str] = []
+    index = 0
+    while index < len(lines):
+        match = _VIOLATION.match(lines[index])
+        if not match:
+            index += 1
+            continue
+        depth = len(match.group("indent"))
+        header = f"[{match.group('level')}] " + re.sub(r"\s{2,}", " ", match.group("rest").strip())
+        details: list[str] = []
+        index += 1
+        while index < len(lines):
+            line = lines[index]
+            if not line.strip() or _VIOLATION.match(line) or len(line) - len(line.lstrip()) <= depth:
+                break
+            details.append(line.strip())
+            index += 1
+        found.append(header + (": " + " — ".join(details) if details else ""))
+    return found
+
+
+def error_lines(output: str) -> list[str]:
+    """Every distinct `error: …` line, in order."""
+    seen: list[str] = []
+    for line in clean(output).splitlines():
+        text = line.strip()
+        if text.startswith("error:") and text not in seen:
+            seen.append(text)
+    return seen
+
+
+def _fence(text: str) -> str:
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def render(preview: Preview, run_url: str, sha: str, title: str = "pulumi preview", marker: bool = True) -> str:
+    """The Markdown report (with the stack's hidden marker first when it is a PR comment)."""
+    status = "passed" if preview.passed else f"FAILED (exit code {preview.exit_code})"
+    icon = "✅" if preview.passed else "❌"
+    parts = [MARKER.format(stack=preview.stack)] if marker else []
+    parts.append(f"### {icon} `{title}` of stack `{preview.stack}`: {status}")
+    parts.append(f"[Run log]({run_url}) · commit `{sha[:12]}`")
+    violations = policy_violations(preview.output)
+    if violations:
+        parts.append("**Policy violations** (infra/policy; mandatory ones fail the preview):")
+        parts.extend(f"- {line}" for line in violations)
+    errors = error_lines(preview.output)
+    if errors and not preview.passed:
+        parts.append("**Errors:**")
+        parts.extend(f"- `{line}`" for line in errors)
+    if not preview.passed and not violations and not errors:
+        parts.append("The preview stopped without an `error:` line; see the run log.")
+    output = clean(preview.output).strip()
+    cut = len(output) > OUTPUT_TAIL
+    tail = output[-OUTPUT_TAIL:] if cut else output
+    fence = _fence(tail)
+    summary = "Output (last part)" if cut else "Output"
+    parts.append(f"<details><summary>{summary}</summary>\n\n{fence}text\n{tail}\n{fence}\n</details>")
+    body = "\n\n".join(parts) + "\n"
+    return body[: COMMENT_LIMIT - 1]
+
+
+class GitHub:
+    """The three REST calls the comment needs, with the workflow's token."""
+
+    def __init__(self, api_url: str, repository: str, token: str) -> None:
+        self.api_url = api_url.rstrip("/")
+        self.repository = repository
+        self.token = token
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            f"{self.api_url}{path}",
+            data=data,
+            method=method,
+            headers={
+                "Accept": "application/vnd.github+json",
+                "Authorization": f"Bearer {self.token}",
+                "X-GitHub-Api-Version": "2022-11-28",
+                "Content-Type": "application/json",
+            },
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+
+    def comments(self, number: int) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        page = 1
+        while True:
+            batch = self._call("GET", f"/repos/{self.repository}/issues/{number}/comments?per_page=100&page={page}")
+            found.extend(batch)
+            if len(batch) < 100:
+                return found
+            page += 1
+
+    def upsert_comment(self, number: int, marker: str, body: str, author: str = BOT_LOGIN) -> str:
+        """Edit this workflow's comment that starts with `marker`, or create one; returns 'updated' or 'created'."""
+        for comment in self.comments(number):
+            if str(comment.get("body", "")).startswith(marker) and (comment.get("user") or {}).get("login") == author:
+                self._call("PATCH", f"/repos/{self.repository}/issues/comments/{comment['id']}", {"body": body})
+                return "updated"
+        self._call("POST", f"/repos/{self.repository}/issues/{number}/comments", {"body": body})
+        return "created"
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name, "")
+    if not value:
+        raise SystemExit(f"error: {name} is not set (GitHub Actions sets it; set it by hand to run this locally)")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stack", required=True)
+    parser.add_argument("--log", type=Path, required=True, help="the preview's combined output")
+    parser.add_argument("--exit-code", type=int, required=True, help="the preview's exit code")
+    parser.add_argument("--title", default="pulumi preview")
+    parser.add_argument("--comment", action="store_true", help="create or update the PR comment (PR_NUMBER)")
+    parser.add_argument("--summary", action="store_true", help="append the report to GITHUB_STEP_SUMMARY")
+    args = parser.parse_args(argv)
+
+    output = args.log.read_text(errors="replace") if args.log.exists() else f"(no output: {args.log} was not written)"
+    preview = Preview(args.stack, args.exit_code, output)
+    run_url = f"{_env('GITHUB_SERVER_URL')}/{_env('GITHUB_REPOSITORY')}/actions/runs/{_env('GITHUB_RUN_ID')}"
+    sha = os.environ.get("PREVIEW_SHA") or _env("GITHUB_SHA")
+    if args.summary:
+        with open(_env("GITHUB_STEP_SUMMARY"), "a", encoding="utf-8") as summary:
+            summary.write(render(preview, run_url, sha, args.title, marker=False))
+    if args.comment:
+        github = GitHub(
+            os.environ.get("GITHUB_API_URL", "https://api.github.com"), _env("GITHUB_REPOSITORY"), _env("GITHUB_TOKEN")
+        )
+        body = render(preview, run_url, sha, args.title)
+        try:
+            action = github.upsert_comment(int(_env("PR_NUMBER")), MARKER.format(stack=args.stack), body)
+        except urllib.error.HTTPError as exc:
+            print(f"error: commenting on PR {os.environ.get('PR_NUMBER')} failed: HTTP {exc.code} {exc.reason}")
+            return 1
+        print(f"{action} the PR comment for stack {args.stack}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One Pulumi command on one stack, as the CI workflows run it (preview.yml, deploy.yml):
+#   .ci/pulumi-run.sh preview STACK           # PR previews and the deploy's preview (reads state only)
+#   .ci/pulumi-run.sh preview-destroy STACK   # what `destroy` would delete (the bucket backend locks for it)
+#   .ci/pulumi-run.sh up STACK | destroy STACK
+#   .ci/pulumi-run.sh cancel STACK            # release the lock of a run that was killed
+#
+# Environment: PULUMI_BACKEND_URL (gs://… bucket backend) or PULUMI_ACCESS_TOKEN (Pulumi Cloud, then
+# PULUMI_ORG names the organisation); PULUMI_BUDGET / PULUMI_GRACE bound `up` and `destroy`
+# (defaults 240m / 60m); PULUMI_LOG is where the output goes (default $RUNNER_TEMP/pulumi.log).
+# Writes `exit-code=N` and `log=PATH` to $GITHUB_OUTPUT for the report step (.ci/preview_report.py).
+#
+# Decisions
+# - The stack is only selected, never created: previews read state and cannot create it, and a new
+#   stack needs `pulumi stack init` once by hand (README, "New stacks"); a missing stack fails with
+#   that command in the message instead of Pulumi's "no stack named …".
+# - `up`/`destroy` get a budget shorter than the job's timeout-minutes: when it runs out, `timeout`
+#   sends SIGINT, which Pulumi handles as a cancellation that waits for a safe point before exiting
+#   (pulumi/pulumi#1231), so state is written and the lock released; only if Pulumi is still running
+#   after PULUMI_GRACE is it killed, and then `pulumi cancel` removes the lock it left (the diy
+#   backend's CancelCurrentUpdate deletes the stack's lock files; Pulumi Cloud cancels the update).
+#   GitHub never has to kill Pulumi mid-operation, which would leave the lock for the next deploy.
+# - Every command runs with the policy pack except `cancel`, and without colour so the report can
+#   quote the policy violations verbatim.
+# Not here: installing Pulumi or credentials (the workflow's steps before this one).
+set -euo pipefail
+
+usage="usage: $0 preview|preview-destroy|up|destroy|cancel STACK"
+command="${1:?$usage}"
+stack="${2:?$usage}"
+if [[ ! "$stack" =~ ^[A-Za-z0-9_.-]+$ ]]; then
+  echo "error: stack name '$stack' may only hold letters, digits, '_', '.' and '-'" >&2
+  exit 2
+fi
+budget="${PULUMI_BUDGET:-240m}"
+grace="${PULUMI_GRACE:-60m}"
+log="${PULUMI_LOG:-${RUNNER_TEMP:-/tmp}/pulumi.log}"
+qualified="$stack"
+if [[ -n "${PULUMI_ORG:-}" ]]; then
+  qualified="${PULUMI_ORG}/gemma-finetune/${stack}"
+fi
+policy=(--policy-pack infra/policy)
+common=(--stack "$qualified" --color never --non-interactive)
+
+rc=1
+# shellcheck disable=SC2329  # called by the EXIT trap
+report() {
+  if [[ -n "${GITHUB_OUTPUT:-}" ]]; then
+    printf 'exit-code=%s\nlog=%s\n' "$rc" "$log" >>"$GITHUB_OUTPUT"
+  fi
+}
+trap report EXIT
+: >"$log"
+
+if [[ -n "${PULUMI_BACKEND_URL:-}" ]]; then
+  pulumi login --non-interactive "$PULUMI_BACKEND_URL" | tee -a "$log"
+else
+  pulumi login --non-interactive | tee -a "$log"
+fi
+
+if [[ "$command" == "cancel" ]]; then
+  set +e
+  pulumi cancel --yes "${common[@]}" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  exit "$rc"
+fi
+
+if ! selected=$(pulumi stack select "$qualified" --non-interactive 2>&1); then
+  {
+    echo "$selected"
+    echo "error: stack '$qualified' cannot be selected (above). If it does not exist yet, create it once:"
+    echo "error:   pulumi stack init $qualified   (README.md, \"New stacks\"), commit Pulumi.$stack.yaml, rerun"
+  } | tee -a "$log"
+  rc=3
+  exit "$rc"
+fi
+
+case "$command" in
+  preview) args=(preview "${common[@]}" --diff "${policy[@]}") ;;
+  preview-destroy) args=(destroy "${common[@]}" --preview-only) ;;
+  up) args=(up "${common[@]}" --yes --diff "${policy[@]}") ;;
+  destroy) args=(destroy "${common[@]}" --yes) ;;
+  *)
+    echo "$usage" >&2
+    exit 2
+    ;;
+esac
+
+set +e
+if [[ "$command" == "up" || "$command" == "destroy" ]]; then
+  timeout --signal=INT --kill-after="$grace" "$budget" pulumi "${args[@]}" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  if [[ "$rc" == 124 || "$rc" == 137 ]]; then
+    {
+      echo "error: pulumi $command ran past its budget of $budget and was interrupted (exit $rc)."
+      echo "error: releasing any lock it left with \`pulumi cancel\`; then run \`pulumi refresh --stack $qualified\`"
+      echo "error: and deploy again (resources created before the interruption are in the state)."
+    } | tee -a "$log"
+    pulumi cancel --yes "${common[@]}" 2>&1 | tee -a "$log"
+  fi
+else
+  pulumi "${args[@]}" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+fi
+exit "$rc"

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Every stack file (`Pulumi.<stack>.yaml`) and the platform it deploys to, for CI and the one-time setup.
+
+    python3 .ci/stacks.py                      # {"all": [...], "cloud-run": [...], "gke": [...]}
+    python3 .ci/stacks.py --lines              # "<stack> <workload>" per line (infra/bootstrap/ci-setup.sh)
+    python3 .ci/stacks.py --workload dev       # cloud-run
+    python3 .ci/stacks.py --outputs >> "$GITHUB_OUTPUT"   # cloud-run=[...] and gke=[...] for job matrices
+
+Decisions
+- Standard library only: it runs on a bare GitHub runner before anything is installed, and on the
+  machine of whoever runs the one-time setup.
+- The workload is read from the `gemma-finetune:workload:` line of the stack file (or its default in
+  `Pulumi.yaml`); `tests/lint/test_ci_stacks.py` checks that this agrees with a real YAML parse.
+- The GKE workloads (`gke-job`, `gke-ray`) are grouped: their previews need the cluster, the
+  gke-gcloud-auth-plugin and the reviewed `preview-gke` environment; `cloud-run` needs neither.
+- A stack name that is not `[A-Za-z0-9_.-]+` or a workload that is not one of the three is an
+  error naming the file: both end up in shell commands and resource names.
+
+Not here: validating the rest of the stack configuration (infra/config.py does that at preview).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {"gke-job": "gke", "gke-ray": "gke", "cloud-run": "cloud-run"}
+STACK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_WORKLOAD_LINE = re.compile(r"^\s*gemma-finetune:workload:\s*['\"]?([A-Za-z0-9-]+)['\"]?\s*(?:#.*)?$")
+_DEFAULT_LINE = re.compile(r"^\s*default:\s*['\"]?([A-Za-z0-9-]+)['\"]?\s*(?:#.*)?$")
+
+
+class StackError(ValueError):
+    """A stack file CI cannot use, with the file and the fix in the message."""
+
+
+def _project_default(root: Path) -> str | None:
+    """`config.workload.default` of Pulumi.yaml, if one is declared (read line by line, no YAML library)."""
+    project = root / "Pulumi.yaml"
+    if not project.exists():
+        return None
+    in_workload = False
+    for line in project.read_text().splitlines():
+        if re.match(r"^  workload:\s*$", line):
+            in_workload = True
+            continue
+        if in_workload:
+            if re.match(r"^  \S", line) or not line.strip():
+                return None
+            match = _DEFAULT_LINE.match(line)
+            if match:
+                return match.group(1)
+    return None
+
+
+def workload_of(stack_file: Path, root: Path = REPO_ROOT) -> str:
+    """The `gemma-finetune:workload` of one stack file (or the project default)."""
+    for line in stack_file.read_text().splitlines():
+        match = _WORKLOAD_LINE.match(line)
+        if match:
+            return match.group(1)
+    default = _project_default(root)
+    if default is None:
+        raise StackError(
+            f"{stack_file.name} sets no gemma-finetune:workload and Pulumi.yaml has no default: "
+            f"add `gemma-finetune:workload: cloud-run` (or {', '.join(sorted(WORKLOADS))})"
+        )
+    return default
+
+
+def stacks(root: Path = REPO_ROOT) -> dict[str, str]:
+    """Stack name -> workload, for every Pulumi.<stack>.yaml in `root`, sorted by name."""
+    found: dict[str, str] = {}
+    for path in sorted(root.glob("Pulumi.*.yaml")):
+        name = path.name[len("Pulumi.") : -len(".yaml")]
+        if not STACK_NAME.match(name):
+            raise StackError(f"{path.name}: stack names are letters, digits, '_', '.' and '-' only; rename the file")
+        workload = workload_of(path, root)
+        if workload not in WORKLOADS:
+            raise StackError(
+                f"{path.name}: gemma-finetune:workload={workload!r} is not one of {', '.join(sorted(WORKLOADS))}"
+            )
+        found[name] = workload
+    return found
+
+
+def grouped(found: dict[str, str]) -> dict[str, list[str]]:
+    """{"all": every stack, "cloud-run": ..., "gke": ...}; each list sorted."""
+    groups: dict[str, list[str]] = {"all": sorted(found), "cloud-run": [], "gke": []}
+    for name, workload in sorted(found.items()):
+        groups[WORKLOADS[workload]].append(name)
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root (default: this checkout)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--lines", action="store_true", help="print '<stack> <workload>' per line")
+    mode.add_argument("--workload", metavar="STACK", help="print the workload of one stack")
+    mode.add_argument("--outputs", action="store_true", help="print cloud-run=[...] and gke=[...] (GITHUB_OUTPUT)")
+    args = parser.parse_args(argv)
+    try:
+        found = stacks(args.root)
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.workload is not None:
+        if args.workload not in found:
+            print(f"error: no stack file Pulumi.{args.workload}.yaml; stacks: {', '.join(found)}", file=sys.stderr)
+            return 2
+        print(found[args.workload])
+    elif args.outputs:
+        groups = grouped(found)
+        print(f"cloud-run={json.dumps(groups['cloud-run'])}")
+        print(f"gke={json.dumps(groups['gke'])}")
+    elif args.lines:
+        for name, workload in found.items():
+            print(f"{name} {workload}")
+    else:
+        print(json.dumps(grouped(found)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+# One-time setup of what the CI workflows need in Google Cloud: the APIs, the three CI identities and
+# their Workload Identity Federation (no JSON keys), the workload service accounts of every stack,
+# and the bucket backend's state bucket and KMS key. Run it as a project owner, from a checkout:
+#
+#   PROJECT_ID=my-gft-project GITHUB_REPO=my-org/gemma-finetune \
+#   GITHUB_REPO_ID=$(gh api repos/my-org/gemma-finetune --jq .id) \
+#   GITHUB_OWNER_ID=$(gh api repos/my-org/gemma-finetune --jq .owner.id) \
+#     infra/bootstrap/ci-setup.sh
+#
+# Run it again after adding a stack file (it creates that stack's workload accounts and grants) or
+# after changing this script: every step checks first or is idempotent in gcloud itself.
+#
+# Decisions (README.md, "CI and PR previews", has the table; ci-identities.yaml the reason of each grant)
+# - A dedicated project for the stacks is strongly recommended: Artifact Registry, Cloud Run, GKE and
+#   networks do not support IAM Conditions on resource names, so those grants cover the project.
+# - No identity holds a project-wide service-account role (serviceAccountUser/Admin/TokenCreator),
+#   storage.admin or secretmanager.admin: the workload accounts are created here, per stack, and the
+#   deploy identity gets actAs / setIamPolicy on exactly those; buckets and secrets are reached
+#   through IAM Conditions on their name prefixes (`<project>-gft-`, `gft-`).
+# - Creating a resource is authorised on the project before it has a name a condition could match:
+#   each such permission is a one-permission custom role (gftCiBucketCreator, gftCiSecretCreator).
+# - The deploy identity cannot enable APIs: every API any stack declares is enabled here, and the
+#   program's gcp.projects.Service resources only find them enabled.
+# - Federation is one pool per identity, each with one GitHub provider whose attribute condition is
+#   the gate, on numeric repository and owner ids (never names, which can be re-registered):
+#     gft-preview      pull_request events of this repository
+#     gft-preview-gke  the same, in the reviewed `preview-gke` environment only
+#     gft-deploy       deploy.yml running on refs/heads/main, dispatched by hand
+# - Bucket backend: secrets are encrypted with a Cloud KMS key, not a passphrase, so GitHub holds no
+#   static secret at all; every CI identity gets decrypt only (Pulumi wraps a data key with KMS).
+#
+# Not here: GitHub settings (environments, reviewers, variables: printed at the end), creating stacks
+# (`pulumi stack init`, README "New stacks"), Cloud Build grants for `imageBuild: cloud-build`.
+set -euo pipefail
+
+# ---------------------------------------------------------------------------------------- settings
+PROJECT_ID="${PROJECT_ID:-}"              # the project every stack deploys into (gcp:project)
+GITHUB_REPO="${GITHUB_REPO:-}"            # owner/name
+GITHUB_REPO_ID="${GITHUB_REPO_ID:-}"      # gh api repos/OWNER/NAME --jq .id
+GITHUB_OWNER_ID="${GITHUB_OWNER_ID:-}"    # gh api repos/OWNER/NAME --jq .owner.id
+STATE_BACKEND="${STATE_BACKEND:-bucket}"  # bucket (gs://, KMS-encrypted secrets) | pulumi-cloud
+STATE_BUCKET="${STATE_BUCKET:-${PROJECT_ID}-pulumi-state}"
+STATE_LOCATION="${STATE_LOCATION:-us-central1}"
+KMS_LOCATION="${KMS_LOCATION:-global}"
+KMS_KEYRING="${KMS_KEYRING:-gft-pulumi}"
+KMS_KEY="${KMS_KEY:-stack-secrets}"
+# The GKE node service account the clusters use; empty: the Compute Engine default one.
+GKE_NODE_ACCOUNT="${GKE_NODE_ACCOUNT:-}"
+REPO_ROOT="${REPO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+
+APIS=(
+  sts.googleapis.com iamcredentials.googleapis.com iam.googleapis.com
+  cloudresourcemanager.googleapis.com serviceusage.googleapis.com cloudkms.googleapis.com
+  storage.googleapis.com artifactregistry.googleapis.com secretmanager.googleapis.com
+  container.googleapis.com compute.googleapis.com logging.googleapis.com run.googleapis.com
+  cloudbuild.googleapis.com
+)
+
+# ---------------------------------------------------------------------------------------- checks
+fail() {
+  echo "error: $*" >&2
+  exit 2
+}
+[[ "$PROJECT_ID" =~ ^[a-z][a-z0-9-]{4,28}[a-z0-9]$ ]] ||
+  fail "PROJECT_ID='$PROJECT_ID' is not a project id; find yours with: gcloud projects list"
+[[ "$GITHUB_REPO" =~ ^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$ ]] ||
+  fail "GITHUB_REPO='$GITHUB_REPO' is not owner/name"
+[[ "$GITHUB_REPO_ID" =~ ^[0-9]+$ ]] ||
+  fail "GITHUB_REPO_ID='$GITHUB_REPO_ID' is not a number; find it with: gh api repos/$GITHUB_REPO --jq .id"
+[[ "$GITHUB_OWNER_ID" =~ ^[0-9]+$ ]] ||
+  fail "GITHUB_OWNER_ID='$GITHUB_OWNER_ID' is not a number; find it with: gh api repos/$GITHUB_REPO --jq .owner.id"
+[[ "$STATE_BACKEND" == bucket || "$STATE_BACKEND" == pulumi-cloud ]] ||
+  fail "STATE_BACKEND='$STATE_BACKEND' is not bucket or pulumi-cloud"
+STACK_LINES=$(python3 "$REPO_ROOT/.ci/stacks.py" --lines --root "$REPO_ROOT")
+
+PROJECT_NUMBER=$(gcloud projects describe "$PROJECT_ID" --format='value(projectNumber)')
+[[ "$PROJECT_NUMBER" =~ ^[0-9]+$ ]] || fail "could not read the project number of $PROJECT_ID"
+GKE_NODE_ACCOUNT="${GKE_NODE_ACCOUNT:-${PROJECT_NUMBER}-compute@developer.gserviceaccount.com}"
+KEY_NAME="projects/$PROJECT_ID/locations/$KMS_LOCATION/keyRings/$KMS_KEYRING/cryptoKeys/$KMS_KEY"
+
+step() { echo "== $*"; }
+account() { echo "$1@$PROJECT_ID.iam.gserviceaccount.com"; }
+member() { echo "serviceAccount:$(account "$1")"; }
+
+# A project binding, with an IAM Condition when a third argument is given (no commas in expressions:
+# gcloud splits --condition on them).
+grant_project() {
+  local who="$1" role="$2" expression="${3:-}"
+  local condition=None
+  if [[ -n "$expression" ]]; then
+    condition="expression=$expression,title=gft-ci-${role##*/}"
+  fi
+  gcloud projects add-iam-policy-binding "$PROJECT_ID" --member="$(member "$who")" --role="$role" \
+    --condition="$condition" --quiet >/dev/null
+}
+grant_account() {
+  local who="$1" role="$2" target="$3"
+  gcloud iam service-accounts add-iam-policy-binding "$target" --project="$PROJECT_ID" \
+    --member="$(member "$who")" --role="$role" --quiet >/dev/null
+}
+grant_state() {
+  local who="$1" bucket_role="$2"
+  [[ "$STATE_BACKEND" == bucket ]] || return 0
+  gcloud storage buckets add-iam-policy-binding "gs://$STATE_BUCKET" --member="$(member "$who")" \
+    --role="$bucket_role" --quiet >/dev/null
+  gcloud kms keys add-iam-policy-binding "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+    --project="$PROJECT_ID" --member="$(member "$who")" --role=roles/cloudkms.cryptoKeyDecrypter --quiet >/dev/null
+}
+ensure_account() {
+  local id="$1" title="$2"
+  if ! gcloud iam service-accounts describe "$(account "$id")" --project="$PROJECT_ID" >/dev/null 2>&1; then
+    gcloud iam service-accounts create "$id" --project="$PROJECT_ID" --display-name="$title"
+  fi
+}
+ensure_custom_role() {
+  local id="$1" title="$2" permissions="$3"
+  if gcloud iam roles describe "$id" --project="$PROJECT_ID" >/dev/null 2>&1; then
+    gcloud iam roles update "$id" --project="$PROJECT_ID" --permissions="$permissions" --quiet >/dev/null
+  else
+    gcloud iam roles create "$id" --project="$PROJECT_ID" --title="$title" --permissions="$permissions" \
+      --stage=GA --quiet
+  fi
+}
+# One pool and one GitHub provider per identity; the provider's attribute condition is the gate and is
+# rewritten on every run, so the condition in this file is the one in force.
+ensure_federation() {
+  local who="$1" pool="$2" condition="$3"
+  if ! gcloud iam workload-identity-pools describe "$pool" --project="$PROJECT_ID" --location=global \
+    >/dev/null 2>&1; then
+    gcloud iam workload-identity-pools create "$pool" --project="$PROJECT_ID" --location=global \
+      --display-name="gemma-finetune CI: $who"
+  fi
+  local verb=create-oidc
+  if gcloud iam workload-identity-pools providers describe github --project="$PROJECT_ID" --location=global \
+    --workload-identity-pool="$pool" >/dev/null 2>&1; then
+    verb=update-oidc
+  fi
+  gcloud iam workload-identity-pools providers "$verb" github --project="$PROJECT_ID" --location=global \
+    --workload-identity-pool="$pool" --issuer-uri="https://token.actions.githubusercontent.com" \
+    --attribute-mapping="google.subject=assertion.sub" --attribute-condition="$condition"
+  # Every identity the pool admits (principal-identifiers: principalSet://…/workloadIdentityPools/POOL/*).
+  local principals="principalSet://iam.googleapis.com/projects/$PROJECT_NUMBER/locations/global/workloadIdentityPools/$pool/*"
+  gcloud iam service-accounts add-iam-policy-binding "$(account "$who")" --project="$PROJECT_ID" \
+    --member="$principals" --role=roles/iam.workloadIdentityUser --quiet >/dev/null
+}
+
+# ---------------------------------------------------------------------------------------- APIs
+step "APIs (federation, the program's reads, every stack's services)"
+gcloud services enable "${APIS[@]}" --project="$PROJECT_ID"
+
+# ---------------------------------------------------------------------------------------- identities
+step "CI identities"
+ensure_account gft-ci-preview "gemma-finetune CI: PR previews (Cloud Run stacks)"
+ensure_account gft-ci-preview-gke "gemma-finetune CI: reviewed PR previews (GKE stacks)"
+ensure_account gft-ci-deploy "gemma-finetune CI: reviewed deploys from main"
+
+ids="assertion.repository_id == '$GITHUB_REPO_ID' && assertion.repository_owner_id == '$GITHUB_OWNER_ID'"
+ensure_federation gft-ci-preview gft-preview "$ids && assertion.event_name == 'pull_request'"
+ensure_federation gft-ci-preview-gke gft-preview-gke \
+  "$ids && assertion.event_name == 'pull_request' && assertion.environment == 'preview-gke'"
+ensure_federation gft-ci-deploy gft-deploy \
+  "$ids && assertion.ref == 'refs/heads/main' && assertion.event_name == 'workflow_dispatch' && assertion.workflow_ref == '$GITHUB_REPO/.github/workflows/deploy.yml@refs/heads/main'"
+
+# ---------------------------------------------------------------------------------------- state
+if [[ "$STATE_BACKEND" == bucket ]]; then
+  step "State bucket gs://$STATE_BUCKET and KMS key $KEY_NAME"
+  if ! gcloud storage buckets describe "gs://$STATE_BUCKET" >/dev/null 2>&1; then
+    gcloud storage buckets create "gs://$STATE_BUCKET" --project="$PROJECT_ID" --location="$STATE_LOCATION" \
+      --uniform-bucket-level-access --public-access-prevention
+  fi
+  gcloud storage buckets update "gs://$STATE_BUCKET" --versioning --quiet >/dev/null
+  if ! gcloud kms keyrings describe "$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID" \
+    >/dev/null 2>&1; then
+    gcloud kms keyrings create "$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID"
+  fi
+  if ! gcloud kms keys describe "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+    --project="$PROJECT_ID" >/dev/null 2>&1; then
+    gcloud kms keys create "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+      --project="$PROJECT_ID" --purpose=encryption
+  fi
+fi
+grant_state gft-ci-preview roles/storage.objectViewer
+grant_state gft-ci-preview-gke roles/storage.objectViewer
+grant_state gft-ci-deploy roles/storage.objectUser
+
+# ---------------------------------------------------------------------------------------- project grants
+step "Project grants (custom create-only roles, conditions on bucket and secret names)"
+ensure_custom_role gftCiBucketCreator "gemma-finetune CI bucket creator" storage.buckets.create
+ensure_custom_role gftCiSecretCreator "gemma-finetune CI secret creator" secretmanager.secrets.create
+buckets="resource.name.startsWith('projects/_/buckets/$PROJECT_ID-gft-')"
+secrets="resource.name.startsWith('projects/$PROJECT_NUMBER/secrets/gft-') || resource.name.startsWith('projects/$PROJECT_ID/secrets/gft-')"
+
+grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
+
+grant_project gft-ci-deploy roles/browser
+grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
+grant_project gft-ci-deploy "projects/$PROJECT_ID/roles/gftCiBucketCreator"
+grant_project gft-ci-deploy roles/storage.admin "$buckets"
+grant_project gft-ci-deploy "projects/$PROJECT_ID/roles/gftCiSecretCreator"
+grant_project gft-ci-deploy roles/secretmanager.admin "$secrets"
+grant_project gft-ci-deploy roles/artifactregistry.admin
+
+workloads=$(echo "$STACK_LINES" | awk '{print $2}' | sort -u)
+if grep -qx cloud-run <<<"$workloads"; then
+  grant_project gft-ci-deploy roles/run.admin
+  grant_project gft-ci-deploy roles/compute.networkAdmin
+fi
+if grep -qx -e gke-job -e gke-ray <<<"$workloads"; then
+  grant_project gft-ci-preview-gke roles/browser
+  grant_project gft-ci-preview-gke roles/container.developer
+  grant_project gft-ci-deploy roles/container.clusterAdmin
+  grant_project gft-ci-deploy roles/container.developer
+  step "GKE node account $GKE_NODE_ACCOUNT"
+  node_ready=false
+  for _ in $(seq 1 30); do # the Compute Engine default account appears shortly after the API is enabled
+    if gcloud iam service-accounts describe "$GKE_NODE_ACCOUNT" --project="$PROJECT_ID" >/dev/null 2>&1; then
+      node_ready=true
+      break
+    fi
+    sleep 10
+  done
+  $node_ready || fail "the GKE node account $GKE_NODE_ACCOUNT does not exist: set GKE_NODE_ACCOUNT, or rerun later"
+  grant_account gft-ci-deploy roles/iam.serviceAccountUser "$GKE_NODE_ACCOUNT"
+fi
+
+# ---------------------------------------------------------------------------------------- per stack
+# The workload accounts exist before the first `pulumi up`, which adopts them, so the deploy identity
+# needs actAs / setIamPolicy on these accounts only, never project-wide.
+while read -r stack workload; do
+  [[ -n "$stack" ]] || continue
+  step "Stack $stack ($workload): workload accounts"
+  ensure_account "gft-$stack-train" "gemma-finetune $stack: training workload"
+  grant_account gft-ci-deploy roles/iam.serviceAccountAdmin "$(account "gft-$stack-train")"
+  if [[ "$workload" == cloud-run ]]; then
+    ensure_account "gft-$stack-serve" "gemma-finetune $stack: vLLM serving"
+    grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-train")"
+    grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-serve")"
+    grant_account gft-ci-deploy roles/iam.serviceAccountAdmin "$(account "gft-$stack-serve")"
+  fi
+done <<<"$STACK_LINES"
+
+# ---------------------------------------------------------------------------------------- GitHub
+backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; secret PULUMI_PREVIEW_ACCESS_TOKEN (stack read) and, in the deploy and destroy environments, PULUMI_ACCESS_TOKEN (stack write)"
+if [[ "$STATE_BACKEND" == bucket ]]; then
+  backend_line="variable PULUMI_BACKEND_URL=gs://$STATE_BUCKET (no secret: stacks use --secrets-provider gcpkms://$KEY_NAME)"
+fi
+cat <<EOF
+
+Done. In GitHub ($GITHUB_REPO), Settings:
+  Secrets and variables > Actions > Variables: GCP_PROJECT_ID=$PROJECT_ID  GCP_PROJECT_NUMBER=$PROJECT_NUMBER
+  State backend: $backend_line
+  Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans)
+New stacks: pulumi stack init <stack> --secrets-provider gcpkms://$KEY_NAME (bucket backend), then rerun this script.
+EOF

@@ -1,0 +1,62 @@
+""".ci/stacks.py, which decides which preview job (and which identity) each stack file gets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from infra.offline import REPO_ROOT
+from tests.lint.conftest import ci_module
+
+SCRIPT = REPO_ROOT / ".ci" / "stacks.py"
+ci_stacks = ci_module("stacks")
+
+
+def listing(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(SCRIPT), "--root", str(root), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def repo(tmp_path: Path, files: dict[str, str], project: str = "name: gemma-finetune\nconfig:\n") -> Path:
+    (tmp_path / "Pulumi.yaml").write_text(project)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+class TestGroups:
+    def test_a_new_stack_file_joins_the_job_of_its_workload(self, tmp_path: Path) -> None:
+        root = repo(
+            tmp_path,
+            {
+                "Pulumi.lab.yaml": "config:\n  gemma-finetune:workload: 'gke-ray'   # Ray on GKE\n",
+                "Pulumi.edge.yaml": "config:\n  gcp:project: p\n  gemma-finetune:workload: cloud-run\n",
+            },
+        )
+        result = listing(root, "--outputs")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == ['cloud-run=["edge"]', 'gke=["lab"]']
+        assert listing(root, "--workload", "lab").stdout.strip() == "gke-ray"
+
+    def test_a_stack_without_a_workload_takes_the_project_default(self, tmp_path: Path) -> None:
+        project = "config:\n  workload:\n    type: string\n    default: gke-job\n  recipe:\n    type: string\n"
+        root = repo(tmp_path, {"Pulumi.a.yaml": "config:\n  gcp:project: p\n"}, project)
+        assert ci_stacks.stacks(root) == {"a": "gke-job"}
+
+    def test_no_workload_and_no_default_names_the_file_and_the_fix(self, tmp_path: Path) -> None:
+        root = repo(tmp_path, {"Pulumi.a.yaml": "config:\n  gcp:project: p\n"})
+        result = listing(root)
+        assert result.returncode == 2
+        assert "Pulumi.a.yaml sets no gemma-finetune:workload" in result.stderr
+        assert "gemma-finetune:workload: cloud-run" in result.stderr
+
+    def test_an_unknown_workload_fails(self, tmp_path: Path) -> None:
+        root = repo(tmp_path, {"Pulumi.a.yaml": "config:\n  gemma-finetune:workload: vertex\n"})
+        result = listing(root)
+        assert result.returncode == 2 and "workload='vertex' is not one of" in result.stderr
+
+    def test_a_stack_name_that_would_reach_a_shell_fails(self, tmp_path: Path) -> None:
+        root = repo(tmp_path, {"Pulumi.a$(id).yaml": "config:\n  gemma-finetune:workload: cloud-run\n"})
+        result = listing(root)
+        assert result.returncode == 2 and "stack names are letters" in result.stderr

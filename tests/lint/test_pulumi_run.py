@@ -1,0 +1,164 @@
+"""`.ci/pulumi-run.sh`, the one way the workflows run Pulumi, run for real against a recording `pulumi`.
+
+The fake CLI on PATH logs every call and plays the part the test needs: a stack that does not exist,
+a preview with output, an `up` that outlives its budget and either honours SIGINT (Pulumi's graceful
+cancellation) or ignores it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.offline import REPO_ROOT
+from tests.lint.conftest import fake_command
+
+SCRIPT = REPO_ROOT / ".ci" / "pulumi-run.sh"
+
+FAKE_PULUMI = r"""#!{python}
+import json, os, signal, sys, time
+
+args = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps(args) + "\n")
+mode = os.environ.get("FAKE_PULUMI_MODE", "ok")
+
+
+def note(event):
+    with open(os.environ["FAKE_LOG"], "a") as log:
+        log.write(json.dumps([event]) + "\n")
+
+
+if args[0] == "stack" and args[1] == "select" and mode == "missing-stack":
+    print("error: no stack named 'dev' found", file=sys.stderr)
+    sys.exit(255)
+if args[0] == "preview":
+    print("Previewing update (dev):\n    + gcp:storage/bucket:Bucket gft-dev-bucket create")
+    sys.exit(0)
+if args[0] in ("up", "destroy") and mode in ("graceful", "stubborn"):
+    def on_int(signum, frame):
+        note("SIGINT")
+        if mode == "graceful":
+            print("cancelled at a safe point; state written, lock released")
+            sys.exit(255)
+    signal.signal(signal.SIGINT, on_int)
+    print("Updating (dev):", flush=True)
+    while True:
+        time.sleep(0.05)
+sys.exit(0)
+"""
+
+
+def run(
+    tmp_path: Path, *args: str, **env: str
+) -> tuple[subprocess.CompletedProcess[str], list[list[str]], dict[str, str]]:
+    base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
+    output = tmp_path / "github_output"
+    output.write_text("")
+    environment = {
+        **base,
+        "RUNNER_TEMP": str(tmp_path),
+        "GITHUB_OUTPUT": str(output),
+        "PULUMI_BACKEND_URL": "gs://p-pulumi-state",
+        **env,
+    }
+    result = subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
+    outputs = dict(line.split("=", 1) for line in output.read_text().splitlines())
+    return result, calls, outputs
+
+
+def commands(calls: list[list[str]]) -> list[str]:
+    return [" ".join(call[:2]) if call[0] == "stack" else call[0] for call in calls]
+
+
+class TestPreview:
+    def test_reads_the_stack_with_the_policy_pack_and_reports_its_exit_code(self, tmp_path: Path) -> None:
+        result, calls, outputs = run(tmp_path, "preview", "dev")
+        assert result.returncode == 0, result.stderr
+        assert calls[0] == ["login", "--non-interactive", "gs://p-pulumi-state"]
+        assert calls[1] == ["stack", "select", "dev", "--non-interactive"]
+        preview = calls[2]
+        assert preview[0] == "preview"
+        for flag in ("--diff", "--non-interactive"):
+            assert flag in preview
+        assert preview[preview.index("--policy-pack") + 1] == "infra/policy"
+        assert preview[preview.index("--color") + 1] == "never"
+        assert outputs["exit-code"] == "0"
+        assert "gft-dev-bucket create" in Path(outputs["log"]).read_text()
+
+    def test_pulumi_cloud_stacks_are_qualified_by_the_organisation(self, tmp_path: Path) -> None:
+        result, calls, _ = run(tmp_path, "preview", "dev", PULUMI_BACKEND_URL="", PULUMI_ORG="acme")
+        assert result.returncode == 0, result.stderr
+        assert calls[0] == ["login", "--non-interactive"]
+        assert calls[1][2] == "acme/gemma-finetune/dev"
+        assert calls[2][calls[2].index("--stack") + 1] == "acme/gemma-finetune/dev"
+
+    def test_a_missing_stack_is_never_created_and_the_message_names_the_command(self, tmp_path: Path) -> None:
+        result, calls, outputs = run(tmp_path, "preview", "dev", FAKE_PULUMI_MODE="missing-stack")
+        assert result.returncode == 3
+        assert commands(calls) == ["login", "stack select"], "a preview reads state: it must not create the stack"
+        log = Path(outputs["log"]).read_text()
+        assert "no stack named 'dev' found" in log
+        assert "pulumi stack init dev" in log and '"New stacks"' in log
+        assert outputs["exit-code"] == "3"
+
+    def test_a_stack_name_that_is_not_a_name_stops_everything(self, tmp_path: Path) -> None:
+        result, calls, _ = run(tmp_path, "preview", "dev;touch pwned")
+        assert result.returncode == 2 and "may only hold letters" in result.stderr
+        assert calls == []
+
+
+class TestUpWithinItsBudget:
+    def test_a_finished_up_releases_nothing(self, tmp_path: Path) -> None:
+        result, calls, outputs = run(tmp_path, "up", "dev")
+        assert result.returncode == 0, result.stderr
+        up = calls[2]
+        assert up[:1] == ["up"] and "--yes" in up and up[up.index("--policy-pack") + 1] == "infra/policy"
+        assert "--skip-preview" not in up, "up previews again against the state it applies to"
+        assert "cancel" not in commands(calls)
+        assert outputs["exit-code"] == "0"
+
+    @pytest.mark.parametrize(
+        ("command", "mode", "grace", "code"),
+        [("up", "graceful", "20s", 124), ("destroy", "stubborn", "1s", 137)],
+        ids=["pulumi-cancels-at-a-safe-point", "pulumi-ignores-sigint-and-is-killed"],
+    )
+    def test_past_its_budget_pulumi_gets_sigint_then_the_lock_is_released(
+        self, tmp_path: Path, command: str, mode: str, grace: str, code: int
+    ) -> None:
+        result, calls, outputs = run(
+            tmp_path, command, "dev", FAKE_PULUMI_MODE=mode, PULUMI_BUDGET="1s", PULUMI_GRACE=grace
+        )
+        assert result.returncode == code
+        assert commands(calls) == ["login", "stack select", command, "SIGINT", "cancel"]
+        assert calls[-1][:2] == ["cancel", "--yes"] and calls[-1][calls[-1].index("--stack") + 1] == "dev"
+        log = Path(outputs["log"]).read_text()
+        assert "ran past its budget of 1s" in log and "pulumi refresh --stack dev" in log
+        assert outputs["exit-code"] == str(code)
+
+
+class TestCancel:
+    def test_cancel_releases_the_lock_without_selecting_or_previewing(self, tmp_path: Path) -> None:
+        result, calls, _ = run(tmp_path, "cancel", "dev")
+        assert result.returncode == 0, result.stderr
+        assert commands(calls) == ["login", "cancel"]
+        assert calls[1][:2] == ["cancel", "--yes"]
+
+
+def test_shellcheck() -> None:
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    result = subprocess.run([str(shellcheck), str(SCRIPT)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout
