@@ -19,6 +19,11 @@ class GkeAccelerator:
     machine: str
     note: str = ""
 
+    def machine_type(self, gpus_per_node: int) -> str:
+        """The Compute Engine machine type of a node with that many of these GPUs (an fnmatch pattern where
+        several fit, e.g. `g2-standard-*`)."""
+        return self.machine.format(n=gpus_per_node)
+
 
 @dataclass(frozen=True)
 class CloudRunGpu:

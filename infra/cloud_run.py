@@ -1,11 +1,22 @@
 """Stack `dev`: a Cloud Run GPU Job trains, a vLLM Cloud Run GPU Service serves.
 
 Decisions
-- Training starts on `pulumi up` through the Job's `start_execution_token`, a short hash
-  of the image digest, the recipe file and its overrides (`run_id`): an unchanged
-  `pulumi up` starts nothing, a changed recipe or image starts a new execution. The
-  token also names the run folder, so each run resumes only its own checkpoints.
-  (`run_execution_token` would block `pulumi up` until training ends; we don't want that.)
+- A run is identified by `run_id`, a short hash of the trainer image's content (its build
+  context's hash, `Images.trainer_content`: known in a preview and the same from any checkout,
+  never the registry digest), the recipe file and its overrides. It names the run folder, so
+  each run resumes only its own checkpoints.
+- Training starts on `pulumi up` through a `command.local.Command` that runs
+  `gcloud run jobs execute … --async` (as the seed does), with `run_id` as its trigger: an
+  unchanged `pulumi up` starts nothing, a changed recipe or image starts one new execution,
+  after the Job's template was updated (the command depends on the Job).
+  Not the Job's `start_execution_token`: the API drops the token from the Job as soon as an
+  execution starts any other way (`gcloud run jobs execute`, the console), the provider then
+  reads null into state on refresh and re-sends the token on the next update, which fails
+  with "Resource '<job>-<token>' already exists" (terraform-provider-google #24451,
+  magic-modules PR #19060, still open). Re-running a failed training by hand is the natural
+  recovery, so it must leave the stack working: the Job here carries no token, and
+  `gcloud run jobs execute` (the `rerunTraining` output) resumes the run's checkpoints.
+  (`run_execution_token` would also block `pulumi up` until training ends.)
 - The bucket is mounted at /mnt/bucket (Cloud Storage volume); the trainer writes
   `runs/<run_id>/merged/` and the completion marker last.
 - Serving is a second step (`servingEnabled: true`, then `pulumi up`). Before declaring
@@ -15,6 +26,10 @@ Decisions
 - The Service is private: `roles/run.invoker` only for `servingInvokers`; it is public
   only when the stack says `servingPublic: true` (then the invoker check is disabled,
   with no allUsers binding). Scale to zero, `servingMaxInstances` GPUs at most.
+- No Direct VPC egress: the service reads the model through its Cloud Storage volume over
+  Google's network, and a subnet used by Direct VPC egress cannot be deleted for 1-2 hours
+  after the service is (Cloud Run docs, CLOUD-FACTS §11), which would break `pulumi destroy`.
+  Nothing here measured a gain from it.
 - Jobs cannot use GPU zonal redundancy (CLOUD-FACTS §6): the Job always disables it; the
   Service follows `gpuZonalRedundancy` (default off: the cheaper quota, see README).
 
@@ -29,6 +44,7 @@ import json
 from typing import Any
 
 import pulumi
+import pulumi_command as command
 import pulumi_gcp as gcp
 
 from infra.catalog import CLOUD_RUN_GPUS
@@ -45,12 +61,29 @@ SERVICE_CPU, SERVICE_MEMORY_GIB = 8, 32
 VLLM_PORT = 8000
 
 
-def run_id(cfg: StackConfig, image: str) -> str:
-    """12 hex characters that change exactly when the image, the recipe file or the overrides change."""
+# Starts one execution of the Job; --async returns once the execution is created (as the seed runs it).
+# gcloud reference: https://cloud.google.com/sdk/gcloud/reference/run/jobs/execute
+EXECUTE_SCRIPT = """set -euo pipefail
+gcloud run jobs execute "$JOB" --project "$PROJECT" --region "$REGION" --async
+"""
+
+
+def run_id(cfg: StackConfig, image_content: str) -> str:
+    """12 hex characters that change exactly when the image content, the recipe file or the overrides change."""
     payload = json.dumps(
-        {"image": image, "recipe": recipe_sha256(cfg.recipe), "overrides": cfg.recipe_overrides}, sort_keys=True
+        {"image": image_content, "recipe": recipe_sha256(cfg.recipe), "overrides": cfg.recipe_overrides},
+        sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def job_name(cfg: StackConfig) -> str:
+    return f"gft-{cfg.stack}-train"
+
+
+def execute_command(cfg: StackConfig) -> str:
+    """The by-hand re-run of the current training run (it resumes the run's last complete checkpoint)."""
+    return f"gcloud run jobs execute {job_name(cfg)} --region {cfg.region} --project {cfg.project}"
 
 
 def run_prefix(cfg: StackConfig, rid: str) -> str:
@@ -91,16 +124,23 @@ def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
 
 
 class CloudRunTraining(pulumi.ComponentResource):
-    """The Cloud Run GPU Job that runs one recipe, started by its execution token."""
+    """The Cloud Run GPU Job that runs one recipe, and the command that starts one execution per run."""
 
     job: gcp.cloudrunv2.Job
-    run_id: pulumi.Output[str]
+    execution: command.local.Command
+    run_id: str
 
     def __init__(
-        self, name: str, cfg: StackConfig, foundation: Foundation, image: pulumi.Output[str], opts=None
+        self,
+        name: str,
+        cfg: StackConfig,
+        foundation: Foundation,
+        image: pulumi.Output[str],
+        image_content: str,
+        opts=None,
     ) -> None:
         super().__init__("gemma-finetune:gcp:CloudRunTraining", name, None, opts)
-        self.run_id = image.apply(lambda ref: run_id(cfg, ref))
+        self.run_id = run_id(cfg, image_content)
         envs: list[gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs] = []
         if foundation.hf_secret is not None and foundation.hf_secret_version is not None:
             envs.append(
@@ -121,10 +161,9 @@ class CloudRunTraining(pulumi.ComponentResource):
             f"{name}-job",
             project=cfg.project,
             location=cfg.region,
-            name=f"gft-{cfg.stack}-train",
+            name=job_name(cfg),
             deletion_protection=False,
             labels=cfg.resource_labels,
-            start_execution_token=self.run_id,
             template=gcp.cloudrunv2.JobTemplateArgs(
                 task_count=1,
                 parallelism=1,
@@ -141,7 +180,7 @@ class CloudRunTraining(pulumi.ComponentResource):
                         gcp.cloudrunv2.JobTemplateTemplateContainerArgs(
                             image=image,
                             commands=["python"],
-                            args=self.run_id.apply(lambda rid: trainer_args(cfg, rid)),
+                            args=trainer_args(cfg, self.run_id),
                             envs=envs,
                             resources=gcp.cloudrunv2.JobTemplateTemplateContainerResourcesArgs(
                                 limits=_resources(cfg.gpu_type or "nvidia-l4", JOB_CPU, JOB_MEMORY_GIB)
@@ -164,6 +203,16 @@ class CloudRunTraining(pulumi.ComponentResource):
                 ),
             ),
             opts=pulumi.ResourceOptions(parent=self, depends_on=depends),
+        )
+        # One execution per run id, after the Job (and so its template) is in place. `triggers` replaces the
+        # command when the run changes; the environment is stable, so nothing else re-runs it.
+        self.execution = command.local.Command(
+            f"{name}-execution",
+            create=EXECUTE_SCRIPT,
+            interpreter=["/bin/bash", "-c"],
+            environment={"JOB": self.job.name, "PROJECT": cfg.project, "REGION": cfg.region},
+            triggers=[self.run_id],
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.job]),
         )
         self.register_outputs({"job_name": self.job.name, "run_id": self.run_id})
 
@@ -206,7 +255,6 @@ class VllmService(pulumi.ComponentResource):
         assert foundation.serving_account is not None, "the foundation creates a serving account when serving is on"
         child = pulumi.ResourceOptions(parent=self)
         marker_checked = _require_complete_model(cfg, foundation.bucket_name, run.apply(lambda r: run_prefix(cfg, r)))
-        network, subnetwork = self._vpc(name, cfg, child)
         vllm_args = pulumi.Output.all(run, marker_checked).apply(lambda p: render_args(vllm_config(cfg, p[0])))
         self.service = gcp.cloudrunv2.Service(
             f"{name}-service",
@@ -226,14 +274,6 @@ class VllmService(pulumi.ComponentResource):
                 timeout="600s",
                 scaling=gcp.cloudrunv2.ServiceTemplateScalingArgs(
                     min_instance_count=0, max_instance_count=cfg.serving_max_instances
-                ),
-                vpc_access=gcp.cloudrunv2.ServiceTemplateVpcAccessArgs(
-                    egress="ALL_TRAFFIC",
-                    network_interfaces=[
-                        gcp.cloudrunv2.ServiceTemplateVpcAccessNetworkInterfaceArgs(
-                            network=network, subnetwork=subnetwork
-                        )
-                    ],
                 ),
                 containers=[
                     gcp.cloudrunv2.ServiceTemplateContainerArgs(
@@ -288,51 +328,26 @@ class VllmService(pulumi.ComponentResource):
         self.url = self.service.uri
         self.register_outputs({"url": self.url})
 
-    @staticmethod
-    def _vpc(name: str, cfg: StackConfig, opts: pulumi.ResourceOptions) -> tuple[pulumi.Input[str], pulumi.Input[str]]:
-        """Direct VPC egress: the configured network, or one created for this stack with Private Google Access."""
-        if cfg.network and cfg.subnetwork:
-            return cfg.network, cfg.subnetwork
-        network = gcp.compute.Network(
-            f"{name}-network",
-            project=cfg.project,
-            name=f"gft-{cfg.stack}-serving",
-            auto_create_subnetworks=False,
-            opts=opts,
-        )
-        subnetwork = gcp.compute.Subnetwork(
-            f"{name}-subnet",
-            project=cfg.project,
-            name=f"gft-{cfg.stack}-serving",
-            region=cfg.region,
-            network=network.id,
-            ip_cidr_range="10.8.0.0/26",
-            private_ip_google_access=True,
-            opts=opts,
-        )
-        return network.name, subnetwork.name
-
 
 def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images) -> dict[str, Any]:
     """The `cloud-run` workload: the training Job and, when enabled, the vLLM Service."""
     name = f"gft-{cfg.stack}"
-    training = CloudRunTraining(name, cfg, foundation, images.trainer_image)
-    run_uri = pulumi.Output.all(foundation.bucket_uri, training.run_id).apply(
-        lambda p: f"{p[0]}/{run_prefix(cfg, p[1])}"
-    )
+    training = CloudRunTraining(name, cfg, foundation, images.trainer_image, images.trainer_content)
+    run_uri = foundation.bucket_uri.apply(lambda uri: f"{uri}/{run_prefix(cfg, training.run_id)}")
     outputs: dict[str, Any] = {
         "trainingJob": training.job.name,
         "runId": training.run_id,
         "runUri": run_uri,
         "modelUri": run_uri.apply(lambda u: f"{u}/merged"),
-        "followTraining": f"gcloud run jobs executions list --job gft-{cfg.stack}-train --region {cfg.region} "
+        "followTraining": f"gcloud run jobs executions list --job {job_name(cfg)} --region {cfg.region} "
         f"--project {cfg.project}",
-        "trainingLogs": f"gcloud beta run jobs logs read gft-{cfg.stack}-train --region {cfg.region} "
-        f"--project {cfg.project}",
+        "trainingLogs": f"gcloud beta run jobs logs read {job_name(cfg)} --region {cfg.region} --project {cfg.project}",
+        # Safe by hand: the Job carries no execution token, so `pulumi up` / `pulumi refresh` stay clean after it.
+        "rerunTraining": execute_command(cfg),
     }
     if cfg.serving_enabled:
         assert images.serving_image is not None
-        service = VllmService(name, cfg, foundation, images.serving_image, training.run_id)
+        service = VllmService(name, cfg, foundation, images.serving_image, pulumi.Output.from_input(training.run_id))
         outputs["servingUrl"] = service.url
         outputs["query"] = service.url.apply(
             lambda url: (

@@ -118,8 +118,6 @@ class StackConfig(BaseModel):
     training_timeout_minutes: int | None = Field(None, alias="trainingTimeoutMinutes", gt=0)
     training_retries: int = Field(2, alias="trainingRetries", ge=0, le=10)
     gpu_zonal_redundancy: bool = Field(False, alias="gpuZonalRedundancy")
-    network: str | None = None
-    subnetwork: str | None = None
 
     # --- single-field checks ---------------------------------------------------------
 
@@ -253,8 +251,6 @@ class StackConfig(BaseModel):
                 f"servingGpuType={self.serving_gpu_type!r} is not offered by Cloud Run. "
                 f"Cloud Run offers: {', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('servingGpuType', 'nvidia-l4')}"
             )
-        if bool(self.network) != bool(self.subnetwork):
-            problems.append("network and subnetwork go together (Direct VPC egress); set both or neither")
         return problems
 
     def _check_gke(self) -> list[str]:

@@ -17,6 +17,13 @@ Decisions
   `gcloud container clusters get-credentials` writes): no static token or client certificate
   ever lands in state, and the kubeconfig is a secret Output all the same. Workload components
   receive this provider; they never build their own.
+- The provider carries `cluster_identifier`, the cluster's resource path (known in a preview).
+  pulumi-kubernetes replaces a provider whose `kubeconfig` is unknown, and with it every
+  Kubernetes object of the stack (a running training Job included), unless `clusterIdentifier`
+  is set and unchanged (pulumi-kubernetes provider/pkg/provider/provider.go `DiffConfig`). The
+  kubeconfig is unknown in every preview that creates or updates the cluster. The path changes
+  exactly when another cluster is meant (project, region, name); a cluster replaced under the
+  same path (only an `enable_autopilot` change would do it here) keeps its provider.
 
 Not here: node pools (Autopilot has none to manage), private clusters / authorized networks
 (the default public endpoint is protected by IAM), Kubernetes objects (see `infra.gke_workload`).
@@ -41,6 +48,11 @@ AUTH_API_VERSION = "client.authentication.k8s.io/v1beta1"
 def cluster_name(cfg: StackConfig) -> str:
     """GKE cluster names are at most 40 characters; stack names are at most 20."""
     return f"gft-{cfg.stack}"
+
+
+def cluster_identifier(cfg: StackConfig) -> str:
+    """The cluster's resource path: the Kubernetes provider is replaced only when this changes."""
+    return f"projects/{cfg.project}/locations/{cfg.region}/clusters/{cluster_name(cfg)}"
 
 
 def workload_pool(project: str) -> str:
@@ -157,6 +169,8 @@ class AutopilotCluster(pulumi.ComponentResource):
         self.provider = k8s.Provider(
             f"{name}-k8s",
             kubeconfig=self.kubeconfig,
+            # Known in a preview, unlike the kubeconfig: an update of the cluster is not a new cluster.
+            cluster_identifier=cluster_identifier(cfg),
             # Objects are applied server-side (the v4 default) so fields set by GKE's admission
             # (Autopilot adds tolerations and resource defaults) do not show as drift.
             enable_server_side_apply=True,

@@ -8,10 +8,13 @@ Decisions
   (a headless Service when nodes > 1, then the Job); the tests validate its output strictly
   against the Kubernetes 1.33 schemas. The Pulumi resources are created from those manifests
   with the cluster's provider.
-- The Job's name is `train-<recipe>-<hash8>` over the image digest, the recipe file's bytes, the
-  overrides and the shape (GPU type, GPUs per node, nodes): `pulumi up` with the same inputs
-  changes nothing; a new image or recipe gives a new Job, so a new training run, whose output
-  dir `gs://BUCKET/runs/<job>` starts empty. Capacity is not in the hash: moving a run to spot
+- The Job's name is `train-<recipe>-<hash8>` over the trainer image's content (its build
+  context's hash, `Images.trainer_content`, never the registry digest), the recipe file's bytes,
+  the overrides and the shape (GPU type, GPUs per node, nodes): `pulumi up` with the same inputs
+  changes nothing, from any checkout; a new image or recipe gives a new Job, so a new training
+  run, whose output dir `gs://BUCKET/runs/<job>` starts empty. The manifests are rendered with
+  the image and bucket as slots (`infra.gke_workload.fill_slots`), so in a preview, where the
+  digest is unknown, only the container image is unknown and the policy pack sees the rest. Capacity is not in the hash: moving a run to spot
   replaces the Job under the same name and it resumes from its last complete checkpoint.
 - `pulumi.com/skipAwait: "true"`: `pulumi up` returns once the Job exists (training takes hours);
   watch it with the `logs` output. `ttlSecondsAfterFinished` (3 days) removes the finished Job
@@ -27,7 +30,7 @@ Decisions
 - Multi-node (nodes > 1): an Indexed Job (completions = parallelism = nodes) plus a headless
   Service named like the Job; pods find rank 0 at `<job>-0.<job>:29500` and take their node rank
   from the Job's completion index. World size = nodes x gpusPerNode.
-  The pods must share a zone (required pod affinity on the run label).
+  The pods must share a zone (required pod affinity on the GPU-group label, which only GPU pods carry).
 - HF_TOKEN only through `secretKeyRef`; the image only by digest; pods run as non-root.
 - After `ttlSecondsAfterFinished` the Job is gone from the cluster but not from Pulumi's state:
   run `pulumi refresh` before changing a setting of a finished run.
@@ -46,17 +49,20 @@ import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
 from infra.gke_workload import (
+    BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
+    IMAGE_SLOT,
     POD_SECURITY_CONTEXT,
-    RUN_LABEL,
     TrainingNamespace,
     common_labels,
     declare_gke_base,
+    fill_slots,
     gpu_node_selector,
+    gpu_pod_labels,
     gpu_pod_resources,
+    gpu_pods_same_zone,
     hf_token_env,
     run_name,
-    same_zone_affinity,
 )
 
 if TYPE_CHECKING:
@@ -170,7 +176,7 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
     }
     if spec.multi_node:
         pod_spec["subdomain"] = spec.name
-        pod_spec["affinity"] = same_zone_affinity(spec.name)
+        pod_spec["affinity"] = gpu_pods_same_zone(spec.name)
 
     job_spec: dict[str, Any] = {
         "backoffLimit": spec.retries * spec.nodes,
@@ -181,7 +187,7 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
         "podFailurePolicy": {
             "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
         },
-        "template": {"metadata": {"labels": {**spec.labels, RUN_LABEL: spec.name}}, "spec": pod_spec},
+        "template": {"metadata": {"labels": {**spec.labels, **gpu_pod_labels(spec.name)}}, "spec": pod_spec},
     }
     if spec.multi_node:
         job_spec["completionMode"] = "Indexed"
@@ -219,11 +225,11 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
 
 
 def job_spec_for(
-    cfg: StackConfig, image: str, bucket: str, service_account: str, hf_secret: str | None
+    cfg: StackConfig, image_content: str, image: str, bucket: str, service_account: str, hf_secret: str | None
 ) -> TrainingJobSpec:
-    """The plain values for this stack's Job, once the image digest and bucket name are known."""
+    """The plain values for this stack's Job; the name derives from `image_content`, not from `image`."""
     assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
-    name = run_name(JOB_NAME_PREFIX, cfg, image, JOB_NAME_MAX)
+    name = run_name(JOB_NAME_PREFIX, cfg, image_content, JOB_NAME_MAX)
     return TrainingJobSpec(
         name=name,
         namespace=cfg.namespace,
@@ -253,6 +259,8 @@ class TrainingJobArgs:
     """Namespace, service account and HF Secret the pods use (created first)."""
     image: pulumi.Input[str]
     """The trainer image, pinned by digest."""
+    image_content: str
+    """`Images.trainer_content`: what the Job's name derives from (known in a preview)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: runs write under gs://BUCKET/runs/<job>."""
 
@@ -260,7 +268,7 @@ class TrainingJobArgs:
 class TrainingJob(pulumi.ComponentResource):
     """The training Job (+ headless Service for multi-node) rendered by `render_training_job`."""
 
-    job_name: pulumi.Output[str]
+    job_name: str
     run_dir: pulumi.Output[str]
     job: k8s.batch.v1.Job
     service: k8s.core.v1.Service | None
@@ -269,32 +277,33 @@ class TrainingJob(pulumi.ComponentResource):
         super().__init__("gemma-finetune:k8s:TrainingJob", name, None, opts)
         cfg = args.cfg
         ns = args.namespace
-        spec = pulumi.Output.all(args.image, args.bucket_name).apply(
-            lambda v: job_spec_for(cfg, v[0], v[1], ns.service_account_name, ns.hf_secret_name)
+        spec = job_spec_for(
+            cfg, args.image_content, IMAGE_SLOT, BUCKET_SLOT, ns.service_account_name, ns.hf_secret_name
         )
-        manifests = spec.apply(render_training_job)
-        self.job_name = spec.apply(lambda s: s.name)
-        self.run_dir = spec.apply(lambda s: s.output_dir)
+        slots = {IMAGE_SLOT: args.image, BUCKET_SLOT: args.bucket_name}
+        manifests: list[dict[str, Any]] = [fill_slots(m, slots) for m in render_training_job(spec)]
+        self.job_name = spec.name
+        self.run_dir = pulumi.Output.from_input(fill_slots(spec.output_dir, slots))
 
         depends: list[pulumi.Resource] = list(ns.ready)
         self.service = None
         if cfg.nodes > 1:
-            service_manifest = manifests.apply(lambda ms: ms[0])
+            service_manifest = manifests[0]
             self.service = k8s.core.v1.Service(
                 f"{name}-svc",
-                metadata=service_manifest.apply(lambda m: m["metadata"]),
-                spec=service_manifest.apply(lambda m: m["spec"]),
+                metadata=service_manifest["metadata"],
+                spec=service_manifest["spec"],
                 opts=pulumi.ResourceOptions(
                     parent=self, provider=args.provider, depends_on=depends, delete_before_replace=True
                 ),
             )
             depends = [*depends, self.service]
 
-        job_manifest = manifests.apply(lambda ms: ms[-1])
+        job_manifest = manifests[-1]
         self.job = k8s.batch.v1.Job(
             f"{name}-job",
-            metadata=job_manifest.apply(lambda m: m["metadata"]),
-            spec=job_manifest.apply(lambda m: m["spec"]),
+            metadata=job_manifest["metadata"],
+            spec=job_manifest["spec"],
             opts=pulumi.ResourceOptions(
                 parent=self,
                 provider=args.provider,
@@ -320,18 +329,17 @@ def declare(
             provider=cluster.provider,
             namespace=namespace,
             image=images.trainer_image,
+            image_content=images.trainer_content,
             bucket_name=foundation.bucket_name,
         ),
     )
-    ns = cfg.namespace
+    ns, job_name = cfg.namespace, job.job_name
     return {
         **gke.outputs(cfg),
-        "jobName": job.job_name,
+        "jobName": job_name,
         "worldSize": cfg.total_gpus,
-        "logs": job.job_name.apply(lambda j: f"kubectl logs -f job/{j} -n {ns}"),
-        "status": job.job_name.apply(
-            lambda j: f"kubectl get job {j} -n {ns} -o wide && kubectl get pods -n {ns} -l job-name={j}"
-        ),
+        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
+        "status": f"kubectl get job {job_name} -n {ns} -o wide && kubectl get pods -n {ns} -l job-name={job_name}",
         "runDir": job.run_dir,
         "tensorboardLogs": job.run_dir.apply(lambda d: f"{d}/{TENSORBOARD_SUBDIR}"),
         "tensorboard": job.run_dir.apply(lambda d: f"tensorboard --logdir {d}/{TENSORBOARD_SUBDIR}"),

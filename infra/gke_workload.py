@@ -15,6 +15,11 @@ Decisions
   its count and the `latest` driver; reservation adds the reservation name, `specific` affinity
   (+ the owning project for shared reservations); spot and flex-start add their one label;
   on-demand adds nothing. No tolerations: Autopilot adds the GPU and Spot ones itself.
+- GPU pods of a multi-node run share a zone through a required pod affinity on a label that only
+  GPU pods carry (`GPU_GROUP_LABEL`), never on one the CPU pods of the run carry too.
+- A run's name derives from what a preview knows (`run_name`: the image's content hash, recipe,
+  overrides, shape); manifests are rendered from plain values with the image digest and bucket as
+  slots (`fill_slots`), so in a preview only the image is unknown, as a leaf.
 
 Not here: the workloads (`infra.gke_job`, `infra.ray_job`), Kueue / quota management, network
 policies, and the GCS FUSE CSI driver (the trainer writes gs:// URIs directly with its
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,12 +102,14 @@ def gpu_pod_resources(cfg: StackConfig) -> dict[str, dict[str, str]]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def run_name(prefix: str, cfg: StackConfig, image: str, max_len: int) -> str:
-    """`<prefix>-<recipe-short>-<hash8>`: the same image, recipe content, overrides and shape give the same
-    name (so `pulumi up` changes nothing); a change to any of them gives a new name (a new training run).
+def run_name(prefix: str, cfg: StackConfig, image_content: str, max_len: int) -> str:
+    """`<prefix>-<recipe-short>-<hash8>`: the same image content, recipe content, overrides and shape give the
+    same name (so `pulumi up` changes nothing); a change to any of them gives a new name (a new training run).
+    `image_content` is `Images.trainer_content` (the build context's hash or the prebuilt reference), known
+    in a preview and the same from any checkout — never the registry digest, which a preview cannot know.
     Where the pods run (capacity) is deliberately NOT part of it: moving a run resumes its checkpoints."""
     identity = {
-        "image": image,
+        "image": image_content,
         "recipe": cfg.recipe,
         "recipe_sha256": recipe_sha256(cfg.recipe),
         "overrides": list(cfg.recipe_overrides),
@@ -144,21 +152,63 @@ def hf_token_env(secret_name: str | None) -> list[dict[str, Any]]:
 
 
 RUN_LABEL = "gemma-finetune/run"
+# Carried only by the pods that hold GPUs; the zone affinity selects on it and on nothing else.
+GPU_GROUP_LABEL = "gemma-finetune/gpu-group"
 ZONE_TOPOLOGY = "topology.kubernetes.io/zone"
 
 
-def same_zone_affinity(run: str) -> dict[str, Any]:
-    """Keep the pods of one multi-node run in one zone: NCCL across zones is slow and pays for egress.
-    The first pod matches its own selector, so it may go anywhere; the rest follow it. (A specific
-    reservation is zonal anyway; for spot / flex-start / on-demand a later pod waits for capacity in
-    that zone rather than spilling into another.)"""
+def gpu_pod_labels(run: str) -> dict[str, str]:
+    """Labels of every GPU pod of a run: the run, and the GPU group the zone affinity selects."""
+    return {RUN_LABEL: run, GPU_GROUP_LABEL: run}
+
+
+def gpu_pods_same_zone(run: str) -> dict[str, Any]:
+    """Keep the GPU pods of one multi-node run in one zone: NCCL across zones is slow and pays for egress.
+
+    The selector matches GPU pods only (`GPU_GROUP_LABEL`), never the small CPU pods of the same run (the
+    Ray head): the scheduler places a pod with a required pod affinity only in a zone that already runs a
+    matching pod, unless no pod matches yet and the pod matches its own terms (kubernetes/kubernetes
+    pkg/scheduler/framework/plugins/interpodaffinity/filtering.go, `satisfyPodAffinity`). Selecting the
+    head would pin every GPU worker to whatever zone the head landed in first, and a zonal reservation in
+    another zone would never be used. So the first GPU pod goes wherever its capacity is; the rest follow
+    it. (For spot / flex-start / on-demand a later pod waits for capacity in that zone rather than
+    spilling into another.)"""
     return {
         "podAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": {"matchLabels": {RUN_LABEL: run}}, "topologyKey": ZONE_TOPOLOGY}
+                {"labelSelector": {"matchLabels": {GPU_GROUP_LABEL: run}}, "topologyKey": ZONE_TOPOLOGY}
             ]
         }
     }
+
+
+# Placeholders for values that are Outputs (the image digest, the bucket name): the renderers stay pure
+# functions of plain strings, and `fill_slots` puts each Output back at the leaves that mention it, so a
+# preview that cannot know the digest still sees every other field of the manifests. Shell-safe
+# characters only, so `shlex.join` leaves them (and the bucket names that replace them) unquoted.
+IMAGE_SLOT = "__gft_image__"
+BUCKET_SLOT = "__gft_bucket__"
+
+
+def fill_slots(value: Any, slots: Mapping[str, pulumi.Input[str]]) -> Any:
+    """A copy of `value` in which every string that mentions a slot is an Output of that string with the
+    slots' values in; every other leaf stays plain."""
+    if isinstance(value, dict):
+        return {key: fill_slots(item, slots) for key, item in value.items()}
+    if isinstance(value, list):
+        return [fill_slots(item, slots) for item in value]
+    if not isinstance(value, str):
+        return value
+    used = [slot for slot in slots if slot in value]
+    if not used:
+        return value
+
+    def fill(values: list[Any], text: str = value) -> str:
+        for slot, filled in zip(used, values, strict=True):
+            text = text.replace(slot, str(filled))
+        return text
+
+    return pulumi.Output.all(*[slots[slot] for slot in used]).apply(fill)
 
 
 def workload_identity_member(project: str, namespace: str, ksa: str) -> str:

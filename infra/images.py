@@ -8,8 +8,20 @@ Three modes (`imageBuild`):
   digest is read back with `gcloud builds describe`, so the image is still pinned.
 - `prebuilt`: references given in config, already pinned by digest; nothing is built.
 
-Every workload receives `REGISTRY/NAME@sha256:…`, never a tag, so the Job name / execution
-token derived from it changes exactly when the image content changes.
+Every workload receives `REGISTRY/NAME@sha256:…`, never a tag. A run's identity (the Job /
+RayJob name, the Cloud Run run id) is NOT the digest: it is `trainer_content`, the build
+context's content hash (or the prebuilt reference), which is known in `pulumi preview` (a
+preview builds nothing, so the digest is unknown there) and is the same for the same commit
+from any checkout, laptop or CI.
+
+Paths handed to the providers are relative to the working directory, never absolute:
+pulumi-docker-build diffs `context.location` / `dockerfile.location` as given and resolves them
+with `filepath.Abs` in the provider's working directory (pulumi-docker-build
+provider/internal/context.go), so an absolute path from another checkout would mean a rebuild, a
+new digest and a replaced training run. Pulumi starts the program and every provider plugin in
+the same directory, the project's `main` folder (pulumi/pulumi pkg/engine/project.go
+`getPwdMain`; sdk/go/common/resource/plugin/provider_plugin.go `newPlugin(ctx, ctx.Pwd, …)`),
+so one relative path means the same files to both.
 
 Not here: pushing to other registries, multi-arch builds (the GPU nodes are amd64).
 """
@@ -18,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +43,17 @@ from infra.config import ImageBuild, StackConfig, Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# Never part of a build context: tests, virtualenvs, caches and run outputs.
+# Never part of an image's content: tests, virtualenvs, caches and run outputs — everything .gitignore
+# and the contexts' .dockerignore leave out, so a laptop checkout with local leftovers hashes like CI.
 EXCLUDED = (
     ".git",
     ".venv",
     "tests",
     "build",
     "outputs",
+    "runs",
+    ".cache",
+    "*.egg-info",
     "__pycache__",
     "*.pyc",
     ".pytest_cache",
@@ -96,6 +113,12 @@ def content_hash(spec: ImageSpec) -> str:
     return digest.hexdigest()
 
 
+def provider_path(path: Path) -> str:
+    """`path` relative to the working directory the program and its providers share (see the module
+    docstring): the same string for the same commit wherever it is checked out."""
+    return os.path.relpath(path, Path.cwd())
+
+
 _CLOUD_BUILD_SCRIPT = """set -euo pipefail
 build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
   --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE" \\
@@ -105,6 +128,14 @@ digest=$(gcloud builds describe "$build_id" --project "$PROJECT" --region "$REGI
 case "$digest" in sha256:*) ;; *) echo "Cloud Build $build_id returned no image digest" >&2; exit 1;; esac
 printf '%s' "$digest"
 """
+
+
+def image_content(spec: ImageSpec, build: ImageBuild, prebuilt: str | None) -> str:
+    """The image's identity before it exists: the prebuilt reference, or `<name>:<content hash>`."""
+    if build is ImageBuild.PREBUILT:
+        assert prebuilt is not None, "config validation guarantees a prebuilt reference"
+        return prebuilt
+    return f"{spec.name}:{content_hash(spec)}"
 
 
 @dataclass
@@ -120,6 +151,10 @@ class Images(pulumi.ComponentResource):
     """Builds (or takes) the trainer image and, when serving is on, the serving image."""
 
     trainer_image: pulumi.Output[str]
+    """REGISTRY/trainer@sha256:… (unknown in a preview until the image is built)."""
+    trainer_content: str
+    """What defines the trainer image, known before any build: its context's content hash, or the
+    prebuilt reference. Run names and run ids derive from this, never from the digest."""
     serving_image: pulumi.Output[str] | None
 
     def __init__(self, name: str, args: ImagesArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -127,6 +162,7 @@ class Images(pulumi.ComponentResource):
         self._args = args
         cfg = args.cfg
         self.trainer_image = self._image(name, TRAINER, cfg.trainer_image)
+        self.trainer_content = image_content(TRAINER, cfg.image_build, cfg.trainer_image)
         self.serving_image = None
         if cfg.serving_enabled and cfg.workload is Workload.CLOUD_RUN:
             self.serving_image = self._image(name, SERVING, cfg.serving_image)
@@ -159,8 +195,8 @@ class Images(pulumi.ComponentResource):
         image = docker_build.Image(
             f"{name}-{spec.name}",
             tags=[repo.apply(lambda r: f"{r}:{tag}")],
-            context=docker_build.BuildContextArgs(location=str(spec.context)),
-            dockerfile=docker_build.DockerfileArgs(location=str(spec.dockerfile)),
+            context=docker_build.BuildContextArgs(location=provider_path(spec.context)),
+            dockerfile=docker_build.DockerfileArgs(location=provider_path(spec.dockerfile)),
             platforms=[docker_build.Platform.LINUX_AMD64],
             push=True,
             # A preview (every PR) must not build and push images; the digest stays unknown until `up`.
@@ -186,10 +222,10 @@ class Images(pulumi.ComponentResource):
             create=_CLOUD_BUILD_SCRIPT,
             interpreter=["/bin/bash", "-c"],
             environment={
-                "CONTEXT": str(spec.context),
+                "CONTEXT": provider_path(spec.context),
                 "PROJECT": cfg.project,
                 "REGION": cfg.region,
-                "CONFIG": str(REPO_ROOT / "infra" / "cloudbuild.yaml"),
+                "CONFIG": provider_path(REPO_ROOT / "infra" / "cloudbuild.yaml"),
                 "IMAGE": repo.apply(lambda r: f"{r}:{tag}"),
                 "DOCKERFILE": str(spec.dockerfile.relative_to(spec.context)),
             },

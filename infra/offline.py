@@ -9,6 +9,14 @@ the stack outputs.
 Decisions
 - One `Mocks` class fills the computed outputs a real provider would (emails, digests,
   cluster endpoints) by resource type; everything else echoes the inputs.
+- `preview=True` behaves like the first `pulumi preview` of a stack: nothing exists yet, so
+  every output the cloud computes (a digest — images are not built in a preview,
+  `build_on_preview=False` —, a command's stdout, an email, a cluster endpoint) is unknown,
+  and only inputs are echoed. Unknown values are recorded as the engine's sentinel
+  (`pulumi.runtime.rpc.UNKNOWN`), the value a policy pack sees for them.
+- Invokes answer as the provider would for a project that is ready: the reservation a stack
+  names exists as it must (`reservations` overrides it per `project/zone/name`; `None` there
+  models "not found", a `ProviderError` an invoke that fails).
 - The mock state is reset before each run (`reset_options` then `set_mocks`), so several
   stacks run in one process.
 - A secret config value in a stack file is encrypted and cannot be read here; the caller
@@ -23,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pulumi
 import yaml
+from pulumi.output import Unknown
 from pulumi.runtime import mocks as pulumi_mocks
 from pulumi.runtime import rpc
 from pulumi.runtime.stack import run_pulumi_func
@@ -120,6 +130,91 @@ def redact_secrets(value: Any) -> Any:
     return value
 
 
+def known_or_sentinel(value: Any) -> Any:
+    """`value` with every `Unknown` replaced by the engine's unknown sentinel string (secrets kept wrapped)."""
+    if isinstance(value, Unknown):
+        return rpc.UNKNOWN
+    if rpc.is_rpc_secret(value):
+        return rpc.wrap_rpc_secret(known_or_sentinel(rpc.unwrap_rpc_secret(value)))
+    if isinstance(value, dict):
+        return {k: known_or_sentinel(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [known_or_sentinel(v) for v in value]
+    return value
+
+
+def is_unknown(value: Any) -> bool:
+    return value == rpc.UNKNOWN
+
+
+# Zones the mocks list for a region (gcp.compute.get_zones); us-central1 has no "-d" or "-e".
+MOCK_ZONES = {"us-central1": ("a", "b", "c", "f")}
+# The reservation a stack names, as `gcloud compute reservations describe` would show a healthy one.
+MOCK_RESERVATION_MACHINE = "a4-highgpu-8g"
+MOCK_RESERVATION_COUNT = 4
+
+
+def mock_zones(region: str) -> list[str]:
+    return [f"{region}-{suffix}" for suffix in MOCK_ZONES.get(region, ("a", "b", "c"))]
+
+
+def mock_reservation(
+    project: str,
+    zone: str,
+    name: str,
+    machine_type: str = MOCK_RESERVATION_MACHINE,
+    count: int = MOCK_RESERVATION_COUNT,
+    in_use: int = 0,
+    specific: bool = True,
+    shared_with: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """A `gcp:compute/getReservation:getReservation` result (camelCase, as on the wire; field names from
+    pulumi-gcp 10.2 sdk/python/pulumi_gcp/compute/get_reservation.py and outputs.py)."""
+    result: dict[str, Any] = {
+        "name": name,
+        "project": project,
+        "zone": zone,
+        "id": f"projects/{project}/zones/{zone}/reservations/{name}",
+        "selfLink": f"https://www.googleapis.com/compute/v1/projects/{project}/zones/{zone}/reservations/{name}",
+        "creationTimestamp": "2026-11-01T00:00:00.000-07:00",
+        "status": "READY",
+        "specificReservationRequired": specific,
+        "specificReservations": [
+            {
+                "count": count,
+                "inUseCount": in_use,
+                "assuredCount": count,
+                "instanceProperties": [{"machineType": machine_type, "guestAccelerators": [], "localSsds": []}],
+            }
+        ],
+        "shareSettings": [],
+    }
+    if shared_with:
+        result["shareSettings"] = [
+            {
+                "shareType": "SPECIFIC_PROJECTS",
+                "projects": list(shared_with),
+                "projectMaps": [{"id": p, "projectId": p} for p in shared_with],
+            }
+        ]
+    return result
+
+
+class ProviderError(grpc.RpcError):
+    """A provider function failing as it does for real: the engine answers the invoke with a gRPC error, which
+    the SDK raises in the program as `Exception("invoke of <token> failed: <details>")`."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNKNOWN
+
+    def details(self) -> str:
+        return self._details
+
+
 def _fake_digest(*parts: Any) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -132,12 +227,31 @@ class Mocks(pulumi_mocks.Mocks):
     `assume_trained` every such read finds a marker, as after a finished training run.
     """
 
-    def __init__(self, bucket_objects: dict[str, str] | None = None, assume_trained: bool = False) -> None:
+    def __init__(
+        self,
+        bucket_objects: dict[str, str] | None = None,
+        assume_trained: bool = False,
+        preview: bool = False,
+        reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
+        project: str = "mock-project",
+    ) -> None:
+        self.project = project
+        self.invokes: list[tuple[str, dict[str, Any]]] = []
         self.bucket_objects = dict(bucket_objects or {})
         self.assume_trained = assume_trained
+        self.preview = preview
+        self.reservations = dict(reservations or {})
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str | None, dict]:
-        inputs = dict(args.inputs)
+        rid, state = self._new_resource(args)
+        if self.preview:
+            # Nothing exists yet: what the cloud computes is unknown, only the inputs are known.
+            inputs = known_or_sentinel(dict(args.inputs))
+            state = {key: inputs.get(key, rpc.UNKNOWN) for key in state}
+        return rid, known_or_sentinel(state)
+
+    def _new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str, dict]:
+        inputs = known_or_sentinel(dict(args.inputs))
         plain = unwrap_secrets(inputs)
         typ = args.typ
         rid = f"{args.name}-id"
@@ -174,18 +288,24 @@ class Mocks(pulumi_mocks.Mocks):
             state.update(stdout=_fake_digest(plain.get("environment"), plain.get("triggers")), stderr="")
         elif typ.startswith("gcp:cloudrunv2/"):
             state.update(uri=f"https://{plain.get('name', args.name)}-mock.a.run.app", uid=f"{args.name}-uid")
-        elif typ.startswith("kubernetes:") and "metadata" in plain:
+        elif typ.startswith("kubernetes:") and isinstance(plain.get("metadata"), dict):
             meta = dict(plain.get("metadata") or {})
             meta.setdefault("name", args.name)
             state["metadata"] = meta
         return rid, state
 
     def call(self, args: pulumi_mocks.MockCallArgs) -> tuple[dict, list[tuple[str, str]]]:
+        self.invokes.append((args.token, dict(args.args)))
         if args.token == "gcp:organizations/getProject:getProject":
             pid = args.args.get("projectId", "mock-project")
             return {"number": MOCK_PROJECT_NUMBER, "projectId": pid, "name": pid}, []
         if args.token == "gcp:organizations/getClientConfig:getClientConfig":
             return {"accessToken": "mock-access-token", "project": "mock-project", "region": "", "zone": ""}, []
+        if args.token == "gcp:compute/getZones:getZones":
+            region = args.args.get("region", "us-central1")
+            return {**dict(args.args), "id": region, "names": mock_zones(region)}, []
+        if args.token == "gcp:compute/getReservation:getReservation":
+            return self._reservation(dict(args.args)), []
         if args.token == "gcp:storage/getBucketObjectContent:getBucketObjectContent":
             key = f"{args.args.get('bucket')}/{args.args.get('name')}"
             content = self.bucket_objects.get(key)
@@ -193,6 +313,25 @@ class Mocks(pulumi_mocks.Mocks):
                 content = json.dumps({"complete": True, "object": key})
             return {**dict(args.args), "content": content or ""}, []
         return dict(args.args), []
+
+    def _reservation(self, query: dict[str, Any]) -> dict[str, Any]:
+        """The reservation at project/zone/name: as configured in `reservations`, else the healthy default in
+        the region's first zone. Not found answers with the query only, as the provider's data source does
+        (terraform-provider-google data_source_google_compute_reservation.go reads through the resource's
+        Read, which on 404 clears the id and returns no error: every other field stays empty)."""
+        project, zone, name = query.get("project", "mock-project"), query["zone"], query["name"]
+        key = f"{project}/{zone}/{name}"
+        if key in self.reservations:
+            found = self.reservations[key]
+        elif any(k.startswith(f"{project}/") and k.endswith(f"/{name}") for k in self.reservations):
+            found = None  # configured, but in another zone
+        else:
+            region = zone.rsplit("-", 1)[0]
+            shared = (self.project,) if project != self.project else ()
+            found = mock_reservation(project, zone, name, shared_with=shared) if zone == mock_zones(region)[0] else None
+        if isinstance(found, ProviderError):
+            raise found
+        return found if found is not None else {"name": name, "zone": zone, "project": project, "id": ""}
 
 
 class RecordingMonitor(pulumi_mocks.MockMonitor):
@@ -214,7 +353,7 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
                     urn=urn,
                     parent=request.parent,
                     custom=request.custom,
-                    inputs=rpc.deserialize_properties(request.object, keep_internal=False),
+                    inputs=known_or_sentinel(rpc.deserialize_properties(request.object, keep_internal=False)),
                     dependencies=list(request.dependencies),
                     provider=request.provider,
                     retain_on_delete=request.retainOnDelete,
@@ -236,6 +375,8 @@ class StackRun:
     resources: list[Recorded]
     outputs: dict[str, Any]
     secret_outputs: set[str]
+    invokes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """Every provider function the program called (token, arguments), in order."""
 
     def of_type(self, typ: str) -> list[Recorded]:
         return [r for r in self.resources if r.type == typ]
@@ -261,8 +402,11 @@ def run_stack(
     preview: bool = False,
     bucket_objects: dict[str, str] | None = None,
     assume_trained: bool = False,
+    reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
 ) -> StackRun:
-    """Run the program for `stack` under mocks with its real stack file (plus overrides)."""
+    """Run the program for `stack` under mocks with its real stack file (plus overrides).
+
+    `preview=True` runs it as a first `pulumi preview` (see the module docstring)."""
     values: dict[str, Any] = {_full_key(k): v for k, v in project_defaults().items()}
     values.update({_full_key(k): v for k, v in stack_file_config(stack).items()})
     secret_keys: list[str] = []
@@ -279,7 +423,13 @@ def run_stack(
 
     pulumi.runtime.reset_options(project=PROJECT, stack=stack, preview=preview)
     pulumi.runtime.set_all_config({k: _as_config_string(v) for k, v in values.items()}, secret_keys)
-    mocks = Mocks(bucket_objects=bucket_objects, assume_trained=assume_trained)
+    mocks = Mocks(
+        bucket_objects=bucket_objects,
+        assume_trained=assume_trained,
+        preview=preview,
+        reservations=reservations,
+        project=str(values.get("gcp:project", "mock-project")),
+    )
     monitor = RecordingMonitor(mocks)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor)
 
@@ -291,7 +441,7 @@ def run_stack(
     async def resolve_outputs(outputs: dict[str, Any]) -> None:
         for key, value in outputs.items():
             out = pulumi.Output.from_input(value)
-            result[key] = await out.future(with_unknowns=True)
+            result[key] = known_or_sentinel(await out.future(with_unknowns=True))
             if await out.is_secret():
                 secret_outputs.add(key)
 
@@ -303,5 +453,12 @@ def run_stack(
     except Exception as exc:
         # Tests check that bad configuration declared nothing before failing.
         exc.declared_resources = list(monitor.recorded)  # type: ignore[attr-defined]
+        exc.invokes = list(mocks.invokes)  # type: ignore[attr-defined]
         raise
-    return StackRun(stack=stack, resources=list(monitor.recorded), outputs=result, secret_outputs=secret_outputs)
+    return StackRun(
+        stack=stack,
+        resources=list(monitor.recorded),
+        outputs=result,
+        secret_outputs=secret_outputs,
+        invokes=list(mocks.invokes),
+    )

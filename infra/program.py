@@ -1,7 +1,8 @@
 """The Pulumi program as a function, so every stack can run fresh in one process (tests, `make plan`).
 
-Flow: validated config → foundation → images → the workload the stack names → outputs.
-Bad configuration raises `ConfigError` before the first resource is declared.
+Flow: validated config → preflight → foundation → images → the workload the stack names → outputs.
+Bad configuration raises `ConfigError`, and configuration the project cannot serve (a reservation that
+is missing or too small) raises `PreflightError`, both before the first resource is declared.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from infra import config as stack_config
+from infra import preflight
 from infra.config import Workload
 from infra.foundation import Foundation, FoundationArgs
 from infra.images import Images, ImagesArgs
@@ -18,6 +20,7 @@ def run() -> dict[str, Any]:
     """Declare the stack's resources; return the stack outputs (the caller exports them)."""
     loaded = stack_config.load()
     cfg = loaded.cfg
+    preflight.check(cfg)  # asks the cloud whether the configuration can work, before anything is declared
     name = f"gft-{cfg.stack}"
 
     foundation = Foundation(name, FoundationArgs(cfg=cfg, hf_token=loaded.hf_token))

@@ -18,16 +18,21 @@ Decisions
   the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it.
 - Workers = total GPUs (nodes x gpusPerNode), one `gpu-group` worker per node holding all its
   GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`) and, with more
-  than one node, kept in one zone by required pod affinity (NCCL across zones is slow). The head is
+  than one node, kept in one zone by a required pod affinity that selects the GPU workers only
+  (NCCL across zones is slow; selecting the CPU head too would pin the workers to the head's zone,
+  away from a zonal reservation in another one). The head is
   small (8 vCPU / 32Gi / 9Gi ephemeral: Autopilot caps ephemeral storage on general-purpose pods,
   9Gi is what the seed ran with) and runs no Ray tasks (`num-cpus: "0"`). rayStartParams values are
   strings and the field is always present.
 - Pods run as non-root (the image's uid 1000) and use the Workload Identity service account.
 - Image = the trainer image by digest (Ray is inside it): no runtimeEnv pip installs, no minutes
   of idle GPUs while packages download. rayVersion comes from config and must match that Ray.
-- The RayJob's name is `ft-<recipe>-<hash8>` over image, recipe bytes, overrides and shape (as the
-  Job's, `infra.gke_workload.run_name`), at most 40 characters (KubeRay allows 47). KubeRay does not
-  act on spec edits of a started RayJob, so any spec change replaces it (same name: delete first).
+- The RayJob's name is `ft-<recipe>-<hash8>` over the image's content (never its digest), recipe
+  bytes, overrides and shape (as the Job's, `infra.gke_workload.run_name`), at most 40 characters
+  (KubeRay allows 47), so it is known in a preview and the same from any checkout. The manifests
+  carry the image and bucket as slots filled with Outputs (`infra.gke_workload.fill_slots`). KubeRay
+  does not act on spec edits of a started RayJob, so any spec change replaces it (same name: delete
+  first).
 - Checkpoints: Ray Train's storage path `gs://BUCKET/ray/<name>`; the final adapter goes to
   `gs://BUCKET/runs/<name>` (`output.dir`), as for the Job. Writes use the pods' Workload Identity.
 - The RayJob depends on the cluster; the add-on installs the CRDs, and whether they are ready
@@ -50,17 +55,21 @@ import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
 from infra.gke_workload import (
+    BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
+    IMAGE_SLOT,
     POD_SECURITY_CONTEXT,
     RUN_LABEL,
     TrainingNamespace,
     common_labels,
     declare_gke_base,
+    fill_slots,
     gpu_node_selector,
+    gpu_pod_labels,
     gpu_pod_resources,
+    gpu_pods_same_zone,
     hf_token_env,
     run_name,
-    same_zone_affinity,
 )
 
 if TYPE_CHECKING:
@@ -156,7 +165,8 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
     head["ports"] = [dict(p) for p in HEAD_PORTS]
     worker = _ray_container("ray-worker", spec, spec.worker_resources)
     run = spec.standing_cluster or spec.name
-    pod_labels = {**spec.labels, RUN_LABEL: run}
+    head_labels = {**spec.labels, RUN_LABEL: run}
+    worker_labels = {**spec.labels, **gpu_pod_labels(run)}
     worker_pod: dict[str, Any] = {
         "serviceAccountName": spec.service_account,
         "nodeSelector": dict(spec.node_selector),
@@ -164,8 +174,8 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
         "containers": [worker],
     }
     if spec.nodes > 1:
-        # NCCL between GPU workers stays in one zone.
-        worker_pod["affinity"] = same_zone_affinity(run)
+        # NCCL between GPU workers stays in one zone; the head is not selected, so it pins nothing.
+        worker_pod["affinity"] = gpu_pods_same_zone(run)
     return {
         "rayVersion": spec.ray_version,
         "enableInTreeAutoscaling": False,
@@ -173,7 +183,7 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
             # Strings only; num-cpus "0" keeps Ray tasks off the head (the driver still runs there).
             "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
             "template": {
-                "metadata": {"labels": pod_labels},
+                "metadata": {"labels": head_labels},
                 "spec": {
                     "serviceAccountName": spec.service_account,
                     "securityContext": dict(POD_SECURITY_CONTEXT),
@@ -189,7 +199,7 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
                 "maxReplicas": spec.nodes,
                 "rayStartParams": {},
                 "template": {
-                    "metadata": {"labels": pod_labels},
+                    "metadata": {"labels": worker_labels},
                     "spec": worker_pod,
                 },
             }
@@ -242,10 +252,12 @@ def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
     }
 
 
-def ray_spec_for(cfg: StackConfig, image: str, bucket: str, service_account: str, hf_secret: str | None) -> RayRunSpec:
-    """The plain values for this stack's RayJob, once the image digest and bucket name are known."""
+def ray_spec_for(
+    cfg: StackConfig, image_content: str, image: str, bucket: str, service_account: str, hf_secret: str | None
+) -> RayRunSpec:
+    """The plain values for this stack's RayJob; the name derives from `image_content`, not from `image`."""
     assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
-    name = run_name(RAYJOB_NAME_PREFIX, cfg, image, RAYJOB_NAME_MAX)
+    name = run_name(RAYJOB_NAME_PREFIX, cfg, image_content, RAYJOB_NAME_MAX)
     return RayRunSpec(
         name=name,
         namespace=cfg.namespace,
@@ -280,6 +292,8 @@ class RayTrainingArgs:
     """Namespace, service account and HF Secret the Ray pods use (created first)."""
     image: pulumi.Input[str]
     """The trainer image (with Ray inside), pinned by digest."""
+    image_content: str
+    """`Images.trainer_content`: what the RayJob's name derives from (known in a preview)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: Ray checkpoints under gs://BUCKET/ray, the adapter under gs://BUCKET/runs."""
 
@@ -287,7 +301,7 @@ class RayTrainingArgs:
 class RayTraining(pulumi.ComponentResource):
     """The RayJob (+ a standing RayCluster when rayCluster=standing)."""
 
-    job_name: pulumi.Output[str]
+    job_name: str
     checkpoints: pulumi.Output[str]
     run_dir: pulumi.Output[str]
     ray_job: k8s.apiextensions.CustomResource
@@ -297,22 +311,23 @@ class RayTraining(pulumi.ComponentResource):
         super().__init__("gemma-finetune:k8s:RayTraining", name, None, opts)
         cfg = args.cfg
         ns = args.namespace
-        spec = pulumi.Output.all(args.image, args.bucket_name).apply(
-            lambda v: ray_spec_for(cfg, v[0], v[1], ns.service_account_name, ns.hf_secret_name)
+        spec = ray_spec_for(
+            cfg, args.image_content, IMAGE_SLOT, BUCKET_SLOT, ns.service_account_name, ns.hf_secret_name
         )
-        self.job_name = spec.apply(lambda s: s.name)
-        self.checkpoints = spec.apply(lambda s: f"{s.storage_path}/{s.name}")
-        self.run_dir = spec.apply(lambda s: s.output_dir)
+        slots = {IMAGE_SLOT: args.image, BUCKET_SLOT: args.bucket_name}
+        self.job_name = spec.name
+        self.checkpoints = pulumi.Output.from_input(fill_slots(f"{spec.storage_path}/{spec.name}", slots))
+        self.run_dir = pulumi.Output.from_input(fill_slots(spec.output_dir, slots))
 
         depends: list[pulumi.Resource] = [args.cluster, *ns.ready]
         self.ray_cluster = None
         if cfg.ray_cluster is RayClusterMode.STANDING:
             self.ray_cluster = self._custom_resource(
-                f"{name}-raycluster", "RayCluster", spec.apply(render_ray_cluster), args.provider, depends
+                f"{name}-raycluster", "RayCluster", fill_slots(render_ray_cluster(spec), slots), args.provider, depends
             )
             depends = [*depends, self.ray_cluster]
         self.ray_job = self._custom_resource(
-            f"{name}-rayjob", "RayJob", spec.apply(render_ray_job), args.provider, depends
+            f"{name}-rayjob", "RayJob", fill_slots(render_ray_job(spec), slots), args.provider, depends
         )
         self.register_outputs({"job_name": self.job_name, "checkpoints": self.checkpoints, "run_dir": self.run_dir})
 
@@ -320,7 +335,7 @@ class RayTraining(pulumi.ComponentResource):
         self,
         name: str,
         kind: str,
-        manifest: pulumi.Output[dict[str, Any]],
+        manifest: dict[str, Any],
         provider: k8s.Provider,
         depends: list[pulumi.Resource],
     ) -> k8s.apiextensions.CustomResource:
@@ -330,8 +345,8 @@ class RayTraining(pulumi.ComponentResource):
             name,
             api_version=RAY_API_VERSION,
             kind=kind,
-            metadata=manifest.apply(lambda m: m["metadata"]),
-            spec=manifest.apply(lambda m: m["spec"]),
+            metadata=manifest["metadata"],
+            spec=manifest["spec"],
             opts=pulumi.ResourceOptions(
                 parent=self,
                 provider=provider,
@@ -366,18 +381,19 @@ def declare(
             cluster=cluster.cluster,
             namespace=namespace,
             image=images.trainer_image,
+            image_content=images.trainer_content,
             bucket_name=foundation.bucket_name,
         ),
     )
-    ns = cfg.namespace
+    ns, job_name = cfg.namespace, training.job_name
     standing = STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None
     outputs: dict[str, pulumi.Input[Any]] = {
         **gke.outputs(cfg),
-        "rayJobName": training.job_name,
+        "rayJobName": job_name,
         "rayWorkers": cfg.total_gpus,
-        "rayJobStatus": training.job_name.apply(lambda j: f"kubectl get rayjob {j} -n {ns}"),
-        "logs": training.job_name.apply(lambda j: f"kubectl logs -f job/{j} -n {ns}"),
-        "dashboard": training.job_name.apply(lambda j: dashboard_command(ns, j, standing)),
+        "rayJobStatus": f"kubectl get rayjob {job_name} -n {ns}",
+        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
+        "dashboard": dashboard_command(ns, job_name, standing),
         "checkpoints": training.checkpoints,
         "runDir": training.run_dir,
         "adapter": training.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),

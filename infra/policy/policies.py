@@ -32,6 +32,10 @@ Decisions
   raises becomes a violation of its rule instead of stopping the pack.
 - A standing RayCluster (`rayCluster: standing`) is an explicit choice for interactive use and has
   no deadline field; it is checked for pinned images only.
+- A workload whose whole spec is unknown in a preview hides it from every rule above, so the
+  `workload-known-at-preview` rule reports it, as an advisory (the rules run again at `pulumi up`).
+  The program keeps it from happening: workload names derive from the images' content hash, and
+  only the image digest is left unknown, as a leaf.
 
 Not here: cost limits, regions, quotas (the stack configuration validates those), Kubernetes RBAC.
 """
@@ -69,6 +73,14 @@ JOB_SET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
 # Controllers whose pods run until the object is deleted: no deadline field applies, so a GPU one is an
 # explicit choice, marked with this label (like `public` on a Cloud Run service).
 LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
+RAY_CLUSTER = "kubernetes:ray.io/v1:RayCluster"
+# Where each workload keeps what the rules read; an unknown value at any of these hides the workload.
+WORKLOAD_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    CLOUD_RUN_JOB: (("template",), ("template", "template")),
+    K8S_JOB: (("metadata",), ("spec",), ("spec", "template")),
+    RAY_JOB: (("metadata",), ("spec",), ("spec", "rayClusterSpec")),
+    RAY_CLUSTER: (("metadata",), ("spec",)),
+}
 # GCP resources that carry labels here, and the input that holds them.
 LABELLED: dict[str, str] = {
     BUCKET: "labels",
@@ -454,6 +466,22 @@ def _runtime_env_tokens(path: str, text: str) -> list[str]:
     ]
 
 
+def workload_known_at_preview(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """A workload whose spec the engine cannot know yet escapes the deadline, digest and token rules."""
+    unknown = [
+        ".".join(path)
+        for path in WORKLOAD_FIELDS.get(resource_type, ())
+        if path[0] in props and is_unknown(_dig(props, *path))
+    ]
+    if not unknown:
+        return []
+    return [
+        f"{', '.join(unknown)} unknown in this preview, so the deadline, image-digest and token rules could not "
+        "check this workload (they run again at `pulumi up`); derive workload names and specs from values "
+        "known at preview (the images' content hash), and leave only the image digest unknown"
+    ]
+
+
 def required_labels(resource_type: str, props: Mapping[str, Any]) -> list[str]:
     """Labelled GCP resources carry app, stack and workload, so cost and ownership are attributable."""
     field_name = LABELLED.get(resource_type)
@@ -475,13 +503,18 @@ def required_labels(resource_type: str, props: Mapping[str, Any]) -> list[str]:
 # --- the pack's policies -----------------------------------------------------------------
 
 
+MANDATORY = "mandatory"
+ADVISORY = "advisory"
+
+
 @dataclass(frozen=True)
 class GuardRail:
-    """One policy: its name in the pack, what it protects, and the check."""
+    """One policy: its name in the pack, what it protects, the check, and whether it blocks (mandatory)."""
 
     name: str
     description: str
     check: Check
+    enforcement: str = MANDATORY
 
 
 GUARD_RAILS: tuple[GuardRail, ...] = (
@@ -508,6 +541,12 @@ GUARD_RAILS: tuple[GuardRail, ...] = (
         "required-labels",
         "Buckets, registries, secrets, clusters and Cloud Run jobs/services carry app/stack/workload labels.",
         required_labels,
+    ),
+    GuardRail(
+        "workload-known-at-preview",
+        "A training workload's spec is known in a preview, so the other rules can check it.",
+        workload_known_at_preview,
+        enforcement=ADVISORY,
     ),
 )
 
@@ -544,7 +583,7 @@ def resource_policies() -> list[Any]:
             name=rail.name,
             description=rail.description,
             validate=validate,
-            enforcement_level=EnforcementLevel.MANDATORY,
+            enforcement_level=EnforcementLevel(rail.enforcement),
         )
 
     return [wrap(rail) for rail in GUARD_RAILS]

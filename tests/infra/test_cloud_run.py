@@ -5,6 +5,7 @@ from __future__ import annotations
 import pulumi
 import pytest
 
+from infra.config import ConfigError
 from infra.offline import redact_secrets, run_stack
 from tests.infra.conftest import PREBUILT
 
@@ -54,28 +55,72 @@ class TestTrainingJob:
         assert job_inputs()["deletionProtection"] is False
 
 
-class TestExecutionToken:
-    """An unchanged `pulumi up` starts nothing; a changed recipe or image starts a new run."""
+class TestExecution:
+    """An unchanged `pulumi up` starts nothing; a changed recipe or image starts one new execution."""
+
+    def test_the_job_carries_no_execution_token(self) -> None:
+        """A token on the Job breaks the next `up` after a by-hand execution (see test_lifecycle)."""
+        inputs = job_inputs()
+        assert "startExecutionToken" not in inputs and "runExecutionToken" not in inputs
+
+    def test_one_execution_per_run_after_the_job(self) -> None:
+        run = run_stack("dev", overrides=PREBUILT)
+        execution = run.by_name("gft-dev-execution")
+        inputs = execution.plain_inputs()
+        assert inputs["triggers"] == [run.outputs["runId"]]
+        assert "gcloud run jobs execute" in inputs["create"] and "--async" in inputs["create"]
+        assert inputs["environment"] == {"JOB": "gft-dev-train", "PROJECT": "my-gcp-project", "REGION": "us-central1"}
+        assert "update" not in inputs and "delete" not in inputs, "nothing but a new run id starts training"
+        assert run.one(JOB).urn in execution.dependencies, "the execution uses the Job's updated template"
 
     def test_stable_for_same_inputs(self) -> None:
-        assert job_inputs()["startExecutionToken"] == job_inputs()["startExecutionToken"]
+        assert (
+            run_stack("dev", overrides=PREBUILT).outputs["runId"]
+            == run_stack("dev", overrides=PREBUILT).outputs["runId"]
+        )
 
     def test_changes_with_recipe_overrides(self) -> None:
-        changed = job_inputs(recipeOverrides=["training.learning_rate=0.0001"])["startExecutionToken"]
-        assert changed != job_inputs()["startExecutionToken"]
+        base = run_stack("dev", overrides=PREBUILT).outputs["runId"]
+        changed = run_stack("dev", overrides={**PREBUILT, "recipeOverrides": ["training.learning_rate=0.0001"]})
+        assert changed.outputs["runId"] != base
 
     def test_changes_with_image(self) -> None:
         other = PREBUILT["trainerImage"].replace("1" * 64, "3" * 64)
-        assert job_inputs(trainerImage=other)["startExecutionToken"] != job_inputs()["startExecutionToken"]
+        base = run_stack("dev", overrides=PREBUILT).outputs["runId"]
+        assert run_stack("dev", overrides={**PREBUILT, "trainerImage": other}).outputs["runId"] != base
 
-    def test_token_names_the_run_folder_and_fits_the_name_limit(self) -> None:
-        inputs = job_inputs()
-        token = inputs["startExecutionToken"]
-        assert len(token) == 12 and len(inputs["name"]) + len(token) < 63
-        assert token in inputs["template"]["template"]["containers"][0]["args"][5]
+    def test_run_id_names_the_run_folder(self) -> None:
+        run = run_stack("dev", overrides=PREBUILT)
+        rid = run.outputs["runId"]
+        assert len(rid) == 12
+        args = run.one(JOB).plain_inputs()["template"]["template"]["containers"][0]["args"]
+        assert args[5] == f"output.dir=/mnt/bucket/runs/emoji-gemma3-1b-{rid}"
+        assert run.outputs["runUri"] == f"gs://my-gcp-project-gft-dev/runs/emoji-gemma3-1b-{rid}"
 
-    def test_does_not_block_until_training_ends(self) -> None:
-        assert "runExecutionToken" not in job_inputs()
+    def test_rerun_by_hand_is_an_output(self) -> None:
+        out = run_stack("dev", overrides=PREBUILT).outputs
+        assert (
+            out["rerunTraining"]
+            == "gcloud run jobs execute gft-dev-train --region us-central1 --project my-gcp-project"
+        )
+
+
+class TestNothingBlocksDestroy:
+    """Direct VPC egress keeps a subnet's IPs for 1-2 h after the service is deleted (Cloud Run docs), so
+    `pulumi destroy` could not delete the network it had created: the stacks declare none."""
+
+    @pytest.mark.parametrize("public", [False, True])
+    def test_serving_declares_no_network_and_no_vpc_egress(self, public: bool) -> None:
+        overrides = {**PREBUILT, "servingEnabled": True, "servingPublic": public}
+        run = run_stack("dev", overrides=overrides, assume_trained=True)
+        assert not [r.urn for r in run.resources if r.type.startswith("gcp:compute/")]
+        for r in run.of_type(SERVICE) + run.of_type(JOB):
+            template = r.plain_inputs()["template"]
+            assert "vpcAccess" not in template and "vpcAccess" not in template.get("template", {}), r.urn
+
+    def test_no_network_keys(self) -> None:
+        with pytest.raises(ConfigError, match="unknown key gemma-finetune:network"):
+            run_stack("dev", overrides={**PREBUILT, "network": "default", "subnetwork": "default"})
 
 
 class TestServing:
@@ -118,7 +163,6 @@ class TestServing:
         assert probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"] == 240
         assert template["volumes"][0]["gcs"]["readOnly"] is True
         assert container["ports"] == {"containerPort": 8000}
-        assert template["vpcAccess"]["egress"] == "ALL_TRAFFIC"
 
     def test_vllm_serves_the_run_that_trained(self) -> None:
         run = run_stack("dev", overrides={**PREBUILT, "servingEnabled": True}, assume_trained=True)
@@ -132,16 +176,6 @@ class TestServing:
             "dev", overrides={**PREBUILT, "servingEnabled": True, "gpuZonalRedundancy": True}, assume_trained=True
         )
         assert run.one(SERVICE).plain_inputs()["template"]["gpuZonalRedundancyDisabled"] is False
-
-    def test_configured_network_is_used_not_created(self) -> None:
-        run = run_stack(
-            "dev",
-            overrides={**PREBUILT, "servingEnabled": True, "network": "prod-vpc", "subnetwork": "prod-sub"},
-            assume_trained=True,
-        )
-        assert run.of_type("gcp:compute/network:Network") == []
-        nic = run.one(SERVICE).plain_inputs()["template"]["vpcAccess"]["networkInterfaces"][0]
-        assert nic == {"network": "prod-vpc", "subnetwork": "prod-sub"}
 
     def test_extra_vllm_flags_pass_through(self) -> None:
         run = run_stack(
@@ -159,10 +193,12 @@ class TestEditedRecipe:
 
         from trainer import recipe as trainer_recipe
 
-        before = job_inputs()["startExecutionToken"]
+        before = run_stack("dev", overrides=PREBUILT).outputs["runId"]
         recipes = tmp_path / "recipes"
         shutil.copytree(trainer_recipe.RECIPES_DIR, recipes)
         path = recipes / "emoji-gemma3-1b.yaml"
         path.write_text(path.read_text().replace("learning_rate: 2.0e-4", "learning_rate: 1.0e-4"))
         monkeypatch.setattr(trainer_recipe, "RECIPES_DIR", recipes)
-        assert job_inputs()["startExecutionToken"] != before
+        after = run_stack("dev", overrides=PREBUILT)
+        assert after.outputs["runId"] != before
+        assert after.by_name("gft-dev-execution").plain_inputs()["triggers"] == [after.outputs["runId"]]

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.offline import StackRun, is_secret, run_stack, unwrap_secrets
+from infra.offline import StackRun, is_secret, is_unknown, run_stack, unwrap_secrets
 from tests.infra.conftest import PREBUILT
 
 CLUSTER = "gcp:container/cluster:Cluster"
@@ -89,3 +89,38 @@ class TestRayAddOn:
                 "rayClusterMonitoringConfig": {"enabled": True},
             }
         ], "a LIST in pulumi-gcp"
+
+
+def provider_replaced(olds: dict[str, Any], news: dict[str, Any]) -> bool:
+    """Whether pulumi-kubernetes replaces its Provider, and with it every object the provider manages.
+
+    A transcription of `DiffConfig` (pulumi/pulumi-kubernetes provider/pkg/provider/provider.go): no diff, no
+    change; a changed `clusterIdentifier` replaces; an unknown (computed) `kubeconfig`, `context` or `cluster`
+    replaces; and whatever it decided, a `clusterIdentifier` that is set and unchanged drops every replacement.
+    (The comparison of the kubeconfigs' active clusters, which only adds replacements, is left out: the same
+    drop applies to it.)"""
+    if olds == news:
+        return False
+    key = "clusterIdentifier"
+    if key in news and olds.get(key) == news[key]:
+        return False
+    if key in olds and key in news and olds[key] != news[key]:
+        return True
+    return any(is_unknown(news.get(k)) for k in ("kubeconfig", "context", "cluster"))
+
+
+class TestProviderSurvivesAnUnknownKubeconfig:
+    """In every preview that creates or updates the cluster the kubeconfig is unknown; that alone must not replace
+    the provider (and so delete and recreate a running training Job)."""
+
+    def test_unknown_kubeconfig_keeps_the_provider(self, a4: StackRun) -> None:
+        preview = run_stack("a4-gemma4", overrides=PREBUILT, preview=True)
+        news = preview.one(PROVIDER).plain_inputs()
+        assert is_unknown(news["kubeconfig"]), "the case under test: the endpoint is not known yet"
+        assert not provider_replaced(a4.one(PROVIDER).plain_inputs(), news)
+
+    def test_another_cluster_replaces_the_provider(self, a4: StackRun) -> None:
+        moved = run_stack("a4-gemma4", overrides={**PREBUILT, "gcp:region": "europe-west4"})
+        olds, news = a4.one(PROVIDER).plain_inputs(), moved.one(PROVIDER).plain_inputs()
+        assert news["clusterIdentifier"] == "projects/my-gcp-project/locations/europe-west4/clusters/gft-a4-gemma4"
+        assert provider_replaced(olds, news), "objects must follow the cluster to its new home"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import ConfigError
-from infra.images import SERVING, TRAINER, ImageSpec, content_hash, context_files
+from infra.images import REPO_ROOT, SERVING, TRAINER, ImageSpec, content_hash, context_files
 from infra.offline import run_stack
 from tests.infra.conftest import PREBUILT, contains, plain_paths
 
@@ -43,18 +43,26 @@ class TestModes:
         # the registry password (an access token) travels only inside a secret
         assert contains(image.inputs, "mock-access-token") and plain_paths(image.inputs, "mock-access-token") == []
         assert run.outputs["trainerImage"].split("@")[1].startswith("sha256:")
+        for key, path in (("context", TRAINER.context), ("dockerfile", TRAINER.dockerfile)):
+            location = inputs[key]["location"]
+            assert not Path(location).is_absolute(), f"{key}.location from another checkout would rebuild"
+            assert (Path.cwd() / location).resolve() == path
 
     def test_cloud_build_mode_rebuilds_on_content_hash(self) -> None:
         run = run_stack("dev", overrides={"imageBuild": "cloud-build"})
-        build = run.one("command:local:Command").plain_inputs()
+        build = run.by_name("gft-dev-trainer-cloudbuild").plain_inputs()
         assert build["triggers"] == [content_hash(TRAINER)[:16]]
         assert "gcloud builds submit" in build["create"] and "results.images[0].digest" in build["create"]
         assert build["environment"]["DOCKERFILE"] == "Dockerfile"
+        for key, path in (("CONTEXT", TRAINER.context), ("CONFIG", REPO_ROOT / "infra" / "cloudbuild.yaml")):
+            assert not Path(build["environment"][key]).is_absolute(), "another checkout would rebuild"
+            assert (Path.cwd() / build["environment"][key]).resolve() == path
         assert "@sha256:" in run.outputs["trainerImage"]
 
     def test_prebuilt_mode_builds_nothing(self) -> None:
         run = run_stack("dev", overrides=PREBUILT)
-        assert run.of_type("docker-build:index:Image") == [] and run.of_type("command:local:Command") == []
+        builds = [r for r in run.of_type("command:local:Command") if "gcp:Images" in r.parent]
+        assert run.of_type("docker-build:index:Image") == [] and builds == []
         assert run.outputs["trainerImage"] == PREBUILT["trainerImage"]
 
     def test_prebuilt_without_reference_fails(self) -> None:

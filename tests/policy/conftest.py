@@ -35,6 +35,16 @@ def stack_runs() -> dict[str, StackRun]:
     }
 
 
+@pytest.fixture(scope="session")
+def preview_runs() -> dict[str, StackRun]:
+    """The same variants as a first `pulumi preview` sees them (as a PR preview does): images are not built
+    (`build_on_preview=False`), so every digest is unknown, and so is everything else the cloud computes."""
+    return {
+        key: run_stack(stack, overrides=overrides, assume_trained=trained, preview=True)
+        for key, (stack, overrides, trained) in variants().items()
+    }
+
+
 def props_of(resource: Recorded) -> dict[str, Any]:
     """What the engine hands a policy: the inputs, camelCase, secrets unwrapped (a deep copy, free to mutate)."""
     return copy.deepcopy(resource.plain_inputs())

@@ -31,6 +31,7 @@ from infra.policy.policies import (
     K8S_POD,
     K8S_STATEFUL_SET,
     LONG_RUNNING_LABEL,
+    RAY_CLUSTER,
     RAY_JOB,
     UNKNOWN_VALUES,
     violations,
@@ -605,6 +606,69 @@ class TestCredentialNames:
         assert list(run_pack(K8S_JOB, props)) == ["tokens-from-secrets"]
 
 
+WORKLOAD_BREAKS = [b for b in BROKEN if b[1] in GPU_WORKLOADS]
+
+
+class TestPreviewSeesTheWorkloads:
+    """PR previews apply the pack to a plan in which no image is built yet, so every digest is unknown. The
+    workloads must still be visible to the rules (their names, deadlines, containers, env), with only the
+    image left unknown; a workload hidden behind an unknown spec would pass every rule silently."""
+
+    @pytest.mark.parametrize("variant", list(variants()))
+    def test_only_the_image_is_unknown_in_a_workload(self, preview_runs: dict[str, StackRun], variant: str) -> None:
+        workloads = [r for r in preview_runs[variant].resources if r.type in GPU_WORKLOADS | {RAY_CLUSTER}]
+        assert workloads, variant
+        for resource in workloads:
+            props = resource.plain_inputs()
+            images = [c.get("image") for _, k, v in policies.walk(props) if k == "containers" for c in v]
+            assert images and all(policies.is_unknown(i) for i in images), f"{resource.urn}: {images}"
+            assert not policies.workload_known_at_preview(resource.type, props), resource.urn
+            if resource.type in GPU_WORKLOADS:
+                assert policies.requests_gpu(props), f"{resource.urn}: not recognised as a GPU workload"
+            name = props.get("name") or props["metadata"]["name"]
+            assert not policies.is_unknown(name), f"{resource.urn}: the run's name must be known at preview"
+
+    @pytest.mark.parametrize("variant", list(variants()))
+    def test_every_resource_passes_in_preview(self, preview_runs: dict[str, StackRun], variant: str) -> None:
+        for resource in preview_runs[variant].resources:
+            found = run_pack(resource.type, resource.plain_inputs())
+            assert not found, f"{resource.urn}: {_report(found)}"
+
+    @pytest.mark.parametrize(
+        ("start", "mutate", "policy", "phrase"), [b[1:] for b in WORKLOAD_BREAKS], ids=[b[0] for b in WORKLOAD_BREAKS]
+    )
+    def test_each_workload_rule_fires_in_preview(
+        self,
+        preview_runs: dict[str, StackRun],
+        start: str,
+        mutate: Callable[[dict[str, Any]], None],
+        policy: str,
+        phrase: str,
+    ) -> None:
+        """The deadline, digest and token rules catch a broken workload in a preview, not only at `up`."""
+        resource = find(preview_runs, start)
+        props = props_of(resource)
+        mutate(props)
+        found = run_pack(resource.type, props)
+        assert list(found) == [policy], f"{resource.urn}: expected only {policy}, got {_report(found)}"
+        assert any(phrase in problem for problem in found[policy]), _report(found)
+
+    @pytest.mark.parametrize(("start", "field"), [(K8S_JOB, "spec"), (RAY_JOB, "spec"), (CLOUD_RUN_JOB, "template")])
+    def test_an_unknown_workload_is_reported_as_an_advisory(
+        self, preview_runs: dict[str, StackRun], start: str, field: str
+    ) -> None:
+        from pulumi_policy import EnforcementLevel
+
+        resource = find(preview_runs, start)
+        props = props_of(resource)
+        props[field] = UNKNOWN_STRING
+        found = run_pack(resource.type, props)
+        assert list(found) == ["workload-known-at-preview"], _report(found)
+        assert f"{field} unknown in this preview" in found["workload-known-at-preview"][0]
+        (rule,) = [p for p in policies.resource_policies() if p.name == "workload-known-at-preview"]
+        assert rule.enforcement_level is EnforcementLevel.ADVISORY, "a hidden workload must not block a preview"
+
+
 class TestPackFiles:
     """The pack is loadable by the Pulumi CLI (Python runtime) without importing __main__.py here."""
 
@@ -628,7 +692,7 @@ class TestPackFiles:
     def test_one_policy_per_guard_rail_with_unique_names(self) -> None:
         names = [p.name for p in policies.resource_policies()]
         assert names == [rail.name for rail in policies.GUARD_RAILS]
-        assert len(set(names)) == len(names) == 7
+        assert len(set(names)) == len(names) == 8
 
     def test_requirements_name_the_policy_sdk(self) -> None:
         lines = Path(POLICY_DIR / "requirements.txt").read_text().splitlines()
