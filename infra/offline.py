@@ -30,6 +30,8 @@ from pulumi.runtime import rpc
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
+from infra.config import StackConfig
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "gemma-finetune"
 MOCK_PROJECT_NUMBER = "123456789012"
@@ -84,6 +86,8 @@ class Recorded:
     protect: bool
     custom_timeouts: dict[str, str]
     outputs: dict[str, Any] = field(default_factory=dict)
+    import_id: str = ""
+    """The `import_` option: the ID of an existing cloud resource the engine adopts."""
 
     def plain_inputs(self) -> dict[str, Any]:
         return unwrap_secrets(self.inputs)
@@ -130,11 +134,21 @@ class Mocks(pulumi_mocks.Mocks):
     `bucket_objects` maps `bucket/object` to its content for the storage read the program
     makes (the serving step reads the training run's completion marker); with
     `assume_trained` every such read finds a marker, as after a finished training run.
+
+    `existing_buckets` are buckets already in the project (e.g. kept by `pulumi destroy`): the
+    bucket list answers with them, and creating one of them fails with Cloud Storage's 409
+    unless the registration imports it, as a real `pulumi up` would.
     """
 
-    def __init__(self, bucket_objects: dict[str, str] | None = None, assume_trained: bool = False) -> None:
+    def __init__(
+        self,
+        bucket_objects: dict[str, str] | None = None,
+        assume_trained: bool = False,
+        existing_buckets: tuple[str, ...] = (),
+    ) -> None:
         self.bucket_objects = dict(bucket_objects or {})
         self.assume_trained = assume_trained
+        self.existing_buckets = set(existing_buckets)
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str | None, dict]:
         inputs = dict(args.inputs)
@@ -149,6 +163,14 @@ class Mocks(pulumi_mocks.Mocks):
                 email=email, name=f"projects/{project}/serviceAccounts/{email}", member=f"serviceAccount:{email}"
             )
         elif typ == "gcp:storage/bucket:Bucket":
+            exists = plain["name"] in self.existing_buckets
+            if exists and not args.resource_id:
+                raise Exception(
+                    f"googleapi: Error 409: Your previous request to create the named bucket succeeded "
+                    f"and you already own it., conflict ({plain['name']})"
+                )
+            if args.resource_id and not exists:
+                raise Exception(f"importing {args.resource_id}: bucket does not exist (404)")
             state.update(
                 url=f"gs://{plain['name']}", selfLink=f"https://www.googleapis.com/storage/v1/b/{plain['name']}"
             )
@@ -186,6 +208,10 @@ class Mocks(pulumi_mocks.Mocks):
             return {"number": MOCK_PROJECT_NUMBER, "projectId": pid, "name": pid}, []
         if args.token == "gcp:organizations/getClientConfig:getClientConfig":
             return {"accessToken": "mock-access-token", "project": "mock-project", "region": "", "zone": ""}, []
+        if args.token == "gcp:storage/getBuckets:getBuckets":
+            prefix = args.args.get("prefix") or ""
+            names = sorted(b for b in self.existing_buckets if b.startswith(prefix))
+            return {**dict(args.args), "buckets": [{"name": n, "selfLink": "", "labels": {}} for n in names]}, []
         if args.token == "gcp:storage/getBucketObjectContent:getBucketObjectContent":
             key = f"{args.args.get('bucket')}/{args.args.get('name')}"
             content = self.bucket_objects.get(key)
@@ -223,6 +249,7 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
                         k: getattr(timeouts, k) for k in ("create", "update", "delete") if getattr(timeouts, k, "")
                     },
                     outputs=self.resources[urn].state if urn in self.resources else {},
+                    import_id=request.importId,
                 )
             )
         return response
@@ -236,6 +263,8 @@ class StackRun:
     resources: list[Recorded]
     outputs: dict[str, Any]
     secret_outputs: set[str]
+    cfg: StackConfig | None = None
+    """The validated configuration the program ran with."""
 
     def of_type(self, typ: str) -> list[Recorded]:
         return [r for r in self.resources if r.type == typ]
@@ -261,6 +290,7 @@ def run_stack(
     preview: bool = False,
     bucket_objects: dict[str, str] | None = None,
     assume_trained: bool = False,
+    existing_buckets: tuple[str, ...] = (),
 ) -> StackRun:
     """Run the program for `stack` under mocks with its real stack file (plus overrides)."""
     values: dict[str, Any] = {_full_key(k): v for k, v in project_defaults().items()}
@@ -279,10 +309,11 @@ def run_stack(
 
     pulumi.runtime.reset_options(project=PROJECT, stack=stack, preview=preview)
     pulumi.runtime.set_all_config({k: _as_config_string(v) for k, v in values.items()}, secret_keys)
-    mocks = Mocks(bucket_objects=bucket_objects, assume_trained=assume_trained)
+    mocks = Mocks(bucket_objects=bucket_objects, assume_trained=assume_trained, existing_buckets=existing_buckets)
     monitor = RecordingMonitor(mocks)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor)
 
+    from infra import config as stack_config
     from infra.program import run
 
     result: dict[str, Any] = {}
@@ -295,7 +326,10 @@ def run_stack(
             if await out.is_secret():
                 secret_outputs.add(key)
 
+    loaded: list[StackConfig] = []
+
     def program() -> Any:
+        loaded.append(stack_config.load().cfg)
         return resolve_outputs(run())
 
     try:
@@ -304,4 +338,10 @@ def run_stack(
         # Tests check that bad configuration declared nothing before failing.
         exc.declared_resources = list(monitor.recorded)  # type: ignore[attr-defined]
         raise
-    return StackRun(stack=stack, resources=list(monitor.recorded), outputs=result, secret_outputs=secret_outputs)
+    return StackRun(
+        stack=stack,
+        resources=list(monitor.recorded),
+        outputs=result,
+        secret_outputs=secret_outputs,
+        cfg=loaded[0] if loaded else None,
+    )
