@@ -45,6 +45,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
+from infra.foundation import Identity
 from infra.gke_workload import (
     CONTAINER_SECURITY_CONTEXT,
     POD_SECURITY_CONTEXT,
@@ -255,6 +256,9 @@ class TrainingJobArgs:
     """The trainer image, pinned by digest."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: runs write under gs://BUCKET/runs/<job>."""
+    after: list[pulumi.Resource] = field(default_factory=list)
+    """What the pods need in place besides the namespace pieces: the APIs and every IAM grant to the
+    trainer's and the nodes' service accounts (bucket access, image pulls)."""
 
 
 class TrainingJob(pulumi.ComponentResource):
@@ -276,7 +280,7 @@ class TrainingJob(pulumi.ComponentResource):
         self.job_name = spec.apply(lambda s: s.name)
         self.run_dir = spec.apply(lambda s: s.output_dir)
 
-        depends: list[pulumi.Resource] = list(ns.ready)
+        depends: list[pulumi.Resource] = [*ns.ready, *args.after]
         self.service = None
         if cfg.nodes > 1:
             service_manifest = manifests.apply(lambda ms: ms[0])
@@ -321,6 +325,7 @@ def declare(
             namespace=namespace,
             image=images.trainer_image,
             bucket_name=foundation.bucket_name,
+            after=[*foundation.apis, *foundation.grants_to(Identity.TRAINER), *foundation.grants_to(Identity.NODES)],
         ),
     )
     ns = cfg.namespace
