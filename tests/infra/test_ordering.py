@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from infra.offline import MOCK_PROJECT_NUMBER, Recorded, StackRun
 from tests.infra.conftest import Variant
 
@@ -179,6 +181,8 @@ def violations(run: StackRun) -> list[str]:
     return problems
 
 
+# The 16 variant runs (a shared session fixture) take about 15 s on 2 busy cores.
+@pytest.mark.slow
 class TestOrdering:
     def test_every_runner_waits_for_its_grants_secrets_apis_and_crds(
         self, user_variant_runs: list[tuple[Variant, StackRun]]
@@ -203,6 +207,7 @@ class TestOrdering:
                 assert any(Needs(run, r).secrets for r in found), f"[{variant.label}] no workload reads the token"
 
 
+@pytest.mark.slow
 class TestTheCheckCanFail:
     def test_a_missing_edge_is_reported(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
         run = next(r for v, r in user_variant_runs if v.stack == "ray-gemma3-vision")
