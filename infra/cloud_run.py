@@ -49,7 +49,7 @@ import pulumi_gcp as gcp
 
 from infra.catalog import CLOUD_RUN_GPUS
 from infra.config import LoadedConfig, StackConfig
-from infra.foundation import Foundation
+from infra.foundation import Foundation, Identity
 from infra.images import Images
 from serving.vllm_args import COMPLETION_MARKER, Dtype, VllmServerConfig, render_args
 from trainer.recipe import recipe_sha256
@@ -154,7 +154,10 @@ class CloudRunTraining(pulumi.ComponentResource):
                     ),
                 )
             )
-        depends = [*foundation.apis, foundation.bucket, foundation.trainer_account]
+        # The Job is created with its identity's grants in place: Cloud Run refuses a Job whose secret its
+        # account cannot read yet (terraform-provider-google #13786), and the first execution starts at once.
+        depends: list[pulumi.Resource] = [*foundation.apis, foundation.bucket, foundation.trainer_account]
+        depends += foundation.grants_to(Identity.TRAINER)
         if foundation.hf_secret_version is not None:
             depends.append(foundation.hf_secret_version)
         self.job = gcp.cloudrunv2.Job(
@@ -313,7 +316,10 @@ class VllmService(pulumi.ComponentResource):
                     )
                 ],
             ),
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*foundation.apis, foundation.serving_account]),
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                depends_on=[*foundation.apis, foundation.serving_account, *foundation.grants_to(Identity.SERVING)],
+            ),
         )
         for i, member in enumerate(cfg.serving_invokers):
             gcp.cloudrunv2.ServiceIamMember(

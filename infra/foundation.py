@@ -1,46 +1,133 @@
-"""The base every workload stands on: APIs, identities, the HF token, the bucket, the registry.
+"""The base every workload stands on: APIs, identities and their grants, the HF token, the bucket, the registry.
 
 Decisions
 - Only the APIs the chosen workload needs are enabled, and none is disabled on destroy
-  (other things in the project may use them).
-- One Google service account per role (trainer; serving when it is on), each bound to
-  the one resource it needs: object access on this bucket, accessor on this secret,
-  reader on this repository. Nothing is granted at project level and no basic role is
-  ever used (see `infra.catalog.BASIC_ROLES`).
+  (other things in the project may use them). `cloudresourcemanager.googleapis.com` is one of
+  them, but the program reads through it (every `projects.Service` read checks the project)
+  before it can enable it: README's cloud path enables it (and Service Usage and Cloud
+  Storage, which the bucket check below calls) once, before the first `pulumi up`.
+- One Google service account per identity (`Identity`): the trainer; the vLLM server when
+  serving is on; the GKE nodes (a dedicated node account instead of the Compute Engine
+  default one, which orgs often leave without grants); the Cloud Build builder with
+  `imageBuild: cloud-build`. Each is bound to the one resource it uses: objects of this
+  bucket, this secret, this repository, the build's source staging bucket. Two grants are
+  project-wide because their permissions exist only there: the nodes' logging/monitoring role
+  (`roles/container.defaultNodeServiceAccount`) and the builder's `roles/logging.logWriter`.
+  No basic role is ever used (`infra.catalog.BASIC_ROLES`). What each identity needs and why
+  is `infra/permissions.py`; a test proves these grants cover it and nothing more.
+- `grants_to(identity)` lists every grant to one identity, so a workload can wait for all of
+  them (a Cloud Run Job that references a secret cannot be created before its accessor grant,
+  terraform-provider-google #13786).
 - The bucket outlives `pulumi destroy` by default (`retain_on_delete`): trained models
   are never deleted silently. `bucketForceDestroy: true` removes it with its contents.
-- The HF token is written to Secret Manager only when the stack sets one; it stays a
-  secret Output everywhere.
+  Because its name is fixed, the next `pulumi up` of the stack would get 409 on create; so
+  when the bucket already exists in the project the program declares it with
+  `import_=<name>`: after a destroy the engine adopts it (models included); while it is in the
+  state, the same ID makes the option a no-op (pulumi/pulumi
+  pkg/resource/deploy/step_generator.go: an import happens only when there is no old state or
+  the old ID differs).
+- The HF token goes to Secret Manager only for a workload that reads it there (Cloud Run);
+  the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). It stays a secret Output
+  everywhere.
 
-Not here: Kubernetes identities and Workload Identity bindings (the GKE components own
+Not here: Kubernetes identities and the Workload Identity binding (the GKE components own
 them, because they know the namespace and the Kubernetes service account).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import pulumi
 import pulumi_gcp as gcp
 
 from infra.config import ImageBuild, StackConfig, Workload
 
-_COMMON_APIS = ("iam.googleapis.com", "storage.googleapis.com", "artifactregistry.googleapis.com")
+_COMMON_APIS = (
+    "cloudresourcemanager.googleapis.com",
+    "iam.googleapis.com",
+    "storage.googleapis.com",
+    "artifactregistry.googleapis.com",
+)
 _WORKLOAD_APIS = {
     Workload.GKE_JOB: ("container.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
     Workload.GKE_RAY: ("container.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
     Workload.CLOUD_RUN: ("run.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
 }
+# What must be enabled before the first `pulumi up` can read anything (README, "The cloud path").
+BOOTSTRAP_APIS = ("cloudresourcemanager.googleapis.com", "serviceusage.googleapis.com", "storage.googleapis.com")
+
+
+class Identity(StrEnum):
+    """The Google service accounts a stack creates; the value ends the account id `gft-<stack>-<value>`."""
+
+    TRAINER = "train"
+    SERVING = "serve"
+    NODES = "node"
+    BUILD = "build"
+
+
+def identities(cfg: StackConfig) -> list[Identity]:
+    """The identities this stack creates."""
+    found = [Identity.TRAINER]
+    if cfg.serving_enabled:
+        found.append(Identity.SERVING)
+    if cfg.workload in (Workload.GKE_JOB, Workload.GKE_RAY):
+        found.append(Identity.NODES)
+    if cfg.image_build is ImageBuild.CLOUD_BUILD:
+        found.append(Identity.BUILD)
+    return found
+
+
+def account_id(cfg: StackConfig, identity: Identity) -> str:
+    """At most 30 characters: stack names are at most 20."""
+    return f"gft-{cfg.stack}-{identity}"
+
+
+def account_email(cfg: StackConfig, identity: Identity) -> str:
+    return f"{account_id(cfg, identity)}@{cfg.project}.iam.gserviceaccount.com"
+
+
+def bucket_name(cfg: StackConfig) -> str:
+    return f"{cfg.project}-gft-{cfg.stack}"
+
+
+def staging_bucket_name(cfg: StackConfig) -> str:
+    """Where `gcloud builds submit` uploads the build context (imageBuild: cloud-build)."""
+    return f"{cfg.project}-gft-{cfg.stack}-build"
+
+
+def hf_secret_id(cfg: StackConfig) -> str:
+    return f"gft-{cfg.stack}-hf-token"
+
+
+def repository_id(cfg: StackConfig) -> str:
+    return f"gemma-finetune-{cfg.stack}"
+
+
+def reads_hf_secret(cfg: StackConfig) -> bool:
+    """Only the Cloud Run Job reads the token from Secret Manager (`infra.cloud_run` secretKeyRef)."""
+    return cfg.hf_token_set and cfg.workload is Workload.CLOUD_RUN
 
 
 def required_apis(cfg: StackConfig) -> list[str]:
     """The APIs this stack uses, and no others."""
     apis = list(_COMMON_APIS) + list(_WORKLOAD_APIS[cfg.workload])
-    if cfg.hf_token_set:
+    if reads_hf_secret(cfg):
         apis.append("secretmanager.googleapis.com")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:
         apis.append("cloudbuild.googleapis.com")
     return sorted(set(apis))
+
+
+def kept_bucket(cfg: StackConfig) -> str | None:
+    """The stack's bucket name when it already exists in the project (kept by an earlier destroy, or
+    in this stack's state), else None. Lists buckets by name prefix (`storage.buckets.list`), which
+    answers "absent" without an error, unlike a read of the bucket itself."""
+    name = bucket_name(cfg)
+    found = gcp.storage.get_buckets(project=cfg.project, prefix=name)
+    return name if any(b.name == name for b in found.buckets or []) else None
 
 
 @dataclass
@@ -52,14 +139,18 @@ class FoundationArgs:
 
 
 class Foundation(pulumi.ComponentResource):
-    """APIs, service accounts, the HF token secret, the bucket and the image registry."""
+    """APIs, service accounts and their grants, the HF token secret, the bucket and the image registry."""
 
     apis: list[gcp.projects.Service]
+    accounts: dict[Identity, gcp.serviceaccount.Account]
     trainer_account: gcp.serviceaccount.Account
     serving_account: gcp.serviceaccount.Account | None
+    node_account: gcp.serviceaccount.Account | None
+    build_account: gcp.serviceaccount.Account | None
     bucket: gcp.storage.Bucket
     bucket_name: pulumi.Output[str]
     bucket_uri: pulumi.Output[str]
+    build_staging_bucket: gcp.storage.Bucket | None
     hf_secret: gcp.secretmanager.Secret | None
     hf_secret_version: gcp.secretmanager.SecretVersion | None
     registry: gcp.artifactregistry.Repository
@@ -68,6 +159,9 @@ class Foundation(pulumi.ComponentResource):
     def __init__(self, name: str, args: FoundationArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:gcp:Foundation", name, None, opts)
         cfg = args.cfg
+        self._cfg = cfg
+        self._name = name
+        self._grants: dict[Identity, list[pulumi.Resource]] = {identity: [] for identity in Identity}
         child = pulumi.ResourceOptions(parent=self)
 
         self.apis = [
@@ -82,61 +176,64 @@ class Foundation(pulumi.ComponentResource):
         ]
         after_apis = pulumi.ResourceOptions(parent=self, depends_on=self.apis)
 
-        self.trainer_account = gcp.serviceaccount.Account(
-            f"{name}-trainer-sa",
-            project=cfg.project,
-            account_id=f"gft-{cfg.stack}-train",
-            display_name=f"gemma-finetune {cfg.stack}: training workload",
-            opts=after_apis,
-        )
-        self.serving_account = None
-        if cfg.serving_enabled:
-            self.serving_account = gcp.serviceaccount.Account(
-                f"{name}-serving-sa",
+        descriptions = {
+            Identity.TRAINER: "training workload",
+            Identity.SERVING: "vLLM serving",
+            Identity.NODES: "GKE Autopilot nodes",
+            Identity.BUILD: "Cloud Build image builds",
+        }
+        self.accounts = {
+            identity: gcp.serviceaccount.Account(
+                f"{name}-{identity.name.lower()}-sa",
                 project=cfg.project,
-                account_id=f"gft-{cfg.stack}-serve",
-                display_name=f"gemma-finetune {cfg.stack}: vLLM serving",
+                account_id=account_id(cfg, identity),
+                display_name=f"gemma-finetune {cfg.stack}: {descriptions[identity]}",
                 opts=after_apis,
             )
+            for identity in identities(cfg)
+        }
+        self.trainer_account = self.accounts[Identity.TRAINER]
+        self.serving_account = self.accounts.get(Identity.SERVING)
+        self.node_account = self.accounts.get(Identity.NODES)
+        self.build_account = self.accounts.get(Identity.BUILD)
 
+        adopt = kept_bucket(cfg)
         self.bucket = gcp.storage.Bucket(
             f"{name}-bucket",
             project=cfg.project,
-            name=f"{cfg.project}-gft-{cfg.stack}",
+            name=bucket_name(cfg),
             location=cfg.region,
             uniform_bucket_level_access=True,
             public_access_prevention="enforced",
             force_destroy=cfg.bucket_force_destroy,
             labels=cfg.resource_labels,
             opts=pulumi.ResourceOptions(
-                parent=self, depends_on=self.apis, retain_on_delete=not cfg.bucket_force_destroy
+                parent=self,
+                depends_on=self.apis,
+                retain_on_delete=not cfg.bucket_force_destroy,
+                # The bucket's ID is its name (terraform-provider-google google_storage_bucket).
+                import_=adopt,
             ),
         )
         self.bucket_name = self.bucket.name
         self.bucket_uri = self.bucket.name.apply(lambda n: f"gs://{n}")
-        gcp.storage.BucketIAMMember(
-            f"{name}-bucket-trainer",
-            bucket=self.bucket.name,
-            role="roles/storage.objectUser",
-            member=self.trainer_account.email.apply(lambda e: f"serviceAccount:{e}"),
-            opts=child,
-        )
-        if self.serving_account is not None:
-            gcp.storage.BucketIAMMember(
-                f"{name}-bucket-serving",
-                bucket=self.bucket.name,
-                role="roles/storage.objectViewer",
-                member=self.serving_account.email.apply(lambda e: f"serviceAccount:{e}"),
-                opts=child,
-            )
+        self._grant_on_bucket(Identity.TRAINER, "trainer", "roles/storage.objectUser")
+        if cfg.workload is Workload.GKE_RAY:
+            # Ray Train's gs:// storage goes through pyarrow's GCS filesystem, which reads the bucket's
+            # metadata (storage.buckets.get) before it creates a directory; objectUser lacks it.
+            # bucketViewer (buckets.get, buckets.list) is the smallest role with it: on a bucket,
+            # buckets.list grants nothing; legacyBucketReader would add object listing twice over.
+            self._grant_on_bucket(Identity.TRAINER, "trainer-meta", "roles/storage.bucketViewer")
+        if Identity.SERVING in self.accounts:
+            self._grant_on_bucket(Identity.SERVING, "serving", "roles/storage.objectViewer")
 
         self.hf_secret = None
         self.hf_secret_version = None
-        if args.hf_token is not None:
+        if args.hf_token is not None and reads_hf_secret(cfg):
             self.hf_secret = gcp.secretmanager.Secret(
                 f"{name}-hf-token",
                 project=cfg.project,
-                secret_id=f"gft-{cfg.stack}-hf-token",
+                secret_id=hf_secret_id(cfg),
                 replication=gcp.secretmanager.SecretReplicationArgs(auto=gcp.secretmanager.SecretReplicationAutoArgs()),
                 labels=cfg.resource_labels,
                 opts=after_apis,
@@ -147,22 +244,22 @@ class Foundation(pulumi.ComponentResource):
                 secret_data=pulumi.Output.secret(args.hf_token),  # type: ignore[arg-type]
                 opts=child,
             )
-            if cfg.workload is Workload.CLOUD_RUN:
-                # GKE workloads read the token from a Kubernetes Secret instead; no accessor needed there.
+            self._grants[Identity.TRAINER].append(
                 gcp.secretmanager.SecretIamMember(
                     f"{name}-hf-token-trainer",
                     project=cfg.project,
                     secret_id=self.hf_secret.secret_id,
                     role="roles/secretmanager.secretAccessor",
-                    member=self.trainer_account.email.apply(lambda e: f"serviceAccount:{e}"),
+                    member=self._member(Identity.TRAINER),
                     opts=child,
                 )
+            )
 
         self.registry = gcp.artifactregistry.Repository(
             f"{name}-registry",
             project=cfg.project,
             location=cfg.region,
-            repository_id=f"gemma-finetune-{cfg.stack}",
+            repository_id=repository_id(cfg),
             format="DOCKER",
             description=f"gemma-finetune {cfg.stack}: trainer and serving images",
             labels=cfg.resource_labels,
@@ -171,19 +268,14 @@ class Foundation(pulumi.ComponentResource):
         self.registry_url = self.registry.repository_id.apply(
             lambda repo: f"{cfg.region}-docker.pkg.dev/{cfg.project}/{repo}"
         )
-        if cfg.workload in (Workload.GKE_JOB, Workload.GKE_RAY):
-            # Autopilot nodes pull images as the project's default compute service account; grant it
-            # read on this repository only (orgs that disable automatic grants give it nothing).
-            number = gcp.organizations.get_project_output(project_id=cfg.project).number
-            gcp.artifactregistry.RepositoryIamMember(
-                f"{name}-registry-nodes",
-                project=cfg.project,
-                location=cfg.region,
-                repository=self.registry.repository_id,
-                role="roles/artifactregistry.reader",
-                member=number.apply(lambda n: f"serviceAccount:{n}-compute@developer.gserviceaccount.com"),
-                opts=child,
-            )
+        if Identity.NODES in self.accounts:
+            # Nodes pull the trainer image and export logs and metrics as their service account.
+            self._grant_on_registry(Identity.NODES, "nodes", "roles/artifactregistry.reader")
+            self._grant_on_project(Identity.NODES, "nodes", "roles/container.defaultNodeServiceAccount")
+
+        self.build_staging_bucket = None
+        if Identity.BUILD in self.accounts:
+            self._build_grants(name, cfg, child)
 
         self.register_outputs(
             {
@@ -193,3 +285,78 @@ class Foundation(pulumi.ComponentResource):
                 "trainer_account_email": self.trainer_account.email,
             }
         )
+
+    def grants_to(self, identity: Identity) -> list[pulumi.Resource]:
+        """Every IAM grant this foundation makes to `identity` (empty when the stack has no such identity)."""
+        return list(self._grants[identity])
+
+    def _member(self, identity: Identity) -> pulumi.Output[str]:
+        return self.accounts[identity].email.apply(lambda e: f"serviceAccount:{e}")
+
+    def _grant_on_bucket(
+        self, identity: Identity, suffix: str, role: str, bucket: gcp.storage.Bucket | None = None
+    ) -> None:
+        target = bucket or self.bucket
+        self._grants[identity].append(
+            gcp.storage.BucketIAMMember(
+                f"{self._name}-{'bucket' if bucket is None else 'build-staging'}-{suffix}",
+                bucket=target.name,
+                role=role,
+                member=self._member(identity),
+                opts=pulumi.ResourceOptions(parent=self),
+            )
+        )
+
+    def _grant_on_registry(self, identity: Identity, suffix: str, role: str) -> None:
+        self._grants[identity].append(
+            gcp.artifactregistry.RepositoryIamMember(
+                f"{self._name}-registry-{suffix}",
+                project=self._cfg.project,
+                location=self._cfg.region,
+                repository=self.registry.repository_id,
+                role=role,
+                member=self._member(identity),
+                opts=pulumi.ResourceOptions(parent=self),
+            )
+        )
+
+    def _grant_on_project(self, identity: Identity, suffix: str, role: str) -> None:
+        """Only for roles whose permissions exist at project level alone (logs, metrics)."""
+        self._grants[identity].append(
+            gcp.projects.IAMMember(
+                f"{self._name}-project-{suffix}",
+                project=self._cfg.project,
+                role=role,
+                member=self._member(identity),
+                opts=pulumi.ResourceOptions(parent=self),
+            )
+        )
+
+    def _build_grants(self, name: str, cfg: StackConfig, child: pulumi.ResourceOptions) -> None:
+        """imageBuild: cloud-build runs each build as the builder account (`gcloud builds submit
+        --service-account`). Cloud Build then requires the logs to go to Cloud Logging (our
+        cloudbuild.yaml: CLOUD_LOGGING_ONLY) or a user bucket, and the account to write them
+        (cloud.google.com/build/docs/securing-builds/configure-user-specified-service-accounts);
+        it pushes to this repository and fetches the source archive that gcloud uploads to
+        the staging bucket (`--gcs-source-staging-dir`)."""
+        self.build_staging_bucket = gcp.storage.Bucket(
+            f"{name}-build-staging",
+            project=cfg.project,
+            name=staging_bucket_name(cfg),
+            location=cfg.region,
+            uniform_bucket_level_access=True,
+            public_access_prevention="enforced",
+            # Only build contexts live here: nothing to keep, and they age out.
+            force_destroy=True,
+            lifecycle_rules=[
+                gcp.storage.BucketLifecycleRuleArgs(
+                    action=gcp.storage.BucketLifecycleRuleActionArgs(type="Delete"),
+                    condition=gcp.storage.BucketLifecycleRuleConditionArgs(age=7),
+                )
+            ],
+            labels=cfg.resource_labels,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=self.apis),
+        )
+        self._grant_on_bucket(Identity.BUILD, "builder", "roles/storage.objectViewer", self.build_staging_bucket)
+        self._grant_on_registry(Identity.BUILD, "builder", "roles/artifactregistry.writer")
+        self._grant_on_project(Identity.BUILD, "builder", "roles/logging.logWriter")

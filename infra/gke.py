@@ -10,6 +10,10 @@ Decisions
   so the Kubernetes service account bindings in `infra.gke_workload` name a pool we declared.
 - Release channel and deletion protection come from config; deletion protection is off by
   default so `pulumi destroy` works on a disposable training stack.
+- The nodes run as the stack's node service account (`infra.foundation.Identity.NODES`), set with
+  `cluster_autoscaling.auto_provisioning_defaults.service_account`, the field pulumi-gcp documents
+  as "the service account to be used by the node VMs created by GKE Autopilot or NAP"
+  (terraform-provider-google #13024 made it settable with Autopilot).
 - The Ray operator add-on (Google-managed KubeRay, with Ray cluster logging and monitoring) is
   enabled only for workload gke-ray. `ray_operator_configs` is a LIST in pulumi-gcp.
 - The cluster hands out ONE `pulumi_kubernetes.Provider`, built from its endpoint and CA with a
@@ -40,6 +44,9 @@ import yaml
 
 from infra.config import StackConfig, Workload
 
+# Node VMs reach Google APIs only through their service account's IAM roles (GKE docs, "Use least privilege IAM
+# service accounts"), so the scope stays broad on purpose.
+NODE_OAUTH_SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 # Installed with `gcloud components install gke-gcloud-auth-plugin`; kubectl and pulumi-kubernetes call it.
 AUTH_PLUGIN = "gke-gcloud-auth-plugin"
 AUTH_API_VERSION = "client.authentication.k8s.io/v1beta1"
@@ -101,7 +108,10 @@ class AutopilotClusterArgs:
     cfg: StackConfig
     """The validated stack configuration (region, release channel, deletion protection, workload)."""
     depends_on: list[pulumi.Resource] = field(default_factory=list)
-    """The foundation's API enablements: the cluster cannot be created before container.googleapis.com is on."""
+    """The foundation's API enablements (the cluster cannot be created before container.googleapis.com is on)
+    and the node account's grants (nodes log and pull images from their first minute)."""
+    node_service_account: pulumi.Input[str] | None = None
+    """Email of the service account the nodes run as; None keeps GKE's default (Compute Engine's)."""
 
 
 class AutopilotCluster(pulumi.ComponentResource):
@@ -138,6 +148,15 @@ class AutopilotCluster(pulumi.ComponentResource):
                 ]
             )
 
+        autoscaling = None
+        if args.node_service_account is not None:
+            autoscaling = gcp.container.ClusterClusterAutoscalingArgs(
+                auto_provisioning_defaults=gcp.container.ClusterClusterAutoscalingAutoProvisioningDefaultsArgs(
+                    service_account=args.node_service_account,
+                    oauth_scopes=list(NODE_OAUTH_SCOPES),
+                )
+            )
+
         self.cluster = gcp.container.Cluster(
             f"{name}-cluster",
             name=cluster_name(cfg),
@@ -150,6 +169,7 @@ class AutopilotCluster(pulumi.ComponentResource):
             deletion_protection=cfg.deletion_protection,
             resource_labels=cfg.resource_labels,
             addons_config=addons,
+            cluster_autoscaling=autoscaling,
             opts=pulumi.ResourceOptions(
                 parent=self,
                 depends_on=args.depends_on,

@@ -48,6 +48,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
+from infra.foundation import Identity
 from infra.gke_workload import (
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
@@ -263,6 +264,9 @@ class TrainingJobArgs:
     """`Images.trainer_content`: what the Job's name derives from (known in a preview)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: runs write under gs://BUCKET/runs/<job>."""
+    after: list[pulumi.Resource] = field(default_factory=list)
+    """What the pods need in place besides the namespace pieces: the APIs and every IAM grant to the
+    trainer's and the nodes' service accounts (bucket access, image pulls)."""
 
 
 class TrainingJob(pulumi.ComponentResource):
@@ -285,7 +289,7 @@ class TrainingJob(pulumi.ComponentResource):
         self.job_name = spec.name
         self.run_dir = pulumi.Output.from_input(fill_slots(spec.output_dir, slots))
 
-        depends: list[pulumi.Resource] = list(ns.ready)
+        depends: list[pulumi.Resource] = [*ns.ready, *args.after]
         self.service = None
         if cfg.nodes > 1:
             service_manifest = manifests[0]
@@ -331,6 +335,7 @@ def declare(
             image=images.trainer_image,
             image_content=images.trainer_content,
             bucket_name=foundation.bucket_name,
+            after=[*foundation.apis, *foundation.grants_to(Identity.TRAINER), *foundation.grants_to(Identity.NODES)],
         ),
     )
     ns, job_name = cfg.namespace, job.job_name

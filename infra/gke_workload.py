@@ -6,7 +6,8 @@ Decisions
   ServiceAccount annotated `iam.gke.io/gcp-service-account: <GSA>` and
   `roles/iam.workloadIdentityUser` for `serviceAccount:PROJECT.svc.id.goog[NS/KSA]` granted ON
   THAT GSA (not on the project). The GSA itself only holds object access on the stack's bucket
-  (`infra.foundation`), so pods can write checkpoints there and nowhere else. The binding waits
+  (plus its metadata for Ray; `infra.foundation`), so pods can write checkpoints there and nowhere
+  else. The nodes run as the stack's node account, whose grants the cluster waits for. The binding waits
   for the cluster: the identity pool only exists once the cluster does.
 - The Hugging Face token lives in the Kubernetes Secret `hf-secret` (key `hf_api_token`, as in
   the seed tutorial), written from the secret Output so it stays encrypted in Pulumi state;
@@ -39,6 +40,7 @@ import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
 from infra.config import Capacity, LoadedConfig, StackConfig
+from infra.foundation import Identity
 from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from trainer.recipe import recipe_sha256
 
@@ -321,7 +323,15 @@ class GkeBase:
 def declare_gke_base(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation) -> GkeBase:
     """The cluster (after the foundation's APIs) and the namespace with identity and HF Secret."""
     base = f"gft-{cfg.stack}"
-    cluster = AutopilotCluster(base, AutopilotClusterArgs(cfg=cfg, depends_on=list(foundation.apis)))
+    assert foundation.node_account is not None, "the foundation creates a node account for GKE workloads"
+    cluster = AutopilotCluster(
+        base,
+        AutopilotClusterArgs(
+            cfg=cfg,
+            depends_on=[*foundation.apis, *foundation.grants_to(Identity.NODES)],
+            node_service_account=foundation.node_account.email,
+        ),
+    )
     namespace = TrainingNamespace(
         base,
         TrainingNamespaceArgs(

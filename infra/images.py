@@ -5,7 +5,11 @@ Three modes (`imageBuild`):
   stack's Artifact Registry; the provider rebuilds when the context changes.
 - `cloud-build`: for users without Docker. `gcloud builds submit` runs through
   pulumi-command, only when the build context's content hash changes (the trigger); the
-  digest is read back with `gcloud builds describe`, so the image is still pinned.
+  digest is read back with `gcloud builds describe`, so the image is still pinned. The build
+  runs as the stack's builder account (`--service-account`; its grants are in
+  `infra.foundation`), with logs in Cloud Logging only (`cloudbuild.yaml`) and the context
+  uploaded to the stack's staging bucket (`--gcs-source-staging-dir`), so it never falls back to
+  a default Cloud Build account that a fresh project may not have or may not trust.
 - `prebuilt`: references given in config, already pinned by digest; nothing is built.
 
 Every workload receives `REGISTRY/NAME@sha256:…`, never a tag. A run's identity (the Job /
@@ -122,6 +126,8 @@ def provider_path(path: Path) -> str:
 _CLOUD_BUILD_SCRIPT = """set -euo pipefail
 build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
   --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE" \\
+  --service-account "projects/$PROJECT/serviceAccounts/$BUILD_SERVICE_ACCOUNT" \\
+  --gcs-source-staging-dir "gs://$STAGING_BUCKET/source" \\
   --suppress-logs --format='value(id)')
 digest=$(gcloud builds describe "$build_id" --project "$PROJECT" --region "$REGION" \\
   --format='value(results.images[0].digest)')
@@ -144,7 +150,11 @@ class ImagesArgs:
     registry_url: pulumi.Input[str]
     """REGION-docker.pkg.dev/PROJECT/REPOSITORY"""
     depends_on: list[pulumi.Resource]
-    """The registry (and APIs): builds push there."""
+    """The registry (and APIs): builds push there; with cloud-build also every grant to the builder account."""
+    build_service_account: pulumi.Input[str] | None = None
+    """imageBuild cloud-build: email of the account the build runs as."""
+    staging_bucket: pulumi.Input[str] | None = None
+    """imageBuild cloud-build: the bucket gcloud uploads the build context to."""
 
 
 class Images(pulumi.ComponentResource):
@@ -217,6 +227,9 @@ class Images(pulumi.ComponentResource):
         self, name: str, spec: ImageSpec, repo: pulumi.Output[str], tag: str, opts: pulumi.ResourceOptions
     ) -> pulumi.Output[str]:
         cfg = self._args.cfg
+        assert self._args.build_service_account is not None and self._args.staging_bucket is not None, (
+            "the foundation creates the builder account and staging bucket for imageBuild cloud-build"
+        )
         build = command.local.Command(
             f"{name}-{spec.name}-cloudbuild",
             create=_CLOUD_BUILD_SCRIPT,
@@ -228,6 +241,8 @@ class Images(pulumi.ComponentResource):
                 "CONFIG": provider_path(REPO_ROOT / "infra" / "cloudbuild.yaml"),
                 "IMAGE": repo.apply(lambda r: f"{r}:{tag}"),
                 "DOCKERFILE": str(spec.dockerfile.relative_to(spec.context)),
+                "BUILD_SERVICE_ACCOUNT": self._args.build_service_account,
+                "STAGING_BUCKET": self._args.staging_bucket,
             },
             triggers=[tag],
             opts=opts,

@@ -40,6 +40,8 @@ from pulumi.runtime import rpc
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
+from infra.config import StackConfig
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "gemma-finetune"
 MOCK_PROJECT_NUMBER = "123456789012"
@@ -94,6 +96,8 @@ class Recorded:
     protect: bool
     custom_timeouts: dict[str, str]
     outputs: dict[str, Any] = field(default_factory=dict)
+    import_id: str = ""
+    """The `import_` option: the ID of an existing cloud resource the engine adopts."""
 
     def plain_inputs(self) -> dict[str, Any]:
         return unwrap_secrets(self.inputs)
@@ -225,6 +229,10 @@ class Mocks(pulumi_mocks.Mocks):
     `bucket_objects` maps `bucket/object` to its content for the storage read the program
     makes (the serving step reads the training run's completion marker); with
     `assume_trained` every such read finds a marker, as after a finished training run.
+
+    `existing_buckets` are buckets already in the project (e.g. kept by `pulumi destroy`): the
+    bucket list answers with them, and creating one of them fails with Cloud Storage's 409
+    unless the registration imports it, as a real `pulumi up` would.
     """
 
     def __init__(
@@ -234,6 +242,7 @@ class Mocks(pulumi_mocks.Mocks):
         preview: bool = False,
         reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
         project: str = "mock-project",
+        existing_buckets: tuple[str, ...] = (),
     ) -> None:
         self.project = project
         self.invokes: list[tuple[str, dict[str, Any]]] = []
@@ -241,6 +250,7 @@ class Mocks(pulumi_mocks.Mocks):
         self.assume_trained = assume_trained
         self.preview = preview
         self.reservations = dict(reservations or {})
+        self.existing_buckets = set(existing_buckets)
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str | None, dict]:
         rid, state = self._new_resource(args)
@@ -263,6 +273,14 @@ class Mocks(pulumi_mocks.Mocks):
                 email=email, name=f"projects/{project}/serviceAccounts/{email}", member=f"serviceAccount:{email}"
             )
         elif typ == "gcp:storage/bucket:Bucket":
+            exists = plain["name"] in self.existing_buckets
+            if exists and not args.resource_id:
+                raise Exception(
+                    f"googleapi: Error 409: Your previous request to create the named bucket succeeded "
+                    f"and you already own it., conflict ({plain['name']})"
+                )
+            if args.resource_id and not exists:
+                raise Exception(f"importing {args.resource_id}: bucket does not exist (404)")
             state.update(
                 url=f"gs://{plain['name']}", selfLink=f"https://www.googleapis.com/storage/v1/b/{plain['name']}"
             )
@@ -306,6 +324,10 @@ class Mocks(pulumi_mocks.Mocks):
             return {**dict(args.args), "id": region, "names": mock_zones(region)}, []
         if args.token == "gcp:compute/getReservation:getReservation":
             return self._reservation(dict(args.args)), []
+        if args.token == "gcp:storage/getBuckets:getBuckets":
+            prefix = args.args.get("prefix") or ""
+            names = sorted(b for b in self.existing_buckets if b.startswith(prefix))
+            return {**dict(args.args), "buckets": [{"name": n, "selfLink": "", "labels": {}} for n in names]}, []
         if args.token == "gcp:storage/getBucketObjectContent:getBucketObjectContent":
             key = f"{args.args.get('bucket')}/{args.args.get('name')}"
             content = self.bucket_objects.get(key)
@@ -362,6 +384,7 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
                         k: getattr(timeouts, k) for k in ("create", "update", "delete") if getattr(timeouts, k, "")
                     },
                     outputs=self.resources[urn].state if urn in self.resources else {},
+                    import_id=request.importId,
                 )
             )
         return response
@@ -377,6 +400,8 @@ class StackRun:
     secret_outputs: set[str]
     invokes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """Every provider function the program called (token, arguments), in order."""
+    cfg: StackConfig | None = None
+    """The validated configuration the program ran with."""
 
     def of_type(self, typ: str) -> list[Recorded]:
         return [r for r in self.resources if r.type == typ]
@@ -403,6 +428,7 @@ def run_stack(
     bucket_objects: dict[str, str] | None = None,
     assume_trained: bool = False,
     reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
+    existing_buckets: tuple[str, ...] = (),
 ) -> StackRun:
     """Run the program for `stack` under mocks with its real stack file (plus overrides).
 
@@ -429,10 +455,12 @@ def run_stack(
         preview=preview,
         reservations=reservations,
         project=str(values.get("gcp:project", "mock-project")),
+        existing_buckets=existing_buckets,
     )
     monitor = RecordingMonitor(mocks)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor)
 
+    from infra import config as stack_config
     from infra.program import run
 
     result: dict[str, Any] = {}
@@ -445,7 +473,10 @@ def run_stack(
             if await out.is_secret():
                 secret_outputs.add(key)
 
+    loaded: list[StackConfig] = []
+
     def program() -> Any:
+        loaded.append(stack_config.load().cfg)
         return resolve_outputs(run())
 
     try:
@@ -461,4 +492,5 @@ def run_stack(
         outputs=result,
         secret_outputs=secret_outputs,
         invokes=list(mocks.invokes),
+        cfg=loaded[0] if loaded else None,
     )

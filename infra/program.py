@@ -12,7 +12,7 @@ from typing import Any
 from infra import config as stack_config
 from infra import preflight
 from infra.config import Workload
-from infra.foundation import Foundation, FoundationArgs
+from infra.foundation import Foundation, FoundationArgs, Identity
 from infra.images import Images, ImagesArgs
 
 
@@ -26,7 +26,13 @@ def run() -> dict[str, Any]:
     foundation = Foundation(name, FoundationArgs(cfg=cfg, hf_token=loaded.hf_token))
     images = Images(
         name,
-        ImagesArgs(cfg=cfg, registry_url=foundation.registry_url, depends_on=[foundation.registry, *foundation.apis]),
+        ImagesArgs(
+            cfg=cfg,
+            registry_url=foundation.registry_url,
+            depends_on=[foundation.registry, *foundation.apis, *foundation.grants_to(Identity.BUILD)],
+            build_service_account=foundation.build_account.email if foundation.build_account else None,
+            staging_bucket=foundation.build_staging_bucket.name if foundation.build_staging_bucket else None,
+        ),
     )
 
     outputs: dict[str, Any] = {
@@ -37,8 +43,8 @@ def run() -> dict[str, Any]:
             lambda uri: (
                 "deleted with its contents (bucketForceDestroy=true)"
                 if cfg.bucket_force_destroy
-                else f"kept: `pulumi destroy` leaves {uri} and its models; delete it with "
-                f"`gcloud storage rm -r {uri}` or set bucketForceDestroy=true and `pulumi up` first"
+                else f"kept: `pulumi destroy` leaves {uri} and its models (the next `pulumi up` adopts them); "
+                f"delete it with `gcloud storage rm -r {uri}` or set bucketForceDestroy=true and `pulumi up` first"
             )
         ),
         "registry": foundation.registry_url,

@@ -35,9 +35,10 @@ Decisions
   first).
 - Checkpoints: Ray Train's storage path `gs://BUCKET/ray/<name>`; the final adapter goes to
   `gs://BUCKET/runs/<name>` (`output.dir`), as for the Job. Writes use the pods' Workload Identity.
-- The RayJob depends on the cluster; the add-on installs the CRDs, and whether they are ready
-  the moment cluster creation returns is UNCONFIRMED (CLOUD-FACTS §3), so the create has a long
-  custom timeout; if the first `pulumi up` fails with "no matches for kind RayJob", run it again.
+- The add-on installs the KubeRay CRDs on its own schedule (CLOUD-FACTS §3), so the RayJob and the
+  standing RayCluster depend on `infra.crd_wait.CrdWait`, which returns once `rayjobs.ray.io` and
+  `rayclusters.ray.io` are Established (it runs `kubectl` where `pulumi up` runs). They also wait for
+  every IAM grant to the trainer's and the nodes' service accounts.
   `pulumi.com/skipAwait` keeps `pulumi up` from waiting on the training.
 
 Not here: Ray autoscaling (fixed-size worker group), RayService / serving, a ConfigMap with the
@@ -54,6 +55,8 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
+from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
+from infra.foundation import Identity
 from infra.gke_workload import (
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
@@ -93,8 +96,6 @@ HEAD_PORTS = [
     {"name": "dashboard", "containerPort": 8265},
     {"name": "client", "containerPort": 10001},
 ]
-# The add-on installs the CRDs with the cluster; give the first create room in case they lag.
-CRD_CREATE_TIMEOUT = "20m"
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,9 @@ class RayTrainingArgs:
     """`Images.trainer_content`: what the RayJob's name derives from (known in a preview)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: Ray checkpoints under gs://BUCKET/ray, the adapter under gs://BUCKET/runs."""
+    after: list[pulumi.Resource] = field(default_factory=list)
+    """What the Ray objects need in place besides the namespace pieces: the KubeRay CRDs Established
+    (`infra.crd_wait`), the APIs and every IAM grant to the trainer's and the nodes' service accounts."""
 
 
 class RayTraining(pulumi.ComponentResource):
@@ -319,7 +323,7 @@ class RayTraining(pulumi.ComponentResource):
         self.checkpoints = pulumi.Output.from_input(fill_slots(f"{spec.storage_path}/{spec.name}", slots))
         self.run_dir = pulumi.Output.from_input(fill_slots(spec.output_dir, slots))
 
-        depends: list[pulumi.Resource] = [args.cluster, *ns.ready]
+        depends: list[pulumi.Resource] = [args.cluster, *ns.ready, *args.after]
         self.ray_cluster = None
         if cfg.ray_cluster is RayClusterMode.STANDING:
             self.ray_cluster = self._custom_resource(
@@ -353,7 +357,6 @@ class RayTraining(pulumi.ComponentResource):
                 depends_on=depends,
                 replace_on_changes=["spec"],
                 delete_before_replace=True,
-                custom_timeouts=pulumi.CustomTimeouts(create=CRD_CREATE_TIMEOUT),
             ),
         )
 
@@ -373,6 +376,7 @@ def declare(
     base = f"gft-{cfg.stack}"
     gke = declare_gke_base(cfg, loaded, foundation)
     cluster, namespace = gke.cluster, gke.namespace
+    crds = CrdWait(base, CrdWaitArgs(kubeconfig=cluster.kubeconfig, crds=KUBERAY_CRDS, depends_on=[cluster.cluster]))
     training = RayTraining(
         base,
         RayTrainingArgs(
@@ -383,6 +387,12 @@ def declare(
             image=images.trainer_image,
             image_content=images.trainer_content,
             bucket_name=foundation.bucket_name,
+            after=[
+                crds.command,
+                *foundation.apis,
+                *foundation.grants_to(Identity.TRAINER),
+                *foundation.grants_to(Identity.NODES),
+            ],
         ),
     )
     ns, job_name = cfg.namespace, training.job_name

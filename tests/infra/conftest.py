@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -42,6 +43,57 @@ def variants() -> list[tuple[str, dict[str, Any], bool]]:
         cases.append(("dev", {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}, True))
         cases.append(("dev", {"servingEnabled": True, "servingPublic": True}, True))
     return cases
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration users will pick: a stack file plus the keys they change."""
+
+    label: str
+    stack: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    remove: tuple[str, ...] = ()
+    hf_token: str | None = MOCK_HF_TOKEN
+    assume_trained: bool = False
+
+    def run(self) -> StackRun:
+        return run_stack(
+            self.stack,
+            overrides=self.overrides,
+            remove=self.remove,
+            hf_token=self.hf_token,
+            assume_trained=self.assume_trained,
+        )
+
+
+_NO_RESERVATION = ("reservationName",)
+SERVING_ON = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}
+# Every stack as committed, each capacity mode, one and two nodes, Ray ephemeral and standing, serving on,
+# each image build mode, no HF token.
+USER_VARIANTS: tuple[Variant, ...] = (
+    Variant("dev", "dev"),
+    Variant("dev, no token", "dev", {"recipe": "emoji-local"}, hf_token=None),
+    Variant("dev, serving", "dev", SERVING_ON, assume_trained=True),
+    Variant("dev, serving public", "dev", {"servingEnabled": True, "servingPublic": True}, assume_trained=True),
+    Variant("dev, cloud-build, serving", "dev", {**SERVING_ON, "imageBuild": "cloud-build"}, assume_trained=True),
+    Variant("dev, prebuilt", "dev", dict(PREBUILT)),
+    Variant("a4 (reservation)", "a4-gemma4"),
+    Variant("a4, spot", "a4-gemma4", {"capacity": "spot"}, _NO_RESERVATION),
+    Variant("a4, flex-start", "a4-gemma4", {"capacity": "flex-start"}, _NO_RESERVATION),
+    Variant("a4, on-demand", "a4-gemma4", {"capacity": "on-demand"}, _NO_RESERVATION),
+    Variant("a4, 2 nodes", "a4-gemma4", {"nodes": 2}),
+    Variant("a4, cloud-build", "a4-gemma4", {"imageBuild": "cloud-build"}),
+    Variant("ray (ephemeral, 2 nodes)", "ray-gemma3-vision"),
+    Variant("ray, standing", "ray-gemma3-vision", {"rayCluster": "standing"}),
+    Variant("ray, spot, 1 node", "ray-gemma3-vision", {"capacity": "spot", "nodes": 1}, _NO_RESERVATION),
+    Variant("ray, cloud-build", "ray-gemma3-vision", {"imageBuild": "cloud-build"}),
+)
+
+
+@pytest.fixture(scope="session")
+def user_variant_runs() -> list[tuple[Variant, StackRun]]:
+    """One offline run per user variant, shared by the permission proof and the ordering invariants."""
+    return [(v, v.run()) for v in USER_VARIANTS]
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from infra.offline import run_stack
+from infra.foundation import BOOTSTRAP_APIS
+from infra.offline import REPO_ROOT, run_stack, stack_names
 
 
 class TestApis:
@@ -64,3 +65,55 @@ class TestIdentities:
         binding = run.one("gcp:secretmanager/secretIamMember:SecretIamMember").plain_inputs()
         assert binding["role"] == "roles/secretmanager.secretAccessor"
         assert binding["secretId"] == "gft-dev-hf-token"
+
+
+class TestBootstrap:
+    """The program reads through Cloud Resource Manager (every `projects.Service` read) before it can enable it."""
+
+    def test_resource_manager_api_is_enabled_by_every_stack(self) -> None:
+        for stack in stack_names():
+            apis = {r.plain_inputs()["service"] for r in run_stack(stack).of_type("gcp:projects/service:Service")}
+            assert "cloudresourcemanager.googleapis.com" in apis, stack
+
+    def test_readme_enables_the_bootstrap_apis_before_the_first_up(self) -> None:
+        readme = (REPO_ROOT / "README.md").read_text()
+        cloud_path = readme[readme.index("## The cloud path") :]
+        lines = cloud_path.splitlines()
+        enable = next(i for i, line in enumerate(lines) if line.startswith("gcloud services enable"))
+        assert set(BOOTSTRAP_APIS) <= set(lines[enable].split()), lines[enable]
+        first_up = next(i for i, line in enumerate(lines) if line.startswith("pulumi up"))
+        assert enable < first_up, "before the first `pulumi up`"
+
+
+class TestHfTokenOnlyWhereItIsRead:
+    """Only the Cloud Run Job reads the token from Secret Manager; the GKE pods read a Kubernetes Secret."""
+
+    def test_gke_stacks_keep_the_token_out_of_secret_manager(self) -> None:
+        for stack in ("a4-gemma4", "ray-gemma3-vision"):
+            run = run_stack(stack)
+            assert [r.type for r in run.resources if r.type.startswith("gcp:secretmanager/")] == [], stack
+            apis = {r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")}
+            assert "secretmanager.googleapis.com" not in apis, stack
+            assert len(run.of_type("kubernetes:core/v1:Secret")) == 1, f"{stack}: the pods' token Secret"
+
+    def test_cloud_run_reads_it_from_secret_manager(self) -> None:
+        run = run_stack("dev")
+        assert len(run.of_type("gcp:secretmanager/secretVersion:SecretVersion")) == 1
+
+
+class TestNodeIdentity:
+    def test_autopilot_nodes_run_as_the_stacks_node_account(self) -> None:
+        for stack in ("a4-gemma4", "ray-gemma3-vision"):
+            run = run_stack(stack)
+            node = run.by_name(f"gft-{stack}-nodes-sa").outputs["email"]
+            cluster = run.one("gcp:container/cluster:Cluster").plain_inputs()
+            assert cluster["clusterAutoscaling"]["autoProvisioningDefaults"]["serviceAccount"] == node
+            members = {r.plain_inputs()["member"] for r in run.resources if "iam" in r.type.lower() and r.custom}
+            assert not [m for m in members if "-compute@developer" in m], "nothing goes to the default compute SA"
+
+    def test_the_cluster_waits_for_the_node_accounts_grants(self) -> None:
+        run = run_stack("a4-gemma4")
+        cluster = run.one("gcp:container/cluster:Cluster")
+        node = f"serviceAccount:{run.by_name('gft-a4-gemma4-nodes-sa').outputs['email']}"
+        grants = [r.urn for r in run.resources if r.custom and r.plain_inputs().get("member") == node]
+        assert grants and set(grants) <= set(cluster.dependencies)

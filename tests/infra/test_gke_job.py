@@ -173,7 +173,7 @@ class TestSecretsAndIdentity:
         assert is_secret(string_data) or is_secret(string_data.get("hf_api_token"))
 
     def test_workload_identity(self, single: StackRun) -> None:
-        gsa = single.one("gcp:serviceaccount/account:Account").outputs["email"]
+        gsa = single.by_name("gft-a4-gemma4-trainer-sa").outputs["email"]
         ksa = manifest(single.one("kubernetes:core/v1:ServiceAccount"))
         assert ksa["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": gsa}
         binding = single.one("gcp:serviceaccount/iAMMember:IAMMember")
@@ -187,8 +187,12 @@ class TestSecretsAndIdentity:
         cluster = single.one("gcp:container/cluster:Cluster")
         assert cluster.urn in single.one("gcp:serviceaccount/iAMMember:IAMMember").dependencies
 
-    def test_no_project_level_iam(self, single: StackRun) -> None:
-        assert not [r.urn for r in single.resources if r.type.startswith("gcp:projects/iAM")]
+    def test_project_level_iam_only_for_node_logs_and_metrics(self, single: StackRun) -> None:
+        project_level = [r.plain_inputs() for r in single.resources if r.type.startswith("gcp:projects/iAM")]
+        node = "serviceAccount:gft-a4-gemma4-node@my-gcp-project.iam.gserviceaccount.com"
+        assert project_level == [
+            {"project": "my-gcp-project", "role": "roles/container.defaultNodeServiceAccount", "member": node}
+        ]
         for r in single.resources:
             assert r.plain_inputs().get("role") != "roles/storage.admin", r.urn
 

@@ -6,10 +6,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from infra.config import ConfigError
-from infra.images import REPO_ROOT, SERVING, TRAINER, ImageSpec, content_hash, context_files
-from infra.offline import run_stack
+from infra.images import SERVING, TRAINER, ImageSpec, content_hash, context_files
+from infra.offline import REPO_ROOT, run_stack
 from tests.infra.conftest import PREBUILT, contains, plain_paths
 
 
@@ -85,3 +86,24 @@ class TestServingContext:
         assert content_hash(spec) == before
         (copy / "entrypoint.sh").write_text((copy / "entrypoint.sh").read_text() + "\n# changed\n")
         assert content_hash(spec) != before
+
+
+class TestCloudBuildIdentity:
+    """imageBuild cloud-build runs as the stack's builder account, never a default Cloud Build account."""
+
+    def test_build_runs_as_the_builder_with_logs_and_staging_it_can_use(self) -> None:
+        run = run_stack("dev", overrides={"imageBuild": "cloud-build"})
+        build = run.by_name("gft-dev-trainer-cloudbuild").plain_inputs()
+        env = build["environment"]
+        assert env["BUILD_SERVICE_ACCOUNT"] == run.by_name("gft-dev-build-sa").outputs["email"]
+        staging = run.by_name("gft-dev-build-staging").plain_inputs()
+        assert env["STAGING_BUCKET"] == staging["name"] and staging["forceDestroy"] is True
+        script = build["create"]
+        assert '--service-account "projects/$PROJECT/serviceAccounts/$BUILD_SERVICE_ACCOUNT"' in script
+        assert '--gcs-source-staging-dir "gs://$STAGING_BUCKET/source"' in script
+        config = yaml.safe_load((REPO_ROOT / "infra" / "cloudbuild.yaml").read_text())
+        assert config["options"]["logging"] == "CLOUD_LOGGING_ONLY", "a user-specified account needs this"
+
+    def test_docker_mode_creates_no_builder(self) -> None:
+        run = run_stack("dev")
+        assert not [r for r in run.of_type("gcp:serviceaccount/account:Account") if r.name.endswith("build-sa")]

@@ -21,8 +21,16 @@ SCOPED_IAM_TYPES = {
     "gcp:cloudrunv2/serviceIamMember:ServiceIamMember",
     "gcp:serviceaccount/iAMMember:IAMMember",
 }
-# Project-wide bindings allowed, each with the reason it cannot be scoped to a resource. None today.
-PROJECT_LEVEL_ALLOWED: dict[tuple[str, str], str] = {}
+# Project-wide bindings allowed, each with the reason it cannot be scoped to a resource.
+PROJECT_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
+    ("gcp:projects/iAMMember:IAMMember", "roles/container.defaultNodeServiceAccount"): (
+        "GKE nodes write logs and metrics (logging.logEntries.create, monitoring.timeSeries.create): "
+        "project-level permissions only"
+    ),
+    ("gcp:projects/iAMMember:IAMMember", "roles/logging.logWriter"): (
+        "Cloud Build's builder account writes build logs (logging.logEntries.create): project level only"
+    ),
+}
 
 
 def iam_resources(run: StackRun) -> list:
