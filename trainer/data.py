@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.formatting import FormattingError, formatter_for
-from trainer.recipe import REPO_ROOT, DataSource, DataSpec, RecipeError, Task
+from trainer.recipe import REPO_ROOT, DataSource, DataSpec, RecipeError, Task, resolve_local_path
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -66,15 +66,6 @@ class DataSplit:
     train: Dataset
     eval: Dataset | None
     report: SkipReport
-
-
-def resolve_local_path(path: str) -> Path:
-    """A local data file: absolute, else relative to the repository root, else to the working directory."""
-    candidates = [Path(path)] if Path(path).is_absolute() else [REPO_ROOT / path, Path.cwd() / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise RecipeError(f"data.path={path!r}: no such file (looked in {', '.join(str(c) for c in candidates)})")
 
 
 def load_rows(spec: DataSpec) -> Dataset:
