@@ -116,7 +116,7 @@ def format_rows(
         except FormattingError as exc:
             return {**_empty_example(task), _SKIP_COLUMN: exc.reason}
         if images_root is not None:
-            example["images"] = [_open_image(image, images_root) for image in example["images"]]
+            example["images"] = [open_image(image, images_root) for image in example["images"]]
         if tokenizer is not None and max_length is not None:
             length = conversation_length(tokenizer, example["messages"])
             if length > max_length:
@@ -138,9 +138,9 @@ def resolve_image_dir(image_dir: str | None) -> Path | None:
     return path
 
 
-def _open_image(image: Any, root: Path) -> Any:
+def open_image(image: Any, root: Path | None) -> Any:
     """Local rows name their image by a path relative to `data.image_dir`; Hub rows already carry images."""
-    if not isinstance(image, str):
+    if not isinstance(image, str) or root is None:
         return image
     from PIL import Image
 

@@ -256,6 +256,7 @@ class EvaluationSpec(_Strict):
     max_new_tokens: int | None = Field(
         None, gt=0, description="generation budget per answer; default by task (emoji 32, SQL and descriptions 512)"
     )
+    batch_size: int = Field(8, gt=0, description="prompts generated together (left-padded, greedy)")
 
 
 class DistributedSpec(_Strict):
