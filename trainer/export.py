@@ -11,8 +11,11 @@ Decisions:
   name. A stale marker is removed before anything else is written, so a folder being rewritten, or a
   half-written export, is never mistaken for a model. The marker records the base model, the adapter,
   the time and the list of files with their sizes.
-- Pushing to the Hub (`output.push_to_hub`) is the real code path for the cloud; it needs a token
-  and is not exercised offline.
+- Pushing to the Hub (`output.push_to_hub`, off by default) uploads the merged export, or the
+  adapter when the recipe does not merge (W1's seed pushed its adapter to a private repo), into a
+  repository created private unless `output.hub_private` is false. The token is HF_TOKEN from the
+  environment (the platforms fill it from the stack's secret; it needs write scope) and is never
+  logged. Tests point `huggingface_hub` at a local stand-in server, never at the Hub.
 """
 
 from __future__ import annotations
@@ -81,16 +84,39 @@ def merge_and_export(base_model: str, adapter_dir: str | Path, out_dir: str | Pa
     return out_dir
 
 
-def push_to_hub(model_dir: Path, repo_id: str, private: bool = True) -> str:
-    """Upload a finished export to the Hub (needs HF_TOKEN with write scope); returns the repo URL."""
-    if not is_complete(model_dir):
-        raise RuntimeError(f"{model_dir} has no {COMPLETION_MARKER}: refusing to push an incomplete export")
+def is_adapter(directory: str | Path) -> bool:
+    """True for a saved PEFT adapter folder (its config and its weights)."""
+    directory = Path(directory)
+    weights = (directory / "adapter_model.safetensors").is_file() or (directory / "adapter_model.bin").is_file()
+    return (directory / "adapter_config.json").is_file() and weights
+
+
+def push_to_hub(model_dir: str | Path, repo_id: str, private: bool = True, *, endpoint: str | None = None) -> str:
+    """Upload a finished export or a saved adapter to the Hub repo `repo_id`; returns the repo URL.
+
+    The token is HF_TOKEN from the environment (write scope). `endpoint` is the Hub's address
+    (default: huggingface_hub's, i.e. https://huggingface.co or $HF_ENDPOINT).
+    """
+    import os
+
+    model_dir = Path(model_dir)
+    if not (is_complete(model_dir) or is_adapter(model_dir)):
+        raise RuntimeError(
+            f"{model_dir} is neither a complete export (no {COMPLETION_MARKER}) nor a saved adapter "
+            "(adapter_config.json + weights): refusing to push it"
+        )
+    token = os.environ.get("HF_TOKEN")
+    if not token:
+        raise RuntimeError(
+            f"output.push_to_hub is true but HF_TOKEN is not set: give the job a Hugging Face token with write "
+            f"scope for {repo_id} (the stack's hfToken), or set output.push_to_hub: false"
+        )
     from huggingface_hub import HfApi
 
-    api = HfApi()
+    api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     api.upload_folder(folder_path=str(model_dir), repo_id=repo_id, commit_message="gemma-finetune export")
-    return f"https://huggingface.co/{repo_id}"
+    return f"{api.endpoint}/{repo_id}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,8 @@ Decisions:
 - `render_accelerate_config` writes accelerate 1.15's own key names (checked against
   accelerate/commands/config/cluster.py and FullyShardedDataParallelPlugin): FSDP2,
   TRANSFORMER_BASED_WRAP on that class, reshard after forward, FULL_STATE_DICT,
-  cpu_ram_efficient_loading, no CPU offload and no FSDP activation checkpointing (the trainer
-  turns on gradient checkpointing itself), static rendezvous. Keys that FSDP2 made obsolete
+  cpu_ram_efficient_loading, no CPU offload and no FSDP activation checkpointing (a recipe that
+  needs it sets the trainer's `training.gradient_checkpointing`), static rendezvous. Keys that FSDP2 made obsolete
   (sync_module_states, use_orig_params, backward/forward prefetch) are left out.
 - `save_adapter_fsdp_safe` gathers every adapter tensor in full (DTensor.full_tensor(), a
   collective every rank joins) before rank 0 writes the PEFT adapter. Saving "the adapter"

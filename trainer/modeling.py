@@ -10,7 +10,9 @@ Decisions:
 - LoRA never targets a vision or audio tower (nor the projector that feeds images into the
   language model), whatever `target_modules` says: `exclude_modules` is a regex over module
   names, so even `all-linear` stays inside the language model. Text tasks on multimodal Gemma
-  checkpoints (Gemma 3 4B+, Gemma 4) therefore only adapt the decoder.
+  checkpoints (Gemma 3 4B+, Gemma 4) therefore only adapt the decoder. A recipe with
+  `lora.vision_tower: true` (W2, as its seed's all-linear) also adapts the vision tower and projector;
+  audio towers stay excluded.
 - A tokenizer without a chat template gets trl's ORIGINAL `<name>.jinja`; trl itself swaps in
   the matching `<name>_training.jinja` (with `{% generation %}` markers) for assistant-only loss,
   so what is saved with the model is the template used for inference.
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 # Module-name fragments of the parts of multimodal Gemma checkpoints that are not the language model.
 NON_LANGUAGE_MODULES = ("vision_tower", "audio_tower", "multi_modal_projector", "embed_vision", "embed_audio")
 NON_LANGUAGE_MODULES_REGEX = r".*(" + "|".join(NON_LANGUAGE_MODULES) + r").*"
+AUDIO_MODULES_REGEX = r".*(audio_tower|embed_audio).*"
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -125,12 +128,13 @@ def lora_config(spec: LoraSpec, model: PreTrainedModel | None = None) -> LoraCon
     """
     from peft import LoraConfig
 
+    excluded = AUDIO_MODULES_REGEX if spec.vision_tower else NON_LANGUAGE_MODULES_REGEX
     return LoraConfig(
         r=spec.r,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
         target_modules=spec.target_modules,
-        exclude_modules=NON_LANGUAGE_MODULES_REGEX if model is None or has_non_language_modules(model) else None,
+        exclude_modules=excluded if model is None or has_non_language_modules(model) else None,
         modules_to_save=list(spec.modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",

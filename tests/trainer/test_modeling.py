@@ -78,6 +78,22 @@ def test_lora_never_targets_the_vision_tower(targets: list[str] | str) -> None:
     assert not any(part in name for name in adapted for part in NON_LANGUAGE_MODULES)
 
 
+def test_w2_lora_adapts_the_vision_tower_and_the_language_model() -> None:
+    """The seed's `all-linear` on Gemma3ForConditionalGeneration covers SigLIP's linear layers too."""
+    from peft import get_peft_model
+
+    from trainer.recipe import load_recipe
+
+    model = _tiny_gemma3_vision(vocab_size=300)
+    spec = load_recipe("product-descriptions-gemma3-4b").lora
+    peft_model = get_peft_model(model, lora_config(spec, model))
+    adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
+    vision = [name for name in adapted if "vision_tower" in name]
+    assert vision and any("language_model" in name for name in adapted), adapted
+    assert any(name.endswith(("fc1", "fc2")) for name in vision) and any(name.endswith("q_proj") for name in vision)
+    assert not any(name.endswith("lm_head") for name in adapted)  # kept whole via modules_to_save
+
+
 def test_text_only_model_gets_no_exclusion(tiny_gemma3_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
