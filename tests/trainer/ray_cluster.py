@@ -2,12 +2,16 @@
 
 KubeRay runs `ray start --head --block` + the head group's `rayStartParams` (as `--key=value`) in
 the head pod and `ray start --address=HEAD:6379 --block` + the worker group's in each worker pod
-(ray-project/kuberay ray-operator/controllers/ray/common/pod.go, generateRayStartCommand). Here the
-head and one CPU worker node run as two process trees on this machine, with the rayStartParams the
-plan rendered; only what a laptop forces is changed: every port is a free one (KubeRay's 6379,
+(ray-project/kuberay ray-operator/controllers/ray/common/pod.go `generateRayStartCommand`, which
+also adds `--dashboard-agent-listen-port=52365` for its probes, kuberay#1760). Here the head and one
+CPU worker node run as two process trees on this machine, with the rayStartParams the plan
+rendered; only what a shared machine forces is changed: every port is a free one (KubeRay's 6379,
 8265, 52365, ... may be taken), the dashboard binds 127.0.0.1 instead of 0.0.0.0, the worker node
-gets `--num-cpus` (KubeRay derives it from the pod's CPU limit), the object store is small and
-the temp dir is short (Ray's unix sockets live there).
+gets `--num-cpus` (KubeRay derives it from the pod's CPU limit), the object store is small, the
+dashboard's modules get more than 30 s to start on a loaded machine, and the temp dir is short
+(Ray's unix sockets live there). `--node-ip-address=127.0.0.1` is passed, but Ray still advertises
+the machine's own address for GCS and raylets (it resolves localhost to the node IP); only the
+dashboard is pinned to loopback.
 
 `KUBERAY_PROBE` is KubeRay's probe command (utils/constant.go `BaseWgetHealthCommand`), run with
 bash exactly as the readiness/liveness probe execs it, with our ports.
