@@ -8,10 +8,12 @@
   (after transformers restored a checkpoint);
 - the global steps each attempt ran.
 
-On the first attempt it also makes rank 0 a slow writer of checkpoint N (its `optimizer.pt` is
-half on disk for `slow_write_s`, as a large optimizer state on a busy disk is), then, once every
-rank has reported checkpoint N, raises: Ray Train's FailureConfig restarts the worker group, and
-the second attempt must resume from checkpoint N.
+On the first attempt it also makes rank 0 a slow writer of checkpoint N: its `optimizer.pt` stays
+half on disk for `slow_write_s` (as a large optimizer state on a busy disk does), and the other
+ranks only start their own part of the checkpoint once that half is there, so a rank that copies
+the checkpoint without waiting for rank 0 copies it half-written, every time. Once every rank has
+reported checkpoint N, it raises: Ray Train's FailureConfig restarts the worker group, and the
+second attempt must resume from checkpoint N.
 
 Everything is written as files under `record_dir` (workers are other processes). This module is
 imported by the Ray workers (PYTHONPATH is the repository), so it imports nothing from pytest.
@@ -30,6 +32,7 @@ ATTEMPT_FILE = "attempt-{attempt}-rank-{rank}.json"
 REPORT_FILE = "report-attempt-{attempt}-rank-{rank}-step-{step}.json"
 SAVED_WEIGHTS = "saved-rank-{rank}-step-{step}.safetensors"
 BEGIN_WEIGHTS = "begin-attempt-{attempt}-rank-{rank}.safetensors"
+HALF_WRITTEN_FLAG = "rank-0-is-writing-step-{step}"
 
 
 class Interrupted(RuntimeError):
@@ -104,7 +107,9 @@ class InterruptedRun:
         attempt = 1 if ray.train.get_checkpoint() is None else 2
         original_report = ray.train.report
         original_save = transformers.Trainer._save_optimizer_and_scheduler
+        original_rng = transformers.Trainer._save_rng_state
         run = self
+        record = Path(self.record_dir)
 
         def recording_report(metrics: dict[str, Any], checkpoint: Any = None, **kwargs: Any) -> Any:
             files = {}
@@ -126,13 +131,24 @@ class InterruptedRun:
                     f.write(data[: len(data) // 2])
                     f.flush()
                     os.fsync(f.fileno())
+                    (record / HALF_WRITTEN_FLAG.format(step=step)).touch()
                     time.sleep(run.slow_write_s)
                     f.write(data[len(data) // 2 :])
 
+        def rng_after_rank_0_started(trainer: Any, output_dir: str) -> None:
+            step = trainer.state.global_step
+            if attempt == 1 and step == run.interrupt_after_step and not trainer.is_world_process_zero():
+                deadline = time.monotonic() + 300
+                while not (record / HALF_WRITTEN_FLAG.format(step=step)).exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            original_rng(trainer, output_dir)
+
         ray.train.report = recording_report
         transformers.Trainer._save_optimizer_and_scheduler = slow_save  # type: ignore[method-assign]
+        transformers.Trainer._save_rng_state = rng_after_rank_0_started  # type: ignore[method-assign]
         try:
             train_loop_per_worker(config, extra_callbacks=[_probe_callback(self, attempt, rank)])
         finally:
             ray.train.report = original_report
             transformers.Trainer._save_optimizer_and_scheduler = original_save  # type: ignore[method-assign]
+            transformers.Trainer._save_rng_state = original_rng  # type: ignore[method-assign]
