@@ -28,6 +28,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
+from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe
 
 PROJECT_NAMESPACE = "gemma-finetune"
@@ -114,7 +115,7 @@ class StackConfig(BaseModel):
     release_channel: str = Field("REGULAR", alias="releaseChannel")
     namespace: str = "gemma-finetune"
     ray_cluster: RayClusterMode = Field(RayClusterMode.EPHEMERAL, alias="rayCluster")
-    ray_version: str = Field("2.48.0", alias="rayVersion")
+    ray_version: str = Field(RAY_VERSION, alias="rayVersion")
     training_timeout_minutes: int | None = Field(None, alias="trainingTimeoutMinutes", gt=0)
     training_retries: int = Field(2, alias="trainingRetries", ge=0, le=10)
     gpu_zonal_redundancy: bool = Field(False, alias="gpuZonalRedundancy")

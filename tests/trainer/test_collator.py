@@ -5,7 +5,7 @@ and a magic id like 262144 silently stops matching when the vocabulary changes. 
 come from a tiny Gemma 3 processor built on this machine (no Hub), including one whose image
 tokens sit at other ids, and the masks are checked position by position.
 
-`tiny_vision_processor` / `tiny_vision_model` are reused by tests/trainer/test_ray_entry.py.
+`tiny_vision_processor` / `tiny_vision_model` also build the Ray tests' tiny model (tests/trainer/conftest.py).
 """
 
 from __future__ import annotations
