@@ -38,7 +38,11 @@ log = logging.getLogger(__name__)
 # Module-name fragments of the parts of multimodal Gemma checkpoints that are not the language model.
 NON_LANGUAGE_MODULES = ("vision_tower", "audio_tower", "multi_modal_projector", "embed_vision", "embed_audio")
 NON_LANGUAGE_MODULES_REGEX = r".*(" + "|".join(NON_LANGUAGE_MODULES) + r").*"
-AUDIO_MODULES_REGEX = r".*(audio_tower|embed_audio).*"
+# With `lora.vision_tower`, the audio towers stay excluded and so does SigLIP's attention-pooling head
+# (`vision_tower.head`, present when a config keeps `vision_use_head`): Gemma 3 feeds the projector the
+# encoder's last hidden state, never the pooled output, so adapters there would get no gradient, and DDP
+# without `find_unused_parameters` (trainer/ray_entry.py) stops on parameters without one.
+VISION_LORA_EXCLUDED_REGEX = r".*(audio_tower|embed_audio|vision_tower\.head\.|vision_model\.head\.).*"
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -128,7 +132,7 @@ def lora_config(spec: LoraSpec, model: PreTrainedModel | None = None) -> LoraCon
     """
     from peft import LoraConfig
 
-    excluded = AUDIO_MODULES_REGEX if spec.vision_tower else NON_LANGUAGE_MODULES_REGEX
+    excluded = VISION_LORA_EXCLUDED_REGEX if spec.vision_tower else NON_LANGUAGE_MODULES_REGEX
     return LoraConfig(
         r=spec.r,
         lora_alpha=spec.alpha,
