@@ -4,6 +4,7 @@
     python3 .ci/stacks.py                      # {"all": [...], "cloud-run": [...], "gke": [...]}
     python3 .ci/stacks.py --lines              # "<stack> <workload> <features>" per line (infra/bootstrap/ci-setup.sh)
     python3 .ci/stacks.py --workload dev       # cloud-run
+    python3 .ci/stacks.py --components ray-gemma3-vision   # gke-gcloud-auth-plugin,kubectl (deploy.yml)
     python3 .ci/stacks.py --outputs >> "$GITHUB_OUTPUT"   # cloud-run=[...] and gke=[...] for job matrices
 
 Decisions
@@ -17,6 +18,10 @@ Decisions
   `-` when none. infra/permissions.py `stack_features` says the same from the validated configuration.
 - The GKE workloads (`gke-job`, `gke-ray`) are grouped: their previews need the cluster, the
   gke-gcloud-auth-plugin and the reviewed `preview-gke` environment; `cloud-run` needs neither.
+- `--components`: the gcloud components `pulumi up` of a stack runs besides an authenticated gcloud (which
+  the `dev` stack's training execution and `imageBuild: cloud-build` call): the Kubernetes provider's
+  kubeconfig calls gke-gcloud-auth-plugin (infra/gke.py), the Ray stack's CRD wait runs kubectl
+  (infra/crd_wait.py). tests/lint/test_actionlint.py checks this against the commands the program declares.
 - A stack name that is not `[A-Za-z0-9_.-]+` or a workload that is not one of the three is an
   error naming the file: both end up in shell commands and resource names.
 
@@ -35,6 +40,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"gke-job": "gke", "gke-ray": "gke", "cloud-run": "cloud-run"}
 STACK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _DEFAULT_LINE = re.compile(r"^\s*default:\s*['\"]?([A-Za-z0-9-]+)['\"]?\s*(?:#.*)?$")
+COMPONENTS = {
+    "cloud-run": [],
+    "gke-job": ["gke-gcloud-auth-plugin"],
+    "gke-ray": ["gke-gcloud-auth-plugin", "kubectl"],
+}
 # Stack setting -> {value: the feature it means}.
 FEATURES = {"capacity": {"reservation": "reservation"}, "imageBuild": {"cloud-build": "cloud-build"}}
 
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--lines", action="store_true", help="print '<stack> <workload>' per line")
     mode.add_argument("--workload", metavar="STACK", help="print the workload of one stack")
+    mode.add_argument("--components", metavar="STACK", help="print the gcloud components its `pulumi up` runs")
     mode.add_argument("--outputs", action="store_true", help="print cloud-run=[...] and gke=[...] (GITHUB_OUTPUT)")
     args = parser.parse_args(argv)
     try:
@@ -135,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.workload is not None:
-        if args.workload not in found:
-            print(f"error: no stack file Pulumi.{args.workload}.yaml; stacks: {', '.join(found)}", file=sys.stderr)
+    one = args.workload or args.components
+    if one is not None:
+        if one not in found:
+            print(f"error: no stack file Pulumi.{one}.yaml; stacks: {', '.join(found)}", file=sys.stderr)
             return 2
-        print(found[args.workload])
+        print(found[one] if args.workload else ",".join(COMPONENTS[found[one]]))
     elif args.outputs:
         groups = grouped(found)
         print(f"cloud-run={json.dumps(groups['cloud-run'])}")
