@@ -237,6 +237,17 @@ def expected_grants(found_stacks: dict[str, tuple[str, list[str]]], backend: str
     return grants
 
 
+def a_repository(tmp_path: Path, stack_files: dict[str, str]) -> Path:
+    """A checkout with these stack files only (and the real Pulumi.yaml and .ci/stacks.py)."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "stacks.py").write_text((REPO_ROOT / ".ci" / "stacks.py").read_text())
+    (repo / "Pulumi.yaml").write_text((REPO_ROOT / "Pulumi.yaml").read_text())
+    for name, text in stack_files.items():
+        (repo / name).write_text(text)
+    return repo
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SetupRun]:
     tmp_path = tmp_path_factory.mktemp("setup")
@@ -499,11 +510,7 @@ class TestRunningTheScript:
 
     @pytest.mark.slow
     def test_a_new_stack_file_gets_its_accounts_and_grants(self, tmp_path: Path) -> None:
-        repo = tmp_path / "repo"
-        (repo / ".ci").mkdir(parents=True)
-        (repo / ".ci" / "stacks.py").write_text((REPO_ROOT / ".ci" / "stacks.py").read_text())
-        (repo / "Pulumi.yaml").write_text((REPO_ROOT / "Pulumi.yaml").read_text())
-        (repo / "Pulumi.l4-lab.yaml").write_text("config:\n  gemma-finetune:workload: cloud-run\n")
+        repo = a_repository(tmp_path, {"Pulumi.l4-lab.yaml": "config:\n  gemma-finetune:workload: cloud-run\n"})
         run = run_setup(tmp_path, repo=repo)
         assert run.returncode == 0, run.stderr
         assert run.grants() == expected_grants({"l4-lab": ("cloud-run", [])})
@@ -514,14 +521,11 @@ class TestRunningTheScript:
 
     @pytest.mark.slow
     def test_a_stack_that_uses_cloud_build_and_a_reservation_gets_their_grants(self, tmp_path: Path) -> None:
-        repo = tmp_path / "repo"
-        (repo / ".ci").mkdir(parents=True)
-        (repo / ".ci" / "stacks.py").write_text((REPO_ROOT / ".ci" / "stacks.py").read_text())
-        (repo / "Pulumi.yaml").write_text((REPO_ROOT / "Pulumi.yaml").read_text())
-        (repo / "Pulumi.b200.yaml").write_text(
+        stack_file = (
             "config:\n  gemma-finetune:workload: gke-job\n  gemma-finetune:capacity: reservation\n"
             "  gemma-finetune:imageBuild: cloud-build   # no Docker here\n"
         )
+        repo = a_repository(tmp_path, {"Pulumi.b200.yaml": stack_file})
         run = run_setup(tmp_path, repo=repo)
         assert run.returncode == 0, run.stderr
         assert run.grants() == expected_grants({"b200": ("gke-job", ["cloud-build", "reservation"])})
