@@ -41,7 +41,7 @@ from infra.config import StackConfig
 from infra.crd_wait import WAIT_SCRIPT
 from infra.foundation import Identity, account_email, bucket_name, hf_secret_id, repository_id, staging_bucket_name
 from infra.images import CLOUD_BUILD_SCRIPT
-from infra.offline import StackRun
+from infra.offline import Recorded, StackRun
 
 
 class Scope(StrEnum):
@@ -422,7 +422,7 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def _kubernetes(r: Any, verbs: tuple[str, ...], cfg: StackConfig) -> list[Need]:
+def _kubernetes(r: Recorded, verbs: tuple[str, ...]) -> list[Need]:
     if r.type not in KUBERNETES:
         raise ValueError(f"{r.urn}: Kubernetes kind {r.type} is unknown to infra/api_permissions.py KUBERNETES")
     plural = KUBERNETES[r.type]
@@ -444,7 +444,7 @@ def _invokes(run: StackRun, cfg: StackConfig) -> list[Need]:
     return needs
 
 
-def _k8s_objects(run: StackRun) -> list[Any]:
+def _k8s_objects(run: StackRun) -> list[Recorded]:
     return [r for r in run.resources if r.custom and r.type.startswith("kubernetes:")]
 
 
@@ -456,7 +456,7 @@ def preview_needs(run: StackRun) -> list[Need]:
     if objects:
         needs.append(Need(_CLUSTER_ACCESS[0], Scope.PROJECT, f"{_K8S_PROVIDER}: {_CLUSTER_ACCESS[1]}"))
     for r in objects:
-        needs += _kubernetes(r, _K8S_PREVIEW, run.cfg)
+        needs += _kubernetes(r, _K8S_PREVIEW)
     return _unique(needs)
 
 
@@ -469,7 +469,7 @@ def deploy_needs(run: StackRun) -> list[Need]:
         if not r.custom or r.type == _K8S_PROVIDER:
             continue
         if r.type.startswith("kubernetes:"):
-            needs += _kubernetes(r, _K8S_APPLY, cfg)
+            needs += _kubernetes(r, _K8S_APPLY)
         elif r.type == "command:local:Command":
             needs += _command(r, cfg)
         elif r.type in RESOURCES:
@@ -479,7 +479,7 @@ def deploy_needs(run: StackRun) -> list[Need]:
     return _unique(needs)
 
 
-def _resource(r: Any, calls: Calls, cfg: StackConfig) -> list[Need]:
+def _resource(r: Recorded, calls: Calls, cfg: StackConfig) -> list[Need]:
     inputs = r.plain_inputs()
     kind, key = calls.target
     name = _at(inputs, key)
@@ -515,7 +515,7 @@ def _resource(r: Any, calls: Calls, cfg: StackConfig) -> list[Need]:
     return needs
 
 
-def _command(r: Any, cfg: StackConfig) -> list[Need]:
+def _command(r: Recorded, cfg: StackConfig) -> list[Need]:
     inputs = r.plain_inputs()
     script = inputs.get("create")
     if script not in COMMANDS:

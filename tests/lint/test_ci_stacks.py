@@ -89,6 +89,19 @@ class TestFeatures:
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines() == ["a4 gke-job reservation", "lab cloud-run cloud-build", "spot gke-ray -"]
 
+    def test_components_name_what_pulumi_up_of_the_stack_runs(self, tmp_path: Path) -> None:
+        root = repo(
+            tmp_path,
+            {
+                "Pulumi.ray.yaml": "config:\n  gemma-finetune:workload: gke-ray\n",
+                "Pulumi.dev.yaml": "config:\n  gemma-finetune:workload: cloud-run\n",
+            },
+        )
+        assert listing(root, "--components", "ray").stdout == "gke-gcloud-auth-plugin,kubectl\n"
+        assert listing(root, "--components", "dev").stdout == "\n"
+        missing = listing(root, "--components", "nope")
+        assert missing.returncode == 2 and "no stack file Pulumi.nope.yaml" in missing.stderr
+
     @pytest.mark.slow
     def test_every_committed_stack_file_has_the_features_its_validated_config_has(self) -> None:
         for stack in stack_names():
