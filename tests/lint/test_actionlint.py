@@ -236,6 +236,7 @@ class TestWorkflowContract:
         [kind] = runs(preview_job, ".ci/stacks.py --workload")
         assert kind["id"] == "kind"
 
+    @pytest.mark.slow
     def test_the_apply_job_has_every_tool_the_command_steps_of_pulumi_up_run(self) -> None:
         """`pulumi up` runs command steps on the runner (never in a preview): each finds an authenticated gcloud
         and the components it calls, for every stack and the build mode users pick."""
