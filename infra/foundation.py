@@ -15,6 +15,22 @@ Decisions
   (`roles/container.defaultNodeServiceAccount`) and the builder's `roles/logging.logWriter`.
   No basic role is ever used (`infra.catalog.BASIC_ROLES`). What each identity needs and why
   is `infra/permissions.py`; a test proves these grants cover it and nothing more.
+- The accounts are adopted when they already exist: the CI setup (`infra/bootstrap/ci-setup.sh`)
+  creates them before the first `up`, because IAM Conditions cannot match service-account names and
+  the deploy identity may act as, and bind, only accounts that exist when the setup grants it that.
+  `create_ignore_already_exists=True` makes the provider treat Create's 409 as success and read the
+  existing account (terraform-provider-google resource_google_service_account.go; magic-modules PR
+  #9727); the provider still calls Create, so whoever runs `pulumi up` needs
+  `iam.serviceAccounts.create` on the project even when the account exists (IAM authorises the call on
+  the project before it looks at the name: UNCONFIRMED that it would answer 409 without it).
+  `deletion_policy="ABANDON"` (pulumi-gcp 10.2 sdk/python/pulumi_gcp/serviceaccount/account.py:
+  "remove the resource from Terraform management without updating or deleting the resource in the
+  API"; magic-modules docs, best-practices/deletion-policy) means `pulumi destroy` deletes every grant
+  TO the accounts (those are separate resources) but leaves the accounts themselves, holding no role
+  in the project; the next `up` adopts them again. A deleted account could not be recreated under the
+  same email with its CI bindings intact (those bindings would point at the deleted account).
+  The display name is ignored after creation (`ignore_changes`): an adopted account keeps the
+  setup's, and `pulumi up` never needs `iam.serviceAccounts.update`.
 - `grants_to(identity)` lists every grant to one identity, so a workload can wait for all of
   them (a Cloud Run Job that references a secret cannot be created before its accessor grant,
   terraform-provider-google #13786).
@@ -83,6 +99,19 @@ def identities(cfg: StackConfig) -> list[Identity]:
 def account_id(cfg: StackConfig, identity: Identity) -> str:
     """At most 30 characters: stack names are at most 20."""
     return f"gft-{cfg.stack}-{identity}"
+
+
+ACCOUNT_DESCRIPTIONS = {
+    Identity.TRAINER: "training workload",
+    Identity.SERVING: "vLLM serving",
+    Identity.NODES: "GKE Autopilot nodes",
+    Identity.BUILD: "Cloud Build image builds",
+}
+
+
+def account_display_name(cfg: StackConfig, identity: Identity) -> str:
+    """The display name the program (or the CI setup, which creates the same accounts first) gives an account."""
+    return f"gemma-finetune {cfg.stack}: {ACCOUNT_DESCRIPTIONS[identity]}"
 
 
 def account_email(cfg: StackConfig, identity: Identity) -> str:
@@ -176,19 +205,17 @@ class Foundation(pulumi.ComponentResource):
         ]
         after_apis = pulumi.ResourceOptions(parent=self, depends_on=self.apis)
 
-        descriptions = {
-            Identity.TRAINER: "training workload",
-            Identity.SERVING: "vLLM serving",
-            Identity.NODES: "GKE Autopilot nodes",
-            Identity.BUILD: "Cloud Build image builds",
-        }
+        # Adopted when the CI setup created them first; kept by `destroy` (module docstring).
+        adopt_accounts = pulumi.ResourceOptions(parent=self, depends_on=self.apis, ignore_changes=["display_name"])
         self.accounts = {
             identity: gcp.serviceaccount.Account(
                 f"{name}-{identity.name.lower()}-sa",
                 project=cfg.project,
                 account_id=account_id(cfg, identity),
-                display_name=f"gemma-finetune {cfg.stack}: {descriptions[identity]}",
-                opts=after_apis,
+                display_name=account_display_name(cfg, identity),
+                create_ignore_already_exists=True,
+                deletion_policy="ABANDON",
+                opts=adopt_accounts,
             )
             for identity in identities(cfg)
         }

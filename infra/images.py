@@ -123,7 +123,7 @@ def provider_path(path: Path) -> str:
     return os.path.relpath(path, Path.cwd())
 
 
-_CLOUD_BUILD_SCRIPT = """set -euo pipefail
+CLOUD_BUILD_SCRIPT = """set -euo pipefail
 build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
   --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE" \\
   --service-account "projects/$PROJECT/serviceAccounts/$BUILD_SERVICE_ACCOUNT" \\
@@ -232,7 +232,7 @@ class Images(pulumi.ComponentResource):
         )
         build = command.local.Command(
             f"{name}-{spec.name}-cloudbuild",
-            create=_CLOUD_BUILD_SCRIPT,
+            create=CLOUD_BUILD_SCRIPT,
             interpreter=["/bin/bash", "-c"],
             environment={
                 "CONTEXT": provider_path(spec.context),

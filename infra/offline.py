@@ -98,6 +98,8 @@ class Recorded:
     outputs: dict[str, Any] = field(default_factory=dict)
     import_id: str = ""
     """The `import_` option: the ID of an existing cloud resource the engine adopts."""
+    ignore_changes: list[str] = field(default_factory=list)
+    """The `ignore_changes` option, as the engine receives it (input property names)."""
 
     def plain_inputs(self) -> dict[str, Any]:
         return unwrap_secrets(self.inputs)
@@ -233,6 +235,11 @@ class Mocks(pulumi_mocks.Mocks):
     `existing_buckets` are buckets already in the project (e.g. kept by `pulumi destroy`): the
     bucket list answers with them, and creating one of them fails with Cloud Storage's 409
     unless the registration imports it, as a real `pulumi up` would.
+
+    `existing_accounts` are service account ids already in the project (created by the CI setup, or
+    kept by `pulumi destroy`): creating one fails with IAM's 409 unless the account says
+    `createIgnoreAlreadyExists`, which the provider turns into a read of the existing account
+    (terraform-provider-google resource_google_service_account.go).
     """
 
     def __init__(
@@ -243,8 +250,10 @@ class Mocks(pulumi_mocks.Mocks):
         reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
         project: str = "mock-project",
         existing_buckets: tuple[str, ...] = (),
+        existing_accounts: tuple[str, ...] = (),
     ) -> None:
         self.project = project
+        self.existing_accounts = set(existing_accounts)
         self.invokes: list[tuple[str, dict[str, Any]]] = []
         self.bucket_objects = dict(bucket_objects or {})
         self.assume_trained = assume_trained
@@ -268,6 +277,11 @@ class Mocks(pulumi_mocks.Mocks):
         state = dict(inputs)
         project = plain.get("project", "mock-project")
         if typ == "gcp:serviceaccount/account:Account":
+            if plain["accountId"] in self.existing_accounts and not plain.get("createIgnoreAlreadyExists"):
+                raise Exception(
+                    f"Error creating service account: googleapi: Error 409: Service account {plain['accountId']} "
+                    f"already exists within project projects/{project}., alreadyExists"
+                )
             email = f"{plain['accountId']}@{project}.iam.gserviceaccount.com"
             state.update(
                 email=email, name=f"projects/{project}/serviceAccounts/{email}", member=f"serviceAccount:{email}"
@@ -385,6 +399,7 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
                     },
                     outputs=self.resources[urn].state if urn in self.resources else {},
                     import_id=request.importId,
+                    ignore_changes=list(request.ignoreChanges),
                 )
             )
         return response
@@ -429,6 +444,7 @@ def run_stack(
     assume_trained: bool = False,
     reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
     existing_buckets: tuple[str, ...] = (),
+    existing_accounts: tuple[str, ...] = (),
 ) -> StackRun:
     """Run the program for `stack` under mocks with its real stack file (plus overrides).
 
@@ -456,6 +472,7 @@ def run_stack(
         reservations=reservations,
         project=str(values.get("gcp:project", "mock-project")),
         existing_buckets=existing_buckets,
+        existing_accounts=existing_accounts,
     )
     monitor = RecordingMonitor(mocks)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor)
