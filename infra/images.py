@@ -57,12 +57,13 @@ class ImageSpec:
 
 
 TRAINER = ImageSpec("trainer", REPO_ROOT / "trainer", REPO_ROOT / "trainer" / "Dockerfile", (".",))
-# The serving image holds only its entrypoint; edits to the client or the demo must not rebuild it.
+# The serving image holds only its entrypoint and the completion check it runs; edits to the
+# client or the demo must not rebuild it.
 SERVING = ImageSpec(
     "serving",
     REPO_ROOT / "serving",
     REPO_ROOT / "serving" / "Dockerfile",
-    ("Dockerfile", "entrypoint.sh", ".dockerignore"),
+    ("Dockerfile", "entrypoint.sh", "completion.py", ".dockerignore"),
 )
 
 

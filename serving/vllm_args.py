@@ -28,6 +28,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# Written by the trainer as the last file of an export (serving/completion.py defines "complete").
+from serving.completion import COMPLETION_MARKER as COMPLETION_MARKER
+
 # The official image, pinned to an exact release (see serving/README.md, "Base image").
 VLLM_IMAGE = "vllm/vllm-openai:v0.28.0"
 # Where the serving container sees the trainer's output (the bucket is mounted here).
@@ -35,9 +38,6 @@ MODEL_MOUNT_PATH = "/mnt/models"
 DEFAULT_MODEL_PATH = f"{MODEL_MOUNT_PATH}/merged"
 DEFAULT_SERVED_MODEL_NAME = "gemma"
 DEFAULT_PORT = 8000
-# Written by the trainer as the last file of an export; must equal
-# trainer.export.COMPLETION_MARKER (tests/serving/test_marker_contract.py checks it).
-COMPLETION_MARKER = "_COMPLETE.json"
 # vLLM accepts only these values for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
