@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from serving.vllm_args import COMPLETION_MARKER, VllmServerConfig, render_args
+from tests.serving.privileges import in_child_as_nobody
 from trainer.export import write_completion_marker
 
 ENTRYPOINT = Path(__file__).resolve().parents[2] / "serving" / "entrypoint.sh"
@@ -248,9 +249,9 @@ class TestOneDefinitionOfComplete:
             shutil.copytree(real_export, copy)
             copy.chmod(0o755)
             (copy / "model.safetensors").chmod(0o600)  # what safetensors leaves without make_readable
-            assert "not readable by uid 65534" in _in_child_as_nobody(lambda: verify(copy))
+            assert "not readable by uid 65534" in in_child_as_nobody(lambda: verify(copy))
             (copy / "model.safetensors").chmod(0o644)
-            assert _in_child_as_nobody(lambda: verify(copy)) == "ok"
+            assert in_child_as_nobody(lambda: verify(copy)) == "ok"
         finally:
             shutil.rmtree(shared, ignore_errors=True)
 
@@ -263,28 +264,6 @@ class TestOneDefinitionOfComplete:
         done, recorded = _run([str(base), "--enable-lora", "--lora-modules", item], stub_bin, tmp_path)
         assert done.returncode == 3 and recorded is None
         assert f"LoRA adapter at {bad} is not complete" in done.stderr
-
-
-def _in_child_as_nobody(check: object) -> str:
-    """Run `check()` in a forked child as uid/gid 65534; return "ok" or the error message."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        os.close(read_end)
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            check()  # type: ignore[operator]
-            result = "ok"
-        except BaseException as exc:
-            result = f"{type(exc).__name__}: {exc}"
-        os.write(write_end, result.encode())
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        result = pipe.read()
-    os.waitpid(pid, 0)
-    return result
 
 
 class TestStartupWindow:

@@ -24,10 +24,12 @@ from serving.local_server import (
     PortBusyError,
     check_port_free,
     free_port,
+    open_server,
     parse_chat_request,
     parse_completion_request,
 )
 from serving.vllm_args import COMPLETION_MARKER
+from tests.serving.privileges import in_child_as_nobody
 from tests.serving.tiny_model import build_tiny_gemma
 from trainer.export import write_completion_marker
 
@@ -154,6 +156,26 @@ class TestRefusals:
         write_completion_marker(broken, base_model="broken", adapter=None)  # complete, but not loadable
         with pytest.raises(LocalServerError, match="exited with code 1 before it was ready"):
             LocalServer(broken, startup_timeout_s=60).start()
+
+
+class TestPrivilegedPort:
+    """EACCES (a port below ip_unprivileged_port_start) is not "in use": the message must say what it is."""
+
+    def test_keeper_and_server_report_a_privileged_port(self) -> None:
+        from http.server import BaseHTTPRequestHandler
+
+        start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+        if start == 0:
+            pytest.skip("every port is unprivileged on this machine")
+        port = start - 1
+        for check in (
+            lambda: check_port_free("127.0.0.1", port),
+            lambda: open_server("127.0.0.1", port, BaseHTTPRequestHandler),
+        ):
+            result = in_child_as_nobody(check)
+            assert result.startswith("PortDeniedError: "), result
+            assert f"port {port} on 127.0.0.1 needs privileges" in result and "--port 8000" in result
+            assert "in use" not in result
 
 
 class TestAlwaysStops:
