@@ -99,7 +99,7 @@ def content_hash(spec: ImageSpec) -> str:
 
 _CLOUD_BUILD_SCRIPT = """set -euo pipefail
 build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
-  --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE" \\
+  --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE,_VLLM_IMAGE=$VLLM_IMAGE" \\
   --suppress-logs --format='value(id)')
 digest=$(gcloud builds describe "$build_id" --project "$PROJECT" --region "$REGION" \\
   --format='value(results.images[0].digest)')
@@ -146,14 +146,25 @@ class Images(pulumi.ComponentResource):
                 f"{spec.dockerfile.relative_to(REPO_ROOT)} is missing: the {spec.name} image cannot be built"
             )
         tag = content_hash(spec)[:16]
+        build_args = self._build_args(spec)
         repo = pulumi.Output.from_input(self._args.registry_url).apply(lambda url: f"{url}/{spec.name}")
         opts = pulumi.ResourceOptions(parent=self, depends_on=self._args.depends_on)
         if cfg.image_build is ImageBuild.DOCKER:
-            return self._docker(name, spec, repo, tag, opts)
-        return self._cloud_build(name, spec, repo, tag, opts)
+            return self._docker(name, spec, repo, tag, build_args, opts)
+        return self._cloud_build(name, spec, repo, tag, build_args, opts)
+
+    def _build_args(self, spec: ImageSpec) -> dict[str, str]:
+        """Build arguments: the serving image's vLLM base (servingVllmImage); the trainer takes none."""
+        return {"VLLM_IMAGE": self._args.cfg.serving_vllm_image} if spec is SERVING else {}
 
     def _docker(
-        self, name: str, spec: ImageSpec, repo: pulumi.Output[str], tag: str, opts: pulumi.ResourceOptions
+        self,
+        name: str,
+        spec: ImageSpec,
+        repo: pulumi.Output[str],
+        tag: str,
+        build_args: dict[str, str],
+        opts: pulumi.ResourceOptions,
     ) -> pulumi.Output[str]:
         cfg = self._args.cfg
         token = gcp.organizations.get_client_config_output().access_token
@@ -163,6 +174,7 @@ class Images(pulumi.ComponentResource):
             context=docker_build.BuildContextArgs(location=str(spec.context)),
             dockerfile=docker_build.DockerfileArgs(location=str(spec.dockerfile)),
             platforms=[docker_build.Platform.LINUX_AMD64],
+            build_args=build_args or None,
             push=True,
             # A preview (every PR) must not build and push images; the digest stays unknown until `up`.
             build_on_preview=False,
@@ -179,7 +191,13 @@ class Images(pulumi.ComponentResource):
         return pulumi.Output.all(repo, image.digest).apply(lambda parts: f"{parts[0]}@{parts[1]}")
 
     def _cloud_build(
-        self, name: str, spec: ImageSpec, repo: pulumi.Output[str], tag: str, opts: pulumi.ResourceOptions
+        self,
+        name: str,
+        spec: ImageSpec,
+        repo: pulumi.Output[str],
+        tag: str,
+        build_args: dict[str, str],
+        opts: pulumi.ResourceOptions,
     ) -> pulumi.Output[str]:
         cfg = self._args.cfg
         build = command.local.Command(
@@ -193,8 +211,9 @@ class Images(pulumi.ComponentResource):
                 "CONFIG": str(REPO_ROOT / "infra" / "cloudbuild.yaml"),
                 "IMAGE": repo.apply(lambda r: f"{r}:{tag}"),
                 "DOCKERFILE": str(spec.dockerfile.relative_to(spec.context)),
+                "VLLM_IMAGE": build_args.get("VLLM_IMAGE", ""),
             },
-            triggers=[tag],
+            triggers=[tag, *build_args.values()],
             opts=opts,
         )
         return pulumi.Output.all(repo, build.stdout).apply(lambda parts: f"{parts[0]}@{parts[1].strip()}")

@@ -3,7 +3,7 @@
     python -m serving.client --url https://gft-dev-vllm-abc123-uc.a.run.app \\
         "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
     python -m serving.client --url http://127.0.0.1:8000 --list-models
-    # CI, or any caller acting as a service account (needs roles/iam.serviceAccountTokenCreator on it):
+    # CI, or any caller acting as a service account (needs roles/iam.serviceAccountOpenIdTokenCreator on it):
     python -m serving.client --url "$URL" --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"
 
     from serving.client import chat
@@ -74,7 +74,7 @@ Message = dict[str, str]
 LOGIN_HELP = (
     "log in with `gcloud auth login` (a person; `gcloud auth application-default login` is not enough for "
     "identity tokens), or act as a service account with --impersonate-service-account SA_EMAIL (CI; needs "
-    f"roles/iam.serviceAccountTokenCreator on it), or pass --token / set ${TOKEN_ENV}"
+    f"roles/iam.serviceAccountOpenIdTokenCreator on it), or pass --token / set ${TOKEN_ENV}"
 )
 
 

@@ -199,7 +199,7 @@ class TestWhatVllmWouldRefuse:
         ],
     )
     def test_float16_for_gemma_is_refused(self, data: dict[str, object]) -> None:
-        with pytest.raises(VllmConfigError, match="vLLM refuses float16 for Gemma 2/3.*Use dtype=bfloat16"):
+        with pytest.raises(VllmConfigError, match=r"vLLM refuses float16 for Gemma 2/3.*Use dtype=bfloat16"):
             load_config(data)
 
     def test_other_dtypes_and_models_pass(self) -> None:
