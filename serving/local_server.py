@@ -686,7 +686,8 @@ class LocalServer:
         process, self._process = self._process, None
         if process is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        # SIGKILL cannot be ignored, but on a busy machine the kernel may need a while to finish the exit
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 30.0)):
             try:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:

@@ -330,10 +330,10 @@ class TestColdStart:
     def test_first_request_times_out_then_the_instance_answers(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """The whole path, with this fake standing in for a Cloud Run URL whose first request waits on a cold start."""
         monkeypatch.setattr(client, "is_cloud_run", lambda url: True)
-        script = [Reply(body=completion("late"), delay_s=1.5), Reply(body=completion("🥣"))]
+        script = [Reply(body=completion("late"), delay_s=3.0), Reply(body=completion("🥣"))]
         with fake_server(*script) as srv:
-            assert chat(srv.url, USER, model="gemma", timeout_s=0.4, retry=FAST) == "🥣"
-        assert len(srv.chat_requests) == 2
+            assert chat(srv.url, USER, model="gemma", timeout_s=1.0, retry=FAST) == "🥣"
+        assert len(srv.chat_requests) >= 2, "the timed-out first request was retried"
 
 
 class TestApiKey:
