@@ -202,17 +202,20 @@ def real_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class TestOneDefinitionOfComplete:
     """The entrypoint runs serving/completion.py: the marker AND the inventory the trainer wrote, files readable."""
 
+    @pytest.mark.slow  # the real merge_and_export of a tiny model (module fixture)
     def test_a_real_export_is_served(self, real_export: Path, stub_bin: Path, tmp_path: Path) -> None:
         done, recorded = _run([str(real_export), "--port", "8000"], stub_bin, tmp_path)
         assert done.returncode == 0, done.stderr
         assert recorded == ["serve", str(real_export), "--port", "8000"]
 
+    @pytest.mark.slow  # the real merge_and_export of a tiny model (module fixture)
     def test_export_files_are_readable_by_the_image_user(self, real_export: Path) -> None:
         """safetensors saves 0600; the serving image runs as uid 10001, so the export makes every file a+r."""
         modes = {p.name: p.stat().st_mode & 0o777 for p in real_export.iterdir()}
         assert modes["model.safetensors"] & 0o044 == 0o044, oct(modes["model.safetensors"])
         assert all(mode & 0o444 == 0o444 for mode in modes.values()), {k: oct(v) for k, v in modes.items()}
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("damage", ["truncate", "delete", "drop_inventory"])
     def test_a_marker_that_no_longer_matches_is_refused(
         self, real_export: Path, stub_bin: Path, tmp_path: Path, damage: str
@@ -235,6 +238,7 @@ class TestOneDefinitionOfComplete:
         assert done.returncode == 3 and recorded is None, done.stderr
         assert expected in done.stderr
 
+    @pytest.mark.slow  # the real merge_and_export of a tiny model (module fixture)
     def test_unreadable_weights_are_refused_before_vllm(self, real_export: Path, tmp_path: Path) -> None:
         """Run the check as an unprivileged uid (root reads anything) on a 0600 copy of the weights."""
         import shutil
