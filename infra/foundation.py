@@ -143,7 +143,7 @@ def reads_hf_secret(cfg: StackConfig) -> bool:
 def required_apis(cfg: StackConfig) -> list[str]:
     """The APIs this stack uses, and no others."""
     apis = list(_COMMON_APIS) + list(_WORKLOAD_APIS[cfg.workload])
-    if reads_hf_secret(cfg):
+    if reads_hf_secret(cfg) or (cfg.serving_enabled and cfg.serving_api_key_set):
         apis.append("secretmanager.googleapis.com")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:
         apis.append("cloudbuild.googleapis.com")

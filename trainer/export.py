@@ -10,7 +10,13 @@ Decisions:
 - `_COMPLETE.json` is written LAST and atomically; the serving image waits for exactly this file
   name. A stale marker is removed before anything else is written, so a folder being rewritten, or a
   half-written export, is never mistaken for a model. The marker records the base model, the adapter,
-  the time and the list of files with their sizes.
+  the time and the list of files with their sizes; `serving/completion.py` is the one reader that
+  decides whether a folder is complete (marker + that inventory + every file readable).
+- Every exported file is made world-readable before the marker is written: safetensors (used by
+  transformers 5.x `save_pretrained`) writes through a 0600 temporary file (observed with
+  safetensors 0.8: `model.safetensors` 0600 under umask 022), and the serving image runs as
+  uid 10001, so a `docker run` of a local export, or a cache shared by several users, could not
+  read the weights.
 - Pushing to the Hub (`output.push_to_hub`, off by default) uploads the merged export, or the
   adapter when the recipe does not merge (W1's seed pushed its adapter to a private repo), into a
   repository created private unless `output.hub_private` is false. The token is HF_TOKEN from the
@@ -52,8 +58,20 @@ def file_inventory(directory: Path) -> list[dict[str, Any]]:
     ]
 
 
+def make_readable(directory: Path) -> None:
+    """Give everyone read access to every file (and traversal of every folder) under `directory`."""
+    for path in [directory, *directory.rglob("*")]:
+        if path.is_symlink():
+            continue
+        extra = 0o555 if path.is_dir() else 0o444
+        mode = path.stat().st_mode & 0o7777
+        if mode & extra != extra:
+            path.chmod(mode | extra)
+
+
 def write_completion_marker(directory: Path, **details: Any) -> Path:
-    """Write `_COMPLETE.json` (atomically) listing every other file in the folder. Call it last."""
+    """Make the folder readable and write `_COMPLETE.json` (atomically) listing every other file. Call it last."""
+    make_readable(directory)
     marker = directory / COMPLETION_MARKER
     write_json_atomic(marker, {**details, "completed_at": time.time(), "files": file_inventory(directory)})
     return marker
