@@ -188,7 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         output_dir = load_recipe(args.recipe, args.overrides).output.dir
         if OutputLocation.from_dir(output_dir).finished_run() is not None:
-            print(f"{output_dir} already holds a finished run ({RUN_MARKER}): nothing to launch", flush=True)
+            print(
+                f"{output_dir} already holds a finished run ({RUN_MARKER}): nothing to launch; "
+                "set output.dir to a new folder to train again",
+                flush=True,
+            )
             return 0
         launch = plan(args)
     except (RecipeError, FsdpConfigError, OSError) as exc:
