@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from trainer.checkpoints import CHECKPOINT_MARKER
+from trainer.checkpoints import CHECKPOINT_MARKER, RUN_MARKER
 from trainer.export import COMPLETION_MARKER, is_complete, merge_and_export
 from trainer.recipe import Recipe, load_recipe
 from trainer.train import LossMode, RunResult, build_trainer, choose_loss_mode, main
@@ -48,6 +48,13 @@ class StopAfterStep(TrainerCallback):
         if state.global_step == self.step:
             raise KeyboardInterrupt(f"killed after step {self.step}")
         return control
+
+
+class NeverTrain(TrainerCallback):
+    """Fails the test if a run that should be skipped starts training."""
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a finished run was trained again")
 
 
 def _lora_b_norm(adapter_dir: Path) -> float:
@@ -234,6 +241,14 @@ def test_checkpoints_mirror_to_a_url_and_resume_on_a_new_machine(
     assert (remote / "merged" / COMPLETION_MARKER).is_file() and is_complete(result.merged_dir)
     assert (remote / "adapter/adapter_model.safetensors").is_file()
     assert json.loads((remote / "run_summary.json").read_text())["steps"] == 4
+    # the run marker is the last file written to the bucket, and a rerun finds it and does nothing
+    marker = remote / RUN_MARKER
+    others = [p.stat().st_mtime_ns for p in remote.rglob("*") if p.is_file() and p != marker]
+    assert marker.is_file() and marker.stat().st_mtime_ns >= max(others)
+    monkeypatch.setenv("GEMMA_FT_STAGING", str(tmp_path / "machine-3"))
+    again = main(tiny_recipe(tiny_gemma3_dir, url), callbacks=[NeverTrain()])
+    assert again == result
+    assert not (tmp_path / "machine-3").exists(), "the rerun staged something"
 
 
 def _location(tmp_path: Path):  # type: ignore[no-untyped-def]
