@@ -295,6 +295,7 @@ cat <<EOF
 Done. In GitHub ($GITHUB_REPO), Settings:
   Secrets and variables > Actions > Variables: GCP_PROJECT_ID=$PROJECT_ID  GCP_PROJECT_NUMBER=$PROJECT_NUMBER
   State backend: $backend_line
-  Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans)
+  Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans);
+    deploy and destroy: Deployment branches = main only (a pull request's job must not reach their secrets)
 New stacks: pulumi stack init <stack> --secrets-provider gcpkms://$KEY_NAME (bucket backend), then rerun this script.
 EOF
