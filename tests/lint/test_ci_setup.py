@@ -562,6 +562,7 @@ class TestRunningTheScript:
         build = f"account:gft-b200-build@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
         assert Grant("gft-ci-deploy", "roles/iam.serviceAccountUser", build) in run.grants()
 
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         "stacks",
         [
