@@ -25,8 +25,9 @@
 # - A create or a list is authorised on the project before a resource has a name a condition could match:
 #   each such permission set is a small custom role (gftCi*Creator, gftCiBucketLister,
 #   gftCiReservationReader). The deploy identity changes the project's IAM policy only through
-#   gftCiProjectIamGranter, conditioned on `modifiedGrantsByRole` to the one project role the program grants
-#   per purpose (the node and builder accounts' log roles).
+#   gftCiProjectIamGranter, conditioned on `modifiedGrantsByRole` to the project roles the program grants (the
+#   node and builder accounts' log roles). A GKE stack's condition names both: the provider batches the project
+#   IAM members of one update into one setIamPolicy, which IAM judges as a whole.
 # - The deploy identity cannot enable APIs: every API any stack declares is enabled here, and the
 #   program's gcp.projects.Service resources only find them enabled.
 # - Federation is one pool per identity, each with one GitHub provider whose attribute condition is
@@ -194,6 +195,9 @@ grep -qx cloud-run <<<"$workloads" && has_cloud_run=true
 grep -qx -e gke-job -e gke-ray <<<"$workloads" && has_gke=true
 grep -qx reservation <<<"$features" && has_reservation=true
 grep -qx cloud-build <<<"$features" && has_cloud_build=true
+has_cloud_run_cloud_build=false
+awk '$2 == "cloud-run" && ("," $3 ",") ~ /,cloud-build,/ {found = 1} END {exit !found}' <<<"$STACK_LINES" &&
+  has_cloud_run_cloud_build=true
 
 if $has_cloud_run; then grant_state gft-ci-preview roles/storage.objectViewer; fi
 if $has_gke; then grant_state gft-ci-preview-gke roles/storage.objectViewer; fi
@@ -213,7 +217,13 @@ custom="projects/$PROJECT_ID/roles"
 buckets="resource.name.startsWith('projects/_/buckets/$PROJECT_ID-gft-')"
 secrets="resource.name.startsWith('projects/$PROJECT_NUMBER/secrets/gft-') || resource.name.startsWith('projects/$PROJECT_ID/secrets/gft-')"
 # IAM docs, "Set limits on granting roles": the policy change may add or remove grants of these roles only.
-grants_only() { echo "api.getAttribute('iam.googleapis.com/modifiedGrantsByRole', []).hasOnly(['$1'])"; }
+# The provider sends the project IAM members one update creates as one batched setIamPolicy, so a GKE stack's
+# condition names both roles it may grant at once (ci-identities.yaml).
+grants_only() {
+  local roles
+  roles=$(printf "'%s', " "$@")
+  echo "api.getAttribute('iam.googleapis.com/modifiedGrantsByRole', []).hasOnly([${roles%, }])"
+}
 
 if $has_cloud_run; then
   grant_project gft-ci-preview "$custom/gftCiBucketLister"
@@ -239,12 +249,14 @@ fi
 if $has_gke; then
   grant_project gft-ci-deploy roles/container.clusterAdmin
   grant_project gft-ci-deploy roles/container.developer
-  grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" "$(grants_only roles/container.defaultNodeServiceAccount)" \
-    gft-ci-grant-node-log-role
+  grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" \
+    "$(grants_only roles/container.defaultNodeServiceAccount roles/logging.logWriter)" gft-ci-grant-project-log-roles
   if $has_reservation; then grant_project gft-ci-deploy "$custom/gftCiReservationReader"; fi
 fi
 if $has_cloud_build; then
   grant_project gft-ci-deploy roles/cloudbuild.builds.editor
+fi
+if $has_cloud_run_cloud_build; then
   grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" "$(grants_only roles/logging.logWriter)" \
     gft-ci-grant-build-log-role
 fi
@@ -283,6 +295,7 @@ cat <<EOF
 Done. In GitHub ($GITHUB_REPO), Settings:
   Secrets and variables > Actions > Variables: GCP_PROJECT_ID=$PROJECT_ID  GCP_PROJECT_NUMBER=$PROJECT_NUMBER
   State backend: $backend_line
-  Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans)
+  Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans);
+    deploy and destroy: Deployment branches = main only (a pull request's job must not reach their secrets)
 New stacks: pulumi stack init <stack> --secrets-provider gcpkms://$KEY_NAME (bucket backend), then rerun this script.
 EOF

@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
+from infra.api_permissions import Need, Scope
 from infra.offline import REPO_ROOT, run_stack, stack_names
-from infra.permissions import ci_grant_applies, ci_identities, permissions_of
+from infra.permissions import ci_grant_applies, ci_grants, ci_identities, covers, permissions_of
 from tests.lint.conftest import ci_module, fake_command
 
 BOOTSTRAP = REPO_ROOT / "infra" / "bootstrap"
@@ -475,6 +476,30 @@ class TestTheProgramFindsWhatItNeeds:
                 assert inputs.get("deletionPolicy") == "ABANDON", account.urn
                 assert names[inputs["accountId"]] == inputs["displayName"], account.urn
 
+    @pytest.mark.slow
+    def test_one_project_iam_change_may_grant_every_project_role_of_an_update(self) -> None:
+        """google_project_iam_member is registered with `tpgiamresource.IamWithBatching`: the provider combines the
+        project IAM members an update creates within `send_after` (default on, 3 s: transport_tpg
+        DefaultBatchSendIntervalSec) into ONE read-modify-write (tpgiamresource/iam_batching.go), and IAM judges
+        `modifiedGrantsByRole` on that one setIamPolicy. So a single grant must allow every project role one
+        `pulumi up` grants, together: one grant per role would deny the batched call (a GKE stack building with
+        Cloud Build grants the node and the builder roles at once)."""
+        together = 0
+        for stack in stack_names():
+            for overrides in ({}, {"imageBuild": "cloud-build"}):
+                run = run_stack(stack, overrides=overrides)
+                assert run.cfg is not None
+                members = run.of_type("gcp:projects/iAMMember:IAMMember")
+                roles = frozenset(member.plain_inputs()["role"] for member in members)
+                if not roles:
+                    continue
+                batched = Need("resourcemanager.projects.setIamPolicy", Scope.PROJECT, "batched", grants_roles=roles)
+                assert any(covers(grant, batched, run.cfg) for grant in ci_grants(run.cfg)), (
+                    f"{stack} {overrides}: no grant of the deploy identity may change {sorted(roles)} in one call"
+                )
+                together += len(roles) > 1
+        assert together, "no update grants two project roles: the check would be empty"
+
 
 class TestRunningTheScript:
     @pytest.mark.slow
@@ -536,6 +561,34 @@ class TestRunningTheScript:
         } <= roles
         build = f"account:gft-b200-build@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
         assert Grant("gft-ci-deploy", "roles/iam.serviceAccountUser", build) in run.grants()
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        "stacks",
+        [
+            {"emoji": ("cloud-run", ["cloud-build"])},
+            {"emoji": ("cloud-run", ["cloud-build"]), "b200": ("gke-job", [])},
+            {"emoji": ("cloud-run", []), "b200": ("gke-job", ["cloud-build"])},
+        ],
+        ids=["cloud-run-builds", "cloud-run-builds-and-gke", "gke-builds"],
+    )
+    def test_project_iam_grants_follow_which_workload_builds_with_cloud_build(
+        self, tmp_path: Path, stacks: dict[str, tuple[str, list[str]]]
+    ) -> None:
+        """The builder's log-writer role is covered by the GKE condition (both roles, one batched call) or, for a
+        Cloud Run stack building with Cloud Build, by its own."""
+        files = {
+            f"Pulumi.{name}.yaml": f"config:\n  gemma-finetune:workload: {workload}\n"
+            + ("  gemma-finetune:imageBuild: cloud-build\n" if "cloud-build" in features else "")
+            for name, (workload, features) in stacks.items()
+        }
+        run = run_setup(tmp_path, repo=a_repository(tmp_path, files))
+        assert run.returncode == 0, run.stderr
+        assert run.grants() == expected_grants(stacks)
+        granter = [g for g in run.grants() if g.role.endswith("/gftCiProjectIamGranter")]
+        needed = 1 if any(w.startswith("gke") for w, _ in stacks.values()) else 0
+        needed += any(w == "cloud-run" and "cloud-build" in f for w, f in stacks.values())
+        assert len(granter) == needed, granter
 
     def test_shellcheck(self) -> None:
         shellcheck = Path(sys.executable).parent / "shellcheck"
