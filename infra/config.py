@@ -28,7 +28,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
-from serving.vllm_args import VLLM_IMAGE
+from serving.vllm_args import VLLM_IMAGE, cuda12_variant, image_cuda_major
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe
 
@@ -317,11 +317,14 @@ class StackConfig(BaseModel):
                 f"servingGpuType={self.serving_gpu_type!r} is not offered by Cloud Run. "
                 f"Cloud Run offers: {', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('servingGpuType', 'nvidia-l4')}"
             )
-        if self.serving_gpu_type == "nvidia-l4" and re.search(r"cu1[3-9]|cuda-?1[3-9]", self.serving_vllm_image):
+        cuda = image_cuda_major(self.serving_vllm_image)
+        if self.serving_gpu_type == "nvidia-l4" and cuda is not None and cuda >= 13:
             problems.append(
-                f"servingVllmImage={self.serving_vllm_image!r} is a CUDA 13 build, but Cloud Run's L4 driver is "
-                "535 (CUDA 12.2) and CUDA 13 needs driver >= 580 (NVIDIA CUDA minor version compatibility). "
-                f"Fix: {_set('servingVllmImage', VLLM_IMAGE)} (a CUDA 12.x build), or "
+                f"servingVllmImage={self.serving_vllm_image!r} is a CUDA {cuda} build (from vLLM v0.20 on, a tag "
+                "without a suffix is the CUDA 13.0 build: vllm-project/vllm#39878), but Cloud Run's L4 driver is 535 "
+                "(CUDA 12.2) and CUDA 13 needs driver >= 580 (NVIDIA CUDA minor version compatibility). Allowed on "
+                "nvidia-l4: a CUDA 12 build, i.e. a `-cu129` tag (vllm/vllm-openai:vX.Y.Z-cu129), a release before "
+                f"v0.20, or a digest. Fix: {_set('servingVllmImage', cuda12_variant(self.serving_vllm_image))}, or "
                 f"{_set('servingGpuType', 'nvidia-rtx-pro-6000')} (driver 580)"
             )
         return problems

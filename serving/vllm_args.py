@@ -42,8 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # Written by the trainer as the last file of an export (serving/completion.py defines "complete").
 from serving.completion import COMPLETION_MARKER as COMPLETION_MARKER
 
-# The official image, pinned to an exact release (see serving/README.md, "Base image").
-VLLM_IMAGE = "vllm/vllm-openai:v0.28.0"
+# The official image, pinned to an exact release, in its CUDA 12.9 build (see serving/README.md, "Base image"):
+# since v0.20 the plain tag is the CUDA 13.0 build, which Cloud Run's L4 driver (535) cannot run.
+VLLM_IMAGE = "vllm/vllm-openai:v0.28.0-cu129"
 # Where the serving container sees the trainer's output (the bucket is mounted here).
 MODEL_MOUNT_PATH = "/mnt/models"
 DEFAULT_MODEL_PATH = f"{MODEL_MOUNT_PATH}/merged"
@@ -76,6 +77,52 @@ def model_type_of(name_or_path: str) -> str | None:
     """`gemma3` for google/gemma-3-1b-it or a run folder named after a Gemma 3 recipe; None when unknown."""
     match = _GEMMA_FAMILY.search(name_or_path)
     return f"gemma{match.group(1)}" if match else None
+
+
+# vLLM's image tags (vllm-project/vllm#39878, "Switch default CUDA to 13.0", first released in v0.20.0): the
+# plain tag `vX.Y.Z` (and its `-ubuntu2404` variant) is the CUDA 13.0 build and `vX.Y.Z-cu129` the CUDA 12.9
+# one; before v0.20 the plain tag was CUDA 12.x and `-cu130` the variant. Third-party confirmations:
+# vast-ai/base-image#158 (the live tag list of v0.20.0 holds `-cu129` and `-cu130`), llm-d/llm-d-kv-cache#584
+# ("The plain :v0.20.2 tag now resolves to a cu130 build").
+VLLM_REPOSITORIES = frozenset({"vllm/vllm-openai", "docker.io/vllm/vllm-openai"})
+FIRST_CUDA13_DEFAULT = (0, 20)
+_CUDA_SUFFIX = re.compile(r"(?:^|-)cu(?:da-?)?(\d{2})\d?(?:-|$)")
+_RELEASE_TAG = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+
+def _split_image(image: str) -> tuple[str, str]:
+    """`vllm/vllm-openai:v0.28.0` -> ("vllm/vllm-openai", "v0.28.0"); a digest reference has no tag ("")."""
+    if "@" in image:
+        return image.split("@", 1)[0], ""
+    repo, _, tag = image.rpartition(":")
+    if not repo or "/" in tag:  # no tag, or the colon belonged to a registry port
+        return image, ""
+    return repo, tag
+
+
+def image_cuda_major(image: str) -> int | None:
+    """The CUDA major version an image's tag says it was built for (12, 13), or None when the tag does not say.
+
+    A `-cuNNN` suffix says so for any image; a plain release tag of the official vLLM image means CUDA 13 from
+    v0.20 on and CUDA 12 before. Digests and other tags (`gemma4`, nightlies, your own images) are unknown.
+    """
+    repo, tag = _split_image(image)
+    suffix = _CUDA_SUFFIX.search(tag.lower())
+    if suffix:
+        return int(suffix.group(1))
+    release = _RELEASE_TAG.match(tag)
+    if repo in VLLM_REPOSITORIES and release:
+        return 13 if (int(release.group(1)), int(release.group(2))) >= FIRST_CUDA13_DEFAULT else 12
+    return None
+
+
+def cuda12_variant(image: str) -> str:
+    """The CUDA 12.9 build of the same vLLM release (`…:v0.28.0` -> `…:v0.28.0-cu129`), else the default image."""
+    repo, tag = _split_image(image)
+    release = _RELEASE_TAG.match(tag)
+    if repo in VLLM_REPOSITORIES and release and (int(release.group(1)), int(release.group(2))) >= FIRST_CUDA13_DEFAULT:
+        return f"{repo}:v{release.group(1)}.{release.group(2)}.{release.group(3)}-cu129"
+    return VLLM_IMAGE
 
 
 # typed field -> the vLLM flags (and aliases) that set it; used to reject duplicates in extra_args

@@ -355,7 +355,7 @@ class TestVllmImage:
     """servingVllmImage is a typed setting that reaches the serving build as VLLM_IMAGE (it used to be never passed)."""
 
     def test_docker_build_gets_the_build_argument(self) -> None:
-        image = "vllm/vllm-openai:v0.27.1"
+        image = "vllm/vllm-openai:v0.27.1-cu129"
         run = run_stack("dev", overrides={"servingEnabled": True, "servingVllmImage": image}, assume_trained=True)
         builds = {r.name: r.plain_inputs() for r in run.of_type("docker-build:index:Image")}
         assert builds["gft-dev-serving"]["buildArgs"] == {"VLLM_IMAGE": image}
@@ -377,8 +377,8 @@ class TestVllmImage:
             )
             return next(r for r in run.of_type("command:local:Command") if "serving" in r.name).plain_inputs()
 
-        first, second = build("vllm/vllm-openai:v0.27.1"), build("vllm/vllm-openai:v0.28.0")
-        assert first["environment"]["VLLM_IMAGE"] == "vllm/vllm-openai:v0.27.1"
+        first, second = build("vllm/vllm-openai:v0.27.1-cu129"), build("vllm/vllm-openai:v0.28.0-cu129")
+        assert first["environment"]["VLLM_IMAGE"] == "vllm/vllm-openai:v0.27.1-cu129"
         assert first["triggers"] != second["triggers"], "another base image must trigger another build"
 
     @pytest.mark.parametrize(
@@ -386,12 +386,41 @@ class TestVllmImage:
         [
             ("vllm/vllm-openai:latest", "nvidia-l4", "exact tag or digest"),
             ("vllm/vllm-openai", "nvidia-l4", "exact tag or digest"),
-            ("vllm/vllm-openai:v0.28.0-cu130", "nvidia-l4", "CUDA 13 build, but Cloud Run's L4 driver is 535"),
+            ("vllm/vllm-openai:v0.28.0-cu130", "nvidia-l4", "CUDA 13 build"),
         ],
     )
     def test_refusals(self, image: str, gpu: str, message: str) -> None:
         with pytest.raises(ConfigError, match=message):
             run_stack("dev", overrides={**SERVING, "servingVllmImage": image, "servingGpuType": gpu})
+
+    @pytest.mark.parametrize(
+        "image",
+        ["vllm/vllm-openai:v0.28.0", "vllm/vllm-openai:v0.20.0", "docker.io/vllm/vllm-openai:v0.28.0-ubuntu2404"],
+    )
+    def test_a_bare_tag_from_v0_20_is_cuda13_and_refused_on_l4(self, image: str) -> None:
+        """From vLLM v0.20 the unsuffixed tag is the CUDA 13.0 build (vllm-project/vllm#39878); L4's driver is 535."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingVllmImage": image})
+        message = str(info.value)
+        release = image.split(":")[1].split("-")[0]
+        assert f"servingVllmImage={image!r} is a CUDA 13 build" in message, message
+        assert "-cu129" in message and "driver is 535" in message, "what is allowed, and why"
+        repo = image.split(":")[0]
+        assert f"pulumi config set servingVllmImage {repo}:{release}-cu129" in message, "the command that fixes it"
+
+    @pytest.mark.parametrize(
+        "image", ["vllm/vllm-openai:v0.28.0-cu129", "vllm/vllm-openai:v0.19.1", "vllm/vllm-openai@sha256:" + "a" * 64]
+    )
+    def test_cuda12_builds_are_fine_on_l4(self, image: str) -> None:
+        run = run_stack("dev", overrides={"servingEnabled": True, "servingVllmImage": image}, assume_trained=True)
+        serving = next(r for r in run.of_type("docker-build:index:Image") if r.name == "gft-dev-serving")
+        assert serving.plain_inputs()["buildArgs"] == {"VLLM_IMAGE": image}
+
+    def test_the_default_is_a_cuda12_build_that_l4_accepts(self) -> None:
+        from serving.vllm_args import VLLM_IMAGE, image_cuda_major
+
+        assert image_cuda_major(VLLM_IMAGE) == 12, VLLM_IMAGE
+        run_stack("dev", overrides={**SERVING, "servingGpuType": "nvidia-l4"}, assume_trained=True)
 
     def test_cuda13_is_fine_on_rtx_pro_6000(self) -> None:
         run_stack(
