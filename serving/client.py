@@ -27,9 +27,12 @@ Decisions:
   `Authorization: Bearer KEY`; the identity token then moves to `X-Serverless-Authorization`,
   which Cloud Run's IAM check reads instead (GoogleCloudPlatform/cloud-run-proxy#25), so both fit.
 - Retries: connection refused, 429 and 502/503/504 are retried with a bounded exponential
-  backoff. For Cloud Run URLs a timeout is retried too, and the deadline covers the service's
-  startup window (serving/startup.py): the first request to a scaled-to-zero service waits for
-  an instance to start. `--timeout` applies to every request, the model lookup included.
+  backoff (at most 20 s apart). Local servers get 8 tries within 300 s. For Cloud Run URLs a
+  timeout is retried too, and the retries are bounded by time only, not by a count: until the
+  service's startup window (serving/startup.py) plus one request's timeout has passed, because
+  the first request to a scaled-to-zero service answers 429/503 for as long as an instance takes
+  to pull the image and load the model. `--timeout` applies to every request, the model lookup
+  included.
 - Proxies from the environment are ignored for local URLs (a corporate proxy cannot reach
   this machine's 127.0.0.1).
 
@@ -100,9 +103,12 @@ class UnavailableError(ClientError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded exponential backoff: at most `attempts` tries within `deadline_s`; timeouts retried only if asked."""
+    """Bounded exponential backoff: tries until `deadline_s` has passed (and at most `attempts`, unless None).
 
-    attempts: int = 8
+    Timeouts are retried only if asked (`retry_timeouts`).
+    """
+
+    attempts: int | None = 8
     initial_delay_s: float = 1.0
     max_delay_s: float = 20.0
     deadline_s: float = 300.0
@@ -141,12 +147,22 @@ def is_cloud_run(url: str) -> bool:
     return parts.scheme == "https" and (parts.hostname or "").endswith(".run.app")
 
 
+def cold_start_deadline_s(timeout_s: float) -> float:
+    """How long a request to a scaled-to-zero Cloud Run service may keep retrying: the startup window, then one answer."""
+    return STARTUP_WINDOW.total_s + timeout_s
+
+
 def cold_start_policy(url: str, retry: RetryPolicy, timeout_s: float) -> RetryPolicy:
-    """For Cloud Run, retry timeouts and stretch the deadline over the startup window; elsewhere unchanged."""
-    if not is_cloud_run(url) or retry.attempts <= 1:
+    """For Cloud Run: retry timeouts too, and bound the retries by the cold-start deadline, not by a count.
+
+    An instance starting from zero answers 429/503 (or nothing) for as long as the image pull and the
+    model load take, up to the startup window; a count of tries would give up before it is ready (8 tries
+    of quick 429s are over after about 70 s of backoff). Elsewhere, and with `--no-retry`, the policy is unchanged.
+    """
+    if not is_cloud_run(url) or retry.attempts == 1:
         return retry
-    deadline = max(retry.deadline_s, STARTUP_WINDOW.total_s + timeout_s)
-    return dataclasses.replace(retry, retry_timeouts=True, deadline_s=deadline)
+    deadline = max(retry.deadline_s, cold_start_deadline_s(timeout_s))
+    return dataclasses.replace(retry, attempts=None, retry_timeouts=True, deadline_s=deadline)
 
 
 @dataclass(frozen=True)
@@ -361,13 +377,21 @@ def _request_json(
             raise ClientError(f"{url} did not answer with JSON: {exc}") from None
         delay = retry.delay(attempt, retry_after)
         elapsed = time.monotonic() - started
-        if attempt >= retry.attempts or elapsed + delay > retry.deadline_s:
+        out_of_tries = retry.attempts is not None and attempt >= retry.attempts
+        if out_of_tries or elapsed + delay > retry.deadline_s:
             raise UnavailableError(
                 f"{url} is not available after {attempt} tries in {elapsed:.0f} s ({why}"
                 f"{': ' + detail if detail else ''}); a Cloud Run service may still be starting "
                 f"(its startup window is {STARTUP_WINDOW.total_s} s; check its logs), a local one may have stopped"
             )
-        log.info("%s from %s, retrying in %.1f s (try %d of %d)", why, url, delay, attempt + 1, retry.attempts)
+        log.info(
+            "%s from %s, retrying in %.1f s (try %d; giving up %.0f s from the first)",
+            why,
+            url,
+            delay,
+            attempt + 1,
+            retry.deadline_s,
+        )
         time.sleep(delay)
 
 

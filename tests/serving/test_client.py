@@ -327,6 +327,42 @@ class TestColdStart:
         assert not cold_start_policy("http://127.0.0.1:8000", client.DEFAULT_RETRY, 120).retry_timeouts
         assert not cold_start_policy(RUN_URL, client.NO_RETRY, 120).retry_timeouts, "--no-retry means no retry"
 
+    def test_429_for_longer_than_eight_tries_then_the_instance_answers(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A cold start answers 429 for as long as the image pull and model load take: a try count must not end it.
+
+        The default policy's 8 tries (about 70 s of backoff) gave up long before a 480 s startup window; here
+        the delays are shortened so 12 refusals take a moment, but the policy is the one the client uses.
+        """
+        monkeypatch.setattr(client, "is_cloud_run", lambda url: True)
+        quick = RetryPolicy(initial_delay_s=0.01, max_delay_s=0.02)
+        assert quick.attempts == client.DEFAULT_RETRY.attempts == 8
+        busy = Reply(429, {"error": {"message": "no available instance"}})
+        with fake_server(*[busy] * 12, Reply(body=completion("🥣"))) as srv:
+            assert chat(srv.url, USER, model="gemma", timeout_s=5, retry=quick) == "🥣"
+        assert len(srv.chat_requests) == 13
+
+    def test_cold_start_retries_end_at_the_startup_window(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A service that never comes up is given up on once the startup window and one timeout have passed."""
+        monkeypatch.setattr(client, "is_cloud_run", lambda url: True)
+        clock = [0.0]
+
+        class FakeTime:
+            @staticmethod
+            def monotonic() -> float:
+                return clock[0]
+
+            @staticmethod
+            def sleep(seconds: float) -> None:
+                clock[0] += seconds
+
+        monkeypatch.setattr(client, "time", FakeTime)
+        with fake_server(Reply(503)) as srv, pytest.raises(UnavailableError) as info:
+            chat(srv.url, USER, model="gemma", timeout_s=30)
+        waited = clock[0]
+        assert STARTUP_WINDOW.total_s - client.DEFAULT_RETRY.max_delay_s <= waited <= STARTUP_WINDOW.total_s + 30
+        assert len(srv.chat_requests) > client.DEFAULT_RETRY.attempts, "bounded by time, not by 8 tries"
+        assert f"startup window is {STARTUP_WINDOW.total_s} s" in str(info.value)
+
     def test_first_request_times_out_then_the_instance_answers(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """The whole path, with this fake standing in for a Cloud Run URL whose first request waits on a cold start."""
         monkeypatch.setattr(client, "is_cloud_run", lambda url: True)
