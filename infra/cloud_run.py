@@ -497,7 +497,8 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
         )
         outputs["query"] = service.url.apply(
             lambda url: (
-                f'python -m serving.client --url {url} --model {cfg.recipe} "Translate to emoji: I ate a banana '
+                # GEMMA_FT_URL is the client's token allowlist: identity tokens go only to the stack's servingUrl
+                f'GEMMA_FT_URL={url} python -m serving.client --model {cfg.recipe} "Translate to emoji: I ate a banana '
                 "for breakfast, later I'm thinking of having soup!\""
             )
         )

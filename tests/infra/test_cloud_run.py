@@ -190,7 +190,8 @@ class TestServing:
             assume_trained=True,
         )
         assert run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"][-1] == "--no-enable-prefix-caching"
-        assert redact_secrets(run.outputs)["query"].startswith("python -m serving.client --url https://")
+        query = redact_secrets(run.outputs)["query"]
+        assert query.startswith("GEMMA_FT_URL=https://") and " python -m serving.client --model " in query, query
 
 
 class TestEditedRecipe:
