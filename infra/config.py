@@ -28,7 +28,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
-from serving.vllm_args import VLLM_IMAGE, cuda12_variant, image_cuda_major
+from serving.vllm_args import SECRET_FLAGS, VLLM_IMAGE, cuda12_variant, image_cuda_major, secret_flag
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe
 
@@ -223,6 +223,20 @@ class StackConfig(BaseModel):
                 f"{VLLM_IMAGE} or vllm/vllm-openai@sha256:<64 hex> (find it with `docker buildx imagetools "
                 f"inspect {VLLM_IMAGE}`). Fix: {_set('servingVllmImage', VLLM_IMAGE)}"
             )
+        return v
+
+    @field_validator("serving_extra_args")
+    @classmethod
+    def _serving_extra_args(cls, v: list[str]) -> list[str]:
+        for i, arg in enumerate(v):
+            flag = secret_flag(arg)
+            if flag is not None:  # the message never repeats `arg`: its value may be the secret
+                raise ValueError(
+                    f"servingExtraArgs[{i}] is vLLM's {flag}: its value would be plain text in the Pulumi state and "
+                    f"the Cloud Run revision (and is already plain text in this stack's config file: rotate it). "
+                    f"Allowed there: flags without credentials. Use {SECRET_FLAGS[flag]}. "
+                    f"Fix: pulumi config rm --path 'servingExtraArgs[{i}]' (and its value, if it is the next entry)"
+                )
         return v
 
     @field_validator("serving_env")

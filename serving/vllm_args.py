@@ -11,6 +11,8 @@ Decisions:
 - Every flag we rely on is a typed field, validated before any resource is declared; the
   `extra_args` escape hatch takes anything else but refuses a flag that duplicates a typed
   field (two sources of truth for one setting is how a stack silently serves the wrong thing).
+  It also refuses a flag that carries a credential (`--api-key`, `--hf-token`): container args
+  are plain text in the Pulumi state and the revision; the API key comes from Secret Manager.
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
@@ -142,6 +144,21 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_num_seqs": ("--max-num-seqs",),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
+
+# vLLM flags whose value is a credential (vllm/entrypoints/openai/cli_args.py `FrontendArgs.api_key`;
+# vllm/config/model.py `ModelConfig.hf_token`, "the token to use as HTTP bearer authorization for remote
+# files"). As container args they would be plain text in the Pulumi state and the Cloud Run revision.
+SECRET_FLAGS: dict[str, str] = {
+    "--api-key": "servingApiKey (pulumi config set --secret servingApiKey KEY: Secret Manager, then VLLM_API_KEY)",
+    "--hf-token": "nothing: the service reads the merged weights from the bucket with HF_HUB_OFFLINE=1 "
+    "(hfToken, a secret, is for training)",
+}
+
+
+def secret_flag(arg: str) -> str | None:
+    """The secret-bearing vLLM flag `arg` sets (`--api-key`, `--api_key=…`, `--hf-token`), or None."""
+    name = _flag_name(arg)
+    return name if name in SECRET_FLAGS else None
 
 
 def _flag_name(arg: str) -> str:
@@ -275,6 +292,12 @@ class VllmServerConfig(BaseModel):
         if v and v[0] == "serve":
             raise ValueError("extra_args starts with 'serve': the image's entrypoint is already `vllm serve`; drop it")
         for arg in v:
+            flag = secret_flag(arg)
+            if flag is not None:  # never echo `arg`: its value may be the secret
+                raise ValueError(
+                    f"extra_args contains {flag}, whose value would be plain text in the container's arguments; "
+                    f"use {SECRET_FLAGS[flag]}"
+                )
             field = _FLAG_TO_FIELD.get(_flag_name(arg))
             if field is not None:
                 raise ValueError(

@@ -324,6 +324,25 @@ class TestServingSettings:
         with pytest.raises(ConfigError, match=message):
             run_stack("dev", overrides={**SERVING, "servingEnv": [entry]})
 
+    @pytest.mark.parametrize(
+        ("extra", "flag", "index"),
+        [
+            (["--api-key", "sk-not-a-real-key-123"], "--api-key", 0),
+            (["--disable-log-requests", "--api_key=sk-not-a-real-key-123"], "--api-key", 1),
+            (["--hf-token", "hf_notarealtoken123"], "--hf-token", 0),
+        ],
+    )
+    def test_secret_flags_in_extra_args_are_refused(self, extra: list[str], flag: str, index: int) -> None:
+        """A credential as a container arg is plain text in the state and the revision: servingApiKey is the way."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingExtraArgs": extra})
+        message = str(info.value)
+        assert f"servingExtraArgs[{index}] is vLLM's {flag}" in message, message
+        assert f"pulumi config rm --path 'servingExtraArgs[{index}]'" in message
+        if flag == "--api-key":
+            assert "pulumi config set --secret servingApiKey" in message
+        assert "not-a-real" not in message and "notarealtoken" not in message, "the secret is never repeated"
+
 
 class TestApiKey:
     KEY = "vllm-key-not-a-real-credential"
