@@ -41,8 +41,11 @@ Decisions
   only when the stack says `servingPublic: true` (then the invoker check is disabled,
   with no allUsers binding: an unauthenticated GPU endpoint, see Pulumi.yaml). An optional
   `servingApiKey` goes to Secret Manager (the foundation's secret, with the serving account's
-  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference; vLLM checks it
-  on `/v1` routes only (vllm/entrypoints/openai/api_server.py). Scale to zero,
+  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference. vLLM checks it only on paths
+  under /v1, /v2, /inference and /cohere (serving/vllm_args.py `VLLM_API_KEY_GUARDED_PREFIXES`,
+  from vLLM's `AuthenticationMiddleware`): /invocations serves the same completions without it
+  (vllm-project/vllm#58144), so on a public service the key limits casual use, not inference.
+  The startup probe's /health is outside those prefixes and needs no key. Scale to zero,
   `servingMaxInstances` GPUs at most.
 - No Direct VPC egress: the service reads the model through its Cloud Storage volume over
   Google's network, and a subnet used by Direct VPC egress cannot be deleted for 1-2 hours
@@ -73,7 +76,14 @@ from infra.foundation import Foundation, Identity
 from infra.images import Images
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
 from serving.startup import STARTUP_WINDOW
-from serving.vllm_args import Dtype, VllmServerConfig, model_type_of, render_args
+from serving.vllm_args import (
+    VLLM_HEALTH_PATH,
+    VLLM_KEYLESS_INFERENCE_ROUTE,
+    Dtype,
+    VllmServerConfig,
+    model_type_of,
+    render_args,
+)
 from trainer.recipe import load_recipe, recipe_sha256
 
 BUCKET_MOUNT = "/mnt/bucket"
@@ -390,8 +400,9 @@ class VllmService(pulumi.ComponentResource):
                             period_seconds=STARTUP_WINDOW.period_s,
                             timeout_seconds=STARTUP_WINDOW.timeout_s,
                             failure_threshold=STARTUP_WINDOW.failure_threshold,
+                            # outside the API key's prefixes: the probe sends no key (serving/vllm_args.py)
                             http_get=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeHttpGetArgs(
-                                path="/health", port=VLLM_PORT
+                                path=VLLM_HEALTH_PATH, port=VLLM_PORT
                             ),
                         ),
                         volume_mounts=[
@@ -482,6 +493,12 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
             pulumi.log.warn(
                 "servingPublic=true without servingApiKey: anyone with the URL can use this GPU service and bill "
                 "up to servingMaxInstances instances; set one with `pulumi config set --secret servingApiKey …`"
+            )
+        elif cfg.serving_public:
+            pulumi.log.warn(
+                "servingPublic=true: servingApiKey guards only vLLM's /v1, /v2, /inference and /cohere paths; "
+                f"{VLLM_KEYLESS_INFERENCE_ROUTE} serves completions without it (vllm-project/vllm#58144), so anyone "
+                "with the URL can still use this GPU service. Keep it private (servingInvokers) unless that is fine"
             )
         service = VllmService(
             name,

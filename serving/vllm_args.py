@@ -127,6 +127,24 @@ def cuda12_variant(image: str) -> str:
     return VLLM_IMAGE
 
 
+# What vLLM's API key (`--api-key`, or VLLM_API_KEY as the service sets it) guards in the releases this image
+# pins: a path-prefix test, `GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")` in
+# vllm/entrypoints/serve/utils/server_utils.py (`AuthenticationMiddleware`; the same rule in 0.27.1 and 0.29.0,
+# vllm-project/vllm#58144). Every other route answers without the key: /health, /ping, /load, /version,
+# /metrics, /tokenize, /detokenize, /pooling, /classify, /score, /rerank, and /invocations, the SageMaker
+# route that serves the same chat and completion requests as /v1 (the `--api-key` help in
+# vllm/entrypoints/openai/cli_args.py says so; #58144 measured full completions there without a key).
+VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+VLLM_KEYLESS_INFERENCE_ROUTE = "/invocations"
+# vLLM's health route (the startup probe's path): outside the guarded prefixes, so the probe needs no key.
+VLLM_HEALTH_PATH = "/health"
+
+
+def vllm_api_key_guards(path: str) -> bool:
+    """Whether vLLM asks for the API key on `path` (its own test: `path.startswith(GUARDED_PREFIX)`)."""
+    return path.startswith(VLLM_API_KEY_GUARDED_PREFIXES)
+
+
 # typed field -> the vLLM flags (and aliases) that set it; used to reject duplicates in extra_args
 _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "model": ("--model",),

@@ -366,6 +366,51 @@ class TestApiKey:
             r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")
         }
 
+    def test_startup_probe_needs_no_key_and_the_api_does(self) -> None:
+        """Cloud Run's probe sends no Authorization header: its path must be one vLLM leaves open with a key set,
+        while the client's model lookup (/v1/models) is guarded and so must carry the key (test_client.py)."""
+        from serving.vllm_args import vllm_api_key_guards
+
+        run = run_stack(
+            "dev", overrides={**SERVING, "servingPublic": True, "servingApiKey": self.KEY}, assume_trained=True
+        )
+        probe = run.one(SERVICE).plain_inputs()["template"]["containers"][0]["startupProbe"]["httpGet"]["path"]
+        assert not vllm_api_key_guards(probe), probe
+        assert vllm_api_key_guards("/v1/models") and vllm_api_key_guards("/v1/chat/completions")
+
+    def test_public_with_a_key_still_warns_that_invocations_is_open(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """vLLM's key does not cover /invocations (vllm-project/vllm#58144): a key is no reason to stay silent."""
+        warned: list[str] = []
+        monkeypatch.setattr(pulumi.log, "warn", lambda message, *a, **k: warned.append(str(message)))
+        run_stack("dev", overrides={**SERVING, "servingPublic": True, "servingApiKey": self.KEY}, assume_trained=True)
+        assert any("/invocations" in w and "servingApiKey" in w for w in warned), warned
+
+    def test_every_description_of_the_keys_scope_names_what_vllm_guards(self) -> None:
+        """The key's scope is vLLM's path-prefix test (serving/vllm_args.py); docs that said "/v1 only" left
+        /v2, /inference, /cohere out and /invocations, which serves completions without the key, unmentioned."""
+        from pathlib import Path
+
+        import yaml
+
+        from infra import cloud_run
+        from serving.vllm_args import VLLM_API_KEY_GUARDED_PREFIXES, VLLM_KEYLESS_INFERENCE_ROUTE
+
+        root = Path(__file__).resolve().parents[2]
+        config = yaml.safe_load((root / "Pulumi.yaml").read_text())["config"]
+        readme = (root / "README.md").read_text()
+        docs = {
+            "Pulumi.yaml servingApiKey": config["servingApiKey"]["description"],
+            "Pulumi.yaml servingPublic": config["servingPublic"]["description"],
+            "README.md": readme[readme.index("**`servingPublic: true`") :][:1500],
+            "infra/cloud_run.py": cloud_run.__doc__ or "",
+        }
+        for where, text in docs.items():
+            flat = " ".join(text.split())
+            for prefix in VLLM_API_KEY_GUARDED_PREFIXES:
+                assert prefix in flat, f"{where} does not name {prefix}"
+            assert VLLM_KEYLESS_INFERENCE_ROUTE in flat, f"{where} does not say {VLLM_KEYLESS_INFERENCE_ROUTE} is open"
+            assert "/v1 routes" not in flat and "/v1/…` routes" not in flat, f"{where} still says /v1 only"
+
     def test_no_key_no_secret(self) -> None:
         run = run_stack("dev", overrides=SERVING, assume_trained=True)
         assert not [r for r in run.resources if "api-key" in r.name]
