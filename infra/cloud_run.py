@@ -31,8 +31,9 @@ Decisions
   against a listing of the run's folder (serving/completion.py, names only: a listing has no
   sizes); the entrypoint checks sizes and readability when the revision starts.
 - The startup probe is serving/startup.py's window (240 s initial delay + 24 x 10 s = 480 s);
-  the container gets the window and the marker wait as env, and the entrypoint refuses a
-  wait that would leave vLLM no time.
+  the container gets the window, the marker wait (0: the served run's marker is already listed,
+  so it is not a stack setting) and the longest wait startup.py allows as env, and the
+  entrypoint refuses a longer one.
 - Concurrency: Cloud Run sends one instance at most `servingConcurrency` requests, and vLLM
   gets the same number as `--max-num-seqs` (default: vLLM's own default for the GPU,
   256 on L4), so Cloud Run holds back nothing vLLM would batch and sends nothing it would
@@ -454,6 +455,7 @@ class VllmService(pulumi.ComponentResource):
             env(name="HF_HUB_OFFLINE", value="1"),
             env(name="GEMMA_FT_STARTUP_WINDOW_S", value=str(STARTUP_WINDOW.total_s)),
             env(name="GEMMA_FT_WAIT_FOR_MODEL_S", value=str(STARTUP_WINDOW.marker_wait_s)),
+            env(name="GEMMA_FT_MAX_MARKER_WAIT_S", value=str(STARTUP_WINDOW.max_marker_wait_s)),
             *(env(name=k, value=v) for k, _, v in (item.partition("=") for item in cfg.serving_env)),
         ]
         if foundation.api_key_secret is not None and foundation.api_key_secret_version is not None:

@@ -73,10 +73,23 @@ _IMAGE_REF = re.compile(
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set by the program itself, or reserved by Cloud Run (container contract: PORT, K_SERVICE, K_REVISION, K_CONFIGURATION).
-RESERVED_SERVING_ENV = frozenset(
-    {"PORT", "K_SERVICE", "K_REVISION", "K_CONFIGURATION", "HF_HUB_OFFLINE", "VLLM_API_KEY"}
-    | {"GEMMA_FT_WAIT_FOR_MODEL_S", "GEMMA_FT_STARTUP_WINDOW_S", "GEMMA_FT_SKIP_MODEL_CHECK"}
+# Each with what sets it instead (for the refusal message).
+_STARTUP_ENV = (
+    "serving/startup.py (the startup window; the marker wait is 0 and not a stack setting: `pulumi up` serves "
+    "only a run whose completion marker it has listed)"
 )
+RESERVED_SERVING_ENV: dict[str, str] = {
+    "PORT": "Cloud Run",
+    "K_SERVICE": "Cloud Run",
+    "K_REVISION": "Cloud Run",
+    "K_CONFIGURATION": "Cloud Run",
+    "HF_HUB_OFFLINE": "the program (weights come from the bucket, never the Hub)",
+    "VLLM_API_KEY": "servingApiKey (pulumi config set --secret servingApiKey KEY)",
+    "GEMMA_FT_WAIT_FOR_MODEL_S": _STARTUP_ENV,
+    "GEMMA_FT_STARTUP_WINDOW_S": _STARTUP_ENV,
+    "GEMMA_FT_MAX_MARKER_WAIT_S": _STARTUP_ENV,
+    "GEMMA_FT_SKIP_MODEL_CHECK": "nobody: the served model is always checked",
+}
 _SECRET_LIKE = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", re.IGNORECASE)
 # vLLM's default max_num_seqs for the OpenAI server: 256 on GPUs under 70 GiB, 1024 above
 # (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py); Cloud Run allows at most 1000 concurrent requests.
@@ -249,7 +262,8 @@ class StackConfig(BaseModel):
                 raise ValueError(f"servingEnv entry {item!r} must be NAME=value, e.g. VLLM_LOGGING_LEVEL=DEBUG")
             if name in RESERVED_SERVING_ENV:
                 raise ValueError(
-                    f"servingEnv sets {name}, which the program or Cloud Run sets itself; use the typed setting instead"
+                    f"servingEnv sets {name}, which the program or Cloud Run sets itself; it comes from "
+                    f"{RESERVED_SERVING_ENV[name]}. Fix: remove it from servingEnv"
                 )
             if _SECRET_LIKE.search(name):
                 raise ValueError(

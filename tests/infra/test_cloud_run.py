@@ -291,8 +291,17 @@ class TestStartupWindow:
         assert window == STARTUP_WINDOW.total_s == 480
         env = {e["name"]: e.get("value") for e in container["envs"]}
         assert env["GEMMA_FT_STARTUP_WINDOW_S"] == str(window)
-        # the entrypoint's marker wait is spent inside the window, never on top of it
+        # the entrypoint's marker wait is spent inside the window, never on top of it, and is capped by startup.py
         assert int(env["GEMMA_FT_WAIT_FOR_MODEL_S"]) + STARTUP_WINDOW.vllm_budget_s == window
+        assert env["GEMMA_FT_MAX_MARKER_WAIT_S"] == str(STARTUP_WINDOW.max_marker_wait_s)
+
+    def test_the_marker_wait_is_not_a_stack_setting_and_the_refusal_says_why(self) -> None:
+        """servingEnv refuses the entrypoint's variables; the message must not point at a setting that does not exist."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingEnv": ["GEMMA_FT_WAIT_FOR_MODEL_S=120"]})
+        message = str(info.value)
+        assert "typed setting" not in message
+        assert "serving/startup.py" in message and "marker wait is 0" in message, message
 
 
 class TestServingSettings:
