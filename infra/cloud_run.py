@@ -31,8 +31,9 @@ Decisions
   against a listing of the run's folder (serving/completion.py, names only: a listing has no
   sizes); the entrypoint checks sizes and readability when the revision starts.
 - The startup probe is serving/startup.py's window (240 s initial delay + 24 x 10 s = 480 s);
-  the container gets the window and the marker wait as env, and the entrypoint refuses a
-  wait that would leave vLLM no time.
+  the container gets the window, the marker wait (0: the served run's marker is already listed,
+  so it is not a stack setting) and the longest wait startup.py allows as env, and the
+  entrypoint refuses a longer one.
 - Concurrency: Cloud Run sends one instance at most `servingConcurrency` requests, and vLLM
   gets the same number as `--max-num-seqs` (default: vLLM's own default for the GPU,
   256 on L4), so Cloud Run holds back nothing vLLM would batch and sends nothing it would
@@ -41,8 +42,11 @@ Decisions
   only when the stack says `servingPublic: true` (then the invoker check is disabled,
   with no allUsers binding: an unauthenticated GPU endpoint, see Pulumi.yaml). An optional
   `servingApiKey` goes to Secret Manager (the foundation's secret, with the serving account's
-  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference; vLLM checks it
-  on `/v1` routes only (vllm/entrypoints/openai/api_server.py). Scale to zero,
+  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference. vLLM checks it only on paths
+  under /v1, /v2, /inference and /cohere (serving/vllm_args.py `VLLM_API_KEY_GUARDED_PREFIXES`,
+  from vLLM's `AuthenticationMiddleware`): /invocations serves the same completions without it
+  (vllm-project/vllm#58144), so on a public service the key limits casual use, not inference.
+  The startup probe's /health is outside those prefixes and needs no key. Scale to zero,
   `servingMaxInstances` GPUs at most.
 - No Direct VPC egress: the service reads the model through its Cloud Storage volume over
   Google's network, and a subnet used by Direct VPC egress cannot be deleted for 1-2 hours
@@ -73,7 +77,14 @@ from infra.foundation import Foundation, Identity
 from infra.images import Images
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
 from serving.startup import STARTUP_WINDOW
-from serving.vllm_args import Dtype, VllmServerConfig, model_type_of, render_args
+from serving.vllm_args import (
+    VLLM_HEALTH_PATH,
+    VLLM_KEYLESS_INFERENCE_ROUTE,
+    Dtype,
+    VllmServerConfig,
+    model_type_of,
+    render_args,
+)
 from trainer.recipe import load_recipe, recipe_sha256
 
 BUCKET_MOUNT = "/mnt/bucket"
@@ -390,8 +401,9 @@ class VllmService(pulumi.ComponentResource):
                             period_seconds=STARTUP_WINDOW.period_s,
                             timeout_seconds=STARTUP_WINDOW.timeout_s,
                             failure_threshold=STARTUP_WINDOW.failure_threshold,
+                            # outside the API key's prefixes: the probe sends no key (serving/vllm_args.py)
                             http_get=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeHttpGetArgs(
-                                path="/health", port=VLLM_PORT
+                                path=VLLM_HEALTH_PATH, port=VLLM_PORT
                             ),
                         ),
                         volume_mounts=[
@@ -443,6 +455,7 @@ class VllmService(pulumi.ComponentResource):
             env(name="HF_HUB_OFFLINE", value="1"),
             env(name="GEMMA_FT_STARTUP_WINDOW_S", value=str(STARTUP_WINDOW.total_s)),
             env(name="GEMMA_FT_WAIT_FOR_MODEL_S", value=str(STARTUP_WINDOW.marker_wait_s)),
+            env(name="GEMMA_FT_MAX_MARKER_WAIT_S", value=str(STARTUP_WINDOW.max_marker_wait_s)),
             *(env(name=k, value=v) for k, _, v in (item.partition("=") for item in cfg.serving_env)),
         ]
         if foundation.api_key_secret is not None and foundation.api_key_secret_version is not None:
@@ -483,6 +496,12 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
                 "servingPublic=true without servingApiKey: anyone with the URL can use this GPU service and bill "
                 "up to servingMaxInstances instances; set one with `pulumi config set --secret servingApiKey …`"
             )
+        elif cfg.serving_public:
+            pulumi.log.warn(
+                "servingPublic=true: servingApiKey guards only vLLM's /v1, /v2, /inference and /cohere paths; "
+                f"{VLLM_KEYLESS_INFERENCE_ROUTE} serves completions without it (vllm-project/vllm#58144), so anyone "
+                "with the URL can still use this GPU service. Keep it private (servingInvokers) unless that is fine"
+            )
         service = VllmService(
             name,
             cfg,
@@ -497,7 +516,8 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
         )
         outputs["query"] = service.url.apply(
             lambda url: (
-                f'python -m serving.client --url {url} --model {cfg.recipe} "Translate to emoji: I ate a banana '
+                # GEMMA_FT_URL is the client's token allowlist: identity tokens go only to the stack's servingUrl
+                f'GEMMA_FT_URL={url} python -m serving.client --model {cfg.recipe} "Translate to emoji: I ate a banana '
                 "for breakfast, later I'm thinking of having soup!\""
             )
         )

@@ -28,7 +28,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
-from serving.vllm_args import VLLM_IMAGE
+from serving.vllm_args import SECRET_FLAGS, VLLM_IMAGE, cuda12_variant, image_cuda_major, secret_flag
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe
 
@@ -73,10 +73,23 @@ _IMAGE_REF = re.compile(
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set by the program itself, or reserved by Cloud Run (container contract: PORT, K_SERVICE, K_REVISION, K_CONFIGURATION).
-RESERVED_SERVING_ENV = frozenset(
-    {"PORT", "K_SERVICE", "K_REVISION", "K_CONFIGURATION", "HF_HUB_OFFLINE", "VLLM_API_KEY"}
-    | {"GEMMA_FT_WAIT_FOR_MODEL_S", "GEMMA_FT_STARTUP_WINDOW_S", "GEMMA_FT_SKIP_MODEL_CHECK"}
+# Each with what sets it instead (for the refusal message).
+_STARTUP_ENV = (
+    "serving/startup.py (the startup window; the marker wait is 0 and not a stack setting: `pulumi up` serves "
+    "only a run whose completion marker it has listed)"
 )
+RESERVED_SERVING_ENV: dict[str, str] = {
+    "PORT": "Cloud Run",
+    "K_SERVICE": "Cloud Run",
+    "K_REVISION": "Cloud Run",
+    "K_CONFIGURATION": "Cloud Run",
+    "HF_HUB_OFFLINE": "the program (weights come from the bucket, never the Hub)",
+    "VLLM_API_KEY": "servingApiKey (pulumi config set --secret servingApiKey KEY)",
+    "GEMMA_FT_WAIT_FOR_MODEL_S": _STARTUP_ENV,
+    "GEMMA_FT_STARTUP_WINDOW_S": _STARTUP_ENV,
+    "GEMMA_FT_MAX_MARKER_WAIT_S": _STARTUP_ENV,
+    "GEMMA_FT_SKIP_MODEL_CHECK": "nobody: the served model is always checked",
+}
 _SECRET_LIKE = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", re.IGNORECASE)
 # vLLM's default max_num_seqs for the OpenAI server: 256 on GPUs under 70 GiB, 1024 above
 # (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py); Cloud Run allows at most 1000 concurrent requests.
@@ -225,6 +238,20 @@ class StackConfig(BaseModel):
             )
         return v
 
+    @field_validator("serving_extra_args")
+    @classmethod
+    def _serving_extra_args(cls, v: list[str]) -> list[str]:
+        for i, arg in enumerate(v):
+            flag = secret_flag(arg)
+            if flag is not None:  # the message never repeats `arg`: its value may be the secret
+                raise ValueError(
+                    f"servingExtraArgs[{i}] is vLLM's {flag}: its value would be plain text in the Pulumi state and "
+                    f"the Cloud Run revision (and is already plain text in this stack's config file: rotate it). "
+                    f"Allowed there: flags without credentials. Use {SECRET_FLAGS[flag]}. "
+                    f"Fix: pulumi config rm --path 'servingExtraArgs[{i}]' (and its value, if it is the next entry)"
+                )
+        return v
+
     @field_validator("serving_env")
     @classmethod
     def _serving_env(cls, v: list[str]) -> list[str]:
@@ -235,7 +262,8 @@ class StackConfig(BaseModel):
                 raise ValueError(f"servingEnv entry {item!r} must be NAME=value, e.g. VLLM_LOGGING_LEVEL=DEBUG")
             if name in RESERVED_SERVING_ENV:
                 raise ValueError(
-                    f"servingEnv sets {name}, which the program or Cloud Run sets itself; use the typed setting instead"
+                    f"servingEnv sets {name}, which the program or Cloud Run sets itself; it comes from "
+                    f"{RESERVED_SERVING_ENV[name]}. Fix: remove it from servingEnv"
                 )
             if _SECRET_LIKE.search(name):
                 raise ValueError(
@@ -317,11 +345,14 @@ class StackConfig(BaseModel):
                 f"servingGpuType={self.serving_gpu_type!r} is not offered by Cloud Run. "
                 f"Cloud Run offers: {', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('servingGpuType', 'nvidia-l4')}"
             )
-        if self.serving_gpu_type == "nvidia-l4" and re.search(r"cu1[3-9]|cuda-?1[3-9]", self.serving_vllm_image):
+        cuda = image_cuda_major(self.serving_vllm_image)
+        if self.serving_gpu_type == "nvidia-l4" and cuda is not None and cuda >= 13:
             problems.append(
-                f"servingVllmImage={self.serving_vllm_image!r} is a CUDA 13 build, but Cloud Run's L4 driver is "
-                "535 (CUDA 12.2) and CUDA 13 needs driver >= 580 (NVIDIA CUDA minor version compatibility). "
-                f"Fix: {_set('servingVllmImage', VLLM_IMAGE)} (a CUDA 12.x build), or "
+                f"servingVllmImage={self.serving_vllm_image!r} is a CUDA {cuda} build (from vLLM v0.20 on, a tag "
+                "without a suffix is the CUDA 13.0 build: vllm-project/vllm#39878), but Cloud Run's L4 driver is 535 "
+                "(CUDA 12.2) and CUDA 13 needs driver >= 580 (NVIDIA CUDA minor version compatibility). Allowed on "
+                "nvidia-l4: a CUDA 12 build, i.e. a `-cu129` tag (vllm/vllm-openai:vX.Y.Z-cu129), a release before "
+                f"v0.20, or a digest. Fix: {_set('servingVllmImage', cuda12_variant(self.serving_vllm_image))}, or "
                 f"{_set('servingGpuType', 'nvidia-rtx-pro-6000')} (driver 580)"
             )
         return problems

@@ -1,10 +1,10 @@
 """A small OpenAI-compatible chat client for the served model: Cloud Run (vLLM) or 127.0.0.1.
 
-    python -m serving.client --url https://gft-dev-vllm-abc123-uc.a.run.app \\
-        "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
+    export GEMMA_FT_URL="$(pulumi stack output servingUrl)"     # the stack's service: tokens may go there
+    python -m serving.client "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
     python -m serving.client --url http://127.0.0.1:8000 --list-models
     # CI, or any caller acting as a service account (needs roles/iam.serviceAccountOpenIdTokenCreator on it):
-    python -m serving.client --url "$URL" --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"
+    python -m serving.client --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"
 
     from serving.client import chat
     chat("http://127.0.0.1:8000", [{"role": "user", "content": "Translate to emoji: I love pizza"}])
@@ -14,12 +14,16 @@ Decisions:
 - Identity tokens (the vLLM service requires authenticated invokers): an explicit `--token` is
   sent to the https host it is given for, whatever that host is (the caller chose it). A token the
   client finds by itself (`$GEMMA_FT_ID_TOKEN`, then `gcloud auth print-identity-token`) is sent
-  only to Cloud Run URLs (`https://….run.app`): an ambient credential must not leak to whatever
-  host a URL names. Tokens never go over plain http or to localhost, are never printed or
+  only to a Cloud Run URL (`https://….run.app`) that is on the token allowlist: the stack's
+  servingUrl as `$GEMMA_FT_URL`, or a URL in `$GEMMA_FT_TRUSTED_URLS` (comma-separated). Anyone
+  can deploy a `*.run.app` service, and a gcloud user token is accepted by every Cloud Run service
+  its account may invoke, so an ambient credential goes only where the user said, never to
+  whatever host a URL names. Tokens never go over plain http or to localhost, are never printed or
   logged, and redirects are refused so a token cannot follow one to another host.
 - When no token can be had, the client says why (gcloud missing, not logged in, its own error
-  text) and the command that fixes it, and a 401/403 answered to a request without a token
-  repeats that instead of suggesting an IAM grant.
+  text, a URL not on the allowlist) and the command that fixes it. A 401/403 from a Cloud Run URL
+  answered to a request without a token says that first, instead of suggesting an IAM grant or
+  blaming an API key (Cloud Run reads a key in `Authorization` as an invalid identity token).
 - gcloud runs with stdin closed (it must never wait on a prompt) and a timeout; its stderr is
   kept for the message. `--audience` and `--impersonate-service-account` are passed through
   (gcloud accepts a custom audience for service accounts; for a user account it mints its own).
@@ -27,9 +31,12 @@ Decisions:
   `Authorization: Bearer KEY`; the identity token then moves to `X-Serverless-Authorization`,
   which Cloud Run's IAM check reads instead (GoogleCloudPlatform/cloud-run-proxy#25), so both fit.
 - Retries: connection refused, 429 and 502/503/504 are retried with a bounded exponential
-  backoff. For Cloud Run URLs a timeout is retried too, and the deadline covers the service's
-  startup window (serving/startup.py): the first request to a scaled-to-zero service waits for
-  an instance to start. `--timeout` applies to every request, the model lookup included.
+  backoff (at most 20 s apart). Local servers get 8 tries within 300 s. For Cloud Run URLs a
+  timeout is retried too, and the retries are bounded by time only, not by a count: until the
+  service's startup window (serving/startup.py) plus one request's timeout has passed, because
+  the first request to a scaled-to-zero service answers 429/503 for as long as an instance takes
+  to pull the image and load the model. `--timeout` applies to every request, the model lookup
+  included.
 - Proxies from the environment are ignored for local URLs (a corporate proxy cannot reach
   this machine's 127.0.0.1).
 
@@ -62,6 +69,8 @@ log = logging.getLogger("serving.client")
 TOKEN_ENV = "GEMMA_FT_ID_TOKEN"
 API_KEY_ENV = "GEMMA_FT_API_KEY"
 URL_ENV = "GEMMA_FT_URL"
+# More Cloud Run URLs (comma- or space-separated) that may receive a token the client found by itself.
+TRUSTED_URLS_ENV = "GEMMA_FT_TRUSTED_URLS"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 DEFAULT_TIMEOUT_S = 120.0
@@ -100,9 +109,12 @@ class UnavailableError(ClientError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded exponential backoff: at most `attempts` tries within `deadline_s`; timeouts retried only if asked."""
+    """Bounded exponential backoff: tries until `deadline_s` has passed (and at most `attempts`, unless None).
 
-    attempts: int = 8
+    Timeouts are retried only if asked (`retry_timeouts`).
+    """
+
+    attempts: int | None = 8
     initial_delay_s: float = 1.0
     max_delay_s: float = 20.0
     deadline_s: float = 300.0
@@ -141,12 +153,41 @@ def is_cloud_run(url: str) -> bool:
     return parts.scheme == "https" and (parts.hostname or "").endswith(".run.app")
 
 
+def url_origin(url: str) -> str:
+    """`https://Host.run.app/v1/x` -> `https://host.run.app`: what the token allowlist compares; "" if not https."""
+    parts = urllib.parse.urlsplit(url.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        return ""
+    if parts.scheme != "https" or not parts.hostname:
+        return ""
+    return f"https://{parts.hostname.lower()}" + (f":{port}" if port not in (None, 443) else "")
+
+
+def trusted_token_urls() -> frozenset[str]:
+    """Origins that may receive an automatic identity token: `$GEMMA_FT_URL` (the stack's servingUrl) and
+    `$GEMMA_FT_TRUSTED_URLS`."""
+    listed = [os.environ.get(URL_ENV, ""), *os.environ.get(TRUSTED_URLS_ENV, "").replace(",", " ").split()]
+    return frozenset(origin for origin in map(url_origin, listed) if origin)
+
+
+def cold_start_deadline_s(timeout_s: float) -> float:
+    """How long a request to a scaled-to-zero Cloud Run service may keep retrying: the startup window, then one answer."""
+    return STARTUP_WINDOW.total_s + timeout_s
+
+
 def cold_start_policy(url: str, retry: RetryPolicy, timeout_s: float) -> RetryPolicy:
-    """For Cloud Run, retry timeouts and stretch the deadline over the startup window; elsewhere unchanged."""
-    if not is_cloud_run(url) or retry.attempts <= 1:
+    """For Cloud Run: retry timeouts too, and bound the retries by the cold-start deadline, not by a count.
+
+    An instance starting from zero answers 429/503 (or nothing) for as long as the image pull and the
+    model load take, up to the startup window; a count of tries would give up before it is ready (8 tries
+    of quick 429s are over after about 70 s of backoff). Elsewhere, and with `--no-retry`, the policy is unchanged.
+    """
+    if not is_cloud_run(url) or retry.attempts == 1:
         return retry
-    deadline = max(retry.deadline_s, STARTUP_WINDOW.total_s + timeout_s)
-    return dataclasses.replace(retry, retry_timeouts=True, deadline_s=deadline)
+    deadline = max(retry.deadline_s, cold_start_deadline_s(timeout_s))
+    return dataclasses.replace(retry, attempts=None, retry_timeouts=True, deadline_s=deadline)
 
 
 @dataclass(frozen=True)
@@ -206,12 +247,13 @@ def resolve_credentials(
     audience: str | None = None,
     impersonate: str | None = None,
     api_key: str | None = None,
+    trusted_urls: frozenset[str] | None = None,
 ) -> Credentials:
     """The credentials to send to `url`.
 
     Nothing goes to local URLs except an API key, and nothing travels over plain http to another
-    host. An explicit `token` goes to any https host; `$GEMMA_FT_ID_TOKEN` and gcloud only to
-    Cloud Run URLs.
+    host. An explicit `token` goes to any https host; `$GEMMA_FT_ID_TOKEN` and gcloud only to a
+    Cloud Run URL whose origin is in `trusted_urls` (default `trusted_token_urls()`).
     """
     scheme = urllib.parse.urlsplit(url).scheme
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -225,6 +267,15 @@ def resolve_credentials(
         return Credentials(
             missing_because=f"{url} is not a Cloud Run URL (*.run.app), so ${TOKEN_ENV} and gcloud tokens are not "
             "sent there; pass --token explicitly if this host should get one",
+            api_key=key,
+        )
+    trusted = trusted_token_urls() if trusted_urls is None else frozenset(map(url_origin, trusted_urls))
+    if url_origin(url) not in trusted:
+        return Credentials(
+            missing_because=f"{url_origin(url)} is not the stack's servingUrl (${URL_ENV}) nor in ${TRUSTED_URLS_ENV}, "
+            f"so ${TOKEN_ENV} and gcloud tokens are not sent there (anyone can deploy a *.run.app service, and your "
+            f'token works on every service you may invoke). Fix: export {URL_ENV}="$(pulumi stack output servingUrl)" '
+            f"if this is your stack's service, or add the URL to ${TRUSTED_URLS_ENV}, or pass --token",
             api_key=key,
         )
     if os.environ.get(TOKEN_ENV):
@@ -273,6 +324,19 @@ def _error_detail(exc: urllib.error.HTTPError) -> str:
 def _http_error(exc: urllib.error.HTTPError, url: str, creds: Credentials) -> ClientError:
     detail = _error_detail(exc)
     suffix = f" (server said: {detail})" if detail else ""
+    if exc.code in (401, 403) and creds.token is None and is_cloud_run(url):
+        # A private Cloud Run service refuses a request without an identity token before vLLM sees it; an API key
+        # alone sits in Authorization, where Cloud Run reads it as an (invalid) identity token.
+        key = (
+            f". Only if the service is public (servingPublic=true, no token needed) was the API key itself rejected: "
+            f"then check --api-key / ${API_KEY_ENV} against the stack's servingApiKey"
+            if creds.api_key and exc.code == 401
+            else ""
+        )
+        return AuthError(
+            f"HTTP {exc.code} from {url}: no identity token was sent, and a private Cloud Run service refuses "
+            f"requests without one: {creds.missing_because or LOGIN_HELP}{key}{suffix}"
+        )
     if exc.code == 401 and creds.api_key and not creds.token:
         return AuthError(
             f"HTTP 401 from {url}: the API key was rejected: check --api-key / ${API_KEY_ENV} against the stack's "
@@ -361,13 +425,21 @@ def _request_json(
             raise ClientError(f"{url} did not answer with JSON: {exc}") from None
         delay = retry.delay(attempt, retry_after)
         elapsed = time.monotonic() - started
-        if attempt >= retry.attempts or elapsed + delay > retry.deadline_s:
+        out_of_tries = retry.attempts is not None and attempt >= retry.attempts
+        if out_of_tries or elapsed + delay > retry.deadline_s:
             raise UnavailableError(
                 f"{url} is not available after {attempt} tries in {elapsed:.0f} s ({why}"
                 f"{': ' + detail if detail else ''}); a Cloud Run service may still be starting "
                 f"(its startup window is {STARTUP_WINDOW.total_s} s; check its logs), a local one may have stopped"
             )
-        log.info("%s from %s, retrying in %.1f s (try %d of %d)", why, url, delay, attempt + 1, retry.attempts)
+        log.info(
+            "%s from %s, retrying in %.1f s (try %d; giving up %.0f s from the first)",
+            why,
+            url,
+            delay,
+            attempt + 1,
+            retry.deadline_s,
+        )
         time.sleep(delay)
 
 
@@ -461,7 +533,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m serving.client", description="Ask the served Gemma model (OpenAI-compatible API)."
     )
     p.add_argument("prompt", nargs="?", help='e.g. "Translate to emoji: I ate a banana for breakfast"')
-    p.add_argument("--url", default=os.environ.get(URL_ENV), help=f"server root (default ${URL_ENV})")
+    p.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV),
+        help=f"server root (default ${URL_ENV}, the stack's servingUrl; identity tokens the client finds itself go "
+        f"only to that URL or those in ${TRUSTED_URLS_ENV})",
+    )
     p.add_argument("--model", help="served model name (default: the first one the server lists)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -473,7 +473,8 @@ Next steps: the same pipeline on Google Cloud (README.md has the details)
   pulumi config set gcp:project YOUR_PROJECT
   pulumi config set --secret hfToken hf_...    # Gemma weights are gated on the Hub
   pulumi up                                    # builds the images and starts the training run
-  python -m serving.client --url "$(pulumi stack output servingUrl)" "Translate to emoji: ..."
+  export GEMMA_FT_URL="$(pulumi stack output servingUrl)"   # identity tokens go only to this URL
+  python -m serving.client "Translate to emoji: ..."
   pulumi destroy                               # removes everything the stack created"""
 
 

@@ -12,10 +12,13 @@
 # Cloud Run keep the previous revision and show the reason in the revision's logs.
 #
 # Environment:
-#   GEMMA_FT_WAIT_FOR_MODEL_S   seconds to wait for the marker before giving up (default 0).
-#   GEMMA_FT_STARTUP_WINDOW_S   the platform's startup window (the Cloud Run service sets it from
-#                               serving/startup.py); the marker wait is spent inside it, so a wait
-#                               that leaves vLLM no time is refused here instead of timing out later.
+#   GEMMA_FT_WAIT_FOR_MODEL_S   seconds to wait for the marker before giving up (default 0): for
+#                               serving a folder by hand while the trainer finishes it. The Cloud Run
+#                               service sets 0 (`pulumi up` serves only a run whose marker it listed).
+#   GEMMA_FT_STARTUP_WINDOW_S   the platform's startup window, and
+#   GEMMA_FT_MAX_MARKER_WAIT_S  the longest wait that window allows (vLLM keeps the rest). The Cloud Run
+#                               service sets both from serving/startup.py, the one place the rule lives;
+#                               a longer wait is refused here instead of timing out later.
 #   GEMMA_FT_SKIP_MODEL_CHECK   set to 1 to serve a folder without the check (not recommended).
 set -euo pipefail
 
@@ -23,6 +26,7 @@ set -euo pipefail
 COMPLETION_MARKER="_COMPLETE.json"
 WAIT_S="${GEMMA_FT_WAIT_FOR_MODEL_S:-0}"
 WINDOW_S="${GEMMA_FT_STARTUP_WINDOW_S:-}"
+MAX_WAIT_S="${GEMMA_FT_MAX_MARKER_WAIT_S:-}"
 HERE="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"
 CHECK="$HERE/completion.py"
 
@@ -35,12 +39,17 @@ die() {
 if ! [[ "$WAIT_S" =~ ^[0-9]+$ ]]; then
   die "GEMMA_FT_WAIT_FOR_MODEL_S=$WAIT_S is not a whole number of seconds"
 fi
+if [[ -n "$MAX_WAIT_S" ]]; then
+  if ! [[ "$MAX_WAIT_S" =~ ^[0-9]+$ ]]; then
+    die "GEMMA_FT_MAX_MARKER_WAIT_S=$MAX_WAIT_S is not a whole number of seconds"
+  fi
+  if ((WAIT_S > MAX_WAIT_S)); then
+    die "GEMMA_FT_WAIT_FOR_MODEL_S=$WAIT_S is longer than the ${MAX_WAIT_S} s the startup window${WINDOW_S:+ of ${WINDOW_S} s} allows for it (vLLM needs the rest; serving/startup.py); lower it"
+  fi
+fi
 if [[ -n "$WINDOW_S" ]]; then
   if ! [[ "$WINDOW_S" =~ ^[0-9]+$ ]]; then
     die "GEMMA_FT_STARTUP_WINDOW_S=$WINDOW_S is not a whole number of seconds"
-  fi
-  if ((WAIT_S >= WINDOW_S)); then
-    die "GEMMA_FT_WAIT_FOR_MODEL_S=$WAIT_S leaves vLLM no time within the ${WINDOW_S} s startup window; lower it (serving/startup.py)"
   fi
   log "startup window ${WINDOW_S} s: up to ${WAIT_S} s waiting for $COMPLETION_MARKER, the rest for vLLM"
 fi

@@ -1,8 +1,9 @@
 """The vLLM service's startup window: the one place that says how long an instance may take to start.
 
     from serving.startup import STARTUP_WINDOW
-    STARTUP_WINDOW.total_s          # 480: what the Cloud Run startup probe allows
-    STARTUP_WINDOW.vllm_budget_s    # 480: minus the entrypoint's marker wait (0 by default)
+    STARTUP_WINDOW.total_s            # 480: what the Cloud Run startup probe allows
+    STARTUP_WINDOW.vllm_budget_s      # 480: minus the entrypoint's marker wait (0 on Cloud Run)
+    STARTUP_WINDOW.max_marker_wait_s  # 360: the longest marker wait the window allows (vLLM keeps 120 s)
 
 Why 480 s. A cold instance must, before its first answer: start the container (about 5 s for
 Cloud Run GPU instances, plus the image pull), import vLLM and torch, read the weights lazily
@@ -24,9 +25,14 @@ The limits, from the sources:
   `initialDelaySeconds + failureThreshold x periodSeconds` = 240 + 24 x 10 = 480 s.
 
 The entrypoint's wait for the marker (`GEMMA_FT_WAIT_FOR_MODEL_S`) runs inside this window, so
-`marker_wait_s` is subtracted from what vLLM gets; the Pulumi program passes both numbers to the
-container and the entrypoint refuses a wait that leaves vLLM nothing. The client allows a
-scaled-to-zero service this long to answer its first request.
+`marker_wait_s` is subtracted from what vLLM gets, and vLLM keeps at least `MIN_VLLM_BUDGET_S`.
+This module is the one place that rule lives: the Cloud Run service passes the window, the wait
+(`marker_wait_s`, 0) and the longest wait the rule allows (`max_marker_wait_s`, as
+`GEMMA_FT_MAX_MARKER_WAIT_S`) to the container, and the entrypoint refuses a longer wait instead
+of applying a rule of its own. The wait is 0 on Cloud Run and not a stack setting: `pulumi up`
+declares the service only for a run whose completion marker it has listed, so there is nothing to
+wait for; the wait is for serving a folder by hand (`docker run`) while the trainer finishes it.
+The client allows a scaled-to-zero service this long to answer its first request.
 
 Standard library only (the client imports it). It does not measure anything.
 """
@@ -83,6 +89,11 @@ class StartupWindow:
     def total_s(self) -> int:
         """How long Cloud Run waits for the first successful probe before it gives up on the instance."""
         return self.initial_delay_s + self.failure_threshold * self.period_s
+
+    @property
+    def max_marker_wait_s(self) -> int:
+        """The longest marker wait this window allows: what is left after vLLM's minimum."""
+        return self.total_s - MIN_VLLM_BUDGET_S
 
     @property
     def vllm_budget_s(self) -> int:

@@ -11,6 +11,8 @@ Decisions:
 - Every flag we rely on is a typed field, validated before any resource is declared; the
   `extra_args` escape hatch takes anything else but refuses a flag that duplicates a typed
   field (two sources of truth for one setting is how a stack silently serves the wrong thing).
+  It also refuses a flag that carries a credential (`--api-key`, `--hf-token`): container args
+  are plain text in the Pulumi state and the revision; the API key comes from Secret Manager.
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
@@ -42,8 +44,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # Written by the trainer as the last file of an export (serving/completion.py defines "complete").
 from serving.completion import COMPLETION_MARKER as COMPLETION_MARKER
 
-# The official image, pinned to an exact release (see serving/README.md, "Base image").
-VLLM_IMAGE = "vllm/vllm-openai:v0.28.0"
+# The official image, pinned to an exact release, in its CUDA 12.9 build (see serving/README.md, "Base image"):
+# since v0.20 the plain tag is the CUDA 13.0 build, which Cloud Run's L4 driver (535) cannot run.
+VLLM_IMAGE = "vllm/vllm-openai:v0.28.0-cu129"
 # Where the serving container sees the trainer's output (the bucket is mounted here).
 MODEL_MOUNT_PATH = "/mnt/models"
 DEFAULT_MODEL_PATH = f"{MODEL_MOUNT_PATH}/merged"
@@ -78,6 +81,70 @@ def model_type_of(name_or_path: str) -> str | None:
     return f"gemma{match.group(1)}" if match else None
 
 
+# vLLM's image tags (vllm-project/vllm#39878, "Switch default CUDA to 13.0", first released in v0.20.0): the
+# plain tag `vX.Y.Z` (and its `-ubuntu2404` variant) is the CUDA 13.0 build and `vX.Y.Z-cu129` the CUDA 12.9
+# one; before v0.20 the plain tag was CUDA 12.x and `-cu130` the variant. Third-party confirmations:
+# vast-ai/base-image#158 (the live tag list of v0.20.0 holds `-cu129` and `-cu130`), llm-d/llm-d-kv-cache#584
+# ("The plain :v0.20.2 tag now resolves to a cu130 build").
+VLLM_REPOSITORIES = frozenset({"vllm/vllm-openai", "docker.io/vllm/vllm-openai"})
+FIRST_CUDA13_DEFAULT = (0, 20)
+_CUDA_SUFFIX = re.compile(r"(?:^|-)cu(?:da-?)?(\d{2})\d?(?:-|$)")
+_RELEASE_TAG = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+
+def _split_image(image: str) -> tuple[str, str]:
+    """`vllm/vllm-openai:v0.28.0` -> ("vllm/vllm-openai", "v0.28.0"); a digest reference has no tag ("")."""
+    if "@" in image:
+        return image.split("@", 1)[0], ""
+    repo, _, tag = image.rpartition(":")
+    if not repo or "/" in tag:  # no tag, or the colon belonged to a registry port
+        return image, ""
+    return repo, tag
+
+
+def image_cuda_major(image: str) -> int | None:
+    """The CUDA major version an image's tag says it was built for (12, 13), or None when the tag does not say.
+
+    A `-cuNNN` suffix says so for any image; a plain release tag of the official vLLM image means CUDA 13 from
+    v0.20 on and CUDA 12 before. Digests and other tags (`gemma4`, nightlies, your own images) are unknown.
+    """
+    repo, tag = _split_image(image)
+    suffix = _CUDA_SUFFIX.search(tag.lower())
+    if suffix:
+        return int(suffix.group(1))
+    release = _RELEASE_TAG.match(tag)
+    if repo in VLLM_REPOSITORIES and release:
+        return 13 if (int(release.group(1)), int(release.group(2))) >= FIRST_CUDA13_DEFAULT else 12
+    return None
+
+
+def cuda12_variant(image: str) -> str:
+    """The CUDA 12.9 build of the same vLLM release (`…:v0.28.0` -> `…:v0.28.0-cu129`), else the default image."""
+    repo, tag = _split_image(image)
+    release = _RELEASE_TAG.match(tag)
+    if repo in VLLM_REPOSITORIES and release and (int(release.group(1)), int(release.group(2))) >= FIRST_CUDA13_DEFAULT:
+        return f"{repo}:v{release.group(1)}.{release.group(2)}.{release.group(3)}-cu129"
+    return VLLM_IMAGE
+
+
+# What vLLM's API key (`--api-key`, or VLLM_API_KEY as the service sets it) guards in the releases this image
+# pins: a path-prefix test, `GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")` in
+# vllm/entrypoints/serve/utils/server_utils.py (`AuthenticationMiddleware`; the same rule in 0.27.1 and 0.29.0,
+# vllm-project/vllm#58144). Every other route answers without the key: /health, /ping, /load, /version,
+# /metrics, /tokenize, /detokenize, /pooling, /classify, /score, /rerank, and /invocations, the SageMaker
+# route that serves the same chat and completion requests as /v1 (the `--api-key` help in
+# vllm/entrypoints/openai/cli_args.py says so; #58144 measured full completions there without a key).
+VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+VLLM_KEYLESS_INFERENCE_ROUTE = "/invocations"
+# vLLM's health route (the startup probe's path): outside the guarded prefixes, so the probe needs no key.
+VLLM_HEALTH_PATH = "/health"
+
+
+def vllm_api_key_guards(path: str) -> bool:
+    """Whether vLLM asks for the API key on `path` (its own test: `path.startswith(GUARDED_PREFIX)`)."""
+    return path.startswith(VLLM_API_KEY_GUARDED_PREFIXES)
+
+
 # typed field -> the vLLM flags (and aliases) that set it; used to reject duplicates in extra_args
 _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "model": ("--model",),
@@ -95,6 +162,21 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_num_seqs": ("--max-num-seqs",),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
+
+# vLLM flags whose value is a credential (vllm/entrypoints/openai/cli_args.py `FrontendArgs.api_key`;
+# vllm/config/model.py `ModelConfig.hf_token`, "the token to use as HTTP bearer authorization for remote
+# files"). As container args they would be plain text in the Pulumi state and the Cloud Run revision.
+SECRET_FLAGS: dict[str, str] = {
+    "--api-key": "servingApiKey (pulumi config set --secret servingApiKey KEY: Secret Manager, then VLLM_API_KEY)",
+    "--hf-token": "nothing: the service reads the merged weights from the bucket with HF_HUB_OFFLINE=1 "
+    "(hfToken, a secret, is for training)",
+}
+
+
+def secret_flag(arg: str) -> str | None:
+    """The secret-bearing vLLM flag `arg` sets (`--api-key`, `--api_key=…`, `--hf-token`), or None."""
+    name = _flag_name(arg)
+    return name if name in SECRET_FLAGS else None
 
 
 def _flag_name(arg: str) -> str:
@@ -228,6 +310,12 @@ class VllmServerConfig(BaseModel):
         if v and v[0] == "serve":
             raise ValueError("extra_args starts with 'serve': the image's entrypoint is already `vllm serve`; drop it")
         for arg in v:
+            flag = secret_flag(arg)
+            if flag is not None:  # never echo `arg`: its value may be the secret
+                raise ValueError(
+                    f"extra_args contains {flag}, whose value would be plain text in the container's arguments; "
+                    f"use {SECRET_FLAGS[flag]}"
+                )
             field = _FLAG_TO_FIELD.get(_flag_name(arg))
             if field is not None:
                 raise ValueError(

@@ -190,7 +190,8 @@ class TestServing:
             assume_trained=True,
         )
         assert run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"][-1] == "--no-enable-prefix-caching"
-        assert redact_secrets(run.outputs)["query"].startswith("python -m serving.client --url https://")
+        query = redact_secrets(run.outputs)["query"]
+        assert query.startswith("GEMMA_FT_URL=https://") and " python -m serving.client --model " in query, query
 
 
 class TestEditedRecipe:
@@ -290,8 +291,17 @@ class TestStartupWindow:
         assert window == STARTUP_WINDOW.total_s == 480
         env = {e["name"]: e.get("value") for e in container["envs"]}
         assert env["GEMMA_FT_STARTUP_WINDOW_S"] == str(window)
-        # the entrypoint's marker wait is spent inside the window, never on top of it
+        # the entrypoint's marker wait is spent inside the window, never on top of it, and is capped by startup.py
         assert int(env["GEMMA_FT_WAIT_FOR_MODEL_S"]) + STARTUP_WINDOW.vllm_budget_s == window
+        assert env["GEMMA_FT_MAX_MARKER_WAIT_S"] == str(STARTUP_WINDOW.max_marker_wait_s)
+
+    def test_the_marker_wait_is_not_a_stack_setting_and_the_refusal_says_why(self) -> None:
+        """servingEnv refuses the entrypoint's variables; the message must not point at a setting that does not exist."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingEnv": ["GEMMA_FT_WAIT_FOR_MODEL_S=120"]})
+        message = str(info.value)
+        assert "typed setting" not in message
+        assert "serving/startup.py" in message and "marker wait is 0" in message, message
 
 
 class TestServingSettings:
@@ -323,6 +333,25 @@ class TestServingSettings:
         with pytest.raises(ConfigError, match=message):
             run_stack("dev", overrides={**SERVING, "servingEnv": [entry]})
 
+    @pytest.mark.parametrize(
+        ("extra", "flag", "index"),
+        [
+            (["--api-key", "sk-not-a-real-key-123"], "--api-key", 0),
+            (["--disable-log-requests", "--api_key=sk-not-a-real-key-123"], "--api-key", 1),
+            (["--hf-token", "hf_notarealtoken123"], "--hf-token", 0),
+        ],
+    )
+    def test_secret_flags_in_extra_args_are_refused(self, extra: list[str], flag: str, index: int) -> None:
+        """A credential as a container arg is plain text in the state and the revision: servingApiKey is the way."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingExtraArgs": extra})
+        message = str(info.value)
+        assert f"servingExtraArgs[{index}] is vLLM's {flag}" in message, message
+        assert f"pulumi config rm --path 'servingExtraArgs[{index}]'" in message
+        if flag == "--api-key":
+            assert "pulumi config set --secret servingApiKey" in message
+        assert "not-a-real" not in message and "notarealtoken" not in message, "the secret is never repeated"
+
 
 class TestApiKey:
     KEY = "vllm-key-not-a-real-credential"
@@ -346,6 +375,51 @@ class TestApiKey:
             r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")
         }
 
+    def test_startup_probe_needs_no_key_and_the_api_does(self) -> None:
+        """Cloud Run's probe sends no Authorization header: its path must be one vLLM leaves open with a key set,
+        while the client's model lookup (/v1/models) is guarded and so must carry the key (test_client.py)."""
+        from serving.vllm_args import vllm_api_key_guards
+
+        run = run_stack(
+            "dev", overrides={**SERVING, "servingPublic": True, "servingApiKey": self.KEY}, assume_trained=True
+        )
+        probe = run.one(SERVICE).plain_inputs()["template"]["containers"][0]["startupProbe"]["httpGet"]["path"]
+        assert not vllm_api_key_guards(probe), probe
+        assert vllm_api_key_guards("/v1/models") and vllm_api_key_guards("/v1/chat/completions")
+
+    def test_public_with_a_key_still_warns_that_invocations_is_open(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """vLLM's key does not cover /invocations (vllm-project/vllm#58144): a key is no reason to stay silent."""
+        warned: list[str] = []
+        monkeypatch.setattr(pulumi.log, "warn", lambda message, *a, **k: warned.append(str(message)))
+        run_stack("dev", overrides={**SERVING, "servingPublic": True, "servingApiKey": self.KEY}, assume_trained=True)
+        assert any("/invocations" in w and "servingApiKey" in w for w in warned), warned
+
+    def test_every_description_of_the_keys_scope_names_what_vllm_guards(self) -> None:
+        """The key's scope is vLLM's path-prefix test (serving/vllm_args.py); docs that said "/v1 only" left
+        /v2, /inference, /cohere out and /invocations, which serves completions without the key, unmentioned."""
+        from pathlib import Path
+
+        import yaml
+
+        from infra import cloud_run
+        from serving.vllm_args import VLLM_API_KEY_GUARDED_PREFIXES, VLLM_KEYLESS_INFERENCE_ROUTE
+
+        root = Path(__file__).resolve().parents[2]
+        config = yaml.safe_load((root / "Pulumi.yaml").read_text())["config"]
+        readme = (root / "README.md").read_text()
+        docs = {
+            "Pulumi.yaml servingApiKey": config["servingApiKey"]["description"],
+            "Pulumi.yaml servingPublic": config["servingPublic"]["description"],
+            "README.md": readme[readme.index("**`servingPublic: true`") :][:1500],
+            "infra/cloud_run.py": cloud_run.__doc__ or "",
+        }
+        for where, text in docs.items():
+            flat = " ".join(text.split())
+            for prefix in VLLM_API_KEY_GUARDED_PREFIXES:
+                assert prefix in flat, f"{where} does not name {prefix}"
+            assert VLLM_KEYLESS_INFERENCE_ROUTE in flat, f"{where} does not say {VLLM_KEYLESS_INFERENCE_ROUTE} is open"
+            assert "/v1 routes" not in flat and "/v1/…` routes" not in flat, f"{where} still says /v1 only"
+
     def test_no_key_no_secret(self) -> None:
         run = run_stack("dev", overrides=SERVING, assume_trained=True)
         assert not [r for r in run.resources if "api-key" in r.name]
@@ -355,7 +429,7 @@ class TestVllmImage:
     """servingVllmImage is a typed setting that reaches the serving build as VLLM_IMAGE (it used to be never passed)."""
 
     def test_docker_build_gets_the_build_argument(self) -> None:
-        image = "vllm/vllm-openai:v0.27.1"
+        image = "vllm/vllm-openai:v0.27.1-cu129"
         run = run_stack("dev", overrides={"servingEnabled": True, "servingVllmImage": image}, assume_trained=True)
         builds = {r.name: r.plain_inputs() for r in run.of_type("docker-build:index:Image")}
         assert builds["gft-dev-serving"]["buildArgs"] == {"VLLM_IMAGE": image}
@@ -377,8 +451,8 @@ class TestVllmImage:
             )
             return next(r for r in run.of_type("command:local:Command") if "serving" in r.name).plain_inputs()
 
-        first, second = build("vllm/vllm-openai:v0.27.1"), build("vllm/vllm-openai:v0.28.0")
-        assert first["environment"]["VLLM_IMAGE"] == "vllm/vllm-openai:v0.27.1"
+        first, second = build("vllm/vllm-openai:v0.27.1-cu129"), build("vllm/vllm-openai:v0.28.0-cu129")
+        assert first["environment"]["VLLM_IMAGE"] == "vllm/vllm-openai:v0.27.1-cu129"
         assert first["triggers"] != second["triggers"], "another base image must trigger another build"
 
     @pytest.mark.parametrize(
@@ -386,12 +460,41 @@ class TestVllmImage:
         [
             ("vllm/vllm-openai:latest", "nvidia-l4", "exact tag or digest"),
             ("vllm/vllm-openai", "nvidia-l4", "exact tag or digest"),
-            ("vllm/vllm-openai:v0.28.0-cu130", "nvidia-l4", "CUDA 13 build, but Cloud Run's L4 driver is 535"),
+            ("vllm/vllm-openai:v0.28.0-cu130", "nvidia-l4", "CUDA 13 build"),
         ],
     )
     def test_refusals(self, image: str, gpu: str, message: str) -> None:
         with pytest.raises(ConfigError, match=message):
             run_stack("dev", overrides={**SERVING, "servingVllmImage": image, "servingGpuType": gpu})
+
+    @pytest.mark.parametrize(
+        "image",
+        ["vllm/vllm-openai:v0.28.0", "vllm/vllm-openai:v0.20.0", "docker.io/vllm/vllm-openai:v0.28.0-ubuntu2404"],
+    )
+    def test_a_bare_tag_from_v0_20_is_cuda13_and_refused_on_l4(self, image: str) -> None:
+        """From vLLM v0.20 the unsuffixed tag is the CUDA 13.0 build (vllm-project/vllm#39878); L4's driver is 535."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingVllmImage": image})
+        message = str(info.value)
+        release = image.split(":")[1].split("-")[0]
+        assert f"servingVllmImage={image!r} is a CUDA 13 build" in message, message
+        assert "-cu129" in message and "driver is 535" in message, "what is allowed, and why"
+        repo = image.split(":")[0]
+        assert f"pulumi config set servingVllmImage {repo}:{release}-cu129" in message, "the command that fixes it"
+
+    @pytest.mark.parametrize(
+        "image", ["vllm/vllm-openai:v0.28.0-cu129", "vllm/vllm-openai:v0.19.1", "vllm/vllm-openai@sha256:" + "a" * 64]
+    )
+    def test_cuda12_builds_are_fine_on_l4(self, image: str) -> None:
+        run = run_stack("dev", overrides={"servingEnabled": True, "servingVllmImage": image}, assume_trained=True)
+        serving = next(r for r in run.of_type("docker-build:index:Image") if r.name == "gft-dev-serving")
+        assert serving.plain_inputs()["buildArgs"] == {"VLLM_IMAGE": image}
+
+    def test_the_default_is_a_cuda12_build_that_l4_accepts(self) -> None:
+        from serving.vllm_args import VLLM_IMAGE, image_cuda_major
+
+        assert image_cuda_major(VLLM_IMAGE) == 12, VLLM_IMAGE
+        run_stack("dev", overrides={**SERVING, "servingGpuType": "nvidia-l4"}, assume_trained=True)
 
     def test_cuda13_is_fine_on_rtx_pro_6000(self) -> None:
         run_stack(

@@ -36,6 +36,13 @@ SECRET = "ya29.not-a-real-token-but-secret"
 USER = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]
 
 
+@pytest.fixture(autouse=True)
+def _no_ambient_allowlist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token allowlist comes from the environment: each test starts without one."""
+    monkeypatch.delenv(client.URL_ENV, raising=False)
+    monkeypatch.delenv(client.TRUSTED_URLS_ENV, raising=False)
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -181,6 +188,7 @@ class TestTokens:
         gcloud.chmod(0o755)
         monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
         monkeypatch.delenv(client.TOKEN_ENV, raising=False)
+        monkeypatch.setenv(client.URL_ENV, run)
         assert resolve_token(run) == "from-gcloud"
         monkeypatch.setenv(client.TOKEN_ENV, "from-env")
         assert resolve_token(run) == "from-env"
@@ -194,6 +202,7 @@ class TestTokens:
     def test_no_gcloud(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(client.TOKEN_ENV, raising=False)
         monkeypatch.setattr(client.shutil, "which", lambda _: None)
+        monkeypatch.setenv(client.URL_ENV, "https://x-uc.a.run.app")
         assert resolve_token("https://x-uc.a.run.app") is None
 
     def test_cli_never_prints_the_token(
@@ -253,6 +262,11 @@ def test_base_url(given: str, expected: str) -> None:
 RUN_URL = "https://gft-dev-vllm-abc123-uc.a.run.app"
 
 
+def _trust_the_stack_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the README's `export GEMMA_FT_URL="$(pulumi stack output servingUrl)"` does."""
+    monkeypatch.setenv(client.URL_ENV, RUN_URL)
+
+
 def _stub_gcloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
     """A `gcloud` on PATH running `body`; it appends its arguments to calls.txt."""
     calls = tmp_path / "calls.txt"
@@ -270,11 +284,14 @@ class TestAutomaticTokensStayOnCloudRun:
     @pytest.mark.parametrize("host", ["https://api.example.com", "https://evil.run.app.example.com", "https://run.app"])
     def test_env_token_is_not_sent_elsewhere(self, monkeypatch: pytest.MonkeyPatch, host: str) -> None:
         monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        monkeypatch.setenv(client.TRUSTED_URLS_ENV, host)
+        _trust_the_stack_url(monkeypatch)
         assert resolve_token(host) is None
         assert resolve_token(RUN_URL) == SECRET
 
     def test_gcloud_token_is_not_minted_for_other_hosts(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         calls = _stub_gcloud(tmp_path, monkeypatch, "echo from-gcloud")
+        _trust_the_stack_url(monkeypatch)
         creds = resolve_credentials("https://api.example.com")
         assert creds.token is None and not calls.exists(), "gcloud must not even be asked"
         assert "not a Cloud Run URL" in creds.missing_because and "--token" in creds.missing_because
@@ -285,10 +302,59 @@ class TestAutomaticTokensStayOnCloudRun:
         assert resolve_token("http://api.example.com", SECRET) is None, "never over plain http"
 
 
+class TestTokensOnlyToTheStacksService:
+    """Anyone can deploy a *.run.app service, and a gcloud user token works on every service its account may
+    invoke: an automatic token goes only to the stack's servingUrl ($GEMMA_FT_URL) or an explicit allowlist."""
+
+    OTHER = "https://someone-elses-service-xyz-uc.a.run.app"
+
+    def test_another_run_app_host_gets_no_token(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        calls = _stub_gcloud(tmp_path, monkeypatch, "echo from-gcloud")
+        _trust_the_stack_url(monkeypatch)
+        monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        creds = resolve_credentials(self.OTHER)
+        assert creds.token is None and not calls.exists(), "neither the env token nor gcloud for another service"
+        assert "GEMMA_FT_URL" in creds.missing_because and "pulumi stack output servingUrl" in creds.missing_because
+        assert resolve_token(RUN_URL) == SECRET, "the stack's own service still gets it"
+
+    def test_nothing_trusted_means_no_automatic_token(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        assert resolve_token(RUN_URL) is None
+
+    def test_the_other_host_receives_no_token_on_the_wire(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Through the whole request path: the server behind a run.app name that is not the stack's sees no token."""
+        monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        _trust_the_stack_url(monkeypatch)
+        creds = resolve_credentials(self.OTHER)
+        with fake_server() as srv:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=creds)
+        sent = srv.chat_requests[0].headers
+        assert "Authorization" not in sent and "X-Serverless-Authorization" not in sent
+
+    @pytest.mark.parametrize("listed", [f"{RUN_URL}/", f"https://other.example.com, {RUN_URL.upper()}"])
+    def test_explicit_allowlist(self, monkeypatch: pytest.MonkeyPatch, listed: str) -> None:
+        monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        monkeypatch.setenv(client.TRUSTED_URLS_ENV, listed)
+        assert resolve_token(f"{RUN_URL}/v1") == SECRET
+        assert resolve_token(self.OTHER) is None
+        assert resolve_credentials(self.OTHER, trusted_urls=frozenset({self.OTHER})).token == SECRET
+
+    def test_the_cli_trusts_its_default_url(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """`export GEMMA_FT_URL=...` then no --url: the stack's URL is both the target and the allowlist."""
+        monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        _trust_the_stack_url(monkeypatch)
+        args = client._parse_args(["hi"])
+        assert args.url == RUN_URL
+        assert resolve_token(base_url(args.url)) == SECRET
+
+
 class TestGcloud:
     def test_stdin_is_closed_and_flags_pass_through(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         """gcloud must never wait on a prompt: its stdin is /dev/null, not ours."""
         calls = _stub_gcloud(tmp_path, monkeypatch, "readlink /proc/$$/fd/0")
+        _trust_the_stack_url(monkeypatch)
         sa = "ci@p.iam.gserviceaccount.com"
         assert resolve_token(RUN_URL, audience=RUN_URL, impersonate=sa) == "/dev/null"
         args = calls.read_text().split()
@@ -298,6 +364,7 @@ class TestGcloud:
     def test_not_logged_in_is_explained_with_the_fix(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         said = "ERROR: (gcloud.auth.print-identity-token) You do not currently have an active account selected."
         _stub_gcloud(tmp_path, monkeypatch, f'echo "{said}" >&2; exit 1')
+        _trust_the_stack_url(monkeypatch)
         creds = resolve_credentials(RUN_URL)
         assert creds.token is None
         assert said in creds.missing_because
@@ -306,6 +373,7 @@ class TestGcloud:
     def test_403_without_a_token_says_why_not_which_role(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         """Cloud Run answers 403 to a request without a token: granting run.invoker would not help."""
         _stub_gcloud(tmp_path, monkeypatch, 'echo "no active account" >&2; exit 1')
+        _trust_the_stack_url(monkeypatch)
         creds = resolve_credentials(RUN_URL)
         with fake_server(Reply(403)) as srv, pytest.raises(AuthError) as info:
             chat(srv.url, USER, model="gemma", retry=FAST, creds=creds)
@@ -316,6 +384,7 @@ class TestGcloud:
     def test_no_gcloud(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(client.TOKEN_ENV, raising=False)
         monkeypatch.setattr(client.shutil, "which", lambda _: None)
+        _trust_the_stack_url(monkeypatch)
         creds = resolve_credentials(RUN_URL)
         assert creds.token is None and "gcloud is not installed" in creds.missing_because
 
@@ -326,6 +395,42 @@ class TestColdStart:
         assert policy.retry_timeouts and policy.deadline_s >= STARTUP_WINDOW.total_s + 120
         assert not cold_start_policy("http://127.0.0.1:8000", client.DEFAULT_RETRY, 120).retry_timeouts
         assert not cold_start_policy(RUN_URL, client.NO_RETRY, 120).retry_timeouts, "--no-retry means no retry"
+
+    def test_429_for_longer_than_eight_tries_then_the_instance_answers(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A cold start answers 429 for as long as the image pull and model load take: a try count must not end it.
+
+        The default policy's 8 tries (about 70 s of backoff) gave up long before a 480 s startup window; here
+        the delays are shortened so 12 refusals take a moment, but the policy is the one the client uses.
+        """
+        monkeypatch.setattr(client, "is_cloud_run", lambda url: True)
+        quick = RetryPolicy(initial_delay_s=0.01, max_delay_s=0.02)
+        assert quick.attempts == client.DEFAULT_RETRY.attempts == 8
+        busy = Reply(429, {"error": {"message": "no available instance"}})
+        with fake_server(*[busy] * 12, Reply(body=completion("🥣"))) as srv:
+            assert chat(srv.url, USER, model="gemma", timeout_s=5, retry=quick) == "🥣"
+        assert len(srv.chat_requests) == 13
+
+    def test_cold_start_retries_end_at_the_startup_window(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A service that never comes up is given up on once the startup window and one timeout have passed."""
+        monkeypatch.setattr(client, "is_cloud_run", lambda url: True)
+        clock = [0.0]
+
+        class FakeTime:
+            @staticmethod
+            def monotonic() -> float:
+                return clock[0]
+
+            @staticmethod
+            def sleep(seconds: float) -> None:
+                clock[0] += seconds
+
+        monkeypatch.setattr(client, "time", FakeTime)
+        with fake_server(Reply(503)) as srv, pytest.raises(UnavailableError) as info:
+            chat(srv.url, USER, model="gemma", timeout_s=30)
+        waited = clock[0]
+        assert STARTUP_WINDOW.total_s - client.DEFAULT_RETRY.max_delay_s <= waited <= STARTUP_WINDOW.total_s + 30
+        assert len(srv.chat_requests) > client.DEFAULT_RETRY.attempts, "bounded by time, not by 8 tries"
+        assert f"startup window is {STARTUP_WINDOW.total_s} s" in str(info.value)
 
     def test_first_request_times_out_then_the_instance_answers(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """The whole path, with this fake standing in for a Cloud Run URL whose first request waits on a cold start."""
@@ -353,6 +458,24 @@ class TestApiKey:
     def test_never_over_plain_http_to_another_host(self) -> None:
         with pytest.raises(ClientError, match="over plain http"):
             resolve_credentials("http://api.example.com", api_key=SECRET)
+
+    def test_401_with_a_key_but_no_token_from_cloud_run_explains_the_token_first(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    ) -> None:
+        """Without an identity token Cloud Run reads the API key in Authorization as one and answers 401: the
+        missing token (and how to get one) is the news, not the key."""
+        _stub_gcloud(tmp_path, monkeypatch, 'echo "You do not currently have an active account selected." >&2; exit 1')
+        _trust_the_stack_url(monkeypatch)
+        creds = resolve_credentials(RUN_URL, api_key=SECRET)
+        assert creds.token is None and creds.api_key == SECRET
+        monkeypatch.setattr(client, "is_cloud_run", lambda url: True)  # this fake answers as the Cloud Run URL
+        with fake_server(Reply(401, {"error": "Unauthorized"})) as srv, pytest.raises(AuthError) as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=creds)
+        message = str(info.value)
+        assert message.index("no identity token was sent") < message.find("API key"), message
+        assert "have an active account" in message and "gcloud auth login" in message, "what happened, how to fix"
+        assert "--impersonate-service-account" in message
+        assert SECRET not in message
 
     def test_rejected_key_is_named(self) -> None:
         with (

@@ -270,19 +270,47 @@ class TestOneDefinitionOfComplete:
         assert f"LoRA adapter at {bad} is not complete" in done.stderr
 
 
+def _service_env() -> dict[str, str]:
+    """The plain environment the Pulumi program gives the vLLM container (stack dev, serving on)."""
+    from infra.offline import run_stack
+    from tests.infra.conftest import PREBUILT
+
+    run = run_stack("dev", overrides={**PREBUILT, "servingEnabled": True}, assume_trained=True)
+    service = run.one("gcp:cloudrunv2/service:Service").plain_inputs()
+    return {e["name"]: e["value"] for e in service["template"]["containers"][0]["envs"] if "value" in e}
+
+
 class TestStartupWindow:
-    def test_a_wait_that_leaves_vllm_no_time_is_refused(self, stub_bin: Path, tmp_path: Path) -> None:
+    """One rule for the marker wait, serving/startup.py's: vLLM keeps MIN_VLLM_BUDGET_S of the window."""
+
+    def test_under_the_services_env_the_entrypoint_applies_startup_py(self, stub_bin: Path, tmp_path: Path) -> None:
+        """A wait that leaves vLLM less than startup.py requires is refused by the container, not only by Python.
+
+        The entrypoint used to allow any wait shorter than the window (479 s of 480 left vLLM 1 s).
+        """
+        from serving.startup import MIN_VLLM_BUDGET_S, STARTUP_WINDOW
+
+        env = _service_env()
+        longest = STARTUP_WINDOW.total_s - MIN_VLLM_BUDGET_S
         model = _model(tmp_path / "merged")
         done, recorded = _run(
-            [str(model)], stub_bin, tmp_path, GEMMA_FT_WAIT_FOR_MODEL_S="480", GEMMA_FT_STARTUP_WINDOW_S="480"
+            [str(model)], stub_bin, tmp_path, **{**env, "GEMMA_FT_WAIT_FOR_MODEL_S": str(longest + 1)}
         )
-        assert done.returncode == 3 and recorded is None
-        assert "leaves vLLM no time within the 480 s startup window" in done.stderr
+        assert done.returncode == 3 and recorded is None, done.stderr
+        assert f"longer than the {longest} s the startup window of {STARTUP_WINDOW.total_s} s allows" in done.stderr
+        done, recorded = _run([str(model)], stub_bin, tmp_path, **{**env, "GEMMA_FT_WAIT_FOR_MODEL_S": str(longest)})
+        assert done.returncode == 0 and recorded == ["serve", str(model)], done.stderr
+        assert env["GEMMA_FT_WAIT_FOR_MODEL_S"] == "0", "the service itself never waits (its run is complete)"
 
     def test_the_window_is_announced(self, stub_bin: Path, tmp_path: Path) -> None:
         model = _model(tmp_path / "merged")
         done, _ = _run(
-            [str(model)], stub_bin, tmp_path, GEMMA_FT_WAIT_FOR_MODEL_S="60", GEMMA_FT_STARTUP_WINDOW_S="480"
+            [str(model)],
+            stub_bin,
+            tmp_path,
+            GEMMA_FT_WAIT_FOR_MODEL_S="60",
+            GEMMA_FT_STARTUP_WINDOW_S="480",
+            GEMMA_FT_MAX_MARKER_WAIT_S="360",
         )
         assert done.returncode == 0, done.stderr
         assert "startup window 480 s: up to 60 s waiting" in done.stderr

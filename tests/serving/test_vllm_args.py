@@ -132,6 +132,14 @@ class TestExtraArgs:
         with pytest.raises(VllmConfigError, match="already `vllm serve`"):
             load_config({"extra_args": ["serve"]})
 
+    @pytest.mark.parametrize(
+        "args", [["--api-key", "sk-secret-1"], ["--api_key=sk-secret-1"], ["--hf-token=sk-secret-1"]]
+    )
+    def test_secret_flags_are_rejected_without_repeating_the_value(self, args: list[str]) -> None:
+        with pytest.raises(VllmConfigError) as info:
+            load_config({"extra_args": args})
+        assert "plain text" in str(info.value) and "sk-secret-1" not in str(info.value)
+
 
 class TestBadValues:
     """Each message names the field, the value and what is allowed."""
