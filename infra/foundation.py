@@ -41,7 +41,17 @@ Decisions
   `import_=<name>`: after a destroy the engine adopts it (models included); while it is in the
   state, the same ID makes the option a no-op (pulumi/pulumi
   pkg/resource/deploy/step_generator.go: an import happens only when there is no old state or
-  the old ID differs).
+  the old ID differs). An import fails on any difference between the program's inputs and what
+  the provider reads, except for `ignore_changes` paths (pulumi/pulumi pkg/resource/deploy/step.go
+  `ImportStep`: "inputs to import do not match the existing resource"). pulumi-gcp reads an
+  imported bucket's labels into `effectiveLabels` only, leaving `labels` and `pulumiLabels` empty
+  (pulumi-gcp #1961 / #3313: the patch that imported them was dropped in v9; #3044: the
+  `goog-pulumi-provisioned` label alone makes `pulumiLabels` differ), so every stack, which labels
+  its bucket, would fail that check. The adopted bucket therefore ignores changes to `labels` and
+  `pulumiLabels`: it keeps the labels it was created with, and a later change of `labels`
+  reaches the other resources but not this bucket. That the bridge also drops the computed
+  `pulumiLabels` from its diff when told to ignore it is UNCONFIRMED (pulumi-terraform-bridge
+  passes the engine's ignoreChanges to the Terraform diff).
 - The HF token goes to Secret Manager only for a workload that reads it there (Cloud Run);
   the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). The optional vLLM API key
   (`servingApiKey`) goes there too when serving is on. Each is one `_secret`: the secret, its
@@ -74,6 +84,8 @@ _WORKLOAD_APIS = {
     Workload.GKE_RAY: ("container.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
     Workload.CLOUD_RUN: ("run.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
 }
+# What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
+ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
 # What must be enabled before the first `pulumi up` can read anything (README, "The cloud path").
 BOOTSTRAP_APIS = ("cloudresourcemanager.googleapis.com", "serviceusage.googleapis.com", "storage.googleapis.com")
 
@@ -256,6 +268,8 @@ class Foundation(pulumi.ComponentResource):
                 retain_on_delete=not cfg.bucket_force_destroy,
                 # The bucket's ID is its name (terraform-provider-google google_storage_bucket).
                 import_=adopt,
+                # An import reads no labels into `labels` / `pulumiLabels` (module docstring).
+                ignore_changes=list(ADOPTED_BUCKET_IGNORES) if adopt else None,
             ),
         )
         self.bucket_name = self.bucket.name
