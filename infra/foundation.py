@@ -79,9 +79,20 @@ _COMMON_APIS = (
     "storage.googleapis.com",
     "artifactregistry.googleapis.com",
 )
+# GKE pods act as the trainer's account through Workload Identity: the GKE metadata server trades the pod's
+# Kubernetes token for the account's access token through the IAM Service Account Credentials API, which a
+# fresh project does not have on. Without it every Google call of the pods fails with "Unable to generate
+# access token; IAM returned 403 Forbidden: IAM Service Account Credentials API has not been used in project
+# … or it is disabled" (the metadata server's answer, quoted in google/kctf#194).
+_GKE_APIS = (
+    "container.googleapis.com",
+    "compute.googleapis.com",
+    "logging.googleapis.com",
+    "iamcredentials.googleapis.com",
+)
 _WORKLOAD_APIS = {
-    Workload.GKE_JOB: ("container.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
-    Workload.GKE_RAY: ("container.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
+    Workload.GKE_JOB: _GKE_APIS,
+    Workload.GKE_RAY: _GKE_APIS,
     Workload.CLOUD_RUN: ("run.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
 }
 # What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
