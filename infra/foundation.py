@@ -49,9 +49,11 @@ Decisions
   `goog-pulumi-provisioned` label alone makes `pulumiLabels` differ), so every stack, which labels
   its bucket, would fail that check. The adopted bucket therefore ignores changes to `labels` and
   `pulumiLabels`: it keeps the labels it was created with, and a later change of `labels`
-  reaches the other resources but not this bucket. That the bridge also drops the computed
-  `pulumiLabels` from its diff when told to ignore it is UNCONFIRMED (pulumi-terraform-bridge
-  passes the engine's ignoreChanges to the Terraform diff).
+  reaches the other resources but not this bucket. The engine hands `ignore_changes` to the
+  provider's Diff, and the bridge deletes those attributes (and their sub-keys) from the Terraform
+  diff (pulumi-terraform-bridge pkg/tfshim/sdk-v2/provider2.go `processIgnoreChanges`), which covers
+  the computed `pulumiLabels` too; that the bridge maps that Pulumi name to `terraform_labels`
+  there is UNCONFIRMED (no provider binary here to run an import against).
 - The HF token goes to Secret Manager only for a workload that reads it there (Cloud Run);
   the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). The optional vLLM API key
   (`servingApiKey`) goes there too when serving is on. Each is one `_secret`: the secret, its
