@@ -41,7 +41,19 @@ Decisions
   `import_=<name>`: after a destroy the engine adopts it (models included); while it is in the
   state, the same ID makes the option a no-op (pulumi/pulumi
   pkg/resource/deploy/step_generator.go: an import happens only when there is no old state or
-  the old ID differs).
+  the old ID differs). An import fails on any difference between the program's inputs and what
+  the provider reads, except for `ignore_changes` paths (pulumi/pulumi pkg/resource/deploy/step.go
+  `ImportStep`: "inputs to import do not match the existing resource"). pulumi-gcp reads an
+  imported bucket's labels into `effectiveLabels` only, leaving `labels` and `pulumiLabels` empty
+  (pulumi-gcp #1961 / #3313: the patch that imported them was dropped in v9; #3044: the
+  `goog-pulumi-provisioned` label alone makes `pulumiLabels` differ), so every stack, which labels
+  its bucket, would fail that check. The adopted bucket therefore ignores changes to `labels` and
+  `pulumiLabels`: it keeps the labels it was created with, and a later change of `labels`
+  reaches the other resources but not this bucket. The engine hands `ignore_changes` to the
+  provider's Diff, and the bridge deletes those attributes (and their sub-keys) from the Terraform
+  diff (pulumi-terraform-bridge pkg/tfshim/sdk-v2/provider2.go `processIgnoreChanges`), which covers
+  the computed `pulumiLabels` too; that the bridge maps that Pulumi name to `terraform_labels`
+  there is UNCONFIRMED (no provider binary here to run an import against).
 - The HF token goes to Secret Manager only for a workload that reads it there (Cloud Run);
   the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). The optional vLLM API key
   (`servingApiKey`) goes there too when serving is on. Each is one `_secret`: the secret, its
@@ -69,11 +81,24 @@ _COMMON_APIS = (
     "storage.googleapis.com",
     "artifactregistry.googleapis.com",
 )
+# GKE pods act as the trainer's account through Workload Identity: the GKE metadata server trades the pod's
+# Kubernetes token for the account's access token through the IAM Service Account Credentials API, which a
+# fresh project does not have on. Without it every Google call of the pods fails with "Unable to generate
+# access token; IAM returned 403 Forbidden: IAM Service Account Credentials API has not been used in project
+# … or it is disabled" (the metadata server's answer, quoted in google/kctf#194).
+_GKE_APIS = (
+    "container.googleapis.com",
+    "compute.googleapis.com",
+    "logging.googleapis.com",
+    "iamcredentials.googleapis.com",
+)
 _WORKLOAD_APIS = {
-    Workload.GKE_JOB: ("container.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
-    Workload.GKE_RAY: ("container.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
+    Workload.GKE_JOB: _GKE_APIS,
+    Workload.GKE_RAY: _GKE_APIS,
     Workload.CLOUD_RUN: ("run.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
 }
+# What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
+ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
 # What must be enabled before the first `pulumi up` can read anything (README, "The cloud path").
 BOOTSTRAP_APIS = ("cloudresourcemanager.googleapis.com", "serviceusage.googleapis.com", "storage.googleapis.com")
 
@@ -256,6 +281,8 @@ class Foundation(pulumi.ComponentResource):
                 retain_on_delete=not cfg.bucket_force_destroy,
                 # The bucket's ID is its name (terraform-provider-google google_storage_bucket).
                 import_=adopt,
+                # An import reads no labels into `labels` / `pulumiLabels` (module docstring).
+                ignore_changes=list(ADOPTED_BUCKET_IGNORES) if adopt else None,
             ),
         )
         self.bucket_name = self.bucket.name

@@ -18,6 +18,16 @@ context's content hash (or the prebuilt reference), which is known in `pulumi pr
 preview builds nothing, so the digest is unknown there) and is the same for the same commit
 from any checkout, laptop or CI.
 
+What is built is exactly what is hashed: `stage_context` copies the files that define an image
+(`context_files`, the set `content_hash` covers) into `build/image-context/<name>/` with normalised
+permission bits (0644, or 0755 for a file with any execute bit), and the build reads that copy.
+pulumi-docker-build's own context hash covers each file's mode string next to its bytes (pulumi-docker-build
+provider/internal/context.go `hashFile`: "to detect file renames and mode changes"), and git writes a
+checkout's files with the user's umask: a laptop with umask 002 (Ubuntu's default for users with a
+private group) and CI with umask 022 would otherwise differ in every file's mode, so `pulumi up` from
+the other one would rebuild, push a new digest and replace a running training Job. The copy also
+leaves out the files no commit holds (caches, run outputs), which the provider's hash would see.
+
 Paths handed to the providers are relative to the working directory, never absolute:
 pulumi-docker-build diffs `context.location` / `dockerfile.location` as given and resolves them
 with `filepath.Abs` in the provider's working directory (pulumi-docker-build
@@ -35,6 +45,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +57,9 @@ import pulumi_gcp as gcp
 from infra.config import ImageBuild, StackConfig, Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where `stage_context` writes the build contexts (under build/, which .gitignore leaves out).
+STAGED_CONTEXTS = REPO_ROOT / "build" / "image-context"
+FILE_MODE, EXECUTABLE_MODE, DIRECTORY_MODE = 0o644, 0o755, 0o755
 
 # Never part of an image's content: tests, virtualenvs, caches and run outputs — everything .gitignore
 # and the contexts' .dockerignore leave out, so a laptop checkout with local leftovers hashes like CI.
@@ -116,6 +130,23 @@ def content_hash(spec: ImageSpec) -> str:
         digest.update((spec.context / rel).read_bytes())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def stage_context(spec: ImageSpec, root: Path = STAGED_CONTEXTS) -> Path:
+    """A fresh copy of the image's `context_files` in `root/<name>`, with permission bits that do not depend on
+    the checkout's umask (module docstring); returns the copy's folder, the context the build reads."""
+    target = root / spec.name
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    for rel in context_files(spec):
+        source, copy = spec.context / rel, target / rel
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, copy)
+        copy.chmod(EXECUTABLE_MODE if source.stat().st_mode & 0o111 else FILE_MODE)
+    for folder in [target, *(p for p in target.rglob("*") if p.is_dir())]:
+        folder.chmod(DIRECTORY_MODE)
+    return target
 
 
 def provider_path(path: Path) -> str:
@@ -192,16 +223,18 @@ class Images(pulumi.ComponentResource):
                 f"{spec.dockerfile.relative_to(REPO_ROOT)} is missing: the {spec.name} image cannot be built"
             )
         tag = content_hash(spec)[:16]
+        context = stage_context(spec)
+        staged = ImageSpec(spec.name, context, context / spec.dockerfile.relative_to(spec.context), spec.content_paths)
         build_args = self._build_args(spec)
         repo = pulumi.Output.from_input(self._args.registry_url).apply(lambda url: f"{url}/{spec.name}")
         opts = pulumi.ResourceOptions(parent=self, depends_on=self._args.depends_on)
         if cfg.image_build is ImageBuild.DOCKER:
-            return self._docker(name, spec, repo, tag, build_args, opts)
-        return self._cloud_build(name, spec, repo, tag, build_args, opts)
+            return self._docker(name, staged, repo, tag, build_args, opts)
+        return self._cloud_build(name, staged, repo, tag, build_args, opts)
 
     def _build_args(self, spec: ImageSpec) -> dict[str, str]:
         """Build arguments: the serving image's vLLM base (servingVllmImage); the trainer takes none."""
-        return {"VLLM_IMAGE": self._args.cfg.serving_vllm_image} if spec is SERVING else {}
+        return {"VLLM_IMAGE": self._args.cfg.serving_vllm_image} if spec.name == SERVING.name else {}
 
     def _docker(
         self,

@@ -11,7 +11,7 @@ Decisions
   `CHECKS`, not in a second mechanism.
 - `capacity: reservation`: GKE Autopilot consumes SPECIFIC reservations only (CLOUD-FACTS §1), in the
   cluster's region, of the machine type that carries the stack's GPU (`infra.catalog`), with at least
-  `nodes` machines free. A placeholder or a typo would otherwise leave the GPU pods Pending until the
+  `nodes` machines. A placeholder or a typo would otherwise leave the GPU pods Pending until the
   training deadline, once per retry. Reservations are zonal and the data source needs the zone, so the
   check lists the region's zones (`gcp.compute.get_zones`) and looks in each
   (`gcp.compute.get_reservation`, pulumi-gcp 10.2: `specificReservationRequired`,
@@ -19,8 +19,12 @@ Decisions
   A reservation that is not found comes back either as an invoke error (404) or as an empty result
   (the Terraform data source reads through the resource's Read, which clears the id on 404 without an
   error: terraform-provider-google data_source_google_compute_reservation.go); both mean "not here".
-- The free count is `count - inUseCount` at preview time: while this stack's own run holds the
-  reservation, the check reports it as used (the message says so).
+- A reservation with fewer than `nodes` machines can never hold the run: that stops. One that is big
+  enough but busy now (`count - inUseCount < nodes`) only warns: the machines in use may be this stack's
+  own running training, which a second `pulumi up` leaves alone and a new run replaces first (the Job /
+  RayJob is deleted before its successor), and every PR preview runs this check too. Stopping there
+  would make `pulumi up` fail for as long as the stack trains. Machines held by other VMs leave the pods
+  Pending until they are freed or the deadline ends the run; the warning says how to see who holds them.
 
 Not here: GPU quota, prices and budgets (to be added to `CHECKS`), and credentials: the identity that runs
 `pulumi preview` / `up` needs `compute.zones.list` and `compute.reservations.get` on the reservation's
@@ -117,7 +121,7 @@ def _access_problem(project: str, what: str, error: Exception) -> str:
 
 def check_reservation(cfg: StackConfig) -> list[str]:
     """`capacity: reservation`: the named reservation exists in the region, is SPECIFIC, holds the GPU's machine
-    type and has `nodes` machines free (shared with this project when another project owns it)."""
+    type and at least `nodes` machines, warning when fewer are free now (shared with this project when another project owns it)."""
     if cfg.workload is Workload.CLOUD_RUN or cfg.capacity is not Capacity.RESERVATION:
         return []
     assert cfg.reservation_name and cfg.gpu_type and cfg.gpus_per_node, "config validation guarantees these"
@@ -147,9 +151,24 @@ def check_reservation(cfg: StackConfig) -> list[str]:
             "to the project that owns it), or choose capacity spot | flex-start | on-demand"
         ]
     problems = [_judge(cfg, where, reservation) for reservation in found]
-    if any(problem is None for problem in problems):
-        return []
-    return [problem for problem in problems if problem]
+    usable = [reservation for reservation, problem in zip(found, problems, strict=True) if problem is None]
+    if not usable:
+        return [problem for problem in problems if problem]
+    if all(reservation.free < cfg.nodes for reservation in usable):
+        pulumi.log.warn(_busy(cfg, where, usable[0]))
+    return []
+
+
+def _busy(cfg: StackConfig, where: str, reservation: FoundReservation) -> str:
+    assert cfg.reservation_name
+    owner = cfg.reservation_project or cfg.project
+    return (
+        f"{where} in {reservation.zone}: {reservation.in_use} of its {reservation.count} machines are in use now and "
+        f"nodes={cfg.nodes} needs {cfg.nodes} free. If this stack's own run holds them, nothing changes (or the new "
+        "run replaces it); otherwise the training pods stay Pending until machines are freed. Who holds them: "
+        f"gcloud compute instances list --project {owner} --filter='zone~{reservation.zone}' "
+        f"--format='table(name,status,reservationAffinity.values)'"
+    )
 
 
 def _judge(cfg: StackConfig, where: str, reservation: FoundReservation) -> str | None:
@@ -172,11 +191,10 @@ def _judge(cfg: StackConfig, where: str, reservation: FoundReservation) -> str |
             f"it reserves {', '.join(reservation.machine_types)}, but gpuType={cfg.gpu_type} with "
             f"gpusPerNode={cfg.gpus_per_node} runs on {machine}"
         )
-    if reservation.free < cfg.nodes:
+    if reservation.count < cfg.nodes:
         reasons.append(
-            f"{reservation.free} of its {reservation.count} machines are free ({reservation.in_use} in use), "
-            f"and nodes={cfg.nodes} needs {cfg.nodes} (if this stack's own run holds them, that run must end "
-            "first); lower nodes or use a larger reservation"
+            f"it holds {reservation.count} machines ({reservation.in_use} in use), and nodes={cfg.nodes} needs "
+            f"{cfg.nodes}; lower nodes or use a larger reservation"
         )
     if owner != cfg.project and cfg.project not in reservation.shared_with:
         reasons.append(

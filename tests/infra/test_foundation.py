@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from infra.foundation import BOOTSTRAP_APIS
 from infra.offline import REPO_ROOT, run_stack, stack_names
 
@@ -83,6 +85,24 @@ class TestBootstrap:
         assert set(BOOTSTRAP_APIS) <= set(lines[enable].split()), lines[enable]
         first_up = next(i for i, line in enumerate(lines) if line.startswith("pulumi up"))
         assert enable < first_up, "before the first `pulumi up`"
+
+
+class TestWorkloadIdentityApi:
+    """Pods that act as a Google account through Workload Identity get their tokens from the IAM Service
+    Account Credentials API (the GKE metadata server's 403 otherwise: google/kctf#194): a stack that binds
+    a Kubernetes service account to a Google one enables it, and its workloads wait for it
+    (tests/infra/test_ordering.py: every runner waits for every API)."""
+
+    @pytest.mark.parametrize("stack", stack_names())
+    def test_stacks_that_bind_a_kubernetes_account_enable_the_credentials_api(self, stack: str) -> None:
+        run = run_stack(stack)
+        bound = [
+            r
+            for r in run.of_type("kubernetes:core/v1:ServiceAccount")
+            if "iam.gke.io/gcp-service-account" in (r.plain_inputs()["metadata"].get("annotations") or {})
+        ]
+        apis = {r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")}
+        assert bool(bound) == ("iamcredentials.googleapis.com" in apis), (stack, sorted(apis))
 
 
 class TestHfTokenOnlyWhereItIsRead:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 import yaml
 
 from infra.config import ConfigError
-from infra.images import SERVING, TRAINER, ImageSpec, content_hash, context_files
+from infra.images import SERVING, STAGED_CONTEXTS, TRAINER, ImageSpec, content_hash, context_files, stage_context
 from infra.offline import REPO_ROOT, run_stack
 from tests.infra.conftest import PREBUILT, contains, plain_paths
 
@@ -33,6 +34,45 @@ class TestBuildContext:
         assert content_hash(spec) != first
 
 
+class TestStagedContext:
+    """The build reads a copy of exactly the hashed files, with modes that do not depend on the checkout."""
+
+    @staticmethod
+    def checkout(tmp_path: Path, name: str, group_writable: bool) -> ImageSpec:
+        copy = tmp_path / name / "serving"
+        shutil.copytree(SERVING.context, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        if group_writable:  # umask 002
+            for path in copy.rglob("*"):
+                path.chmod(path.stat().st_mode | stat.S_IWGRP)
+        return ImageSpec(SERVING.name, copy, copy / "Dockerfile", SERVING.content_paths)
+
+    def test_the_copy_holds_the_hashed_files_with_fixed_modes(self, tmp_path: Path) -> None:
+        spec = self.checkout(tmp_path, "laptop", group_writable=True)
+        (spec.context / "local-notes.txt").write_text("not part of the image\n")
+        staged = stage_context(spec, tmp_path / "build")
+        files = sorted(p.relative_to(staged) for p in staged.rglob("*") if p.is_file())
+        assert files == context_files(spec)
+        for rel in files:
+            assert (staged / rel).read_bytes() == (spec.context / rel).read_bytes()
+            executable = (spec.context / rel).stat().st_mode & 0o111
+            assert stat.S_IMODE((staged / rel).stat().st_mode) == (0o755 if executable else 0o644), rel
+
+    def test_checkouts_with_other_umasks_stage_the_same_files(self, tmp_path: Path) -> None:
+        def modes(folder: Path) -> dict[str, int]:
+            return {p.relative_to(folder).as_posix(): p.stat().st_mode for p in sorted(folder.rglob("*"))}
+
+        ci = stage_context(self.checkout(tmp_path, "ci", group_writable=False), tmp_path / "ci-build")
+        laptop = stage_context(self.checkout(tmp_path, "laptop", group_writable=True), tmp_path / "laptop-build")
+        assert modes(ci) == modes(laptop)
+
+    def test_staging_again_drops_files_that_left_the_context(self, tmp_path: Path) -> None:
+        spec = self.checkout(tmp_path, "ci", group_writable=False)
+        stale = stage_context(spec, tmp_path / "build") / "stale.txt"
+        stale.write_text("from an older commit\n")
+        stage_context(spec, tmp_path / "build")
+        assert not stale.exists()
+
+
 class TestModes:
     def test_docker_mode_pushes_to_the_stack_registry_with_a_secret_token(self) -> None:
         run = run_stack("dev")
@@ -44,7 +84,10 @@ class TestModes:
         # the registry password (an access token) travels only inside a secret
         assert contains(image.inputs, "mock-access-token") and plain_paths(image.inputs, "mock-access-token") == []
         assert run.outputs["trainerImage"].split("@")[1].startswith("sha256:")
-        for key, path in (("context", TRAINER.context), ("dockerfile", TRAINER.dockerfile)):
+        for key, path in (
+            ("context", STAGED_CONTEXTS / "trainer"),
+            ("dockerfile", STAGED_CONTEXTS / "trainer/Dockerfile"),
+        ):
             location = inputs[key]["location"]
             assert not Path(location).is_absolute(), f"{key}.location from another checkout would rebuild"
             assert (Path.cwd() / location).resolve() == path
@@ -55,7 +98,10 @@ class TestModes:
         assert build["triggers"] == [content_hash(TRAINER)[:16]]
         assert "gcloud builds submit" in build["create"] and "results.images[0].digest" in build["create"]
         assert build["environment"]["DOCKERFILE"] == "Dockerfile"
-        for key, path in (("CONTEXT", TRAINER.context), ("CONFIG", REPO_ROOT / "infra" / "cloudbuild.yaml")):
+        for key, path in (
+            ("CONTEXT", STAGED_CONTEXTS / "trainer"),
+            ("CONFIG", REPO_ROOT / "infra" / "cloudbuild.yaml"),
+        ):
             assert not Path(build["environment"][key]).is_absolute(), "another checkout would rebuild"
             assert (Path.cwd() / build["environment"][key]).resolve() == path
         assert "@sha256:" in run.outputs["trainerImage"]

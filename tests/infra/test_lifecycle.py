@@ -5,9 +5,10 @@ import of a bucket that does not exist fails; a service account id that exists a
 unless the resource says `createIgnoreAlreadyExists`. `destroy` is modelled from what the program declared:
 every resource goes except those registered with `retain_on_delete` and the accounts whose provider
 `deletionPolicy` is ABANDON. The second `up` must then adopt the kept bucket (import by its name, the
-bucket's ID) with the very inputs the first `up` created it with, so the engine's import finds nothing to
-change and the models in it stay where the stack outputs point; and it must adopt the kept accounts, as
-the first `up` in a project the CI setup prepared (infra/bootstrap/ci-setup.sh creates them) must.
+bucket's ID) with the very inputs the first `up` created it with, and the engine's import must find nothing
+to change in what the provider reads back (`import_differences`), so the models in it stay where the stack
+outputs point; and it must adopt the kept accounts, as the first `up` in a project the CI setup prepared
+(infra/bootstrap/ci-setup.sh creates them) must.
 """
 
 from __future__ import annotations
@@ -44,6 +45,30 @@ def kept_after_destroy(run: StackRun) -> tuple[str, ...]:
     return tuple(sorted(r.plain_inputs()["name"] for r in run.of_type(BUCKET) if r.retain_on_delete))
 
 
+# pulumi-gcp >= 8 adds this label to every resource it creates, in `pulumiLabels` (GCP 8.0 migration guide,
+# "Default label"); the stacks leave addPulumiAttributionLabel at its default.
+ATTRIBUTION_LABEL = {"goog-pulumi-provisioned": "true"}
+
+
+def import_differences(bucket: Recorded, created: dict[str, object]) -> list[str]:
+    """The properties an import of `bucket` finds different, as `pulumi up` would: the provider reads the
+    existing bucket (created with `created`) but, on an import, reads its labels into `effectiveLabels` only,
+    `labels` and `pulumiLabels` stay empty (terraform-provider-google tpgresource.SetLabels keeps only
+    configured keys, and an import has none; pulumi-gcp #1961 dropped its patch that imported them); the
+    engine puts the read values at the `ignore_changes` paths (pulumi/pulumi step.go `ImportStep` →
+    `diffResource(..., s.ignoreChanges)`), the provider plans `pulumiLabels` = labels + the attribution label,
+    and any remaining difference fails the import ("inputs to import do not match the existing resource")."""
+    read = {**created, "labels": {}, "pulumiLabels": {}}
+    ignored = set(bucket.ignore_changes)
+    planned = dict(bucket.plain_inputs())
+    for key in ignored & set(read):
+        planned[key] = read[key]
+    labels = planned.get("labels") or {}
+    assert isinstance(labels, dict)
+    planned["pulumiLabels"] = {**ATTRIBUTION_LABEL, **labels}
+    return sorted(k for k in set(planned) | set(read) if k not in ignored and planned.get(k) != read.get(k))
+
+
 def stack_bucket(run: StackRun) -> Recorded:
     return next(r for r in run.of_type(BUCKET) if r.plain_inputs()["name"] == run.outputs["bucket"][len("gs://") :])
 
@@ -64,9 +89,14 @@ class TestUpDestroyUp:
         bucket = stack_bucket(second)
         assert bucket.import_id == kept[0]
         assert bucket.plain_inputs() == stack_bucket(first).plain_inputs()
+        assert import_differences(bucket, stack_bucket(first).plain_inputs()) == [], "the import would fail"
         assert second.outputs["bucket"] == first.outputs["bucket"], "the outputs point at the same models"
         grants = [r for r in second.resources if r.type == "gcp:storage/bucketIAMMember:BucketIAMMember"]
         assert {g.plain_inputs()["bucket"] for g in grants} >= set(kept), "its identities get their grants back"
+
+    def test_a_created_bucket_keeps_its_labels_managed(self, stack: str) -> None:
+        first = stack_bucket(up(stack))
+        assert first.plain_inputs()["labels"] and not first.ignore_changes, "labels are set when it is created"
 
     def test_force_destroy_leaves_nothing_to_adopt(self, stack: str) -> None:
         first = up(stack, bucketForceDestroy=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from infra import preflight
 from infra.offline import ProviderError, StackRun, mock_reservation, run_stack, stack_names
 from infra.preflight import PreflightError
 from tests.infra.conftest import PREBUILT
@@ -83,13 +84,9 @@ class TestStopsBeforeAnything:
         assert "it reserves a3-highgpu-8g, but gpuType=nvidia-b200 with gpusPerNode=8 runs on a4-highgpu-8g" in msg
         assert "in us-central1-a cannot hold this run" in msg and LIST_COMMAND in msg
 
-    def test_fully_used(self) -> None:
-        msg = fails(reservations=at("us-central1-a", count=2, in_use=2))
-        assert "0 of its 2 machines are free (2 in use), and nodes=1 needs 1" in msg
-
     def test_too_small_for_the_ray_workers(self) -> None:
         msg = fails("ray-gemma3-vision", reservations=at("us-central1-a", count=1))
-        assert "1 of its 1 machines are free (0 in use), and nodes=2 needs 2" in msg
+        assert "it holds 1 machines (0 in use), and nodes=2 needs 2" in msg
 
     def test_not_specific(self) -> None:
         msg = fails(reservations=at("us-central1-a", specific=False))
@@ -112,5 +109,29 @@ class TestStopsBeforeAnything:
         assert "Error 403" in msg and "roles/compute.viewer" in msg and "compute.reservations.get" in msg
 
     def test_every_problem_at_once(self) -> None:
-        msg = fails(reservations=at("us-central1-a", machine_type="a3-highgpu-8g", specific=False, in_use=4))
-        assert "not SPECIFIC" in msg and "reserves a3-highgpu-8g" in msg and "0 of its 4 machines are free" in msg
+        msg = fails(
+            "ray-gemma3-vision", reservations=at("us-central1-a", machine_type="a3-highgpu-8g", specific=False, count=1)
+        )
+        assert "not SPECIFIC" in msg and "reserves a3-highgpu-8g" in msg and "it holds 1 machines" in msg
+
+
+class TestBusyReservation:
+    """Machines in use at preview time may be the stack's own running training: `pulumi up` must still work."""
+
+    @staticmethod
+    def up(monkeypatch: pytest.MonkeyPatch, stack: str, **reservation: Any) -> tuple[StackRun, list[str]]:
+        warnings: list[str] = []
+        monkeypatch.setattr(preflight.pulumi.log, "warn", lambda message, *_, **__: warnings.append(str(message)))
+        return run_stack(stack, overrides=PREBUILT, reservations=at("us-central1-a", **reservation)), warnings
+
+    def test_a_second_up_while_the_run_holds_the_reservation(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        quiet, none = self.up(monkeypatch, A4, count=1, in_use=0)
+        training, warnings = self.up(monkeypatch, A4, count=1, in_use=1)  # the stack's own Job holds the machine
+        assert none == []
+        assert training.outputs["jobName"] == quiet.outputs["jobName"], "the same run, left alone"
+        assert len(warnings) == 1 and "1 of its 1 machines are in use now" in warnings[0]
+        assert "gcloud compute instances list --project my-gcp-project" in warnings[0]
+
+    def test_the_ray_stack_while_its_workers_hold_the_reservation(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        run, warnings = self.up(monkeypatch, "ray-gemma3-vision", count=2, in_use=2)
+        assert run.outputs["rayJobName"] and len(warnings) == 1 and "nodes=2 needs 2 free" in warnings[0]

@@ -1,7 +1,8 @@
 """A training run's identity is known before anything is built, and the same from any checkout.
 
 pulumi-docker-build diffs the build context's location as given (an absolute path from another checkout
-means a rebuild, a new digest), and the Job / RayJob name and the Cloud Run run id name a training run:
+means a rebuild, a new digest) and the context's files with their permission bits (another umask means a
+rebuild too), and the Job / RayJob name and the Cloud Run run id name a training run:
 if they followed the digest, `pulumi up` from CI or a colleague's laptop would replace a running A4 Job,
 and a preview (which builds no image, so knows no digest) would see no workload at all. Run identities
 derive from the images' content hash instead, and the image reference stays a leaf of the workload.
@@ -9,9 +10,11 @@ derive from the images' content hash instead, and the image reference stays a le
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +79,39 @@ COMPUTED_ELSEWHERE = {
 }
 
 
+def provider_context_hash(folder: Path) -> str:
+    """What pulumi-docker-build compares to decide a rebuild (provider/internal/context.go `hashBuildContext`):
+    every regular file's bytes, its path relative to the context and its mode string (`-rw-r--r--`). Every
+    file of the folder counts here, .dockerignore or not: a file the build context holds but no commit
+    does is a difference between checkouts too."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        digest.update(path.read_bytes())
+        digest.update(path.relative_to(folder).as_posix().encode())
+        digest.update(stat.filemode(path.stat().st_mode).encode())
+    return digest.hexdigest()
+
+
+def build_contexts(checkout: Path, planned: dict[str, Any]) -> dict[str, str]:
+    """`<plan>/<resource>` -> the provider's hash of each build context the plans hand to a builder, resolved
+    from `checkout` (where `plan_in` runs the program, as Pulumi runs it and its providers in one folder)."""
+    found: dict[str, str] = {}
+    for key, plan in planned.items():
+        for r in plan["resources"]:
+            inputs = r["inputs"]
+            location = (inputs.get("context") or {}).get("location") or (inputs.get("environment") or {}).get("CONTEXT")
+            if r["type"] in ("docker-build:index:Image", "command:local:Command") and location:
+                found[f"{key}/{r['name']}"] = provider_context_hash(checkout / location)
+    return found
+
+
+def umask_002(checkout: Path) -> None:
+    """The files of a checkout made with umask 002 (group-writable), as git writes them on such a laptop."""
+    for path in checkout.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(path.stat().st_mode | stat.S_IWGRP)
+
+
 def plan_in(checkout: Path) -> dict[str, Any]:
     """Every plan in PLANS, made by the program of `checkout`, run from there as `make plan` would."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONDONTWRITEBYTECODE": "1"}
@@ -113,9 +149,12 @@ def test_two_checkouts_plan_the_same_images_and_runs(tmp_path: Path) -> None:
     for leftover in LEFTOVERS:
         (second / leftover).parent.mkdir(parents=True, exist_ok=True)
         (second / leftover).write_text("local only\n")
+    umask_002(second)
 
     plans = [plan_in(first), plan_in(second)]
     assert plans[0] == plans[1], _first_difference(plans[0], plans[1])
+    contexts = [build_contexts(first, plans[0]), build_contexts(second, plans[1])]
+    assert contexts[0] and contexts[0] == contexts[1], "the builder would see another context: a rebuild"
     for checkout, planned in zip((first, second), plans, strict=True):
         text = json.dumps(planned)
         assert str(checkout) not in text and str(REPO_ROOT) not in text, "a plan names its checkout's path"
