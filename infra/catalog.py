@@ -60,13 +60,71 @@ CLOUD_RUN_GPUS: dict[str, CloudRunGpu] = {
     )
 }
 
-# Quota each Cloud Run GPU setting draws on (run.googleapis.com); see README "Cloud Run GPU quota".
+# Quota each Cloud Run GPU setting draws on (run.googleapis.com; the `region` dimension); see README
+# "Cloud Run GPU quota".
+CLOUD_RUN_QUOTA_SERVICE = "run.googleapis.com"
 CLOUD_RUN_GPU_QUOTA = {
     ("nvidia-l4", False): "NvidiaL4GpuAllocNoZonalRedundancyPerProjectRegion",
     ("nvidia-l4", True): "NvidiaL4GpuAllocPerProjectRegion",
     ("nvidia-rtx-pro-6000", False): "NvidiaRtxPro6000GpuAllocNoZonalRedundancyPerProjectRegion",
     ("nvidia-rtx-pro-6000", True): "NvidiaRtxPro6000GpuAllocPerProjectRegion",
 }
+
+
+@dataclass(frozen=True)
+class GpuQuota:
+    """One Cloud Quotas entry (`gcp.cloudquota.get_s_quota_info`): the service, the quota id and the dimensions
+    besides `region` that select the row (e.g. the GPU family of the unified per-family quota)."""
+
+    service: str
+    quota_id: str
+    dimensions: tuple[tuple[str, str], ...] = ()
+    regional: bool = True
+
+    def dimension_flag(self, region: str) -> str:
+        """`--dimensions=` of `gcloud quotas preferences create` for this row."""
+        dims = ([("region", region)] if self.regional else []) + list(self.dimensions)
+        return ",".join(f"{key}={value}" for key, value in dims)
+
+
+_COMPUTE = "compute.googleapis.com"
+_FAMILY_QUOTA = "GPUS-PER-GPU-FAMILY-per-project-region"
+
+
+def _family(family: str) -> GpuQuota:
+    return GpuQuota(_COMPUTE, _FAMILY_QUOTA, (("gpu_family", family),))
+
+
+def _preemptible(model: str) -> GpuQuota:
+    return GpuQuota(_COMPUTE, f"PREEMPTIBLE-NVIDIA-{model}-GPUS-per-project-region")
+
+
+# GPU quota a GKE node draws on, by accelerator and capacity (Compute Engine quotas: Autopilot nodes are
+# Compute Engine VMs). On-demand: the newest families (B200, H100, H200, RTX PRO 6000) have no per-model
+# quota id, only the unified `GPUS-PER-GPU-FAMILY-per-project-region` with a `gpu_family` dimension; L4 keeps
+# its per-model id. Spot and flex-start (which draws on preemptible quota, GKE docs "Run a small batch
+# workload with GPUs and Flex-start VMs") use `PREEMPTIBLE-NVIDIA-<MODEL>-GPUS-per-project-region`.
+# Sources: Cloud Quotas listings transcribed in public repositories (B200 family token "verified live
+# 2026-06-20"; RTX PRO 6000 family and preemptible ids "verified 2026-06-29"; preemptible B200/H100/H200/
+# H100-MEGA/L4 rows of `gcloud beta quotas info list`). UNCONFIRMED: the family tokens NVIDIA_H200 and
+# NVIDIA_H100_MEGA (named by analogy with NVIDIA_B200 / NVIDIA_H100). A wrong id answers 404, which preflight
+# reports as "could not check" with the listing command.
+GKE_GPU_QUOTAS: dict[tuple[str, bool], GpuQuota] = {
+    ("nvidia-b200", False): _family("NVIDIA_B200"),
+    ("nvidia-b200", True): _preemptible("B200"),
+    ("nvidia-h200-141gb", False): _family("NVIDIA_H200"),
+    ("nvidia-h200-141gb", True): _preemptible("H200"),
+    ("nvidia-h100-mega-80gb", False): _family("NVIDIA_H100_MEGA"),
+    ("nvidia-h100-mega-80gb", True): _preemptible("H100-MEGA"),
+    ("nvidia-h100-80gb", False): _family("NVIDIA_H100"),
+    ("nvidia-h100-80gb", True): _preemptible("H100"),
+    ("nvidia-l4", False): GpuQuota(_COMPUTE, "NVIDIA-L4-GPUS-per-project-region"),
+    ("nvidia-l4", True): _preemptible("L4"),
+    ("nvidia-rtx-pro-6000", False): _family("NVIDIA_RTX_PRO_6000"),
+    ("nvidia-rtx-pro-6000", True): _preemptible("RTX-PRO-6000"),
+}
+# The project-wide cap on on-demand GPUs in every region together (preemptible GPUs are not counted in it).
+GPUS_ALL_REGIONS = GpuQuota(_COMPUTE, "GPUS-ALL-REGIONS-per-project", regional=False)
 
 # Roles that grant far more than any workload here needs; never bound by this program.
 BASIC_ROLES = frozenset({"roles/owner", "roles/editor", "roles/viewer"})
