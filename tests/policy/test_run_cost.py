@@ -20,6 +20,7 @@ from infra.policy import policies
 from infra.policy.policies import CLOUD_RUN_JOB, K8S_JOB, RAY_CLUSTER, RAY_JOB, violations
 from tests.infra.conftest import PREBUILT
 from tests.policy.conftest import run_pack
+from tests.policy.test_policies import _set
 
 RULE = "run-cost-within-limit"
 WORKLOADS = (K8S_JOB, RAY_JOB, CLOUD_RUN_JOB)
@@ -92,16 +93,6 @@ class TestThePackAgreesWithTheProgram:
         assert "above max-run-cost-usd=100" in " ".join(run_pack(resource.type, props)[RULE])
 
 
-def _set(*path: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    def mutate(props: dict[str, Any]) -> None:
-        target = props
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
-
-    return mutate
-
-
 def _scale_ray_workers(props: dict[str, Any]) -> None:
     group = props["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     group["replicas"] = group["minReplicas"] = group["maxReplicas"] = 3
@@ -109,20 +100,20 @@ def _scale_ray_workers(props: dict[str, Any]) -> None:
 
 # (case, how the workload is changed, phrase of the violation)
 BREAKS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
-    ("job-longer-deadline", "a4", _set("spec", "activeDeadlineSeconds", value=12 * 3600), "43200 s deadline"),
-    ("job-more-nodes", "a4", _set("spec", "parallelism", value=2), "x 2 x"),
+    ("job-longer-deadline", "a4", _set(("spec", "activeDeadlineSeconds"), 12 * 3600), "43200 s deadline"),
+    ("job-more-nodes", "a4", _set(("spec", "parallelism"), 2), "x 2 x"),
     (
         "job-lower-limit",
         "a4",
-        _set("metadata", "labels", "gemma-finetune/max-run-cost-usd", value="1000"),
+        _set(("metadata", "labels", "gemma-finetune/max-run-cost-usd"), "1000"),
         "above max-run-cost-usd=1000",
     ),
-    ("rayjob-more-retries", "ray", _set("spec", "backoffLimit", value=3), "x 4 attempt(s)"),
+    ("rayjob-more-retries", "ray", _set(("spec", "backoffLimit"), 3), "x 4 attempt(s)"),
     ("rayjob-more-workers", "ray", _scale_ray_workers, "x 3 x"),
-    ("rayjob-longer-deadline", "ray", _set("spec", "activeDeadlineSeconds", value=8 * 3600), "28800 s deadline"),
-    ("cloud-run-more-retries", "dev", _set("template", "template", "maxRetries", value=5), "x 6 attempt(s)"),
-    ("cloud-run-longer-timeout", "dev", _set("template", "template", "timeout", value="7200s"), "7200 s deadline"),
-    ("cloud-run-more-tasks", "dev", _set("template", "taskCount", value=2), "x 2 x"),
+    ("rayjob-longer-deadline", "ray", _set(("spec", "activeDeadlineSeconds"), 8 * 3600), "28800 s deadline"),
+    ("cloud-run-more-retries", "dev", _set(("template", "template", "maxRetries"), 5), "x 6 attempt(s)"),
+    ("cloud-run-longer-timeout", "dev", _set(("template", "template", "timeout"), "7200s"), "7200 s deadline"),
+    ("cloud-run-more-tasks", "dev", _set(("template", "taskCount"), 2), "x 2 x"),
 ]
 
 
