@@ -21,17 +21,28 @@ Decisions
 - `servingCostPerHourUsd` is every instance `servingMaxInstances` allows, awake for an hour (the service
   scales to zero, so idle hours cost nothing).
 
+- Every run gets its price (`price_document`) as a file in its output folder (`trainer.cost_line.PRICE_FILE`,
+  a `gcp.storage.BucketObject` next to what the trainer writes); the trainer turns it into the cost line
+  of its completion marker and run summary. A file, because env vars and arguments live in the pod
+  template, where a new price would replace a running Job.
+
 Not here: the prices themselves (`infra.pricing`), enforcing the limit (`infra.preflight`, and the policy
 pack's `run-cost-within-limit` over the rendered workloads, which a test keeps equal to this).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_gcp as gcp
 
 from infra import cloud_run, ray_job
 from infra.config import RayClusterMode, StackConfig, Workload
-from infra.pricing import HourlyPrice, cloud_run_instance_hour, gke_node_hour
+from infra.pricing import PRICES_AS_OF, HourlyPrice, cloud_run_instance_hour, gke_node_hour
+from trainer.cost_line import PRICE_FILE, SUMMARY_COST_KEY
 
 NODE_RELEASE_S = 600
 
@@ -124,3 +135,51 @@ def _ceiling_text(cfg: StackConfig, ceiling: RunCeiling) -> str:
         )
     limit = f"; maxRunCostUsd={cfg.max_run_cost_usd}" if cfg.max_run_cost_usd is not None else ""
     return f"{ceiling.usd:,.2f} USD = {ceiling.formula()}; {ceiling.hourly.describe()}{limit}"
+
+
+def price_document(cfg: StackConfig) -> dict[str, Any] | None:
+    """What the trainer needs for its cost line (`trainer.cost_line`); None when the table has no price."""
+    hourly = training_hour(cfg)
+    if hourly is None:
+        return None
+    cloud = cfg.workload is Workload.CLOUD_RUN
+    return {
+        "hourly_usd": hourly.usd,
+        "unit": "instance" if cloud else "node",
+        "units": 1 if cloud else cfg.nodes,
+        "gpus": cfg.total_gpus,
+        "nodes": 1 if cloud else cfg.nodes,
+        "capacity": "cloud-run" if cloud else str(cfg.capacity),
+        "hardware": hourly.what,
+        "price_status": str(hourly.status),
+        "prices_as_of": PRICES_AS_OF,
+        "stack": cfg.stack,
+    }
+
+
+def declare_price_file(
+    name: str, cfg: StackConfig, bucket: pulumi.Input[str], run_dir: pulumi.Input[str], after: list[pulumi.Resource]
+) -> gcp.storage.BucketObject | None:
+    """The run's price document at `<run_dir>/_PRICE.json` (run_dir = gs://BUCKET/PATH)."""
+    document = price_document(cfg)
+    if document is None:
+        return None
+    path = pulumi.Output.all(run_dir, bucket).apply(
+        lambda parts: f"{parts[0].removeprefix(f'gs://{parts[1]}/').rstrip('/')}/{PRICE_FILE}"
+    )
+    return gcp.storage.BucketObject(
+        f"{name}-price",
+        bucket=bucket,
+        name=path,
+        content=json.dumps(document, indent=2, sort_keys=True),
+        content_type="application/json",
+        opts=pulumi.ResourceOptions(depends_on=after),
+    )
+
+
+def cost_line_command(run_dir: str) -> str:
+    """Prints the cost line of the stack's current (latest) run, once it has finished."""
+    return (
+        f"gcloud storage cat {run_dir}/run_summary.json | python3 -c "
+        f"\"import json, sys; print(json.dumps(json.load(sys.stdin)['{SUMMARY_COST_KEY}'], indent=2))\""
+    )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pulumi
+
 from infra import config as stack_config
 from infra import cost, preflight
 from infra.budget import BudgetGuard, BudgetGuardArgs
@@ -58,6 +60,10 @@ def run() -> dict[str, Any]:
 
     outputs.update(_workload(cfg, loaded, foundation, images))
     outputs.update(cost.outputs(cfg))
+    # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py).
+    run_dir = pulumi.Output.from_input(outputs.get("runDir") or outputs["runUri"])
+    cost.declare_price_file(name, cfg, foundation.bucket_name, run_dir, after=[foundation.bucket])
+    outputs["costLine"] = run_dir.apply(cost.cost_line_command)
     if cfg.budget_usd is not None:
         BudgetGuard(name, BudgetGuardArgs(cfg=cfg, after=list(foundation.apis)))
         recipients = ", ".join(cfg.budget_emails) or "the billing account's admins"

@@ -4,6 +4,7 @@ never touches a running workload's spec."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,12 @@ import pytest
 
 from infra import plan, pricing
 from infra.cost import NODE_RELEASE_S
-from infra.offline import REPO_ROOT, run_stack, stack_names
+from infra.offline import REPO_ROOT, StackRun, run_stack, stack_names
 from infra.pricing import PRICES_AS_OF, Status
 from tests.infra.conftest import PREBUILT
+from trainer.cost_line import PRICE_FILE, cost_line, read_price
+
+WORKLOADS = ("gcp:cloudrunv2/job:Job", "kubernetes:batch/v1:Job", "kubernetes:ray.io/v1:RayJob")
 
 DATE = re.compile(r"^\d{4}(-\d{2}){0,2}$")
 NO_RESERVATION = ("reservationName",)
@@ -140,3 +144,37 @@ class TestPriceLabelsNeverTouchARunningWorkload:
         changed = run_stack("dev", overrides={**PREBUILT, "trainingHourPriceUsd": "2.5"}).one(typ).plain_inputs()
         assert changed["template"] == before["template"]
         assert changed["labels"]["node-hour-cents"] == "250" and before["labels"]["node-hour-cents"] == "143"
+
+
+class TestEveryRunGetsItsPrice:
+    """The trainer finds the stack's price in the folder its workload writes to, and turns it into a cost line."""
+
+    @staticmethod
+    def output_dir(stack_run: StackRun) -> str:
+        """The `output.dir` the workload passes the trainer (Cloud Run: the bucket mount)."""
+        text = json.dumps([r.plain_inputs() for r in stack_run.resources if r.type in WORKLOADS])
+        found = set(re.findall(r"output\.dir=([^\"' ]+)", text))
+        assert len(found) == 1, found
+        return found.pop()
+
+    @pytest.mark.parametrize("stack", stack_names())
+    def test_the_price_file_sits_in_the_run_folder(self, stack: str, tmp_path: Path) -> None:
+        stack_run = run_stack(stack, overrides=PREBUILT)
+        (price,) = stack_run.of_type("gcp:storage/bucketObject:BucketObject")
+        inputs = price.plain_inputs()
+        out = self.output_dir(stack_run)
+        relative = out.removeprefix("/mnt/bucket/") if out.startswith("/mnt/") else out.split("/", 3)[3]
+        assert inputs["name"] == f"{relative}/{PRICE_FILE}"
+        # The trainer's side of the contract: read it from that folder and make the cost line.
+        (tmp_path / relative).mkdir(parents=True)
+        (tmp_path / inputs["name"]).write_text(inputs["content"])
+        line = cost_line(read_price(tmp_path / relative), wall_seconds=1800)
+        document = json.loads(inputs["content"])
+        assert line["estimated_usd"] == pytest.approx(document["hourly_usd"] * document["units"] / 2, abs=0.01)
+        assert line["gpus"] == stack_run.cfg.total_gpus and line["capacity"] == document["capacity"]
+        assert stack_run.outputs["costLine"].startswith("gcloud storage cat gs://")
+
+    def test_no_price_no_file(self) -> None:
+        h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "capacity": "spot"}
+        stack_run = run_stack("a4-gemma4", overrides=h100x4, remove=NO_RESERVATION)
+        assert not stack_run.of_type("gcp:storage/bucketObject:BucketObject")
