@@ -30,7 +30,20 @@ from typing import Any
 import pulumi
 import yaml
 
-from infra.offline import REPO_ROOT, Recorded, StackRun, redact_secrets, run_stack, stack_names
+from infra import cost
+from infra.config import StackConfig, validate
+from infra.offline import (
+    PROJECT,
+    REPO_ROOT,
+    Recorded,
+    StackRun,
+    project_defaults,
+    redact_secrets,
+    run_stack,
+    stack_file_config,
+    stack_names,
+)
+from trainer.cost_line import cost_line, describe
 
 # Inputs worth a glance in the table, per resource type (the JSON has everything).
 _KEY_INPUTS = ("accountId", "name", "role", "member", "service", "location", "repositoryId", "secretId", "metadata")
@@ -128,6 +141,26 @@ def print_table(run: StackRun, out: Path) -> None:
     for warning in run.warnings:
         print(f"\nWarning: {warning}")
     print(f"\nWrote {out / 'resources.json'} and {out / 'manifests'}/")
+
+
+def stack_config(stack: str) -> StackConfig:
+    """A stack's validated configuration from Pulumi.yaml defaults and its stack file (no mocks, no cloud)."""
+    values = {**project_defaults(), **stack_file_config(stack)}
+    raw = {key.removeprefix(f"{PROJECT}:"): value for key, value in values.items() if not isinstance(value, dict)}
+    return validate(raw, stack, hf_token_set=True)
+
+
+def cost_on_each_stack(wall_seconds: float) -> list[str]:
+    """What a run of `wall_seconds` would cost on each stack's training hardware (`make demo` prints it)."""
+    lines = []
+    for stack in stack_names():
+        document = cost.price_document(stack_config(stack))
+        if document is None:
+            lines.append(f"{stack}: no price in infra/pricing.py for its hardware")
+            continue
+        line = cost_line(document, wall_seconds)
+        lines.append(f"{stack}: {describe(line).removeprefix('cost: ')}")
+    return lines
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:

@@ -178,3 +178,12 @@ class TestEveryRunGetsItsPrice:
         h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "capacity": "spot"}
         stack_run = run_stack("a4-gemma4", overrides=h100x4, remove=NO_RESERVATION)
         assert not stack_run.of_type("gcp:storage/bucketObject:BucketObject")
+
+    def test_what_the_same_run_costs_on_each_stack(self) -> None:
+        """`make demo` prints this after its local run: the same wall time on each stack's hardware."""
+        lines = plan.cost_on_each_stack(wall_seconds=3600)
+        assert [line.split(":", 1)[0] for line in lines] == stack_names()
+        by_stack = dict(line.split(": ", 1) for line in lines)
+        assert by_stack["a4-gemma4"].startswith("about 148.21 USD = 148.21 USD/h x 1 node(s) x 1.00 h")
+        assert by_stack["ray-gemma3-vision"].startswith("about 296.42 USD")
+        assert by_stack["dev"].startswith("about 1.43 USD")
