@@ -2,8 +2,9 @@
 """Every stack file (`Pulumi.<stack>.yaml`) and the platform it deploys to, for CI and the one-time setup.
 
     python3 .ci/stacks.py                      # {"all": [...], "cloud-run": [...], "gke": [...]}
-    python3 .ci/stacks.py --lines              # "<stack> <workload>" per line (infra/bootstrap/ci-setup.sh)
+    python3 .ci/stacks.py --lines              # "<stack> <workload> <features>" per line (infra/bootstrap/ci-setup.sh)
     python3 .ci/stacks.py --workload dev       # cloud-run
+    python3 .ci/stacks.py --components ray-gemma3-vision   # gke-gcloud-auth-plugin,kubectl (deploy.yml)
     python3 .ci/stacks.py --outputs >> "$GITHUB_OUTPUT"   # cloud-run=[...] and gke=[...] for job matrices
 
 Decisions
@@ -11,8 +12,16 @@ Decisions
   machine of whoever runs the one-time setup.
 - The workload is read from the `gemma-finetune:workload:` line of the stack file (or its default in
   `Pulumi.yaml`); `tests/lint/test_ci_stacks.py` checks that this agrees with a real YAML parse.
+- The features are what else the one-time setup grants for (`uses:` in infra/bootstrap/ci-identities.yaml):
+  `reservation` (capacity: reservation: the preflight reads the reservation) and `cloud-build`
+  (imageBuild: cloud-build: the deploy starts builds as the stack's builder account), read the same way;
+  `-` when none. infra/permissions.py `stack_features` says the same from the validated configuration.
 - The GKE workloads (`gke-job`, `gke-ray`) are grouped: their previews need the cluster, the
   gke-gcloud-auth-plugin and the reviewed `preview-gke` environment; `cloud-run` needs neither.
+- `--components`: the gcloud components `pulumi up` of a stack runs besides an authenticated gcloud (which
+  the `dev` stack's training execution and `imageBuild: cloud-build` call): the Kubernetes provider's
+  kubeconfig calls gke-gcloud-auth-plugin (infra/gke.py), the Ray stack's CRD wait runs kubectl
+  (infra/crd_wait.py). tests/lint/test_actionlint.py checks this against the commands the program declares.
 - A stack name that is not `[A-Za-z0-9_.-]+` or a workload that is not one of the three is an
   error naming the file: both end up in shell commands and resource names.
 
@@ -30,25 +39,35 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"gke-job": "gke", "gke-ray": "gke", "cloud-run": "cloud-run"}
 STACK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_WORKLOAD_LINE = re.compile(r"^\s*gemma-finetune:workload:\s*['\"]?([A-Za-z0-9-]+)['\"]?\s*(?:#.*)?$")
 _DEFAULT_LINE = re.compile(r"^\s*default:\s*['\"]?([A-Za-z0-9-]+)['\"]?\s*(?:#.*)?$")
+COMPONENTS = {
+    "cloud-run": [],
+    "gke-job": ["gke-gcloud-auth-plugin"],
+    "gke-ray": ["gke-gcloud-auth-plugin", "kubectl"],
+}
+# Stack setting -> {value: the feature it means}.
+FEATURES = {"capacity": {"reservation": "reservation"}, "imageBuild": {"cloud-build": "cloud-build"}}
 
 
 class StackError(ValueError):
     """A stack file CI cannot use, with the file and the fix in the message."""
 
 
-def _project_default(root: Path) -> str | None:
-    """`config.workload.default` of Pulumi.yaml, if one is declared (read line by line, no YAML library)."""
+def _setting_line(key: str) -> re.Pattern[str]:
+    return re.compile(rf"^\s*gemma-finetune:{key}:\s*['\"]?([A-Za-z0-9-]+)['\"]?\s*(?:#.*)?$")
+
+
+def _project_default(root: Path, key: str = "workload") -> str | None:
+    """`config.<key>.default` of Pulumi.yaml, if one is declared (read line by line, no YAML library)."""
     project = root / "Pulumi.yaml"
     if not project.exists():
         return None
-    in_workload = False
+    in_key = False
     for line in project.read_text().splitlines():
-        if re.match(r"^  workload:\s*$", line):
-            in_workload = True
+        if re.match(rf"^  {key}:\s*$", line):
+            in_key = True
             continue
-        if in_workload:
+        if in_key:
             if re.match(r"^  \S", line) or not line.strip():
                 return None
             match = _DEFAULT_LINE.match(line)
@@ -57,19 +76,31 @@ def _project_default(root: Path) -> str | None:
     return None
 
 
-def workload_of(stack_file: Path, root: Path = REPO_ROOT) -> str:
-    """The `gemma-finetune:workload` of one stack file (or the project default)."""
+def setting_of(stack_file: Path, key: str, root: Path = REPO_ROOT) -> str | None:
+    """The `gemma-finetune:<key>` of one stack file, or the project default (None when neither sets it)."""
+    pattern = _setting_line(key)
     for line in stack_file.read_text().splitlines():
-        match = _WORKLOAD_LINE.match(line)
+        match = pattern.match(line)
         if match:
             return match.group(1)
-    default = _project_default(root)
-    if default is None:
+    return _project_default(root, key)
+
+
+def features_of(stack_file: Path, root: Path = REPO_ROOT) -> list[str]:
+    """The features (FEATURES) the stack file uses, sorted."""
+    found = {FEATURES[key].get(setting_of(stack_file, key, root) or "") for key in FEATURES}
+    return sorted(feature for feature in found if feature)
+
+
+def workload_of(stack_file: Path, root: Path = REPO_ROOT) -> str:
+    """The `gemma-finetune:workload` of one stack file (or the project default)."""
+    workload = setting_of(stack_file, "workload", root)
+    if workload is None:
         raise StackError(
             f"{stack_file.name} sets no gemma-finetune:workload and Pulumi.yaml has no default: "
             f"add `gemma-finetune:workload: cloud-run` (or {', '.join(sorted(WORKLOADS))})"
         )
-    return default
+    return workload
 
 
 def stacks(root: Path = REPO_ROOT) -> dict[str, str]:
@@ -88,6 +119,11 @@ def stacks(root: Path = REPO_ROOT) -> dict[str, str]:
     return found
 
 
+def stack_features(root: Path = REPO_ROOT) -> dict[str, list[str]]:
+    """Stack name -> its features, for every Pulumi.<stack>.yaml in `root`, sorted by name."""
+    return {name: features_of(root / f"Pulumi.{name}.yaml", root) for name in stacks(root)}
+
+
 def grouped(found: dict[str, str]) -> dict[str, list[str]]:
     """{"all": every stack, "cloud-run": ..., "gke": ...}; each list sorted."""
     groups: dict[str, list[str]] = {"all": sorted(found), "cloud-run": [], "gke": []}
@@ -102,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--lines", action="store_true", help="print '<stack> <workload>' per line")
     mode.add_argument("--workload", metavar="STACK", help="print the workload of one stack")
+    mode.add_argument("--components", metavar="STACK", help="print the gcloud components its `pulumi up` runs")
     mode.add_argument("--outputs", action="store_true", help="print cloud-run=[...] and gke=[...] (GITHUB_OUTPUT)")
     args = parser.parse_args(argv)
     try:
@@ -109,18 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.workload is not None:
-        if args.workload not in found:
-            print(f"error: no stack file Pulumi.{args.workload}.yaml; stacks: {', '.join(found)}", file=sys.stderr)
+    one = args.workload or args.components
+    if one is not None:
+        if one not in found:
+            print(f"error: no stack file Pulumi.{one}.yaml; stacks: {', '.join(found)}", file=sys.stderr)
             return 2
-        print(found[args.workload])
+        print(found[one] if args.workload else ",".join(COMPONENTS[found[one]]))
     elif args.outputs:
         groups = grouped(found)
         print(f"cloud-run={json.dumps(groups['cloud-run'])}")
         print(f"gke={json.dumps(groups['gke'])}")
     elif args.lines:
+        features = stack_features(args.root)
         for name, workload in found.items():
-            print(f"{name} {workload}")
+            print(f"{name} {workload} {','.join(features[name]) or '-'}")
     else:
         print(json.dumps(grouped(found)))
     return 0

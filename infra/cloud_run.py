@@ -19,13 +19,31 @@ Decisions
   (`run_execution_token` would also block `pulumi up` until training ends.)
 - The bucket is mounted at /mnt/bucket (Cloud Storage volume); the trainer writes
   `runs/<run_id>/merged/` and the completion marker last.
-- Serving is a second step (`servingEnabled: true`, then `pulumi up`). Before declaring
-  the Service the program reads the run's completion marker from the bucket; if training
-  has not finished, `pulumi up` stops with a message saying so, and no Service (or broken
-  revision) is created. The entrypoint also refuses a model without the marker.
+- Serving is a second step (`servingEnabled: true`, then `pulumi up`), and it serves a
+  *pinned* run, not the current one: `servingRunId` when set, else the latest completed run
+  of the recipe. Changing the recipe or the image therefore starts a new training run while
+  the Service keeps serving the finished one; it moves only when a newer run has completed
+  (or `servingRunId` says so). The run is found by LISTING completion markers
+  (`gcp.storage.get_bucket_objects`: the provider's data source GETs `b/BUCKET/o` with
+  `prefix`/`matchGlob` and returns an empty list for no match, terraform-provider-google
+  `data_source_storage_bucket_objects.go`), so absence is a friendly message, not the 404 the
+  object-content read errors with. The chosen marker is then read and its inventory checked
+  against a listing of the run's folder (serving/completion.py, names only: a listing has no
+  sizes); the entrypoint checks sizes and readability when the revision starts.
+- The startup probe is serving/startup.py's window (240 s initial delay + 24 x 10 s = 480 s);
+  the container gets the window and the marker wait as env, and the entrypoint refuses a
+  wait that would leave vLLM no time.
+- Concurrency: Cloud Run sends one instance at most `servingConcurrency` requests, and vLLM
+  gets the same number as `--max-num-seqs` (default: vLLM's own default for the GPU,
+  256 on L4), so Cloud Run holds back nothing vLLM would batch and sends nothing it would
+  only queue. Not measured on Cloud Run (UNCONFIRMED as the best throughput/latency point).
 - The Service is private: `roles/run.invoker` only for `servingInvokers`; it is public
   only when the stack says `servingPublic: true` (then the invoker check is disabled,
-  with no allUsers binding). Scale to zero, `servingMaxInstances` GPUs at most.
+  with no allUsers binding: an unauthenticated GPU endpoint, see Pulumi.yaml). An optional
+  `servingApiKey` goes to Secret Manager (the foundation's secret, with the serving account's
+  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference; vLLM checks it
+  on `/v1` routes only (vllm/entrypoints/openai/api_server.py). Scale to zero,
+  `servingMaxInstances` GPUs at most.
 - No Direct VPC egress: the service reads the model through its Cloud Storage volume over
   Google's network, and a subnet used by Direct VPC egress cannot be deleted for 1-2 hours
   after the service is (Cloud Run docs, CLOUD-FACTS §11), which would break `pulumi destroy`.
@@ -41,6 +59,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from datetime import UTC, datetime
 from typing import Any
 
 import pulumi
@@ -52,8 +72,10 @@ from infra.config import LoadedConfig, StackConfig
 from infra.foundation import Foundation, Identity
 from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
-from serving.vllm_args import COMPLETION_MARKER, Dtype, VllmServerConfig, render_args
-from trainer.recipe import recipe_sha256
+from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
+from serving.startup import STARTUP_WINDOW
+from serving.vllm_args import Dtype, VllmServerConfig, model_type_of, render_args
+from trainer.recipe import load_recipe, recipe_sha256
 
 BUCKET_MOUNT = "/mnt/bucket"
 MODEL_MOUNT = "/mnt/models"
@@ -129,12 +151,15 @@ def service_limits(cfg: StackConfig) -> dict[str, str]:
 
 
 def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
+    base_model = load_recipe(cfg.recipe, cfg.recipe_overrides).model.name_or_path
     return VllmServerConfig(
         model=f"{MODEL_MOUNT}/{run_prefix(cfg, rid)}/merged",
         served_model_name=cfg.recipe,
         max_model_len=cfg.serving_max_model_len,
         dtype=Dtype.BFLOAT16,
+        model_type=model_type_of(base_model),
         port=VLLM_PORT,
+        max_num_seqs=cfg.serving_max_concurrency,
         extra_args=cfg.serving_extra_args,
     )
 
@@ -235,30 +260,99 @@ class CloudRunTraining(pulumi.ComponentResource):
         self.register_outputs({"job_name": self.job.name, "run_id": self.run_id})
 
 
-def _require_complete_model(cfg: StackConfig, bucket: pulumi.Output[str], prefix: pulumi.Output[str]) -> Any:
-    """Read the run's completion marker; stop `pulumi up` with a clear message when training has not finished."""
-    marker = pulumi.Output.all(bucket, prefix).apply(lambda p: f"{p[1]}/merged/{COMPLETION_MARKER}")
-    content = gcp.storage.get_bucket_object_content_output(bucket=bucket, name=marker).content
+def _marker_pattern(cfg: StackConfig) -> re.Pattern[str]:
+    return re.compile(rf"^runs/{re.escape(cfg.recipe)}-([0-9a-f]{{12}})/merged/{re.escape(COMPLETION_MARKER)}$")
 
-    def check(parts: list[Any]) -> str:
-        text, path, bucket_name = parts
-        if not text:
+
+def _field(obj: Any, name: str) -> str:
+    """A field of a listed object: a typed result (attribute) or, from an output invoke, a plain dict."""
+    value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+    return "" if value is None else str(value)
+
+
+def _updated(value: str | None) -> datetime:
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return datetime.min.replace(tzinfo=UTC)
+
+
+def _follow(cfg: StackConfig) -> str:
+    return f"gcloud run jobs executions list --job gft-{cfg.stack}-train --region {cfg.region}"
+
+
+def choose_served_run(cfg: StackConfig, markers: list[Any], training_run: str, bucket: str) -> str:
+    """The run to serve: `servingRunId` if its marker is listed, else the newest listed marker of this recipe."""
+    pattern = _marker_pattern(cfg)
+    runs: dict[str, datetime] = {}
+    for obj in markers:
+        match = pattern.match(_field(obj, "name"))
+        if match:
+            runs[match.group(1)] = _updated(_field(obj, "updated"))
+    finished = ", ".join(sorted(runs, key=lambda r: runs[r], reverse=True)) or "none"
+    if cfg.serving_run_id is not None:
+        if cfg.serving_run_id not in runs:
             raise pulumi.RunError(
-                f"servingEnabled=true but gs://{bucket_name}/{path} does not exist: the training run has not "
-                f"finished (or failed). Follow it with `gcloud run jobs executions list --job gft-{cfg.stack}-train "
-                f"--region {cfg.region}`, then run `pulumi up` again. To skip serving for now: "
-                "pulumi config set servingEnabled false"
+                f"servingRunId={cfg.serving_run_id} has no complete model: gs://{bucket}/"
+                f"{run_prefix(cfg, cfg.serving_run_id)}/merged/{COMPLETION_MARKER} is not there (the run has not "
+                f"finished, failed, or belongs to another recipe). Completed runs of {cfg.recipe}: {finished}. "
+                f"Fix: pulumi config set servingRunId RUN_ID, or pulumi config rm servingRunId to serve the latest one"
             )
-        return path
+        return cfg.serving_run_id
+    if not runs:
+        raise pulumi.RunError(
+            f"servingEnabled=true but no training run of recipe {cfg.recipe} has finished yet: no "
+            f"gs://{bucket}/runs/{cfg.recipe}-*/merged/{COMPLETION_MARKER}. The current run is {training_run}; "
+            f"follow it with `{_follow(cfg)}`, then run `pulumi up` again. To skip serving for now: "
+            "pulumi config set servingEnabled false"
+        )
+    return max(runs, key=lambda r: (runs[r], r))
 
-    return pulumi.Output.all(content, marker, bucket).apply(check)
+
+def check_listed_export(cfg: StackConfig, rid: str, marker_text: str, listed: list[Any], bucket: str) -> str:
+    """serving/completion.py's inventory check against a listing of the run's folder; returns the run id."""
+    folder = f"{run_prefix(cfg, rid)}/merged/"
+    where = f"gs://{bucket}/{folder.rstrip('/')}"
+    try:
+        inventory = Inventory.from_marker(json.loads(marker_text or "null"), where)
+        names = {_field(obj, "name")[len(folder) :]: None for obj in listed}
+        check_inventory(inventory, names, where)
+    except (IncompleteModelError, ValueError) as exc:
+        raise pulumi.RunError(
+            f"the export of run {rid} is not servable: {exc}. Run the training again (change the recipe, or "
+            f"`gcloud run jobs execute gft-{cfg.stack}-train --region {cfg.region}`), or pin another run with "
+            "pulumi config set servingRunId RUN_ID"
+        ) from None
+    return rid
+
+
+def served_run(cfg: StackConfig, bucket: pulumi.Output[str], training_run: pulumi.Output[str]) -> pulumi.Output[str]:
+    """The pinned run id, verified complete in the bucket, or a `pulumi.RunError` that says what to do."""
+    markers = gcp.storage.get_bucket_objects_output(
+        bucket=bucket,
+        prefix=f"runs/{cfg.recipe}-",
+        match_glob=f"runs/{cfg.recipe}-*/merged/{COMPLETION_MARKER}",
+    ).bucket_objects
+
+    def verified(parts: list[Any]) -> pulumi.Output[str]:
+        listing, current, bucket_name = parts
+        rid = choose_served_run(cfg, listing, current, bucket_name)
+        folder = f"{run_prefix(cfg, rid)}/merged/"
+        marker = gcp.storage.get_bucket_object_content_output(bucket=bucket_name, name=folder + COMPLETION_MARKER)
+        files = gcp.storage.get_bucket_objects_output(bucket=bucket_name, prefix=folder).bucket_objects
+        return pulumi.Output.all(marker.content, files).apply(
+            lambda p: check_listed_export(cfg, rid, p[0], p[1], bucket_name)
+        )
+
+    return pulumi.Output.all(markers, training_run, bucket).apply(verified)
 
 
 class VllmService(pulumi.ComponentResource):
-    """The vLLM Cloud Run GPU Service over the merged model of one training run."""
+    """The vLLM Cloud Run GPU Service over the merged model of a pinned, completed training run."""
 
     service: gcp.cloudrunv2.Service
     url: pulumi.Output[str]
+    run_id: pulumi.Output[str]
 
     def __init__(
         self,
@@ -266,14 +360,15 @@ class VllmService(pulumi.ComponentResource):
         cfg: StackConfig,
         foundation: Foundation,
         image: pulumi.Output[str],
-        run: pulumi.Output[str],
+        training_run: pulumi.Output[str],
         opts=None,
     ) -> None:
         super().__init__("gemma-finetune:gcp:VllmService", name, None, opts)
         assert foundation.serving_account is not None, "the foundation creates a serving account when serving is on"
         child = pulumi.ResourceOptions(parent=self)
-        marker_checked = _require_complete_model(cfg, foundation.bucket_name, run.apply(lambda r: run_prefix(cfg, r)))
-        vllm_args = pulumi.Output.all(run, marker_checked).apply(lambda p: render_args(vllm_config(cfg, p[0])))
+        self.run_id = served_run(cfg, foundation.bucket_name, training_run)
+        vllm_args = self.run_id.apply(lambda rid: render_args(vllm_config(cfg, rid)))
+        envs = self._envs(cfg, foundation)
         self.service = gcp.cloudrunv2.Service(
             f"{name}-service",
             project=cfg.project,
@@ -288,7 +383,7 @@ class VllmService(pulumi.ComponentResource):
                 service_account=foundation.serving_account.email,
                 gpu_zonal_redundancy_disabled=not cfg.gpu_zonal_redundancy,
                 node_selector=gcp.cloudrunv2.ServiceTemplateNodeSelectorArgs(accelerator=cfg.serving_gpu_type),
-                max_instance_request_concurrency=16,
+                max_instance_request_concurrency=cfg.serving_max_concurrency,
                 timeout="600s",
                 scaling=gcp.cloudrunv2.ServiceTemplateScalingArgs(
                     min_instance_count=0, max_instance_count=cfg.serving_max_instances
@@ -298,19 +393,18 @@ class VllmService(pulumi.ComponentResource):
                         image=image,
                         args=vllm_args,
                         ports=gcp.cloudrunv2.ServiceTemplateContainerPortsArgs(container_port=VLLM_PORT),
-                        envs=[gcp.cloudrunv2.ServiceTemplateContainerEnvArgs(name="HF_HUB_OFFLINE", value="1")],
+                        envs=envs,
                         resources=gcp.cloudrunv2.ServiceTemplateContainerResourcesArgs(
                             limits=_resources(cfg.serving_gpu_type, SERVICE_CPU, SERVICE_MEMORY_GIB),
                             cpu_idle=False,
                             startup_cpu_boost=True,
                         ),
-                        # Loading weights from the bucket and capturing CUDA graphs takes minutes:
-                        # probe every 10 s for up to 240 s (the platform's cap), after a 30 s grace.
+                        # serving/startup.py states the window and why (480 s, marker wait included)
                         startup_probe=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeArgs(
-                            initial_delay_seconds=30,
-                            period_seconds=10,
-                            timeout_seconds=5,
-                            failure_threshold=21,
+                            initial_delay_seconds=STARTUP_WINDOW.initial_delay_s,
+                            period_seconds=STARTUP_WINDOW.period_s,
+                            timeout_seconds=STARTUP_WINDOW.timeout_s,
+                            failure_threshold=STARTUP_WINDOW.failure_threshold,
                             http_get=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeHttpGetArgs(
                                 path="/health", port=VLLM_PORT
                             ),
@@ -333,7 +427,14 @@ class VllmService(pulumi.ComponentResource):
             ),
             opts=pulumi.ResourceOptions(
                 parent=self,
-                depends_on=[*foundation.apis, foundation.serving_account, *foundation.grants_to(Identity.SERVING)],
+                # A Service that references a secret fails to create without the accessor grant (CLOUD-FACTS §11):
+                # the key's grant is one of grants_to(SERVING).
+                depends_on=[
+                    *foundation.apis,
+                    foundation.serving_account,
+                    *foundation.grants_to(Identity.SERVING),
+                    *([foundation.api_key_secret_version] if foundation.api_key_secret_version else []),
+                ],
             ),
         )
         for i, member in enumerate(cfg.serving_invokers):
@@ -347,7 +448,31 @@ class VllmService(pulumi.ComponentResource):
                 opts=child,
             )
         self.url = self.service.uri
-        self.register_outputs({"url": self.url})
+        self.register_outputs({"url": self.url, "run_id": self.run_id})
+
+    @staticmethod
+    def _envs(cfg: StackConfig, foundation: Foundation) -> list[gcp.cloudrunv2.ServiceTemplateContainerEnvArgs]:
+        """The container's environment: fixed settings, the startup window, servingEnv, and the API key by reference."""
+        env = gcp.cloudrunv2.ServiceTemplateContainerEnvArgs
+        envs = [
+            env(name="HF_HUB_OFFLINE", value="1"),
+            env(name="GEMMA_FT_STARTUP_WINDOW_S", value=str(STARTUP_WINDOW.total_s)),
+            env(name="GEMMA_FT_WAIT_FOR_MODEL_S", value=str(STARTUP_WINDOW.marker_wait_s)),
+            *(env(name=k, value=v) for k, _, v in (item.partition("=") for item in cfg.serving_env)),
+        ]
+        if foundation.api_key_secret is not None and foundation.api_key_secret_version is not None:
+            envs.append(
+                env(
+                    name="VLLM_API_KEY",
+                    value_source=gcp.cloudrunv2.ServiceTemplateContainerEnvValueSourceArgs(
+                        secret_key_ref=gcp.cloudrunv2.ServiceTemplateContainerEnvValueSourceSecretKeyRefArgs(
+                            secret=foundation.api_key_secret.secret_id,
+                            version=foundation.api_key_secret_version.version,
+                        )
+                    ),
+                )
+            )
+        return envs
 
 
 def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images) -> dict[str, Any]:
@@ -368,8 +493,23 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
     }
     if cfg.serving_enabled:
         assert images.serving_image is not None
-        service = VllmService(name, cfg, foundation, images.serving_image, pulumi.Output.from_input(training.run_id))
+        if cfg.serving_public and not cfg.serving_api_key_set:
+            pulumi.log.warn(
+                "servingPublic=true without servingApiKey: anyone with the URL can use this GPU service and bill "
+                "up to servingMaxInstances instances; set one with `pulumi config set --secret servingApiKey …`"
+            )
+        service = VllmService(
+            name,
+            cfg,
+            foundation,
+            images.serving_image,
+            pulumi.Output.from_input(training.run_id),
+        )
         outputs["servingUrl"] = service.url
+        outputs["servingRunId"] = service.run_id
+        outputs["servedModelUri"] = pulumi.Output.all(foundation.bucket_uri, service.run_id).apply(
+            lambda p: f"{p[0]}/{run_prefix(cfg, p[1])}/merged"
+        )
         outputs["query"] = service.url.apply(
             lambda url: (
                 f'python -m serving.client --url {url} --model {cfg.recipe} "Translate to emoji: I ate a banana '

@@ -28,6 +28,8 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
+from serving.vllm_args import VLLM_IMAGE
+from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe
 
 PROJECT_NAMESPACE = "gemma-finetune"
@@ -77,6 +79,20 @@ _BILLING_ACCOUNT = re.compile(r"^[0-9A-F]{6}-[0-9A-F]{6}-[0-9A-F]{6}$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 # A budget sends to at most 5 Monitoring notification channels (Budget allUpdatesRule, pulumi-gcp 10.2 docs).
 MAX_BUDGET_EMAILS = 5
+_RUN_ID = re.compile(r"^[0-9a-f]{12}$")
+_IMAGE_REF = re.compile(
+    r"^[a-z0-9][a-z0-9._/-]*(:\d+/[a-z0-9._/-]+)?(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})$"
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set by the program itself, or reserved by Cloud Run (container contract: PORT, K_SERVICE, K_REVISION, K_CONFIGURATION).
+RESERVED_SERVING_ENV = frozenset(
+    {"PORT", "K_SERVICE", "K_REVISION", "K_CONFIGURATION", "HF_HUB_OFFLINE", "VLLM_API_KEY"}
+    | {"GEMMA_FT_WAIT_FOR_MODEL_S", "GEMMA_FT_STARTUP_WINDOW_S", "GEMMA_FT_SKIP_MODEL_CHECK"}
+)
+_SECRET_LIKE = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", re.IGNORECASE)
+# vLLM's default max_num_seqs for the OpenAI server: 256 on GPUs under 70 GiB, 1024 above
+# (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py); Cloud Run allows at most 1000 concurrent requests.
+DEFAULT_SERVING_CONCURRENCY = {"nvidia-l4": 256, "nvidia-rtx-pro-6000": 1000}
 
 
 def _set(key: str, value: object = "VALUE", secret: bool = False) -> str:
@@ -115,6 +131,11 @@ class StackConfig(BaseModel):
     serving_max_instances: int = Field(1, alias="servingMaxInstances", gt=0, le=10)
     serving_max_model_len: int = Field(4096, alias="servingMaxModelLen", gt=0)
     serving_extra_args: list[str] = Field(default_factory=list, alias="servingExtraArgs")
+    serving_run_id: str | None = Field(None, alias="servingRunId")
+    serving_vllm_image: str = Field(VLLM_IMAGE, alias="servingVllmImage")
+    serving_env: list[str] = Field(default_factory=list, alias="servingEnv")
+    serving_concurrency: int | None = Field(None, alias="servingConcurrency", gt=0, le=1000)
+    serving_api_key_set: bool = Field(False, description="whether gemma-finetune:servingApiKey is set (stays secret)")
 
     image_build: ImageBuild = Field(ImageBuild.DOCKER, alias="imageBuild")
     trainer_image: str | None = Field(None, alias="trainerImage")
@@ -126,7 +147,7 @@ class StackConfig(BaseModel):
     release_channel: str = Field("REGULAR", alias="releaseChannel")
     namespace: str = "gemma-finetune"
     ray_cluster: RayClusterMode = Field(RayClusterMode.EPHEMERAL, alias="rayCluster")
-    ray_version: str = Field("2.48.0", alias="rayVersion")
+    ray_version: str = Field(RAY_VERSION, alias="rayVersion")
     training_timeout_minutes: int | None = Field(None, alias="trainingTimeoutMinutes", gt=0)
     training_retries: int = Field(2, alias="trainingRetries", ge=0, le=10)
     gpu_zonal_redundancy: bool = Field(False, alias="gpuZonalRedundancy")
@@ -225,6 +246,51 @@ class StackConfig(BaseModel):
             )
         return v
 
+    @field_validator("serving_run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v is not None and not _RUN_ID.match(v):
+            raise ValueError(
+                f"servingRunId={v!r} is not a run id (12 lowercase hex characters, the runId output of a training "
+                "run). List completed runs with `gcloud storage ls 'gs://BUCKET/runs/*/merged/_COMPLETE.json'`. "
+                "Fix: pulumi config set servingRunId 0123456789ab, or pulumi config rm servingRunId to serve the "
+                "latest completed run"
+            )
+        return v
+
+    @field_validator("serving_vllm_image")
+    @classmethod
+    def _vllm_image(cls, v: str) -> str:
+        if not _IMAGE_REF.match(v) or v.endswith(":latest"):
+            raise ValueError(
+                f"servingVllmImage={v!r} must be an image with an exact tag or digest (never latest), e.g. "
+                f"{VLLM_IMAGE} or vllm/vllm-openai@sha256:<64 hex> (find it with `docker buildx imagetools "
+                f"inspect {VLLM_IMAGE}`). Fix: {_set('servingVllmImage', VLLM_IMAGE)}"
+            )
+        return v
+
+    @field_validator("serving_env")
+    @classmethod
+    def _serving_env(cls, v: list[str]) -> list[str]:
+        names: set[str] = set()
+        for item in v:
+            name, sep, _ = item.partition("=")
+            if not sep or not _ENV_NAME.match(name):
+                raise ValueError(f"servingEnv entry {item!r} must be NAME=value, e.g. VLLM_LOGGING_LEVEL=DEBUG")
+            if name in RESERVED_SERVING_ENV:
+                raise ValueError(
+                    f"servingEnv sets {name}, which the program or Cloud Run sets itself; use the typed setting instead"
+                )
+            if _SECRET_LIKE.search(name):
+                raise ValueError(
+                    f"servingEnv sets {name}: values there are plain text in the stack's state and the revision; "
+                    "secrets belong in Secret Manager (servingApiKey for vLLM's API key)"
+                )
+            if name in names:
+                raise ValueError(f"servingEnv sets {name} twice")
+            names.add(name)
+        return v
+
     @field_validator("release_channel")
     @classmethod
     def _channel(cls, v: str) -> str:
@@ -313,6 +379,13 @@ class StackConfig(BaseModel):
                 f"servingGpuType={self.serving_gpu_type!r} is not offered by Cloud Run. "
                 f"Cloud Run offers: {', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('servingGpuType', 'nvidia-l4')}"
             )
+        if self.serving_gpu_type == "nvidia-l4" and re.search(r"cu1[3-9]|cuda-?1[3-9]", self.serving_vllm_image):
+            problems.append(
+                f"servingVllmImage={self.serving_vllm_image!r} is a CUDA 13 build, but Cloud Run's L4 driver is "
+                "535 (CUDA 12.2) and CUDA 13 needs driver >= 580 (NVIDIA CUDA minor version compatibility). "
+                f"Fix: {_set('servingVllmImage', VLLM_IMAGE)} (a CUDA 12.x build), or "
+                f"{_set('servingGpuType', 'nvidia-rtx-pro-6000')} (driver 580)"
+            )
         return problems
 
     def _check_gke(self) -> list[str]:
@@ -355,6 +428,11 @@ class StackConfig(BaseModel):
         return labels
 
     @property
+    def serving_max_concurrency(self) -> int:
+        """Requests Cloud Run sends one vLLM instance at once = the sequences vLLM batches (`--max-num-seqs`)."""
+        return self.serving_concurrency or DEFAULT_SERVING_CONCURRENCY.get(self.serving_gpu_type, 256)
+
+    @property
     def timeout_minutes(self) -> int:
         if self.training_timeout_minutes:
             return self.training_timeout_minutes
@@ -367,15 +445,18 @@ _WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     Workload.CLOUD_RUN: {"gpuType": "nvidia-l4", "gpusPerNode": 1},
 }
 
-_LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "labels", "budgetEmails"}
+_LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "servingEnv", "labels", "budgetEmails"}
+_SECRET_KEYS = {"hfToken": "hf_token", "servingApiKey": "serving_api_key"}
 
 
 def config_keys() -> dict[str, str]:
     """Stack-file key -> field name, for every key a user may set (hfToken included)."""
     keys = {
-        (f.alias or name): name for name, f in StackConfig.model_fields.items() if name not in {"stack", "hf_token_set"}
+        (f.alias or name): name
+        for name, f in StackConfig.model_fields.items()
+        if name not in {"stack", "hf_token_set", "serving_api_key_set"}
     }
-    keys["hfToken"] = "hf_token"
+    keys.update(_SECRET_KEYS)
     return keys
 
 
@@ -385,6 +466,7 @@ class LoadedConfig:
 
     cfg: StackConfig
     hf_token: pulumi.Output[str] | None
+    serving_api_key: pulumi.Output[str] | None = None
 
 
 def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig:
@@ -396,7 +478,7 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(f"unknown key {PROJECT_NAMESPACE}:{key}{hint} (allowed keys are declared in Pulumi.yaml)")
-    values = {k: v for k, v in raw.items() if k in known and k != "hfToken"}
+    values = {k: v for k, v in raw.items() if k in known and k not in _SECRET_KEYS}
     for key in _LIST_FIELDS & values.keys():
         if isinstance(values[key], str):
             try:
@@ -409,7 +491,14 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
     if problems:
         raise ConfigError(_render(stack, problems))
     try:
-        cfg = StackConfig.model_validate({**values, "stack": stack, "hf_token_set": hf_token_set})
+        cfg = StackConfig.model_validate(
+            {
+                **values,
+                "stack": stack,
+                "hf_token_set": hf_token_set,
+                "serving_api_key_set": raw.get("servingApiKey") not in (None, ""),
+            }
+        )
     except ValidationError as exc:
         raise ConfigError(_render(stack, [_describe(e) for e in exc.errors()])) from None
     token_problem = _hf_token_problem(cfg)
@@ -468,4 +557,5 @@ def load() -> LoadedConfig:
     hf_token_set = raw.get("hfToken") not in (None, "")
     cfg = validate(raw, pulumi.get_stack(), hf_token_set)
     token = pulumi.Config(PROJECT_NAMESPACE).get_secret("hfToken") if hf_token_set else None
-    return LoadedConfig(cfg=cfg, hf_token=token)
+    api_key = pulumi.Config(PROJECT_NAMESPACE).get_secret("servingApiKey") if cfg.serving_api_key_set else None
+    return LoadedConfig(cfg=cfg, hf_token=token, serving_api_key=api_key)

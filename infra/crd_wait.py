@@ -14,9 +14,11 @@ Decisions
 - The kubeconfig travels as a secret environment value and is written to a private temporary file
   that is removed on exit; it holds no credential (`infra.gke`: gke-gcloud-auth-plugin).
 - Needs, on the machine that runs `pulumi up`: bash, `kubectl` and `gke-gcloud-auth-plugin`
-  (`gcloud components install kubectl gke-gcloud-auth-plugin`). A preview does not run it
-  (pulumi-command runs `create` during `up` only); a later `up` runs it again only when one of its
-  inputs changes (the cluster's kubeconfig, the CRD list, the script).
+  (`gcloud components install kubectl gke-gcloud-auth-plugin`; in CI, deploy.yml's apply job installs
+  them, `.ci/stacks.py --components`). A preview does not run it (pulumi/pulumi-command
+  provider/pkg/provider/local/commandController.go: "If in preview, don't run the command"); a later
+  `up` runs it again only when one of its inputs changes (the cluster's kubeconfig, the CRD list, the
+  script). The identity needs container.customResourceDefinitions.get and .list (infra/api_permissions.py).
 
 Not here: waiting for the KubeRay operator itself (Google runs it; an Established CRD is what the API
 server needs to accept a RayJob, which the operator then picks up whenever it is ready).

@@ -15,6 +15,22 @@ Decisions
   (`roles/container.defaultNodeServiceAccount`) and the builder's `roles/logging.logWriter`.
   No basic role is ever used (`infra.catalog.BASIC_ROLES`). What each identity needs and why
   is `infra/permissions.py`; a test proves these grants cover it and nothing more.
+- The accounts are adopted when they already exist: the CI setup (`infra/bootstrap/ci-setup.sh`)
+  creates them before the first `up`, because IAM Conditions cannot match service-account names and
+  the deploy identity may act as, and bind, only accounts that exist when the setup grants it that.
+  `create_ignore_already_exists=True` makes the provider treat Create's 409 as success and read the
+  existing account (terraform-provider-google resource_google_service_account.go; magic-modules PR
+  #9727); the provider still calls Create, so whoever runs `pulumi up` needs
+  `iam.serviceAccounts.create` on the project even when the account exists (IAM authorises the call on
+  the project before it looks at the name: UNCONFIRMED that it would answer 409 without it).
+  `deletion_policy="ABANDON"` (pulumi-gcp 10.2 sdk/python/pulumi_gcp/serviceaccount/account.py:
+  "remove the resource from Terraform management without updating or deleting the resource in the
+  API"; magic-modules docs, best-practices/deletion-policy) means `pulumi destroy` deletes every grant
+  TO the accounts (those are separate resources) but leaves the accounts themselves, holding no role
+  in the project; the next `up` adopts them again. A deleted account could not be recreated under the
+  same email with its CI bindings intact (those bindings would point at the deleted account).
+  The display name is ignored after creation (`ignore_changes`): an adopted account keeps the
+  setup's, and `pulumi up` never needs `iam.serviceAccounts.update`.
 - `grants_to(identity)` lists every grant to one identity, so a workload can wait for all of
   them (a Cloud Run Job that references a secret cannot be created before its accessor grant,
   terraform-provider-google #13786).
@@ -27,8 +43,11 @@ Decisions
   pkg/resource/deploy/step_generator.go: an import happens only when there is no old state or
   the old ID differs).
 - The HF token goes to Secret Manager only for a workload that reads it there (Cloud Run);
-  the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). It stays a secret Output
-  everywhere.
+  the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). The optional vLLM API key
+  (`servingApiKey`) goes there too when serving is on. Each is one `_secret`: the secret, its
+  version and the reader's accessor grant, registered in `grants_to(reader)` like every other
+  grant, so the workload that reads it waits for it and the permission proof sees it. Both stay
+  secret Outputs everywhere.
 
 Not here: Kubernetes identities and the Workload Identity binding (the GKE components own
 them, because they know the namespace and the Kubernetes service account).
@@ -85,6 +104,19 @@ def account_id(cfg: StackConfig, identity: Identity) -> str:
     return f"gft-{cfg.stack}-{identity}"
 
 
+ACCOUNT_DESCRIPTIONS = {
+    Identity.TRAINER: "training workload",
+    Identity.SERVING: "vLLM serving",
+    Identity.NODES: "GKE Autopilot nodes",
+    Identity.BUILD: "Cloud Build image builds",
+}
+
+
+def account_display_name(cfg: StackConfig, identity: Identity) -> str:
+    """The display name the program (or the CI setup, which creates the same accounts first) gives an account."""
+    return f"gemma-finetune {cfg.stack}: {ACCOUNT_DESCRIPTIONS[identity]}"
+
+
 def account_email(cfg: StackConfig, identity: Identity) -> str:
     return f"{account_id(cfg, identity)}@{cfg.project}.iam.gserviceaccount.com"
 
@@ -102,6 +134,10 @@ def hf_secret_id(cfg: StackConfig) -> str:
     return f"gft-{cfg.stack}-hf-token"
 
 
+def api_key_secret_id(cfg: StackConfig) -> str:
+    return f"gft-{cfg.stack}-vllm-api-key"
+
+
 def repository_id(cfg: StackConfig) -> str:
     return f"gemma-finetune-{cfg.stack}"
 
@@ -111,10 +147,15 @@ def reads_hf_secret(cfg: StackConfig) -> bool:
     return cfg.hf_token_set and cfg.workload is Workload.CLOUD_RUN
 
 
+def reads_api_key_secret(cfg: StackConfig) -> bool:
+    """The vLLM Service reads `servingApiKey` from Secret Manager (`infra.cloud_run` VLLM_API_KEY secretKeyRef)."""
+    return cfg.serving_enabled and cfg.serving_api_key_set
+
+
 def required_apis(cfg: StackConfig) -> list[str]:
     """The APIs this stack uses, and no others."""
     apis = list(_COMMON_APIS) + list(_WORKLOAD_APIS[cfg.workload])
-    if reads_hf_secret(cfg):
+    if reads_hf_secret(cfg) or reads_api_key_secret(cfg):
         apis.append("secretmanager.googleapis.com")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:
         apis.append("cloudbuild.googleapis.com")
@@ -138,10 +179,12 @@ class FoundationArgs:
     """The validated stack configuration."""
     hf_token: pulumi.Output[str] | None
     """The Hugging Face token as a secret Output, or None when the recipe needs none."""
+    serving_api_key: pulumi.Output[str] | None = None
+    """`servingApiKey` as a secret Output, or None when the stack sets none."""
 
 
 class Foundation(pulumi.ComponentResource):
-    """APIs, service accounts and their grants, the HF token secret, the bucket and the image registry."""
+    """APIs, service accounts and their grants, the HF token and API key secrets, the bucket and the image registry."""
 
     apis: list[gcp.projects.Service]
     accounts: dict[Identity, gcp.serviceaccount.Account]
@@ -155,6 +198,8 @@ class Foundation(pulumi.ComponentResource):
     build_staging_bucket: gcp.storage.Bucket | None
     hf_secret: gcp.secretmanager.Secret | None
     hf_secret_version: gcp.secretmanager.SecretVersion | None
+    api_key_secret: gcp.secretmanager.Secret | None
+    api_key_secret_version: gcp.secretmanager.SecretVersion | None
     registry: gcp.artifactregistry.Repository
     registry_url: pulumi.Output[str]
 
@@ -178,19 +223,17 @@ class Foundation(pulumi.ComponentResource):
         ]
         after_apis = pulumi.ResourceOptions(parent=self, depends_on=self.apis)
 
-        descriptions = {
-            Identity.TRAINER: "training workload",
-            Identity.SERVING: "vLLM serving",
-            Identity.NODES: "GKE Autopilot nodes",
-            Identity.BUILD: "Cloud Build image builds",
-        }
+        # Adopted when the CI setup created them first; kept by `destroy` (module docstring).
+        adopt_accounts = pulumi.ResourceOptions(parent=self, depends_on=self.apis, ignore_changes=["display_name"])
         self.accounts = {
             identity: gcp.serviceaccount.Account(
                 f"{name}-{identity.name.lower()}-sa",
                 project=cfg.project,
                 account_id=account_id(cfg, identity),
-                display_name=f"gemma-finetune {cfg.stack}: {descriptions[identity]}",
-                opts=after_apis,
+                display_name=account_display_name(cfg, identity),
+                create_ignore_already_exists=True,
+                deletion_policy="ABANDON",
+                opts=adopt_accounts,
             )
             for identity in identities(cfg)
         }
@@ -229,32 +272,15 @@ class Foundation(pulumi.ComponentResource):
         if Identity.SERVING in self.accounts:
             self._grant_on_bucket(Identity.SERVING, "serving", "roles/storage.objectViewer")
 
-        self.hf_secret = None
-        self.hf_secret_version = None
+        self.hf_secret, self.hf_secret_version = None, None
         if args.hf_token is not None and reads_hf_secret(cfg):
-            self.hf_secret = gcp.secretmanager.Secret(
-                f"{name}-hf-token",
-                project=cfg.project,
-                secret_id=hf_secret_id(cfg),
-                replication=gcp.secretmanager.SecretReplicationArgs(auto=gcp.secretmanager.SecretReplicationAutoArgs()),
-                labels=cfg.resource_labels,
-                opts=after_apis,
+            self.hf_secret, self.hf_secret_version = self._secret(
+                "hf-token", hf_secret_id(cfg), args.hf_token, Identity.TRAINER
             )
-            self.hf_secret_version = gcp.secretmanager.SecretVersion(
-                f"{name}-hf-token-v",
-                secret=self.hf_secret.id,
-                secret_data=pulumi.Output.secret(args.hf_token),  # type: ignore[arg-type]
-                opts=child,
-            )
-            self._grants[Identity.TRAINER].append(
-                gcp.secretmanager.SecretIamMember(
-                    f"{name}-hf-token-trainer",
-                    project=cfg.project,
-                    secret_id=self.hf_secret.secret_id,
-                    role="roles/secretmanager.secretAccessor",
-                    member=self._member(Identity.TRAINER),
-                    opts=child,
-                )
+        self.api_key_secret, self.api_key_secret_version = None, None
+        if args.serving_api_key is not None and reads_api_key_secret(cfg):
+            self.api_key_secret, self.api_key_secret_version = self._secret(
+                "vllm-api-key", api_key_secret_id(cfg), args.serving_api_key, Identity.SERVING
             )
 
         self.registry = gcp.artifactregistry.Repository(
@@ -294,6 +320,37 @@ class Foundation(pulumi.ComponentResource):
 
     def _member(self, identity: Identity) -> pulumi.Output[str]:
         return self.accounts[identity].email.apply(lambda e: f"serviceAccount:{e}")
+
+    def _secret(
+        self, suffix: str, secret_id: str, value: pulumi.Output[str], reader: Identity
+    ) -> tuple[gcp.secretmanager.Secret, gcp.secretmanager.SecretVersion]:
+        """A Secret Manager secret holding `value` (kept a secret Output), its version, and `reader`'s accessor
+        grant, registered in `grants_to(reader)`."""
+        secret = gcp.secretmanager.Secret(
+            f"{self._name}-{suffix}",
+            project=self._cfg.project,
+            secret_id=secret_id,
+            replication=gcp.secretmanager.SecretReplicationArgs(auto=gcp.secretmanager.SecretReplicationAutoArgs()),
+            labels=self._cfg.resource_labels,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=self.apis),
+        )
+        version = gcp.secretmanager.SecretVersion(
+            f"{self._name}-{suffix}-v",
+            secret=secret.id,
+            secret_data=pulumi.Output.secret(value),  # type: ignore[arg-type]
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        self._grants[reader].append(
+            gcp.secretmanager.SecretIamMember(
+                f"{self._name}-{suffix}-{reader.name.lower()}",
+                project=self._cfg.project,
+                secret_id=secret.secret_id,
+                role="roles/secretmanager.secretAccessor",
+                member=self._member(reader),
+                opts=pulumi.ResourceOptions(parent=self),
+            )
+        )
+        return secret, version
 
     def _grant_on_bucket(
         self, identity: Identity, suffix: str, role: str, bucket: gcp.storage.Bucket | None = None

@@ -78,12 +78,13 @@ class ImageSpec:
 
 
 TRAINER = ImageSpec("trainer", REPO_ROOT / "trainer", REPO_ROOT / "trainer" / "Dockerfile", (".",))
-# The serving image holds only its entrypoint; edits to the client or the demo must not rebuild it.
+# The serving image holds only its entrypoint and the completion check it runs; edits to the
+# client or the demo must not rebuild it.
 SERVING = ImageSpec(
     "serving",
     REPO_ROOT / "serving",
     REPO_ROOT / "serving" / "Dockerfile",
-    ("Dockerfile", "entrypoint.sh", ".dockerignore"),
+    ("Dockerfile", "entrypoint.sh", "completion.py", ".dockerignore"),
 )
 
 
@@ -123,9 +124,9 @@ def provider_path(path: Path) -> str:
     return os.path.relpath(path, Path.cwd())
 
 
-_CLOUD_BUILD_SCRIPT = """set -euo pipefail
+CLOUD_BUILD_SCRIPT = """set -euo pipefail
 build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
-  --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE" \\
+  --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE,_VLLM_IMAGE=$VLLM_IMAGE" \\
   --service-account "projects/$PROJECT/serviceAccounts/$BUILD_SERVICE_ACCOUNT" \\
   --gcs-source-staging-dir "gs://$STAGING_BUCKET/source" \\
   --suppress-logs --format='value(id)')
@@ -191,14 +192,25 @@ class Images(pulumi.ComponentResource):
                 f"{spec.dockerfile.relative_to(REPO_ROOT)} is missing: the {spec.name} image cannot be built"
             )
         tag = content_hash(spec)[:16]
+        build_args = self._build_args(spec)
         repo = pulumi.Output.from_input(self._args.registry_url).apply(lambda url: f"{url}/{spec.name}")
         opts = pulumi.ResourceOptions(parent=self, depends_on=self._args.depends_on)
         if cfg.image_build is ImageBuild.DOCKER:
-            return self._docker(name, spec, repo, tag, opts)
-        return self._cloud_build(name, spec, repo, tag, opts)
+            return self._docker(name, spec, repo, tag, build_args, opts)
+        return self._cloud_build(name, spec, repo, tag, build_args, opts)
+
+    def _build_args(self, spec: ImageSpec) -> dict[str, str]:
+        """Build arguments: the serving image's vLLM base (servingVllmImage); the trainer takes none."""
+        return {"VLLM_IMAGE": self._args.cfg.serving_vllm_image} if spec is SERVING else {}
 
     def _docker(
-        self, name: str, spec: ImageSpec, repo: pulumi.Output[str], tag: str, opts: pulumi.ResourceOptions
+        self,
+        name: str,
+        spec: ImageSpec,
+        repo: pulumi.Output[str],
+        tag: str,
+        build_args: dict[str, str],
+        opts: pulumi.ResourceOptions,
     ) -> pulumi.Output[str]:
         cfg = self._args.cfg
         token = gcp.organizations.get_client_config_output().access_token
@@ -208,6 +220,7 @@ class Images(pulumi.ComponentResource):
             context=docker_build.BuildContextArgs(location=provider_path(spec.context)),
             dockerfile=docker_build.DockerfileArgs(location=provider_path(spec.dockerfile)),
             platforms=[docker_build.Platform.LINUX_AMD64],
+            build_args=build_args or None,
             push=True,
             # A preview (every PR) must not build and push images; the digest stays unknown until `up`.
             build_on_preview=False,
@@ -224,7 +237,13 @@ class Images(pulumi.ComponentResource):
         return pulumi.Output.all(repo, image.digest).apply(lambda parts: f"{parts[0]}@{parts[1]}")
 
     def _cloud_build(
-        self, name: str, spec: ImageSpec, repo: pulumi.Output[str], tag: str, opts: pulumi.ResourceOptions
+        self,
+        name: str,
+        spec: ImageSpec,
+        repo: pulumi.Output[str],
+        tag: str,
+        build_args: dict[str, str],
+        opts: pulumi.ResourceOptions,
     ) -> pulumi.Output[str]:
         cfg = self._args.cfg
         assert self._args.build_service_account is not None and self._args.staging_bucket is not None, (
@@ -232,7 +251,7 @@ class Images(pulumi.ComponentResource):
         )
         build = command.local.Command(
             f"{name}-{spec.name}-cloudbuild",
-            create=_CLOUD_BUILD_SCRIPT,
+            create=CLOUD_BUILD_SCRIPT,
             interpreter=["/bin/bash", "-c"],
             environment={
                 "CONTEXT": provider_path(spec.context),
@@ -243,8 +262,9 @@ class Images(pulumi.ComponentResource):
                 "DOCKERFILE": str(spec.dockerfile.relative_to(spec.context)),
                 "BUILD_SERVICE_ACCOUNT": self._args.build_service_account,
                 "STAGING_BUCKET": self._args.staging_bucket,
+                "VLLM_IMAGE": build_args.get("VLLM_IMAGE", ""),
             },
-            triggers=[tag],
+            triggers=[tag, *build_args.values()],
             opts=opts,
         )
         return pulumi.Output.all(repo, build.stdout).apply(lambda parts: f"{parts[0]}@{parts[1].strip()}")

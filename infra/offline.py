@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,8 @@ class Recorded:
     outputs: dict[str, Any] = field(default_factory=dict)
     import_id: str = ""
     """The `import_` option: the ID of an existing cloud resource the engine adopts."""
+    ignore_changes: list[str] = field(default_factory=list)
+    """The `ignore_changes` option, as the engine receives it (input property names)."""
 
     def plain_inputs(self) -> dict[str, Any]:
         return unwrap_secrets(self.inputs)
@@ -259,6 +262,26 @@ class ProviderError(grpc.RpcError):
         return self._details
 
 
+# The run id of the finished training run `assume_trained` puts in the bucket, and its export's files.
+MOCK_TRAINED_RUN = "0123456789ab"
+MOCK_EXPORT_FILES = {"config.json": 900, "model.safetensors": 2_000_000, "tokenizer.json": 30_000}
+
+
+def _gcs_glob(glob: str) -> re.Pattern[str]:
+    """Cloud Storage matchGlob: `**` crosses folders, `*` and `?` do not."""
+    out, i = "", 0
+    while i < len(glob):
+        if glob.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif glob[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif glob[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(glob[i]), i + 1
+    return re.compile(out)
+
+
 def _fake_digest(*parts: Any) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -266,13 +289,20 @@ def _fake_digest(*parts: Any) -> str:
 class Mocks(pulumi_mocks.Mocks):
     """Fills what a real provider computes; echoes everything else.
 
-    `bucket_objects` maps `bucket/object` to its content for the storage read the program
-    makes (the serving step reads the training run's completion marker); with
-    `assume_trained` every such read finds a marker, as after a finished training run.
+    `bucket_objects` maps `bucket/object` to its content for the storage reads the program
+    makes (the serving step lists completion markers, then reads the chosen one and lists its
+    folder); later entries count as newer (their `updated` time). With `assume_trained` the
+    bucket also holds one finished run, `runs/<recipe>-MOCK_TRAINED_RUN/merged/`, as after a
+    training run that completed before this `up`.
 
     `existing_buckets` are buckets already in the project (e.g. kept by `pulumi destroy`): the
     bucket list answers with them, and creating one of them fails with Cloud Storage's 409
     unless the registration imports it, as a real `pulumi up` would.
+
+    `existing_accounts` are service account ids already in the project (created by the CI setup, or
+    kept by `pulumi destroy`): creating one fails with IAM's 409 unless the account says
+    `createIgnoreAlreadyExists`, which the provider turns into a read of the existing account
+    (terraform-provider-google resource_google_service_account.go).
     """
 
     def __init__(
@@ -284,15 +314,30 @@ class Mocks(pulumi_mocks.Mocks):
         project: str = "mock-project",
         existing_buckets: tuple[str, ...] = (),
         quotas: dict[str, dict[str, Any] | ProviderError] | None = None,
+        existing_accounts: tuple[str, ...] = (),
     ) -> None:
         self.project = project
         self.quotas = dict(quotas or {})
+        self.existing_accounts = set(existing_accounts)
         self.invokes: list[tuple[str, dict[str, Any]]] = []
         self.bucket_objects = dict(bucket_objects or {})
         self.assume_trained = assume_trained
         self.preview = preview
         self.reservations = dict(reservations or {})
         self.existing_buckets = set(existing_buckets)
+
+    def _objects(self, bucket: str, prefix: str) -> dict[str, str]:
+        """Object name -> content in `bucket` under `prefix`, the assumed finished run included."""
+        found = {k.split("/", 1)[1]: v for k, v in self.bucket_objects.items() if k.split("/", 1)[0] == bucket}
+        if self.assume_trained and prefix.startswith("runs/"):
+            # the program lists `runs/<recipe>-` or `runs/<recipe>-<run id>/…`
+            recipe = prefix[len("runs/") :].split("/", 1)[0].rpartition("-")[0]
+            folder = f"runs/{recipe}-{MOCK_TRAINED_RUN}/merged"
+            for name, size in MOCK_EXPORT_FILES.items():
+                found.setdefault(f"{folder}/{name}", "x" * size)
+            inventory = [{"path": n, "bytes": b} for n, b in MOCK_EXPORT_FILES.items()]
+            found.setdefault(f"{folder}/_COMPLETE.json", json.dumps({"completed_at": 0, "files": inventory}))
+        return {name: content for name, content in found.items() if name.startswith(prefix)}
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str | None, dict]:
         rid, state = self._new_resource(args)
@@ -310,6 +355,11 @@ class Mocks(pulumi_mocks.Mocks):
         state = dict(inputs)
         project = plain.get("project", "mock-project")
         if typ == "gcp:serviceaccount/account:Account":
+            if plain["accountId"] in self.existing_accounts and not plain.get("createIgnoreAlreadyExists"):
+                raise Exception(
+                    f"Error creating service account: googleapi: Error 409: Service account {plain['accountId']} "
+                    f"already exists within project projects/{project}., alreadyExists"
+                )
             email = f"{plain['accountId']}@{project}.iam.gserviceaccount.com"
             state.update(
                 email=email, name=f"projects/{project}/serviceAccounts/{email}", member=f"serviceAccount:{email}"
@@ -376,11 +426,29 @@ class Mocks(pulumi_mocks.Mocks):
             names = sorted(b for b in self.existing_buckets if b.startswith(prefix))
             return {**dict(args.args), "buckets": [{"name": n, "selfLink": "", "labels": {}} for n in names]}, []
         if args.token == "gcp:storage/getBucketObjectContent:getBucketObjectContent":
-            key = f"{args.args.get('bucket')}/{args.args.get('name')}"
-            content = self.bucket_objects.get(key)
-            if content is None and self.assume_trained:
-                content = json.dumps({"complete": True, "object": key})
+            name = str(args.args.get("name"))
+            content = self._objects(str(args.args.get("bucket")), name).get(name)
             return {**dict(args.args), "content": content or ""}, []
+        if args.token == "gcp:storage/getBucketObjects:getBucketObjects":
+            bucket = str(args.args.get("bucket"))
+            objects = self._objects(bucket, str(args.args.get("prefix") or ""))
+            glob = args.args.get("matchGlob")
+            pattern = _gcs_glob(str(glob)) if glob else None
+            order = {name: i for i, name in enumerate(self.bucket_objects)}
+            listed = [
+                {
+                    "name": name,
+                    "contentType": "application/json" if name.endswith(".json") else "application/octet-stream",
+                    "mediaLink": f"https://storage.googleapis.com/download/storage/v1/b/{bucket}/o/{name}",
+                    "selfLink": f"https://www.googleapis.com/storage/v1/b/{bucket}/o/{name}",
+                    "storageClass": "STANDARD",
+                    # later entries of bucket_objects are newer; the assumed run is the oldest
+                    "updated": f"2026-01-01T00:{order.get(f'{bucket}/{name}', -1) + 1:02d}:00Z",
+                }
+                for name in sorted(objects)
+                if pattern is None or pattern.fullmatch(name)
+            ]
+            return {**dict(args.args), "bucketObjects": listed, "id": bucket}, []
         return dict(args.args), []
 
     def _reservation(self, query: dict[str, Any]) -> dict[str, Any]:
@@ -432,6 +500,7 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
                     },
                     outputs=self.resources[urn].state if urn in self.resources else {},
                     import_id=request.importId,
+                    ignore_changes=list(request.ignoreChanges),
                 )
             )
         return response
@@ -479,6 +548,7 @@ def run_stack(
     reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
     existing_buckets: tuple[str, ...] = (),
     quotas: dict[str, dict[str, Any] | ProviderError] | None = None,
+    existing_accounts: tuple[str, ...] = (),
 ) -> StackRun:
     """Run the program for `stack` under mocks with its real stack file (plus overrides).
 
@@ -507,6 +577,7 @@ def run_stack(
         project=str(values.get("gcp:project", "mock-project")),
         existing_buckets=existing_buckets,
         quotas=quotas,
+        existing_accounts=existing_accounts,
     )
     monitor = RecordingMonitor(mocks)
     warnings = _WarningRecorder()

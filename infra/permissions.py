@@ -1,77 +1,65 @@
-"""What each identity the stacks create needs at run time, and the role data that proves its grants cover it.
+"""What each identity needs — the workloads at run time and the CI identities that run Pulumi — and the proof that
+its grants cover exactly that, from public role data.
 
     .venv/bin/python -m pytest tests/infra/test_permissions.py   # the proof, every stack and variant
-    .venv/bin/python -m infra.permissions                         # this table as Markdown
+    .venv/bin/python -m infra.permissions                         # every need, as Markdown (plans every stack)
     .venv/bin/python -m infra.permissions --vendor ROLES.json     # refresh iam_roles.json from public role data
 
-The proof runs the program under mocks, collects the IAM grants it plans (`planned_grants`), expands
-every granted role into its permissions (`iam_roles.json`, a vendored subset of public role data with
-its source line) and checks, for each identity:
-- every permission `RUNTIMES` lists is granted on the resource it is needed on, or on the project;
-- every granted role gives that identity at least one permission `RUNTIMES` lists on that resource.
+For every stack and the variants users pick, the proof runs the program under mocks and checks each identity:
+- `missing`: every permission it needs is granted on the resource it is needed on, or on the project (IAM
+  inheritance), by a grant whose IAM Condition holds there (`condition_holds`);
+- `unneeded`: every role granted to it gives it at least one permission it needs where the grant applies. An
+  unconditioned project-level grant counts only for needs on the project itself: a need on one resource is
+  granted on that resource.
 
 Decisions
-- A runtime is one identity in one role (the trainer on Cloud Run, under accelerate on GKE, under
-  Ray; vLLM; the GKE nodes; the Cloud Build builder; the trainer's Kubernetes service account), with
-  the stacks it exists in (`applies`) and its needs. Each need names the code path or document that
-  makes the call. Scopes are symbolic (`Scope`) and resolve to resource names through the naming
-  functions `infra.foundation` itself uses.
+- Grants come from two places: the IAM resources the program plans (`planned_grants`), and the one-time CI
+  setup (`ci_grants`: infra/bootstrap/ci-identities.yaml, which tests/lint/test_ci_setup.py proves
+  ci-setup.sh grants exactly), expanded for one stack as the setup would for a repository holding only that
+  stack file. A CI grant is judged over all the variants that share the stack settings the setup reads
+  (workload, capacity reservation, Cloud Build): it is made once for all of them.
+- Needs come from two places too. The workload identities' needs are rows here (`RUNTIMES`), each with the
+  code path or document that makes the call. The CI identities' needs are derived from what the program
+  declares (`infra.api_permissions`: every resource type, provider function and command step mapped to
+  the calls it makes, with sources), plus what Pulumi's state backend needs (rows here); so a change to
+  the program changes them, and a new kind of call the tables do not know fails the proof.
 - Roles come from data, never from their names: `iam_roles.json` is copied from public role data
-  (iann0036/iam-dataset, see its `source`); `--vendor` refreshes it from a newer copy.
-- More identities, e.g. the CI service accounts `gft-ci-preview` and `gft-ci-deploy`: add a `Runtime`
-  per identity (its member and needs, each with the command that needs it) and feed the grants that
-  are made outside the program (the CI setup script's) to `missing` / `unneeded` as extra `Grant`s
-  next to `planned_grants(...)`; a `Scope` for each new kind of target (e.g. the state bucket).
+  (iann0036/iam-dataset, see its `source`), one file for both kinds of identity; custom roles from
+  ci-identities.yaml. `--vendor` refreshes the subset from a newer copy.
+- Scopes are symbolic (`Scope`) and resolve to names through the naming functions `infra.foundation`
+  uses; conditions are evaluated on those names (`resource_name`), in the two forms the setup uses: a
+  disjunction of `resource.name.startsWith(…)`, and `modifiedGrantsByRole` limits on project IAM changes.
 
-Not here: grants to people (`servingInvokers` get roles/run.invoker on the service: the stack owner
-chooses them), Google-managed service agents (Cloud Run's pulls images of the same project), and what
-the identity running `pulumi up` needs (the CI identities above, once their rows exist).
+Not here: grants to people (`servingInvokers` get roles/run.invoker on the service: the stack owner chooses
+them), Google-managed service agents (Cloud Run's pulls images of the same project), the federation bindings
+of the CI identities (tests/lint/test_ci_setup.py TestFederation), and a reservation in another project
+(reservationProject): the setup grants in this project only, so the proof reports those reads as missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from infra.config import ImageBuild, StackConfig, Workload
-from infra.foundation import (
-    Identity,
-    account_email,
-    bucket_name,
-    hf_secret_id,
-    reads_hf_secret,
-    repository_id,
-    staging_bucket_name,
-)
+import yaml
+
+from infra.api_permissions import ACCOUNT_SCOPES, Need, Scope, deploy_needs, preview_needs, scope_of, scopes
+from infra.config import Capacity, ImageBuild, StackConfig, Workload
+from infra.foundation import Identity, account_email, reads_api_key_secret, reads_hf_secret, repository_id
 from infra.gke_workload import TRAINER_KSA, workload_identity_member
-from infra.offline import StackRun
+from infra.offline import MOCK_PROJECT_NUMBER, StackRun
 
 ROLES_FILE = Path(__file__).with_name("iam_roles.json")
-
-
-class Scope(StrEnum):
-    """Where a permission is needed (or a role granted)."""
-
-    PROJECT = "the project"
-    BUCKET = "the stack's bucket"
-    BUILD_STAGING = "the build staging bucket"
-    HF_SECRET = "the HF token secret"
-    REGISTRY = "the image repository"
-    TRAINER_ACCOUNT = "the trainer's service account"
-
-
-@dataclass(frozen=True)
-class Need:
-    permission: str
-    scope: Scope
-    why: str
-    """The code path or document that makes the call."""
+CI_IDENTITIES_FILE = Path(__file__).parent / "bootstrap" / "ci-identities.yaml"
+# The setup's defaults (infra/bootstrap/ci-setup.sh STATE_BUCKET, KMS_*): where the bucket backend keeps state.
+STATE_BUCKET_SUFFIX = "-pulumi-state"
+STATE_KEY_PATH = "locations/global/keyRings/gft-pulumi/cryptoKeys/stack-secrets"
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,9 @@ class Runtime:
     name: str
     member: Callable[[StackConfig], str]
     applies: Callable[[StackConfig], bool]
-    needs: tuple[Need, ...]
+    needs: tuple[Need, ...] = ()
+    derived: Callable[[StackRun], list[Need]] | None = None
+    """Needs that follow from what the program declares (`infra.api_permissions`)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +78,9 @@ class Grant:
     role: str
     scope: Scope
     origin: str
-    """Where the grant comes from (a planned resource's URN, a setup script line)."""
+    """Where the grant comes from (a planned resource's URN, a line of ci-identities.yaml)."""
+    condition: str | None = None
+    """The IAM Condition of a project-level grant, if any."""
 
 
 def _account(identity: Identity) -> Callable[[StackConfig], str]:
@@ -99,6 +91,7 @@ def _is(*workloads: Workload) -> Callable[[StackConfig], bool]:
     return lambda cfg: cfg.workload in workloads
 
 
+_GKE = (Workload.GKE_JOB, Workload.GKE_RAY)
 _GCSFS = "trainer/checkpoints.py and trainer/train.py through fsspec/gcsfs (Workload Identity credentials)"
 _FUSE = "the Cloud Storage volume at /mnt/bucket (gcsfuse; infra/cloud_run.py CloudRunTraining)"
 _OVERWRITE = "overwriting an object needs storage.objects.delete too (Cloud Storage IAM permissions reference)"
@@ -114,6 +107,32 @@ def _object_read_write(how: str) -> tuple[Need, ...]:
         Need("storage.objects.create", Scope.BUCKET, f"write checkpoints, the adapter/model, the marker: {how}"),
         Need("storage.objects.delete", Scope.BUCKET, f"replace the marker, prune checkpoints: {how}; {_OVERWRITE}"),
     )
+
+
+# ------------------------------------------------------------------------------------------ CI identities
+CI_PREVIEW = "gft-ci-preview"
+CI_PREVIEW_GKE = "gft-ci-preview-gke"
+CI_DEPLOY = "gft-ci-deploy"
+_DIY = "the bucket backend (pulumi pkg/backend/diy)"
+_STATE_READ = (
+    Need("storage.objects.get", Scope.STATE_BUCKET, f"read the stack's checkpoint: {_DIY}"),
+    Need("storage.objects.list", Scope.STATE_BUCKET, f"find the stack and its checkpoint: {_DIY}"),
+    Need(
+        "cloudkms.cryptoKeyVersions.useToDecrypt",
+        Scope.STATE_KEY,
+        "decrypt the stack's data key (gcpkms:// secrets provider, pulumi pkg/secrets/cloud/manager.go); the data "
+        "key then encrypts and decrypts locally, so no KMS encrypt",
+    ),
+)
+_STATE_WRITE = (
+    *_STATE_READ,
+    Need("storage.objects.create", Scope.STATE_BUCKET, f"write the checkpoint, its history and the lock: {_DIY}"),
+    Need("storage.objects.delete", Scope.STATE_BUCKET, f"overwrite the checkpoint, release the lock: {_DIY}"),
+)
+
+
+def ci_member(account: str) -> Callable[[StackConfig], str]:
+    return lambda cfg: f"serviceAccount:{account}@{cfg.project}.iam.gserviceaccount.com"
 
 
 RUNTIMES: tuple[Runtime, ...] = (
@@ -159,7 +178,7 @@ RUNTIMES: tuple[Runtime, ...] = (
     Runtime(
         "trainer's Kubernetes service account (Workload Identity)",
         lambda cfg: workload_identity_member(cfg.project, cfg.namespace, TRAINER_KSA),
-        _is(Workload.GKE_JOB, Workload.GKE_RAY),
+        _is(*_GKE),
         (
             Need(
                 "iam.serviceAccounts.getAccessToken",
@@ -184,9 +203,22 @@ RUNTIMES: tuple[Runtime, ...] = (
         ),
     ),
     Runtime(
+        "vLLM server reading its API key (servingApiKey)",
+        _account(Identity.SERVING),
+        reads_api_key_secret,
+        (
+            Need(
+                "secretmanager.versions.access",
+                Scope.API_KEY_SECRET,
+                "Cloud Run resolves the Service's VLLM_API_KEY secretKeyRef as the Service's account "
+                "(infra/cloud_run.py VllmService; Cloud Run docs, 'Configure secrets')",
+            ),
+        ),
+    ),
+    Runtime(
         "GKE Autopilot nodes",
         _account(Identity.NODES),
-        _is(Workload.GKE_JOB, Workload.GKE_RAY),
+        _is(*_GKE),
         (
             Need("logging.logEntries.create", Scope.PROJECT, f"node and container logs; {_NODE_ROLE_DOC}"),
             Need("monitoring.timeSeries.create", Scope.PROJECT, f"node and system metrics; {_NODE_ROLE_DOC}"),
@@ -228,36 +260,45 @@ RUNTIMES: tuple[Runtime, ...] = (
             ),
         ),
     ),
+    Runtime(
+        f"{CI_PREVIEW}: PR previews of Cloud Run stacks (preview.yml)",
+        ci_member(CI_PREVIEW),
+        _is(Workload.CLOUD_RUN),
+        _STATE_READ,
+        preview_needs,
+    ),
+    Runtime(
+        f"{CI_PREVIEW_GKE}: reviewed PR previews of GKE stacks (preview.yml)",
+        ci_member(CI_PREVIEW_GKE),
+        _is(*_GKE),
+        _STATE_READ,
+        preview_needs,
+    ),
+    Runtime(
+        f"{CI_DEPLOY}: deploy.yml's preview, up and destroy",
+        ci_member(CI_DEPLOY),
+        lambda cfg: True,
+        _STATE_WRITE,
+        deploy_needs,
+    ),
 )
 
-# Planned IAM resources: the input that names the target and the kind of target it is.
+# ------------------------------------------------------------------------------------------ planned grants
+# Planned IAM resources: the kind of target and the input that names it.
 _TARGETS: dict[str, tuple[str, str]] = {
     "gcp:storage/bucketIAMMember:BucketIAMMember": ("bucket", "bucket"),
     "gcp:secretmanager/secretIamMember:SecretIamMember": ("secret", "secretId"),
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": ("repository", "repository"),
     "gcp:projects/iAMMember:IAMMember": ("project", "project"),
-    "gcp:serviceaccount/iAMMember:IAMMember": ("serviceAccount", "serviceAccountId"),
+    "gcp:serviceaccount/iAMMember:IAMMember": ("account", "serviceAccountId"),
 }
 # Grants to people the stack owner names, not to an identity the stack creates.
 GRANTS_TO_PEOPLE = frozenset({"gcp:cloudrunv2/serviceIamMember:ServiceIamMember"})
 
 
-def _scopes(cfg: StackConfig) -> dict[tuple[str, str], Scope]:
-    trainer = account_email(cfg, Identity.TRAINER)
-    return {
-        ("bucket", bucket_name(cfg)): Scope.BUCKET,
-        ("bucket", staging_bucket_name(cfg)): Scope.BUILD_STAGING,
-        ("secret", hf_secret_id(cfg)): Scope.HF_SECRET,
-        ("repository", repository_id(cfg)): Scope.REGISTRY,
-        ("project", cfg.project): Scope.PROJECT,
-        ("serviceAccount", f"projects/{cfg.project}/serviceAccounts/{trainer}"): Scope.TRAINER_ACCOUNT,
-    }
-
-
 def planned_grants(run: StackRun, cfg: StackConfig) -> list[Grant]:
     """Every IAM grant the program planned, as (member, role, scope). Fails on an IAM resource type or a
     target this proof does not know, so a new kind of grant cannot slip past it."""
-    scopes = _scopes(cfg)
     grants: list[Grant] = []
     for r in run.resources:
         if not r.custom or ("iam" not in r.type.lower()) or r.type in GRANTS_TO_PEOPLE:
@@ -266,81 +307,246 @@ def planned_grants(run: StackRun, cfg: StackConfig) -> list[Grant]:
             raise ValueError(f"{r.urn}: IAM resource type {r.type} is unknown to infra/permissions.py")
         kind, key = _TARGETS[r.type]
         inputs = r.plain_inputs()
-        target = (kind, str(inputs[key]))
-        if target not in scopes:
-            raise ValueError(f"{r.urn}: grants on {kind} {target[1]!r}, which is none of {sorted(scopes.values())}")
-        grants.append(Grant(member=inputs["member"], role=inputs["role"], scope=scopes[target], origin=r.urn))
+        scope = scope_of(cfg, kind, str(inputs[key]), r.urn)
+        grants.append(Grant(member=inputs["member"], role=inputs["role"], scope=scope, origin=r.urn))
     return grants
 
 
+# ------------------------------------------------------------------------------------------ CI grants
+@cache
+def ci_identities() -> dict[str, Any]:
+    """infra/bootstrap/ci-identities.yaml, parsed."""
+    data: dict[str, Any] = yaml.safe_load(CI_IDENTITIES_FILE.read_text())
+    return data
+
+
+def stack_features(cfg: StackConfig) -> frozenset[str]:
+    """What the setup reads from a stack file besides its workload (.ci/stacks.py FEATURES): the grants it makes
+    for `uses:` entries of ci-identities.yaml."""
+    found = set()
+    if cfg.capacity is Capacity.RESERVATION:
+        found.add("reservation")
+    if cfg.image_build is ImageBuild.CLOUD_BUILD:
+        found.add("cloud-build")
+    return frozenset(found)
+
+
+def ci_grant_applies(identity: str, entry: dict[str, Any], workload: str, features: Iterable[str]) -> bool:
+    """Whether the setup makes this grant of ci-identities.yaml for a stack with this workload and these features."""
+    spec = ci_identities()["identities"][identity]
+    if workload not in spec.get("workloads", [workload]) or workload not in entry.get("workloads", [workload]):
+        return False
+    return set(entry.get("uses", [])) <= set(features)
+
+
+def substitute(text: str, values: dict[str, str]) -> str:
+    for name, value in values.items():
+        text = text.replace("${" + name + "}", value)
+    return " ".join(text.split())
+
+
+_CI_SCOPES = {"project": Scope.PROJECT, "state-bucket": Scope.STATE_BUCKET, "state-key": Scope.STATE_KEY}
+
+
+def ci_grants(cfg: StackConfig) -> list[Grant]:
+    """The grants ci-setup.sh makes to the CI identities for a repository holding only this stack."""
+    values = {"PROJECT_ID": cfg.project, "PROJECT_NUMBER": MOCK_PROJECT_NUMBER, "STACK": cfg.stack}
+    features = stack_features(cfg)
+    grants: list[Grant] = []
+    for identity, spec in ci_identities()["identities"].items():
+        for entry in spec["grants"]:
+            if not ci_grant_applies(identity, entry, str(cfg.workload), features):
+                continue
+            kind = entry["scope"]
+            scope = ACCOUNT_SCOPES[Identity(entry["account"])] if kind == "workload-account" else _CI_SCOPES[kind]
+            condition = entry.get("condition")
+            grants.append(
+                Grant(
+                    member=ci_member(identity)(cfg),
+                    role=substitute(entry["role"], values),
+                    scope=scope,
+                    origin=f"ci-identities.yaml {identity}: {entry['role']} on {kind}"
+                    + (f" if {substitute(condition, values)}" if condition else ""),
+                    condition=substitute(condition, values) if condition else None,
+                )
+            )
+    return grants
+
+
+# ------------------------------------------------------------------------------------------ role data
 @cache
 def role_permissions() -> dict[str, frozenset[str]]:
+    """Predefined roles (iam_roles.json) and the setup's custom roles (`gftCi…`, by their short id)."""
     data = json.loads(ROLES_FILE.read_text())
-    return {role: frozenset(entry["permissions"]) for role, entry in data["roles"].items()}
+    roles = {role: frozenset(entry["permissions"]) for role, entry in data["roles"].items()}
+    for name, spec in ci_identities()["custom_roles"].items():
+        roles[name] = frozenset(spec["permissions"])
+    return roles
 
 
-def needs_of(cfg: StackConfig) -> dict[str, list[tuple[Runtime, Need]]]:
-    """member -> every (runtime, need) that applies to this stack."""
+_CUSTOM_ROLE = re.compile(r"projects/[^/]+/roles/(\w+)")
+
+
+def permissions_of(role: str, origin: str) -> frozenset[str]:
+    roles = role_permissions()
+    custom = _CUSTOM_ROLE.fullmatch(role)
+    key = custom.group(1) if custom else role
+    if key not in roles:
+        raise KeyError(f"{origin}: role {role} is not in {ROLES_FILE.name} nor a custom role; vendor it (--vendor)")
+    return roles[key]
+
+
+# ------------------------------------------------------------------------------------------ conditions
+def resource_name(scope: Scope, cfg: StackConfig) -> str:
+    """The name IAM Conditions see for a resource of this scope (`resource.name`)."""
+    buckets = {sc: name for (kind, name), sc in scopes(cfg).items() if kind == "bucket"}
+    secrets = {sc: name for (kind, name), sc in scopes(cfg).items() if kind == "secret"}
+    accounts = {sc: email for (kind, email), sc in scopes(cfg).items() if kind == "account"}
+    names = {
+        Scope.PROJECT: f"projects/{cfg.project}",
+        Scope.RESERVATION_PROJECT: f"projects/{cfg.reservation_project}",
+        Scope.STATE_BUCKET: f"projects/_/buckets/{cfg.project}{STATE_BUCKET_SUFFIX}",
+        Scope.STATE_KEY: f"projects/{cfg.project}/{STATE_KEY_PATH}",
+        Scope.REGISTRY: f"projects/{cfg.project}/locations/{cfg.region}/repositories/{repository_id(cfg)}",
+        **{sc: f"projects/_/buckets/{name}" for sc, name in buckets.items()},
+        **{sc: f"projects/{MOCK_PROJECT_NUMBER}/secrets/{name}" for sc, name in secrets.items()},
+        **{sc: f"projects/{cfg.project}/serviceAccounts/{email}" for sc, email in accounts.items()},
+    }
+    return names[scope]
+
+
+_STARTS_WITH = re.compile(r"resource\.name\.startsWith\('([^']*)'\)")
+_GRANTS_BY_ROLE = re.compile(
+    r"api\.getAttribute\('iam\.googleapis\.com/modifiedGrantsByRole', \[\]\)\.hasOnly\(\[([^\]]*)\]\)"
+)
+
+
+def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool:
+    """Whether a grant with this IAM Condition applies to the call behind `need`. Two forms only (anything else is
+    an error, so a new form cannot pass unexamined):
+    - `resource.name.startsWith('…') || …` on the resource's name (IAM Conditions, resource attributes);
+    - `api.getAttribute('iam.googleapis.com/modifiedGrantsByRole', []).hasOnly([…])`: a policy change may
+      modify grants of the listed roles only; a call that changes no grant (a read) gets the default `[]`
+      (IAM docs, 'Set limits on granting roles')."""
+    if condition is None:
+        return True
+    text = " ".join(condition.split())
+    limited = _GRANTS_BY_ROLE.fullmatch(text)
+    if limited:
+        return need.grants_roles <= set(re.findall(r"'([^']+)'", limited.group(1)))
+    clauses = [_STARTS_WITH.fullmatch(clause.strip()) for clause in text.split("||")]
+    if all(clauses):
+        name = resource_name(need.scope, cfg)
+        return any(name.startswith(clause.group(1)) for clause in clauses if clause)
+    raise ValueError(f"IAM Condition {condition!r} is in no form infra/permissions.py condition_holds evaluates")
+
+
+def _reaches(grant: Grant, need: Need) -> bool:
+    """IAM inheritance: a project grant reaches every resource of the project (not another project's)."""
+    return grant.scope == need.scope or (grant.scope is Scope.PROJECT and need.scope is not Scope.RESERVATION_PROJECT)
+
+
+def covers(grant: Grant, need: Need, cfg: StackConfig) -> bool:
+    return (
+        _reaches(grant, need)
+        and need.permission in permissions_of(grant.role, grant.origin)
+        and condition_holds(grant.condition, need, cfg)
+    )
+
+
+# ------------------------------------------------------------------------------------------ the proof
+def needs_of(run: StackRun) -> dict[str, list[tuple[Runtime, Need]]]:
+    """member -> every (runtime, need) that applies to this stack and variant."""
+    cfg = run.cfg
+    assert cfg is not None, "a run that validated its configuration"
     found: dict[str, list[tuple[Runtime, Need]]] = {}
     for runtime in RUNTIMES:
         if runtime.applies(cfg):
-            found.setdefault(runtime.member(cfg), []).extend((runtime, need) for need in runtime.needs)
+            needs = [*runtime.needs, *(runtime.derived(run) if runtime.derived else [])]
+            found.setdefault(runtime.member(cfg), []).extend((runtime, need) for need in needs)
     return found
 
 
-def effective(grants: Iterable[Grant], member: str, scope: Scope) -> set[str]:
-    """What `member` may do on `scope`: its roles there plus its project-level roles (IAM inheritance)."""
-    roles = role_permissions()
-    perms: set[str] = set()
-    for g in grants:
-        if g.member == member and g.scope in (scope, Scope.PROJECT):
-            if g.role not in roles:
-                raise KeyError(f"{g.origin}: role {g.role} is not in {ROLES_FILE.name}; vendor it (--vendor)")
-            perms |= roles[g.role]
-    return perms
-
-
-def missing(cfg: StackConfig, grants: list[Grant]) -> list[str]:
-    """Every permission a runtime of this stack needs and its identity's grants do not give."""
+def missing(run: StackRun, grants: Iterable[Grant]) -> list[str]:
+    """Every permission an identity of this stack needs and its grants do not give."""
+    assert run.cfg is not None
+    cfg = run.cfg
+    grants = list(grants)
     problems: list[str] = []
-    for member, member_needs in needs_of(cfg).items():
+    for member, member_needs in needs_of(run).items():
+        mine = [g for g in grants if g.member == member]
         for runtime, need in member_needs:
-            if need.permission not in effective(grants, member, need.scope):
+            if not any(covers(g, need, cfg) for g in mine):
                 problems.append(
                     f"{runtime.name} ({member}) lacks {need.permission} on {need.scope}, needed by: {need.why}"
                 )
     return problems
 
 
-def unneeded(cfg: StackConfig, grants: list[Grant]) -> list[str]:
-    """Every grant no runtime of this stack needs: to an unknown identity, or of a role that gives its
-    identity no permission the table lists on that resource."""
+def unneeded(runs: Sequence[StackRun], grants: Iterable[Grant]) -> list[str]:
+    """Every grant no identity needs in any of these runs (variants a grant is made for alike): to an unknown
+    identity; of a role that gives its identity no permission it needs where the grant applies (an
+    unconditioned project grant must serve a need on the project itself); or one whose every needed permission
+    another grant of the same identity gives too (roles often carry e.g. resourcemanager.projects.get: a role
+    granted for that alone is redundant)."""
+    assert runs and all(run.cfg is not None for run in runs)
+    grants = list(grants)
+    needs: dict[str, list[tuple[Need, StackConfig]]] = {}
+    for run in runs:
+        for member, member_needs in needs_of(run).items():
+            needs.setdefault(member, []).extend((need, run.cfg) for _, need in member_needs)  # type: ignore[misc]
     problems: list[str] = []
-    needs = needs_of(cfg)
-    roles = role_permissions()
     for g in grants:
         if g.member not in needs:
             problems.append(f"{g.origin}: {g.role} goes to {g.member}, an identity no runtime of this stack uses")
-        elif g.role not in roles:
-            problems.append(f"{g.origin}: role {g.role} is not in {ROLES_FILE.name}; vendor it (--vendor)")
-        elif not {n.permission for _, n in needs[g.member] if n.scope == g.scope} & roles[g.role]:
+            continue
+        permissions_of(g.role, g.origin)  # an unknown role is an error, not "unneeded"
+        broad = g.scope is Scope.PROJECT and g.condition is None
+        served = [
+            (need, cfg)
+            for need, cfg in needs[g.member]
+            if covers(g, need, cfg) and (not broad or need.scope is Scope.PROJECT)
+        ]
+        if not served:
             problems.append(f"{g.origin}: {g.role} on {g.scope} gives {g.member} nothing it needs there")
+            continue
+        others = [h for h in grants if h.member == g.member and h is not g]
+        if all(any(covers(h, need, cfg) for h in others) for need, cfg in served):
+            given = sorted({need.permission for need, _ in served})
+            problems.append(f"{g.origin}: {g.role} on {g.scope} gives {g.member} only what other grants give: {given}")
     return problems
 
 
-def markdown() -> str:
+def markdown(runs: Sequence[StackRun] = ()) -> str:
+    """The needs table: the listed rows, and for each run the needs derived from its plan."""
     lines = ["| identity | permission | on | needed by |", "|---|---|---|---|"]
     for runtime in RUNTIMES:
         for need in runtime.needs:
             lines.append(f"| {runtime.name} | `{need.permission}` | {need.scope} | {need.why} |")
+    for run in runs:
+        assert run.cfg is not None
+        for runtime in RUNTIMES:
+            if runtime.derived and runtime.applies(run.cfg):
+                for need in runtime.derived(run):
+                    lines.append(f"| {runtime.name} [{run.stack}] | `{need.permission}` | {need.scope} | {need.why} |")
     return "\n".join(lines)
+
+
+def granted_roles() -> set[str]:
+    """Every predefined role ci-identities.yaml names (the program's are in iam_roles.json already)."""
+    return {
+        entry["role"]
+        for spec in ci_identities()["identities"].values()
+        for entry in spec["grants"]
+        if entry["role"].startswith("roles/")
+    }
 
 
 def vendor(source: Path, roles: Iterable[str]) -> dict[str, Any]:
     """The subset of a public role-data file (`{"source": …, "roles": {role: {permissions, …}}}`) for `roles`."""
     data = json.loads(source.read_text())
     return {
-        "source": data["source"] + "; subset: the roles infra/ grants or compares",
+        "source": data["source"] + "; subset: the roles infra/ and infra/bootstrap/ci-identities.yaml grant or compare",
         "roles": {role: data["roles"][role] for role in sorted(set(roles))},
     }
 
@@ -349,13 +555,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vendor", type=Path, help="public role data (gcp-iam roles.json) to copy the subset from")
     parser.add_argument("--role", action="append", default=[], help="also vendor this role (repeatable)")
+    parser.add_argument("--stack", action="append", default=[], help="derive the CI needs of this stack (default: all)")
     args = parser.parse_args(argv)
     if args.vendor:
-        subset = vendor(args.vendor, [*role_permissions(), *args.role])
+        predefined = {role for role in json.loads(ROLES_FILE.read_text())["roles"]}
+        subset = vendor(args.vendor, [*predefined, *granted_roles(), *args.role])
         ROLES_FILE.write_text(json.dumps(subset, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(subset['roles'])} roles to {ROLES_FILE}")
         return
-    print(markdown())
+    from infra.offline import run_stack, stack_names
+
+    print(markdown([run_stack(stack) for stack in args.stack or stack_names()]))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 - `serving.vllm_args`   typed vLLM server settings rendered to `vllm serve` arguments (the
                         Pulumi program imports it, so it needs only pydantic and the stdlib)
+- `serving.completion`  the one definition of a complete export (marker + inventory + readable
+                        files), stdlib only; also copied into the serving image
+- `serving.startup`     the Cloud Run startup window, stated once with its sources
 - `serving.client`      a stdlib-only chat client for Cloud Run (identity token) or 127.0.0.1
 - `serving.local_server` a local OpenAI-compatible server for a merged model folder (CPU)
 - `serving.demo`        `make demo`: fine-tune Gemma 3 270M here, merge, serve, query

@@ -1,31 +1,46 @@
 """A small OpenAI-compatible chat client for the served model: Cloud Run (vLLM) or 127.0.0.1.
 
-    python -m serving.client --url https://serve-gemma-emoji-abc123-uc.a.run.app \\
+    python -m serving.client --url https://gft-dev-vllm-abc123-uc.a.run.app \\
         "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
     python -m serving.client --url http://127.0.0.1:8000 --list-models
+    # CI, or any caller acting as a service account (needs roles/iam.serviceAccountOpenIdTokenCreator on it):
+    python -m serving.client --url "$URL" --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"
 
     from serving.client import chat
     chat("http://127.0.0.1:8000", [{"role": "user", "content": "Translate to emoji: I love pizza"}])
 
 Decisions:
 - Standard library only (urllib), so it runs from any Python 3.11 without installing anything.
-- Authentication: the vLLM service requires authenticated invokers, so for a `*.run.app` URL
-  the client sends a Google identity token, taken from `--token`, then `$GEMMA_FT_ID_TOKEN`,
-  then `gcloud auth print-identity-token`. Tokens go only over https and never to
-  localhost/127.0.0.1; they are never printed or logged, and redirects are refused so a token
-  cannot follow one to another host.
-- Retries: connection refused, 429 and 502/503/504 are what a Cloud Run service answers while
-  an instance cold-starts (vLLM loading weights), so those are retried with a bounded
-  exponential backoff; everything else fails at once with a message that says what to do.
+- Identity tokens (the vLLM service requires authenticated invokers): an explicit `--token` is
+  sent to the https host it is given for, whatever that host is (the caller chose it). A token the
+  client finds by itself (`$GEMMA_FT_ID_TOKEN`, then `gcloud auth print-identity-token`) is sent
+  only to Cloud Run URLs (`https://….run.app`): an ambient credential must not leak to whatever
+  host a URL names. Tokens never go over plain http or to localhost, are never printed or
+  logged, and redirects are refused so a token cannot follow one to another host.
+- When no token can be had, the client says why (gcloud missing, not logged in, its own error
+  text) and the command that fixes it, and a 401/403 answered to a request without a token
+  repeats that instead of suggesting an IAM grant.
+- gcloud runs with stdin closed (it must never wait on a prompt) and a timeout; its stderr is
+  kept for the message. `--audience` and `--impersonate-service-account` are passed through
+  (gcloud accepts a custom audience for service accounts; for a user account it mints its own).
+- An API key (`--api-key`, `$GEMMA_FT_API_KEY`; vLLM's `--api-key`) travels as
+  `Authorization: Bearer KEY`; the identity token then moves to `X-Serverless-Authorization`,
+  which Cloud Run's IAM check reads instead (GoogleCloudPlatform/cloud-run-proxy#25), so both fit.
+- Retries: connection refused, 429 and 502/503/504 are retried with a bounded exponential
+  backoff. For Cloud Run URLs a timeout is retried too, and the deadline covers the service's
+  startup window (serving/startup.py): the first request to a scaled-to-zero service waits for
+  an instance to start. `--timeout` applies to every request, the model lookup included.
 - Proxies from the environment are ignored for local URLs (a corporate proxy cannot reach
   this machine's 127.0.0.1).
 
-It does not stream and does not handle tools or images: it is for smoke tests and the demo.
+It does not stream and does not handle tools or images: it is for smoke tests and the demo
+(the official `openai` client works against the same servers for everything else).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import logging
@@ -40,15 +55,27 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from serving.startup import STARTUP_WINDOW
+
 log = logging.getLogger("serving.client")
 
 TOKEN_ENV = "GEMMA_FT_ID_TOKEN"
+API_KEY_ENV = "GEMMA_FT_API_KEY"
 URL_ENV = "GEMMA_FT_URL"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 DEFAULT_TIMEOUT_S = 120.0
+GCLOUD_TIMEOUT_S = 60.0
+# Cloud Run reads the identity token here when the application uses Authorization itself.
+SERVERLESS_AUTH_HEADER = "X-Serverless-Authorization"
 
 Message = dict[str, str]
+
+LOGIN_HELP = (
+    "log in with `gcloud auth login` (a person; `gcloud auth application-default login` is not enough for "
+    "identity tokens), or act as a service account with --impersonate-service-account SA_EMAIL (CI; needs "
+    f"roles/iam.serviceAccountOpenIdTokenCreator on it), or pass --token / set ${TOKEN_ENV}"
+)
 
 
 class ClientError(RuntimeError):
@@ -73,12 +100,13 @@ class UnavailableError(ClientError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded exponential backoff for cold starts: at most `attempts` tries within `deadline_s`."""
+    """Bounded exponential backoff: at most `attempts` tries within `deadline_s`; timeouts retried only if asked."""
 
     attempts: int = 8
     initial_delay_s: float = 1.0
     max_delay_s: float = 20.0
     deadline_s: float = 300.0
+    retry_timeouts: bool = False
 
     def delay(self, attempt: int, retry_after: str | None = None) -> float:
         """Seconds to wait after failed try number `attempt` (1-based); honours a numeric Retry-After."""
@@ -113,35 +141,103 @@ def is_cloud_run(url: str) -> bool:
     return parts.scheme == "https" and (parts.hostname or "").endswith(".run.app")
 
 
-def _gcloud_identity_token() -> str | None:
+def cold_start_policy(url: str, retry: RetryPolicy, timeout_s: float) -> RetryPolicy:
+    """For Cloud Run, retry timeouts and stretch the deadline over the startup window; elsewhere unchanged."""
+    if not is_cloud_run(url) or retry.attempts <= 1:
+        return retry
+    deadline = max(retry.deadline_s, STARTUP_WINDOW.total_s + timeout_s)
+    return dataclasses.replace(retry, retry_timeouts=True, deadline_s=deadline)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the client sends: an identity token (and where it came from), or why there is none; an API key."""
+
+    token: str | None = None
+    source: str = ""
+    missing_because: str = ""
+    api_key: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+            if self.token:
+                headers[SERVERLESS_AUTH_HEADER] = f"Bearer {self.token}"
+        elif self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+
+def _gcloud_identity_token(audience: str | None = None, impersonate: str | None = None) -> tuple[str | None, str]:
+    """(token, "") or (None, why): `gcloud auth print-identity-token`, stdin closed, stderr kept."""
     gcloud = shutil.which("gcloud")
     if gcloud is None:
-        return None
+        return None, f"gcloud is not installed (https://cloud.google.com/sdk/docs/install); {LOGIN_HELP}"
+    command = [gcloud, "auth", "print-identity-token", "--quiet"]
+    if impersonate:
+        command += [f"--impersonate-service-account={impersonate}", "--include-email"]
+    if audience:
+        command.append(f"--audiences={audience}")
     try:
         done = subprocess.run(
-            [gcloud, "auth", "print-identity-token"], capture_output=True, text=True, timeout=60, check=False
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=GCLOUD_TIMEOUT_S,
+            check=False,
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    except subprocess.TimeoutExpired:
+        return None, f"`gcloud auth print-identity-token` did not finish within {GCLOUD_TIMEOUT_S:g} s; {LOGIN_HELP}"
+    except OSError as exc:
+        return None, f"gcloud could not be run ({exc}); {LOGIN_HELP}"
     token = done.stdout.strip()
-    return token if done.returncode == 0 and token else None
+    if done.returncode == 0 and token:
+        return token, ""
+    said = " ".join(line.strip() for line in done.stderr.strip().splitlines()[-3:] if line.strip())
+    return None, f"`gcloud auth print-identity-token` failed ({said or f'exit code {done.returncode}'}); {LOGIN_HELP}"
 
 
-def resolve_token(url: str, token: str | None = None) -> str | None:
-    """The identity token to send to `url`, or None.
+def resolve_credentials(
+    url: str,
+    token: str | None = None,
+    *,
+    audience: str | None = None,
+    impersonate: str | None = None,
+    api_key: str | None = None,
+) -> Credentials:
+    """The credentials to send to `url`.
 
-    None for local URLs and plain http (a token must never travel unencrypted); otherwise the
-    explicit token, then $GEMMA_FT_ID_TOKEN, then gcloud (only for Cloud Run URLs).
+    Nothing goes to local URLs except an API key, and nothing travels over plain http to another
+    host. An explicit `token` goes to any https host; `$GEMMA_FT_ID_TOKEN` and gcloud only to
+    Cloud Run URLs.
     """
-    if is_local(url) or urllib.parse.urlsplit(url).scheme != "https":
-        return None
+    scheme = urllib.parse.urlsplit(url).scheme
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key and scheme != "https" and not is_local(url):
+        raise ClientError(f"refusing to send the API key to {url} over plain http: use https")
+    if is_local(url) or scheme != "https":
+        return Credentials(api_key=key)
     if token:
-        return token
+        return Credentials(token, "--token", api_key=key)
+    if not is_cloud_run(url):
+        return Credentials(
+            missing_because=f"{url} is not a Cloud Run URL (*.run.app), so ${TOKEN_ENV} and gcloud tokens are not "
+            "sent there; pass --token explicitly if this host should get one",
+            api_key=key,
+        )
     if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    if is_cloud_run(url):
-        return _gcloud_identity_token()
-    return None
+        return Credentials(os.environ[TOKEN_ENV], f"${TOKEN_ENV}", api_key=key)
+    found, why = _gcloud_identity_token(audience, impersonate)
+    if found:
+        return Credentials(found, "gcloud", api_key=key)
+    return Credentials(missing_because=why, api_key=key)
+
+
+def resolve_token(url: str, token: str | None = None, **kwargs: Any) -> str | None:
+    """The identity token to send to `url`, or None (see `resolve_credentials`)."""
+    return resolve_credentials(url, token, **kwargs).token
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -174,19 +270,31 @@ def _error_detail(exc: urllib.error.HTTPError) -> str:
         return raw.strip()[:300]
 
 
-def _http_error(exc: urllib.error.HTTPError, url: str, sent_token: bool) -> ClientError:
+def _http_error(exc: urllib.error.HTTPError, url: str, creds: Credentials) -> ClientError:
     detail = _error_detail(exc)
     suffix = f" (server said: {detail})" if detail else ""
+    if exc.code == 401 and creds.api_key and not creds.token:
+        return AuthError(
+            f"HTTP 401 from {url}: the API key was rejected: check --api-key / ${API_KEY_ENV} against the stack's "
+            f"servingApiKey{suffix}"
+        )
+    if exc.code in (401, 403) and creds.token is None:
+        why = creds.missing_because or (
+            "tokens are never sent to local or plain-http URLs"
+            if is_local(url) or url.startswith("http:")
+            else LOGIN_HELP
+        )
+        return AuthError(f"HTTP {exc.code} from {url}: no identity token was sent: {why}{suffix}")
     if exc.code == 401:
         how = (
-            "the identity token was rejected (they expire after an hour): run `gcloud auth login` again"
-            if sent_token
-            else f"no identity token was sent: pass --token, set ${TOKEN_ENV}, or install and log in to gcloud"
+            f"the identity token (from {creds.source or 'the caller'}) was rejected: it expires after an hour "
+            f"(get a new one), or its audience is not this service (--audience {base_url(url)}); {LOGIN_HELP}"
         )
         return AuthError(f"HTTP 401 from {url}: {how}{suffix}")
     if exc.code == 403:
         return AuthError(
-            f"HTTP 403 from {url}: your account may not invoke this service. Grant it roles/run.invoker: "
+            f"HTTP 403 from {url}: the account behind the token (from {creds.source or 'the caller'}) may not invoke "
+            "this service. Add it to the stack's servingInvokers and `pulumi up`, or grant roles/run.invoker: "
             "gcloud run services add-iam-policy-binding SERVICE --region REGION "
             f"--member=user:YOU@example.com --role=roles/run.invoker{suffix}"
         )
@@ -210,18 +318,18 @@ def _request_json(
     url: str,
     payload: dict[str, Any] | None = None,
     *,
+    creds: Credentials | None = None,
     token: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     retry: RetryPolicy = DEFAULT_RETRY,
 ) -> Any:
     """Send one JSON request with the retry policy; return the decoded JSON body."""
-    headers = {"Accept": "application/json", "User-Agent": "gemma-finetune-client"}
+    creds = creds or Credentials(token, "--token" if token else "")
+    headers = {"Accept": "application/json", "User-Agent": "gemma-finetune-client", **creds.headers()}
     data = None
     if payload is not None:
         data = json.dumps(payload).encode()
         headers["Content-Type"] = "application/json"
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
     opener = _opener(url)
     started = time.monotonic()
     attempt = 0
@@ -233,21 +341,22 @@ def _request_json(
                 return json.loads(response.read().decode("utf-8"))
         except urllib.error.HTTPError as exc:
             if exc.code not in RETRY_STATUSES:
-                raise _http_error(exc, url, sent_token=token is not None) from None
+                raise _http_error(exc, url, creds) from None
             why, retry_after = f"HTTP {exc.code}", exc.headers.get("Retry-After") if exc.headers else None
             detail = _error_detail(exc)
-        except TimeoutError as exc:
-            raise RequestTimeoutError(
-                f"{url} did not answer within {timeout_s:g} s: the model may still be loading or generating; "
-                "raise --timeout or lower --max-tokens"
-            ) from exc
-        except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as exc:
+        except (TimeoutError, urllib.error.URLError, ConnectionError, http.client.HTTPException) as exc:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             if isinstance(reason, TimeoutError):
-                raise RequestTimeoutError(f"{url} did not answer within {timeout_s:g} s") from None
-            if not _retryable_connection_error(exc):
+                if not retry.retry_timeouts:
+                    raise RequestTimeoutError(
+                        f"{url} did not answer within {timeout_s:g} s: the model may still be loading or generating; "
+                        "raise --timeout or lower --max-tokens"
+                    ) from None
+                why, retry_after, detail = f"no answer within {timeout_s:g} s (cold start?)", None, ""
+            elif not _retryable_connection_error(exc):
                 raise ClientError(f"cannot reach {url}: {reason}") from None
-            why, retry_after, detail = f"connection failed ({type(reason).__name__})", None, ""
+            else:
+                why, retry_after, detail = f"connection failed ({type(reason).__name__})", None, ""
         except ValueError as exc:
             raise ClientError(f"{url} did not answer with JSON: {exc}") from None
         delay = retry.delay(attempt, retry_after)
@@ -256,18 +365,26 @@ def _request_json(
             raise UnavailableError(
                 f"{url} is not available after {attempt} tries in {elapsed:.0f} s ({why}"
                 f"{': ' + detail if detail else ''}); a Cloud Run service may still be starting "
-                "(check its logs), a local one may have stopped"
+                f"(its startup window is {STARTUP_WINDOW.total_s} s; check its logs), a local one may have stopped"
             )
         log.info("%s from %s, retrying in %.1f s (try %d of %d)", why, url, delay, attempt + 1, retry.attempts)
         time.sleep(delay)
 
 
 def list_models(
-    url: str, *, token: str | None = None, timeout_s: float = 30.0, retry: RetryPolicy = DEFAULT_RETRY
+    url: str,
+    *,
+    token: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    retry: RetryPolicy = DEFAULT_RETRY,
+    creds: Credentials | None = None,
 ) -> list[str]:
     """Ids of the models the server offers (`GET /v1/models`)."""
     root = base_url(url)
-    body = _request_json("GET", f"{root}/v1/models", token=resolve_token(root, token), timeout_s=timeout_s, retry=retry)
+    creds = creds or resolve_credentials(root, token)
+    body = _request_json(
+        "GET", f"{root}/v1/models", creds=creds, timeout_s=timeout_s, retry=cold_start_policy(root, retry, timeout_s)
+    )
     try:
         return [str(item["id"]) for item in body["data"]]
     except (KeyError, TypeError) as exc:
@@ -284,17 +401,25 @@ def chat_completion(
     token: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     retry: RetryPolicy = DEFAULT_RETRY,
+    creds: Credentials | None = None,
 ) -> dict[str, Any]:
     """The full OpenAI-shaped response of `POST /v1/chat/completions`; the model defaults to the first served."""
     root = base_url(url)
-    bearer = resolve_token(root, token)
+    creds = creds or resolve_credentials(root, token)
     if model is None:
-        models = list_models(root, token=bearer, retry=retry)
+        models = list_models(root, timeout_s=timeout_s, retry=retry, creds=creds)
         if not models:
             raise ClientError(f"{root}/v1/models lists no models; pass --model")
         model = models[0]
     payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-    body = _request_json("POST", f"{root}/v1/chat/completions", payload, token=bearer, timeout_s=timeout_s, retry=retry)
+    body = _request_json(
+        "POST",
+        f"{root}/v1/chat/completions",
+        payload,
+        creds=creds,
+        timeout_s=timeout_s,
+        retry=cold_start_policy(root, retry, timeout_s),
+    )
     if not isinstance(body, dict) or not body.get("choices"):
         raise ClientError(f"{root}/v1/chat/completions answered an unexpected shape: {str(body)[:200]}")
     return body
@@ -310,6 +435,7 @@ def chat(
     token: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     retry: RetryPolicy = DEFAULT_RETRY,
+    creds: Credentials | None = None,
 ) -> str:
     """The assistant's answer to `messages` (greedy by default, so smoke tests are repeatable)."""
     body = chat_completion(
@@ -321,6 +447,7 @@ def chat(
         token=token,
         timeout_s=timeout_s,
         retry=retry,
+        creds=creds,
     )
     try:
         content = body["choices"][0]["message"]["content"]
@@ -339,9 +466,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--system", help="optional system message")
-    p.add_argument("--token", help=f"Google identity token (default ${TOKEN_ENV}, then gcloud); never printed")
+    p.add_argument(
+        "--token", help=f"Google identity token, sent to the given https host (default ${TOKEN_ENV}, then gcloud)"
+    )
+    p.add_argument("--audience", help="audience of the gcloud token (service accounts; default: gcloud's)")
+    p.add_argument(
+        "--impersonate-service-account",
+        metavar="SA_EMAIL",
+        help="mint the token as this service account (gcloud; CI); the audience defaults to the URL",
+    )
+    p.add_argument("--api-key", help=f"the service's API key (servingApiKey; default ${API_KEY_ENV}); never printed")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
-    p.add_argument("--no-retry", action="store_true", help="fail on the first 429/503/refused connection")
+    p.add_argument("--no-retry", action="store_true", help="fail on the first 429/503/refused connection/timeout")
     p.add_argument("--list-models", action="store_true", help="print the served model ids and exit")
     args = p.parse_args(argv)
     if not args.url:
@@ -356,22 +492,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     retry = NO_RETRY if args.no_retry else DEFAULT_RETRY
     try:
+        root = base_url(args.url)
+        audience = args.audience or (root if args.impersonate_service_account else None)
+        creds = resolve_credentials(
+            root, args.token, audience=audience, impersonate=args.impersonate_service_account, api_key=args.api_key
+        )
+        if creds.token is None and creds.missing_because and is_cloud_run(root):
+            log.warning("no identity token: %s", creds.missing_because)
         if args.list_models:
-            print("\n".join(list_models(args.url, token=args.token, timeout_s=args.timeout, retry=retry)))
+            print("\n".join(list_models(root, timeout_s=args.timeout, retry=retry, creds=creds)))
             return 0
         messages: list[Message] = []
         if args.system:
             messages.append({"role": "system", "content": args.system})
         messages.append({"role": "user", "content": args.prompt})
         answer = chat(
-            args.url,
+            root,
             messages,
             model=args.model,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
-            token=args.token,
             timeout_s=args.timeout,
             retry=retry,
+            creds=creds,
         )
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -8,7 +8,7 @@ Steps, each timed and explained if it fails:
  2. score it on held-out emoji rows BEFORE training (emoji F1, held-out loss)
  3. fine-tune it with the `emoji-local` recipe (LoRA; progress bar, loss logged)
  4. score the merged result AFTER training on the same rows
- 5. check the export exactly as the cloud does: merged bf16 folder, `_COMPLETE.json` last
+ 5. check the export exactly as the cloud does (serving/completion.py: marker, inventory, readable files)
  6. serve it on 127.0.0.1 (serving/local_server.py) and ask the seed prompt with serving/client.py
  7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json
 
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from serving.client import ClientError, chat_completion
+from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
 from serving.local_server import LocalServer, LocalServerError, check_port_free
-from serving.vllm_args import COMPLETION_MARKER
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
@@ -136,11 +136,14 @@ class PreviousRun:
 
 
 def _training_finished(output_dir: Path, max_steps: int) -> bool:
-    from trainer.export import is_complete
     from trainer.train import SUMMARY_FILE
 
     summary_file = output_dir / SUMMARY_FILE
-    if not summary_file.is_file() or not is_complete(output_dir / "merged"):
+    if not summary_file.is_file():
+        return False
+    try:
+        verify(output_dir / "merged")
+    except IncompleteModelError:
         return False
     try:
         return int(json.loads(summary_file.read_text()).get("steps", -1)) == max_steps
@@ -393,12 +396,14 @@ def run(opts: DemoOptions) -> DemoResult:
         print(f"      {_scores(after)}")
 
     with _step(5, total, "Checking the export as the cloud does", timings, "check_export"):
-        if not (merged_dir / COMPLETION_MARKER).is_file():
-            raise DemoError(f"{merged_dir} has no {COMPLETION_MARKER}: the export did not finish; run the demo again")
-        marker = json.loads((merged_dir / COMPLETION_MARKER).read_text())
-        files = marker.get("files", [])
-        size_mb = sum(int(f.get("bytes") or 0) for f in files if isinstance(f, dict)) / 1e6
-        print(f"      {merged_dir}: {len(files)} files, {size_mb:.0f} MB, {COMPLETION_MARKER} present")
+        try:
+            inventory = verify(merged_dir)
+        except IncompleteModelError as exc:
+            raise DemoError(f"{exc}; run the demo again") from None
+        size_mb = sum(inventory.files.values()) / 1e6
+        print(
+            f"      {merged_dir}: {len(inventory.files)} files, {size_mb:.0f} MB, all as {COMPLETION_MARKER} lists them"
+        )
 
     with _step(6, total, "Serving it on 127.0.0.1 and asking the seed prompt with serving/client.py", timings, "serve"):
         try:

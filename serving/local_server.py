@@ -7,16 +7,23 @@
     with LocalServer("outputs/emoji-local/merged") as server:   # a free port, stopped on exit
         chat(server.url, [{"role": "user", "content": "Translate to emoji: I love pizza"}])
 
-It speaks the part of vLLM's API our client and tests use (`GET /v1/models`,
-`POST /v1/chat/completions`, plus `GET /health`) with the same response shapes and the same
-served model name (`gemma`), so what works against it works against the Cloud Run service.
+It speaks the part of vLLM's OpenAI-compatible API that clients use (`GET /v1/models`,
+`POST /v1/chat/completions` and `POST /v1/completions`, both also as server-sent events with
+`stream: true`, plus `GET /health`) with the same response shapes and the same served model
+name (`gemma`), so code written with the official `openai` client against it runs unchanged
+against the Cloud Run service (tests/serving/test_openai_client.py checks that with the client).
 
 Decisions:
 - Our own small server (stdlib `http.server` + transformers `generate` with the model's chat
   template) rather than `transformers serve`: the latter's `/v1/models` lists the Hub cache
   and fails without one, names the model by its path, and needs FastAPI/uvicorn/openai.
 - Loopback only: the server refuses any host but 127.0.0.1/::1/localhost.
-- Like the vLLM entrypoint, it refuses a folder without the trainer's completion marker.
+- Like the vLLM entrypoint, it refuses a folder that is not a complete export
+  (serving/completion.py: the marker, its inventory of names and sizes, readable files).
+- Streaming follows the OpenAI wire format vLLM uses: `data: {chunk}` events, the first delta
+  carrying the role, the last the finish reason, then `data: [DONE]`; usage is sent as a final
+  chunk only when `stream_options.include_usage` asks for it. Tokens are streamed as generated
+  (transformers' `TextIteratorStreamer`).
 - The socket is bound before the model loads, so a busy port fails in milliseconds; until
   the model is loaded every endpoint but `/health` answers 503 (what a cold Cloud Run
   instance answers, so the client's retry path is exercised here too).
@@ -24,7 +31,8 @@ Decisions:
   (exceptions, Ctrl-C, SIGTERM turned into an exception by the caller); the child also exits
   by itself when its parent dies, so an abrupt kill of the parent leaves nothing behind.
 
-It does not stream, batch, or serve LoRA adapters; it is not for production traffic.
+It does not batch, sample several choices (`n`), return logprobs or serve LoRA adapters; it is
+not for production traffic.
 """
 
 from __future__ import annotations
@@ -45,19 +53,22 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from serving.vllm_args import COMPLETION_MARKER, DEFAULT_SERVED_MODEL_NAME
+from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
+from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME
 
 log = logging.getLogger("serving.local_server")
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 MAX_NEW_TOKENS_LIMIT = 512  # CPU generation; a runaway request should not take minutes
 EXIT_PORT_BUSY = 98
+EXIT_PORT_DENIED = 13
 EXIT_MODEL_NOT_READY = 3
 
 
@@ -67,6 +78,10 @@ class LocalServerError(RuntimeError):
 
 class PortBusyError(LocalServerError):
     """The requested port is taken."""
+
+
+class PortDeniedError(LocalServerError):
+    """The requested port needs privileges this user does not have."""
 
 
 class ModelNotReadyError(LocalServerError):
@@ -90,8 +105,31 @@ def port_busy_message(host: str, port: int) -> str:
     )
 
 
+def port_denied_message(host: str, port: int) -> str:
+    return (
+        f"port {port} on {host} needs privileges this user does not have (ports below "
+        f"{_unprivileged_port_start()} are reserved): choose --port 8000, or --port 0 for a free one"
+    )
+
+
+def _unprivileged_port_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    except (OSError, ValueError):
+        return 1024
+
+
+def _bind_error(exc: OSError, host: str, port: int) -> LocalServerError | None:
+    """EADDRINUSE: someone listens there; EACCES: a privileged port. Anything else is not ours to explain."""
+    if exc.errno == errno.EADDRINUSE:
+        return PortBusyError(port_busy_message(host, port))
+    if exc.errno == errno.EACCES:
+        return PortDeniedError(port_denied_message(host, port))
+    return None
+
+
 def check_port_free(host: str, port: int) -> None:
-    """Raise `PortBusyError` when something listens on (host, port)."""
+    """Raise `PortBusyError` when something listens on (host, port), `PortDeniedError` when it is privileged."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         # as the server does: a port in TIME_WAIT from a stopped server is free, a listener is not
@@ -99,8 +137,9 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                raise PortBusyError(port_busy_message(host, port)) from None
+            error = _bind_error(exc, host, port)
+            if error is not None:
+                raise error from None
             raise
 
 
@@ -112,21 +151,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_model_dir(model_dir: Path, require_marker: bool = True) -> None:
-    """The same rule as serving/entrypoint.sh: a model folder is served only once the trainer marked it complete."""
+    """The same rule as serving/entrypoint.sh (serving/completion.py): serve only a complete, readable export."""
     if not model_dir.is_dir():
         raise ModelNotReadyError(
             f"model at {model_dir} does not exist: train and export it first (make demo does both)"
         )
-    if require_marker and not (model_dir / COMPLETION_MARKER).is_file():
-        raise ModelNotReadyError(
-            f"model at {model_dir} is not complete (no {COMPLETION_MARKER}): training has not finished or failed; "
-            "rerun the export (or `make demo`) instead of serving a half-written model"
-        )
-    if not (model_dir / "config.json").is_file():
+    if require_marker:
+        try:
+            verify(model_dir)
+        except IncompleteModelError as exc:
+            raise ModelNotReadyError(f"{exc}; rerun the export (or `make demo`) instead of serving it") from None
+    elif not (model_dir / "config.json").is_file():
         raise ModelNotReadyError(f"model at {model_dir} has no config.json: point at the merged model folder")
 
 
 # --------------------------------------------------------------------------- the server (child process)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated request: a chat (`messages`) or a plain completion (`prompt`)."""
+
+    kind: str  # "chat" | "completion"
+    messages: list[dict[str, str]] | None
+    prompt: str | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stream: bool = False
+    include_usage: bool = False
 
 
 class _Engine:
@@ -155,47 +208,125 @@ class _Engine:
         log.info("model %s loaded in %.1f s", self.model_dir, time.monotonic() - started)
         self.ready.set()
 
-    def generate(
-        self, messages: list[dict[str, str]], max_tokens: int, temperature: float, top_p: float
-    ) -> dict[str, Any]:
+    def _inputs(self, request: GenerationRequest) -> Any:
+        if request.kind == "chat":
+            return self.tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+        return self.tokenizer(request.prompt, return_tensors="pt")
+
+    def _run(self, request: GenerationRequest, streamer: Any = None) -> tuple[int, list[int]]:
+        """Generate under the lock; returns (prompt tokens, new token ids)."""
         import torch
 
-        inputs = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        inputs = self._inputs(request)
         prompt_len = int(inputs["input_ids"].shape[1])
         sampling = (
-            {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+            {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+            if request.temperature > 0
+            else {"do_sample": False}
         )
         with self._lock, torch.inference_mode():
             output = self.model.generate(
-                **inputs, max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id, **sampling
+                **inputs,
+                max_new_tokens=request.max_tokens,
+                pad_token_id=self.tokenizer.pad_token_id,
+                streamer=streamer,
+                **sampling,
             )
-        new_tokens = output[0, prompt_len:].tolist()
+        return prompt_len, output[0, prompt_len:].tolist()
+
+    def _finish_reason(self, new_tokens: list[int], max_tokens: int) -> str:
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
-        finish = "stop" if (new_tokens and new_tokens[-1] in eos_ids) or len(new_tokens) < max_tokens else "length"
+        return "stop" if (new_tokens and new_tokens[-1] in eos_ids) or len(new_tokens) < max_tokens else "length"
+
+    @staticmethod
+    def _usage(prompt_len: int, completion_len: int) -> dict[str, int]:
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion_len,
+            "total_tokens": prompt_len + completion_len,
+        }
+
+    def _choice(self, request: GenerationRequest, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+        if request.kind == "completion":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        key = "delta" if delta else "message"
+        content: dict[str, Any] = {} if delta and text is None else {"content": text or ""}
+        if not delta:
+            content = {"role": "assistant", **content}
+        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+
+    def _envelope(self, request: GenerationRequest, rid: str, chunk: bool) -> dict[str, Any]:
+        obj = "chat.completion" if request.kind == "chat" else "text_completion"
+        return {
+            "id": rid,
+            "object": f"{obj}.chunk" if chunk and request.kind == "chat" else obj,
             "created": int(time.time()),
             "model": self.served_model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": self.tokenizer.decode(new_tokens, skip_special_tokens=True).strip(),
-                    },
-                    "finish_reason": finish,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt_len,
-                "completion_tokens": len(new_tokens),
-                "total_tokens": prompt_len + len(new_tokens),
-            },
         }
+
+    def generate(self, request: GenerationRequest) -> dict[str, Any]:
+        prompt_len, new_tokens = self._run(request)
+        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
+        rid = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        return {
+            **self._envelope(request, rid, chunk=False),
+            "choices": [
+                self._choice(
+                    request,
+                    text.strip() if request.kind == "chat" else text,
+                    self._finish_reason(new_tokens, request.max_tokens),
+                    delta=False,
+                )
+            ],
+            "usage": self._usage(prompt_len, len(new_tokens)),
+        }
+
+    def stream(self, request: GenerationRequest) -> Iterator[dict[str, Any]]:
+        """The response as OpenAI stream chunks, produced while the model generates."""
+        from transformers import TextIteratorStreamer
+
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                result["value"] = self._run(request, streamer)
+            except BaseException as exc:  # reported to the client after the stream ends
+                result["error"] = exc
+                streamer.end()
+
+        worker = threading.Thread(target=work, name="generate", daemon=True)
+        worker.start()
+        rid = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        if request.kind == "chat":
+            first = self._choice(request, "", None, delta=True)
+            first["delta"] = {"role": "assistant", "content": ""}
+            yield {**self._envelope(request, rid, chunk=True), "choices": [first]}
+        started = False
+        for piece in streamer:
+            if request.kind == "chat" and not started:
+                piece = piece.lstrip()  # as the non-streaming answer, which is stripped
+            if not piece:
+                continue
+            started = True
+            yield {**self._envelope(request, rid, chunk=True), "choices": [self._choice(request, piece, None, True)]}
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        prompt_len, new_tokens = result["value"]
+        last = self._choice(request, None, self._finish_reason(new_tokens, request.max_tokens), delta=True)
+        if request.kind == "completion":
+            last["text"] = ""
+        yield {**self._envelope(request, rid, chunk=True), "choices": [last]}
+        if request.include_usage:
+            yield {
+                **self._envelope(request, rid, chunk=True),
+                "choices": [],
+                "usage": self._usage(prompt_len, len(new_tokens)),
+            }
 
 
 class _BadRequest(ValueError):
@@ -214,17 +345,43 @@ def _text_content(content: Any) -> str:
     raise _BadRequest("message content must be a string or a list of text parts (this server is text-only)")
 
 
-def parse_chat_request(body: Any, served_model_name: str) -> tuple[list[dict[str, str]], int, float, float]:
-    """Validate a chat request the way vLLM would answer it: messages, max_tokens, temperature, top_p."""
+def _common(body: Any, served_model_name: str, default_max_tokens: int) -> dict[str, Any]:
+    """The fields chat and completion requests share, validated the way vLLM answers them."""
     if not isinstance(body, dict):
         raise _BadRequest("the request body must be a JSON object")
     model = body.get("model", served_model_name)
     if model != served_model_name:
         raise _BadRequest(f"The model `{model}` does not exist. Served: {served_model_name}", 404, "model_not_found")
-    if body.get("stream"):
-        raise _BadRequest("stream=true is not supported by the local server; omit it")
-    if body.get("n", 1) != 1:
+    if body.get("n", 1) not in (1, None):
         raise _BadRequest("only n=1 is supported")
+    for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "best_of"):
+        if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
+            raise _BadRequest(f"{unsupported} is not supported by the local server")
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT:
+        raise _BadRequest(f"max_tokens={max_tokens!r}: must be an integer between 1 and {MAX_NEW_TOKENS_LIMIT}")
+    temperature = 0.0 if body.get("temperature") is None else body["temperature"]
+    top_p = 1.0 if body.get("top_p") is None else body["top_p"]
+    if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
+        raise _BadRequest(f"temperature={temperature!r}: must be between 0 and 2")
+    if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+        raise _BadRequest(f"top_p={top_p!r}: must be in (0, 1]")
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _BadRequest("stream_options must be an object")
+    return {
+        "max_tokens": max_tokens,
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "stream": stream,
+        "include_usage": stream and bool(options.get("include_usage")),
+    }
+
+
+def parse_chat_request(body: Any, served_model_name: str) -> GenerationRequest:
+    """Validate a chat request the way vLLM would answer it."""
+    common = _common(body, served_model_name, default_max_tokens=64)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise _BadRequest("messages must be a non-empty list of {role, content}")
@@ -233,16 +390,21 @@ def parse_chat_request(body: Any, served_model_name: str) -> tuple[list[dict[str
         if not isinstance(m, dict) or m.get("role") not in {"system", "user", "assistant"}:
             raise _BadRequest("each message needs a role of system, user or assistant")
         messages.append({"role": m["role"], "content": _text_content(m.get("content", ""))})
-    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 64
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT:
-        raise _BadRequest(f"max_tokens={max_tokens!r}: must be an integer between 1 and {MAX_NEW_TOKENS_LIMIT}")
-    temperature = body.get("temperature", 0.0)
-    top_p = body.get("top_p", 1.0)
-    if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
-        raise _BadRequest(f"temperature={temperature!r}: must be between 0 and 2")
-    if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
-        raise _BadRequest(f"top_p={top_p!r}: must be in (0, 1]")
-    return messages, max_tokens, float(temperature), float(top_p)
+    return GenerationRequest("chat", messages, None, **common)
+
+
+def parse_completion_request(body: Any, served_model_name: str) -> GenerationRequest:
+    """Validate a `/v1/completions` request: one text prompt (OpenAI's default max_tokens is 16)."""
+    common = _common(body, served_model_name, default_max_tokens=16)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise _BadRequest("prompt must be a non-empty string (one prompt per request)")
+    return GenerationRequest("completion", None, prompt, **common)
+
+
+_ROUTES = {"/v1/chat/completions": parse_chat_request, "/v1/completions": parse_completion_request}
 
 
 def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
@@ -291,17 +453,46 @@ def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
             else:
                 self._error(404, f"no route {self.path}", "not_found")
 
+        def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
+            """Server-sent events as vLLM sends them: `data: {json}` per chunk, then `data: [DONE]`."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")  # the body ends when the connection does
+            self.end_headers()
+            self.close_connection = True
+            try:
+                try:
+                    for chunk in chunks:
+                        self._event(chunk)
+                except Exception as exc:  # headers are gone: report in-band, as vLLM does
+                    log.exception("generation failed while streaming")
+                    message = f"generation failed: {type(exc).__name__}: {exc}"
+                    self._event({"error": {"message": message, "type": "internal_error", "code": 500}})
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                log.info("the client closed the stream early")
+
+        def _event(self, payload: dict[str, Any]) -> None:
+            self.wfile.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+            self.wfile.flush()
+
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
-            if self.path != "/v1/chat/completions":
+            parse = _ROUTES.get(self.path.split("?", 1)[0])
+            if parse is None:
                 self._error(404, f"no route {self.path}", "not_found")
                 return
             if self._not_ready():
                 return
             try:
-                request = parse_chat_request(json.loads(raw or b"null"), engine.served_model_name)
-                self._send(200, engine.generate(*request))
+                request = parse(json.loads(raw or b"null"), engine.served_model_name)
+                if request.stream:
+                    self._stream(engine.stream(request))
+                else:
+                    self._send(200, engine.generate(request))
             except _BadRequest as exc:
                 self._error(exc.status, str(exc), exc.code)
             except json.JSONDecodeError as exc:
@@ -322,6 +513,22 @@ def _exit_when_orphaned(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
+def open_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """Bind (host, port); a busy port raises `PortBusyError`, a privileged one `PortDeniedError`."""
+
+    class _Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+    try:
+        return _Server((host, port), handler)
+    except OSError as exc:
+        error = _bind_error(exc, host, port)
+        if error is not None:
+            raise error from None
+        raise
+
+
 def serve(
     model_dir: Path,
     host: str = "127.0.0.1",
@@ -338,18 +545,14 @@ def serve(
         log.error("%s", exc)
         return EXIT_MODEL_NOT_READY
     engine = _Engine(model_dir, served_model_name)
-
-    class _Server(ThreadingHTTPServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        daemon_threads = True
-
     try:
-        httpd = _Server((host, port), _make_handler(engine))
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            log.error("%s", port_busy_message(host, port))
-            return EXIT_PORT_BUSY
-        raise
+        httpd = open_server(host, port, _make_handler(engine))
+    except PortBusyError as exc:
+        log.error("%s", exc)
+        return EXIT_PORT_BUSY
+    except PortDeniedError as exc:
+        log.error("%s", exc)
+        return EXIT_PORT_DENIED
     if parent_pid is not None:
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -461,6 +664,8 @@ class LocalServer:
             if code is not None:
                 if code == EXIT_PORT_BUSY:
                     raise PortBusyError(port_busy_message(self.host, self.port))
+                if code == EXIT_PORT_DENIED:
+                    raise PortDeniedError(port_denied_message(self.host, self.port))
                 raise LocalServerError(
                     f"the local server exited with code {code} before it was ready; log {self.log_path}:\n{_tail(Path(str(self.log_path)))}"
                 )
@@ -481,7 +686,8 @@ class LocalServer:
         process, self._process = self._process, None
         if process is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        # SIGKILL cannot be ignored, but on a busy machine the kernel may need a while to finish the exit
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 30.0)):
             try:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:

@@ -14,6 +14,17 @@ Decisions:
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
+- Settings vLLM itself would refuse at start-up fail here, at `pulumi preview`: `float16` for
+  Gemma 2/3 (vLLM's `_FLOAT16_NOT_SUPPORTED_MODELS` in vllm/config/model.py: "Numerical
+  instability. Please use bfloat16 or float32 instead."), known from `model_type` or the model's name.
+- `max_num_seqs` is rendered explicitly (vLLM's own default is 256 on GPUs under 70 GiB such as
+  the L4, 1024 above: `EngineArgs.get_batch_defaults` in vllm/engine/arg_utils.py), so the Cloud
+  Run concurrency can be set to the same number and the two never disagree.
+- Prefix caching is not a setting: vLLM's V1 engine enables it by default (ms-swift#6165 switched
+  to "follow vLLM's default"; `--no-enable-prefix-caching` turns it off through `extra_args`).
+  Eager/prefetch safetensors loading and a persistent compile cache are not set either: no source
+  we found measures them on a Cloud Storage FUSE mount on Cloud Run (UNCONFIRMED that they pay);
+  `extra_args` can pass them for a trial.
 
 This module imports only pydantic and the standard library: the Pulumi program imports it
 and `pulumi up` does not install torch or vLLM. It does not know where the model comes from
@@ -28,6 +39,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# Written by the trainer as the last file of an export (serving/completion.py defines "complete").
+from serving.completion import COMPLETION_MARKER as COMPLETION_MARKER
+
 # The official image, pinned to an exact release (see serving/README.md, "Base image").
 VLLM_IMAGE = "vllm/vllm-openai:v0.28.0"
 # Where the serving container sees the trainer's output (the bucket is mounted here).
@@ -35,9 +49,6 @@ MODEL_MOUNT_PATH = "/mnt/models"
 DEFAULT_MODEL_PATH = f"{MODEL_MOUNT_PATH}/merged"
 DEFAULT_SERVED_MODEL_NAME = "gemma"
 DEFAULT_PORT = 8000
-# Written by the trainer as the last file of an export; must equal
-# trainer.export.COMPLETION_MARKER (tests/serving/test_marker_contract.py checks it).
-COMPLETION_MARKER = "_COMPLETE.json"
 # vLLM accepts only these values for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -55,6 +66,18 @@ class Dtype(StrEnum):
     FLOAT16 = "float16"
 
 
+# vllm/config/model.py `_FLOAT16_NOT_SUPPORTED_MODELS` (model_type -> reason), the Gemma entries:
+# vLLM raises "The model type 'gemma3_text' does not support float16. Reason: Numerical instability."
+FLOAT16_UNSUPPORTED_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
+_GEMMA_FAMILY = re.compile(r"gemma-?([23])(?![0-9])", re.IGNORECASE)
+
+
+def model_type_of(name_or_path: str) -> str | None:
+    """`gemma3` for google/gemma-3-1b-it or a run folder named after a Gemma 3 recipe; None when unknown."""
+    match = _GEMMA_FAMILY.search(name_or_path)
+    return f"gemma{match.group(1)}" if match else None
+
+
 # typed field -> the vLLM flags (and aliases) that set it; used to reject duplicates in extra_args
 _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "model": ("--model",),
@@ -69,6 +92,7 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "lora_modules": ("--enable-lora", "--no-enable-lora", "--lora-modules"),
     "max_lora_rank": ("--max-lora-rank",),
     "max_loras": ("--max-loras",),
+    "max_num_seqs": ("--max-num-seqs",),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
 
@@ -91,7 +115,15 @@ class VllmServerConfig(BaseModel):
         DEFAULT_SERVED_MODEL_NAME, description="the `model` clients send; null serves it under its path"
     )
     max_model_len: int | None = Field(None, description="context length; null uses the model's own")
-    dtype: Dtype = Field(Dtype.AUTO, description="auto | bfloat16 | float16 (auto: bf16 for Gemma 3 on L4)")
+    dtype: Dtype = Field(
+        Dtype.AUTO,
+        description="auto | bfloat16 | float16 (auto: bf16 for Gemma 3 on L4; float16 is refused for Gemma 2/3)",
+    )
+    model_type: str | None = Field(
+        None,
+        description="the model's config.json model_type (e.g. gemma3_text); only used to refuse what vLLM would "
+        "refuse, never rendered. Unset: inferred from the model's name",
+    )
     gpu_memory_utilization: float = Field(0.90, description="share of GPU memory vLLM may take, 0 < x <= 1")
     tensor_parallel_size: int = Field(1, description="GPUs per model replica (Cloud Run has one)")
     host: str = Field("0.0.0.0", description="listen address inside the container")
@@ -102,6 +134,9 @@ class VllmServerConfig(BaseModel):
     )
     max_lora_rank: int | None = Field(None, description=f"largest adapter rank, one of {ALLOWED_LORA_RANKS}")
     max_loras: int | None = Field(None, description="adapters active in one batch")
+    max_num_seqs: int | None = Field(
+        None, description="sequences vLLM schedules at once (its continuous batch); null keeps vLLM's default"
+    )
     extra_args: list[str] = Field(default_factory=list, description="other `vllm serve` flags, passed as given")
 
     @field_validator("model")
@@ -200,6 +235,23 @@ class VllmServerConfig(BaseModel):
                 )
         return v
 
+    @field_validator("max_num_seqs")
+    @classmethod
+    def _max_num_seqs(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"max_num_seqs={v}: must be at least 1, or null for vLLM's default")
+        return v
+
+    @model_validator(mode="after")
+    def _no_float16_for_gemma(self) -> VllmServerConfig:
+        model_type = self.model_type or model_type_of(self.model)
+        if self.dtype is Dtype.FLOAT16 and model_type in FLOAT16_UNSUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"dtype=float16 with model_type {model_type!r}: vLLM refuses float16 for Gemma 2/3 (numerical "
+                "instability; vllm/config/model.py). Use dtype=bfloat16 (or auto on a GPU with bf16, such as the L4)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _lora_settings_need_adapters(self) -> VllmServerConfig:
         if not self.lora_modules:
@@ -252,6 +304,8 @@ def render_args(cfg: VllmServerConfig) -> list[str]:
         "--port",
         str(cfg.port),
     ]
+    if cfg.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.enforce_eager:
         args.append("--enforce-eager")
     if cfg.lora_modules:

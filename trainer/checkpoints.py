@@ -7,10 +7,24 @@ a per-checkpoint marker, `_CHECKPOINT_COMPLETE.json`, is written LAST. On start 
 checkpoint that has its marker — locally or remotely — is found and training resumes from it.
 A checkpoint without a marker (the job died while saving or uploading) is ignored.
 
+Several ranks on one machine share one staging folder, so:
+- a checkpoint is marked only after EVERY rank has finished writing it: transformers writes
+  `rng_state_<rank>.pth` on each rank inside `_save_checkpoint`, with no barrier before the
+  `on_save` callbacks run (transformers 5.23 trainer.py `_maybe_log_save_evaluate`), so
+  `mirror_callback` waits on a barrier first, then rank 0 marks and mirrors;
+- a remote checkpoint is downloaded by local rank 0 alone; the other ranks of the machine wait
+  for it (trainer/train.py `find_resume_checkpoint`) and then find it complete locally, so their
+  `latest_checkpoint(download=False)` is a no-op.
+
+A finished run leaves `_RUN_COMPLETE.json` at the top of `output.dir`, written after everything
+else; `finished_run()` reads it so a run that already finished is never trained again.
+
     .venv/bin/python -c "from trainer.checkpoints import OutputLocation; \
         print(OutputLocation.from_dir('gs://bucket/runs/emoji').latest_checkpoint())"
 
 It does not decide when to save (SFTConfig.save_steps does) and it is not a general sync tool.
+With several NODES, only node 0's staging folder is mirrored: the RNG states of the other nodes'
+ranks are not uploaded (those ranks resume with fresh RNG streams).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "_CHECKPOINT_COMPLETE.json"
+RUN_MARKER = "_RUN_COMPLETE.json"
 CHECKPOINTS_SUBDIR = "checkpoints"
 STAGING_ENV = "GEMMA_FT_STAGING"
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -168,8 +183,13 @@ class OutputLocation:
                 found[step] = f"{remote}/checkpoint-{step}"
         return found
 
-    def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint as a LOCAL folder (downloaded first if only the remote has it)."""
+    def latest_checkpoint(self, download: bool = True) -> Path | None:
+        """The newest complete checkpoint as a LOCAL folder (downloaded first if only the remote has it).
+
+        With `download=False` (the ranks that are not local rank 0) a checkpoint that is only remote
+        is an error: local rank 0 should have downloaded it already, and ranks that resumed from
+        different steps would train different models.
+        """
         local, remote = self.local_checkpoints(), self.remote_checkpoints()
         if not local and not remote:
             return None
@@ -177,18 +197,52 @@ class OutputLocation:
         if step in local:
             return local[step]
         target = self.checkpoints_dir / f"checkpoint-{step}"
+        if not download:
+            raise RuntimeError(
+                f"checkpoint-{step} is complete at {remote[step]} but not in {target}, which local rank 0 "
+                "should have downloaded before the other ranks looked: check local rank 0's log"
+            )
         self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
         log.info("downloading checkpoint-%d from %s", step, remote[step])
         download_dir(remote[step], target)
         return target
 
+    def finished_run(self) -> dict[str, Any] | None:
+        """The run marker's contents when this output already holds a finished run, else None."""
+        if self.remote:
+            fs, root = _remote(self.remote)
+            marker = f"{root}/{RUN_MARKER}"
+            return json.loads(fs.cat_file(marker)) if fs.exists(marker) else None
+        marker_path = self.local / RUN_MARKER
+        return json.loads(marker_path.read_text()) if marker_path.is_file() else None
+
+    def mark_run_complete(self, details: dict[str, Any]) -> None:
+        """Write the run marker locally, then (for a URL) upload it. Call it after everything else is published."""
+        marker = self.local / RUN_MARKER
+        write_json_atomic(marker, {**details, "completed_at": time.time()})
+        if self.remote:
+            fs, root = _remote(self.remote)
+            fs.makedirs(root, exist_ok=True)
+            fs.put_file(str(marker), f"{root}/{RUN_MARKER}")
+
+
+def _wait_for_every_rank() -> None:
+    """A barrier over all ranks when torch.distributed runs with more than one; nothing otherwise."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
 
 def mirror_callback(location: OutputLocation) -> TrainerCallback:
-    """A TrainerCallback that marks (and mirrors) each checkpoint right after transformers saved it."""
+    """A TrainerCallback that marks (and mirrors) each checkpoint once every rank has finished writing it."""
     from transformers import TrainerCallback
 
     class MirrorCheckpoints(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            # Every rank runs on_save right after its own part of the save (its rng_state_<rank>.pth
+            # included); none has passed this barrier before all have written theirs.
+            _wait_for_every_rank()
             if state.is_world_process_zero:
                 checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if checkpoint.is_dir():

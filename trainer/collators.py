@@ -20,9 +20,12 @@ Decisions:
   same images; that prompt must be a token-for-token prefix of the full sequence, and those
   prefix positions are masked. When a template breaks the prefix property for a row, that row
   keeps its prompt in the loss and a warning says so: wrong masking is worse than none.
-- Truncation is not done here: the data loader drops rows longer than `max_length`, and
-  cutting through an image's soft tokens would break the model's image/token alignment. A
-  batch longer than `max_length` raises instead.
+- Truncation is not done here: cutting through an image's soft tokens would break the model's
+  image/token alignment. `max_length` counts every token the model sees, the image's soft tokens
+  included (256 per image for Gemma 3 4B, `mm_tokens_per_image`): `fits(example)` says whether a
+  row's processed sequence (the same `processor(text, images)` call as a batch) is within it, so
+  the trainer can drop longer rows first (trainer/ray_entry.py), and a batch longer than
+  `max_length` raises.
 
 It does not load images from paths beyond opening a path string with PIL (the data loader
 normally hands over PIL images), and does not support pan-and-scan crops.
@@ -116,6 +119,15 @@ class VisionSFTCollator:
             add_special_tokens=False,
         )
 
+    def sequence_length(self, example: Mapping[str, Any]) -> int:
+        """Tokens of this row alone as the model sees it: chat template, then each image expanded by the processor."""
+        images = [[_as_rgb(image) for image in example.get("images") or []]]
+        return int(self._encode([example["messages"]], images, prompt=False)["input_ids"].shape[1])
+
+    def fits(self, example: Mapping[str, Any]) -> bool:
+        """True when the row's processed sequence is within `max_length` (always, without a limit)."""
+        return self.max_length is None or self.sequence_length(example) <= self.max_length
+
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         import torch
 
@@ -125,8 +137,8 @@ class VisionSFTCollator:
         input_ids = batch["input_ids"]
         if self.max_length is not None and input_ids.shape[1] > self.max_length:
             raise ValueError(
-                f"a batch is {input_ids.shape[1]} tokens long, over max_length={self.max_length}: "
-                "the data loader should have dropped such rows"
+                f"a batch is {input_ids.shape[1]} tokens long (image soft tokens included), over "
+                f"max_length={self.max_length}: drop longer rows first (VisionSFTCollator.fits)"
             )
         labels = input_ids.clone()
         labels[torch.isin(input_ids, torch.tensor(self.masked_ids))] = IGNORE_INDEX

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.formatting import FormattingError, formatter_for
-from trainer.recipe import REPO_ROOT, DataSource, DataSpec, RecipeError, Task
+from trainer.recipe import REPO_ROOT, DataSource, DataSpec, RecipeError, Task, resolve_local_path
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -66,15 +66,6 @@ class DataSplit:
     train: Dataset
     eval: Dataset | None
     report: SkipReport
-
-
-def resolve_local_path(path: str) -> Path:
-    """A local data file: absolute, else relative to the repository root, else to the working directory."""
-    candidates = [Path(path)] if Path(path).is_absolute() else [REPO_ROOT / path, Path.cwd() / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise RecipeError(f"data.path={path!r}: no such file (looked in {', '.join(str(c) for c in candidates)})")
 
 
 def load_rows(spec: DataSpec) -> Dataset:
@@ -125,7 +116,7 @@ def format_rows(
         except FormattingError as exc:
             return {**_empty_example(task), _SKIP_COLUMN: exc.reason}
         if images_root is not None:
-            example["images"] = [_open_image(image, images_root) for image in example["images"]]
+            example["images"] = [open_image(image, images_root) for image in example["images"]]
         if tokenizer is not None and max_length is not None:
             length = conversation_length(tokenizer, example["messages"])
             if length > max_length:
@@ -147,9 +138,9 @@ def resolve_image_dir(image_dir: str | None) -> Path | None:
     return path
 
 
-def _open_image(image: Any, root: Path) -> Any:
+def open_image(image: Any, root: Path | None) -> Any:
     """Local rows name their image by a path relative to `data.image_dir`; Hub rows already carry images."""
-    if not isinstance(image, str):
+    if not isinstance(image, str) or root is None:
         return image
     from PIL import Image
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m trainer.evaluate --model outputs/emoji-local/merged --recipe emoji-local --max-samples 20
     .venv/bin/python -m trainer.evaluate --model outputs/emoji-local/adapter --recipe emoji-local   # adapter folder works too
+    python -m trainer.evaluate --model /mnt/run/adapter --recipe text-to-sql-gemma4-31b   # a GPU machine: bf16, device_map=auto
 
 Scores:
 - emoji: **emoji F1**. Both texts are reduced to their SETS of emoji (a ZWJ sequence, a flag, or an
@@ -10,13 +11,28 @@ Scores:
   Order and repetition are ignored on purpose: "🍌🍌😋" for "😋🍌" is a perfect translation.
   `exact_match` (the same emoji string, whitespace ignored) is reported too.
 - text-to-sql: **execution match** from trainer.sql_eval (the predicted query returns the same
-  result as the reference on the row's schema), imported only for that task.
+  result as the reference on the row's schema, in a sandboxed in-memory SQLite), imported only for that task.
+- product descriptions (image + name + category): **ROUGE-L F1**, the longest common subsequence of
+  lower-cased words over prediction and reference (precision = LCS / prediction words, recall = LCS /
+  reference words). It rewards saying the reference's facts in its order; it cannot judge style.
 - every task: **held-out loss**, the mean cross-entropy of the reference answer's tokens given the
-  prompt (the same tokens the training loss covers).
+  prompt (the same tokens the training loss covers; image tokens are part of the prompt).
 
-The held-out rows are exactly the recipe's eval split (seeded shuffle, first `eval_rows`), so a model
-is never scored on rows it trained on. Returns a dict and writes it as JSON (`--out`, default
-`<model>/eval_results.json`).
+Decisions:
+- On a GPU the model loads in the recipe's dtype (bf16 for the cloud recipes) with
+  `device_map="auto"` (accelerate spreads a 31B model over the node's GPUs); on a CPU it loads in
+  float32 (bf16 matmuls on a CPU are slow and lossy). An adapter folder loads its base (from
+  adapter_config.json) with the recipe's model class, then the adapter; a QLoRA adapter is scored on
+  the unquantised base, the model it is merged into and served with.
+- Generation is greedy, up to the recipe's budget (`evaluation.max_new_tokens`, by task: SQL and
+  descriptions 512, emoji 32), in left-padded batches of `evaluation.batch_size`: the same outputs as
+  one prompt at a time (tests/trainer/test_evaluate.py checks it), fewer forward passes.
+- The held-out rows are exactly the recipe's eval split (seeded shuffle, first `eval_rows`), so a
+  model is never scored on rows it trained on. Returns a dict and writes it as JSON (`--out`, default
+  `<model>/eval_results.json`).
+
+Not done here: sampling-based generation, LLM-as-judge scoring, or evaluating during training (the
+trainer reports its own eval loss).
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
 import unicodedata
 from pathlib import Path
@@ -92,95 +109,179 @@ def emoji_f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def load_for_eval(model_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A merged model folder, or an adapter folder (its base is read from adapter_config.json)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_for_eval(model_dir: str | Path, recipe: Recipe, device: str | None = None) -> tuple[PreTrainedModel, Any]:
+    """A merged model folder or an adapter folder, and its tokenizer (text) or processor (vision).
+
+    `device`: "cuda" or "cpu"; default the GPU when there is one.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    from trainer.local_model import resolve_model_path
+    from trainer.modeling import ensure_chat_template, resolve_dtype
 
     model_dir = Path(model_dir)
-    if (model_dir / "adapter_config.json").exists():
-        from peft import AutoPeftModelForCausalLM
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if device == "cuda":
+        dtype = recipe.model.dtype if recipe.model.dtype != "auto" else "bfloat16"
+        kwargs = {"dtype": resolve_dtype(dtype), "device_map": "auto"}
+    loader = AutoModelForCausalLM if recipe.model.text_only else AutoModelForImageTextToText
+    adapter_config = model_dir / "adapter_config.json"
+    if adapter_config.exists():
+        from peft import PeftModel
 
-        model = AutoPeftModelForCausalLM.from_pretrained(model_dir)
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path") or recipe.model.name_or_path
+        model = PeftModel.from_pretrained(loader.from_pretrained(resolve_model_path(base), **kwargs), model_dir)
+        has_tokenizer = (model_dir / "tokenizer_config.json").exists()
+        source = model_dir if has_tokenizer else Path(resolve_model_path(base))
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model, source = loader.from_pretrained(model_dir, **kwargs), model_dir
+    processing_class = (AutoTokenizer if recipe.model.text_only else AutoProcessor).from_pretrained(source)
+    ensure_chat_template(processing_class, recipe.model.chat_template)
     model.eval()
-    return model, tokenizer
+    return model, processing_class
 
 
-def generate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_new_tokens: int
-) -> str:
-    """Greedy completion of a conversation's next assistant turn, without special tokens."""
+def _tokenizer(processing_class: Any) -> PreTrainedTokenizerBase:
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
+def _encode(processing_class: Any, texts: list[str], images: list[list[Any]] | None, device: Any) -> dict[str, Any]:
+    """Tokenise prompts (left-padded), with their images for a vision processor."""
+    tokenizer = _tokenizer(processing_class)
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        if images is not None:
+            batch = processing_class(
+                text=texts, images=images, padding=True, add_special_tokens=False, return_tensors="pt"
+            )
+        else:
+            batch = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = side
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def generate_batch(
+    model: PreTrainedModel,
+    processing_class: Any,
+    conversations: list[dict[str, Any]],
+    max_new_tokens: int,
+) -> list[str]:
+    """Greedy completions of each conversation's next assistant turn (left-padded batch), without special tokens."""
     import torch
 
-    prompt = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-    inputs = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(model.device)
+    tokenizer = _tokenizer(processing_class)
+    prompts = [
+        str(processing_class.apply_chat_template(c["messages"], add_generation_prompt=True, tokenize=False))
+        for c in conversations
+    ]
+    images = [list(c["images"]) for c in conversations] if "images" in conversations[0] else None
+    inputs = _encode(processing_class, prompts, images, model.device)
     prompt_length = int(inputs["input_ids"].shape[1])
     with torch.no_grad():
-        output: Any = cast(Any, model).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return str(tokenizer.decode(output[0, prompt_length:], skip_special_tokens=True)).strip()
+        output: Any = cast(Any, model).generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    return [str(tokenizer.decode(row[prompt_length:], skip_special_tokens=True)).strip() for row in output]
 
 
-def answer_loss(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conversation: dict) -> tuple[float, int]:
-    """(summed cross-entropy, token count) of the reference answer given the prompt."""
+def generate(model: PreTrainedModel, processing_class: Any, messages: list[dict], max_new_tokens: int) -> str:
+    """Greedy completion of one conversation's next assistant turn, without special tokens."""
+    return generate_batch(model, processing_class, [{"messages": messages}], max_new_tokens)[0]
+
+
+def answer_loss(model: PreTrainedModel, processing_class: Any, conversation: dict) -> tuple[float, int]:
+    """(summed cross-entropy, token count) of the reference answer given the prompt (and its images)."""
     import torch
 
-    prompt = tokenizer.apply_chat_template(prompt_messages(conversation), add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template(conversation["messages"], tokenize=False)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    full_ids = tokenizer(full, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
-    labels = full_ids.clone()
-    labels[:, : len(prompt_ids)] = -100
+    prompt = processing_class.apply_chat_template(
+        prompt_messages(conversation), add_generation_prompt=True, tokenize=False
+    )
+    full = processing_class.apply_chat_template(conversation["messages"], tokenize=False)
+    images = [list(conversation["images"])] if "images" in conversation else None
+    prompt_ids = _encode(processing_class, [prompt], images, model.device)["input_ids"]
+    inputs = _encode(processing_class, [full], images, model.device)
+    labels = inputs["input_ids"].clone()
+    labels[:, : prompt_ids.shape[1]] = -100
     answer_tokens = int((labels[:, 1:] != -100).sum())
     with torch.no_grad():
-        loss = model(input_ids=full_ids, labels=labels).loss
+        loss = model(**inputs, labels=labels).loss
     return float(loss) * answer_tokens, answer_tokens
 
 
 def held_out_rows(recipe: Recipe, max_samples: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(conversation, raw row) pairs from the recipe's eval split, capped at `max_samples`; bad rows skipped."""
-    from trainer.data import load_rows, split_rows
+    from trainer.data import load_rows, open_image, resolve_image_dir, split_rows
     from trainer.formatting import FormattingError, formatter_for
 
     _, raw = split_rows(load_rows(recipe.data), recipe.data)
     if raw is None:
         raise RecipeError(f"recipe {recipe.name} holds out no rows (data.eval_rows is 0): nothing to evaluate on")
     formatter, pairs = formatter_for(recipe.data.task), []
+    images_root = resolve_image_dir(recipe.data.image_dir)
     for row in raw.select(range(min(max_samples, len(raw)))):
         try:
-            pairs.append((formatter(row), row))
+            conversation = formatter(row)
         except FormattingError as exc:
             log.warning("evaluation skips a row: %s", exc)
+            continue
+        if "images" in conversation:
+            conversation["images"] = [open_image(image, images_root) for image in conversation["images"]]
+        pairs.append((conversation, row))
     return pairs
+
+
+_WORD = re.compile(r"\w+")
+
+
+def rouge_l_f1(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 over lower-cased words (see the module docstring); two empty texts score 1."""
+    pred, ref = _WORD.findall(prediction.lower()), _WORD.findall(reference.lower())
+    if not pred or not ref:
+        return float(pred == ref)
+    previous = [0] * (len(ref) + 1)
+    for word in pred:
+        current = [0]
+        for j, other in enumerate(ref):
+            current.append(previous[j] + 1 if word == other else max(previous[j + 1], current[j]))
+        previous = current
+    lcs = previous[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(pred), lcs / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+_METRIC = {Task.EMOJI: "emoji_f1", Task.TEXT_TO_SQL: "execution_match", Task.PRODUCT_DESCRIPTION: "rouge_l_f1"}
 
 
 def evaluate(
     model_dir: str | Path, recipe: Recipe, max_samples: int | None = None, out: str | Path | None = None
 ) -> dict[str, Any]:
     """Score `model_dir` on the recipe's held-out rows; returns the results and writes them as JSON."""
-    if recipe.data.task is Task.PRODUCT_DESCRIPTION:
-        raise RecipeError(
-            "evaluate covers the text tasks (emoji, text-to-sql); product descriptions are judged by people"
-        )
-    model, tokenizer = load_for_eval(model_dir)
+    model, processing_class = load_for_eval(model_dir, recipe)
     samples = max_samples or recipe.evaluation.max_samples
+    rows = held_out_rows(recipe, samples)
+    size = recipe.evaluation.batch_size
     predictions, scores, loss_sum, loss_tokens = [], [], 0.0, 0
-    for conversation, row in held_out_rows(recipe, samples):
-        prediction = generate(model, tokenizer, prompt_messages(conversation), recipe.evaluation.max_new_tokens)
-        reference = reference_text(conversation)
-        scores.append(_score(recipe.data.task, prediction, reference, row))
-        summed, tokens = answer_loss(model, tokenizer, conversation)
-        loss_sum, loss_tokens = loss_sum + summed, loss_tokens + tokens
-        predictions.append(
-            {"prompt": prompt_messages(conversation)[-1]["content"], "reference": reference, "prediction": prediction}
-        )
-    metric = "emoji_f1" if recipe.data.task is Task.EMOJI else "execution_match"
+    for first in range(0, len(rows), size):
+        chunk = rows[first : first + size]
+        prompts = [{**conversation, "messages": prompt_messages(conversation)} for conversation, _ in chunk]
+        generated = generate_batch(model, processing_class, prompts, recipe.max_new_tokens)
+        for (conversation, row), prediction in zip(chunk, generated, strict=True):
+            reference = reference_text(conversation)
+            scores.append(_score(recipe.data.task, prediction, reference, row))
+            summed, tokens = answer_loss(model, processing_class, conversation)
+            loss_sum, loss_tokens = loss_sum + summed, loss_tokens + tokens
+            predictions.append({"prompt": _prompt_text(conversation), "reference": reference, "prediction": prediction})
     results: dict[str, Any] = {
         "model": str(model_dir),
         "recipe": recipe.name,
         "samples": len(predictions),
-        metric: sum(scores) / len(scores) if scores else None,
+        "max_new_tokens": recipe.max_new_tokens,
+        _METRIC[recipe.data.task]: sum(scores) / len(scores) if scores else None,
         "held_out_loss": loss_sum / loss_tokens if loss_tokens else None,
         "held_out_perplexity": math.exp(loss_sum / loss_tokens) if loss_tokens else None,
         "predictions": predictions,
@@ -195,9 +296,18 @@ def evaluate(
     return results
 
 
+def _prompt_text(conversation: dict[str, Any]) -> str:
+    content = prompt_messages(conversation)[-1]["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text") or "" for part in content if part.get("type") == "text")
+
+
 def _score(task: Task, prediction: str, reference: str, row: dict[str, Any]) -> float:
     if task is Task.EMOJI:
         return emoji_f1(prediction, reference)
+    if task is Task.PRODUCT_DESCRIPTION:
+        return rouge_l_f1(prediction, reference)
     from trainer.sql_eval import execution_match
 
     return float(execution_match(_strip_code_fence(prediction), reference, row["sql_context"]))

@@ -10,9 +10,18 @@ Decisions:
 - `_COMPLETE.json` is written LAST and atomically; the serving image waits for exactly this file
   name. A stale marker is removed before anything else is written, so a folder being rewritten, or a
   half-written export, is never mistaken for a model. The marker records the base model, the adapter,
-  the time and the list of files with their sizes.
-- Pushing to the Hub (`output.push_to_hub`) is the real code path for the cloud; it needs a token
-  and is not exercised offline.
+  the time and the list of files with their sizes; `serving/completion.py` is the one reader that
+  decides whether a folder is complete (marker + that inventory + every file readable).
+- Every exported file is made world-readable before the marker is written: safetensors (used by
+  transformers 5.x `save_pretrained`) writes through a 0600 temporary file (observed with
+  safetensors 0.8: `model.safetensors` 0600 under umask 022), and the serving image runs as
+  uid 10001, so a `docker run` of a local export, or a cache shared by several users, could not
+  read the weights.
+- Pushing to the Hub (`output.push_to_hub`, off by default) uploads the merged export, or the
+  adapter when the recipe does not merge (W1's seed pushed its adapter to a private repo), into a
+  repository created private unless `output.hub_private` is false. The token is HF_TOKEN from the
+  environment (the platforms fill it from the stack's secret; it needs write scope) and is never
+  logged. Tests point `huggingface_hub` at a local stand-in server, never at the Hub.
 """
 
 from __future__ import annotations
@@ -49,8 +58,20 @@ def file_inventory(directory: Path) -> list[dict[str, Any]]:
     ]
 
 
+def make_readable(directory: Path) -> None:
+    """Give everyone read access to every file (and traversal of every folder) under `directory`."""
+    for path in [directory, *directory.rglob("*")]:
+        if path.is_symlink():
+            continue
+        extra = 0o555 if path.is_dir() else 0o444
+        mode = path.stat().st_mode & 0o7777
+        if mode & extra != extra:
+            path.chmod(mode | extra)
+
+
 def write_completion_marker(directory: Path, **details: Any) -> Path:
-    """Write `_COMPLETE.json` (atomically) listing every other file in the folder. Call it last."""
+    """Make the folder readable and write `_COMPLETE.json` (atomically) listing every other file. Call it last."""
+    make_readable(directory)
     marker = directory / COMPLETION_MARKER
     write_json_atomic(marker, {**details, "completed_at": time.time(), "files": file_inventory(directory)})
     return marker
@@ -81,16 +102,39 @@ def merge_and_export(base_model: str, adapter_dir: str | Path, out_dir: str | Pa
     return out_dir
 
 
-def push_to_hub(model_dir: Path, repo_id: str, private: bool = True) -> str:
-    """Upload a finished export to the Hub (needs HF_TOKEN with write scope); returns the repo URL."""
-    if not is_complete(model_dir):
-        raise RuntimeError(f"{model_dir} has no {COMPLETION_MARKER}: refusing to push an incomplete export")
+def is_adapter(directory: str | Path) -> bool:
+    """True for a saved PEFT adapter folder (its config and its weights)."""
+    directory = Path(directory)
+    weights = (directory / "adapter_model.safetensors").is_file() or (directory / "adapter_model.bin").is_file()
+    return (directory / "adapter_config.json").is_file() and weights
+
+
+def push_to_hub(model_dir: str | Path, repo_id: str, private: bool = True, *, endpoint: str | None = None) -> str:
+    """Upload a finished export or a saved adapter to the Hub repo `repo_id`; returns the repo URL.
+
+    The token is HF_TOKEN from the environment (write scope). `endpoint` is the Hub's address
+    (default: huggingface_hub's, i.e. https://huggingface.co or $HF_ENDPOINT).
+    """
+    import os
+
+    model_dir = Path(model_dir)
+    if not (is_complete(model_dir) or is_adapter(model_dir)):
+        raise RuntimeError(
+            f"{model_dir} is neither a complete export (no {COMPLETION_MARKER}) nor a saved adapter "
+            "(adapter_config.json + weights): refusing to push it"
+        )
+    token = os.environ.get("HF_TOKEN")
+    if not token:
+        raise RuntimeError(
+            f"output.push_to_hub is true but HF_TOKEN is not set: give the job a Hugging Face token with write "
+            f"scope for {repo_id} (the stack's hfToken), or set output.push_to_hub: false"
+        )
     from huggingface_hub import HfApi
 
-    api = HfApi()
+    api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     api.upload_folder(folder_path=str(model_dir), repo_id=repo_id, commit_message="gemma-finetune export")
-    return f"https://huggingface.co/{repo_id}"
+    return f"{api.endpoint}/{repo_id}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 Each formatter is a pure function `row -> {"messages": [...]}` (plus `"images"` for the
 vision task) in the conversational format trl's `SFTTrainer` understands, so the same
-recipe trains on any chat template. The prompts follow the three source workflows.
+recipe trains on any chat template. The prompts are the three source workflows' own, word for word
+(tests/trainer/test_formatting.py holds the seeds' text).
 
 Decisions:
 - A row with a missing or empty field raises `FormattingError` naming the field; the data
@@ -28,12 +29,18 @@ TEXT_TO_SQL_SYSTEM = (
     "You are a text to SQL query translator. Users will ask you questions in English and you will generate "
     "a SQL query based on the provided SCHEMA."
 )
-TEXT_TO_SQL_PROMPT = "<SCHEMA>\n{sql_context}\n</SCHEMA>\n\n<USER_QUERY>\n{sql_prompt}\n</USER_QUERY>"
+# The seed's user prompt, instruction sentence included (the model is trained and evaluated on it).
+TEXT_TO_SQL_PROMPT = (
+    "Given the <USER_QUERY> and the <SCHEMA>, generate the corresponding SQL command to retrieve the desired data, "
+    "considering the query's syntax, semantics, and schema constraints.\n\n"
+    "<SCHEMA>\n{sql_context}\n</SCHEMA>\n\n<USER_QUERY>\n{sql_prompt}\n</USER_QUERY>\n"
+)
 PRODUCT_SYSTEM = "You are an expert product description writer for Amazon."
+# The seed's prompt, with its newlines inside the tags.
 PRODUCT_PROMPT = (
     "Create a Short Product description based on the provided <PRODUCT> and <CATEGORY> and image.\n"
     "Only return description. The description should be SEO optimized and for a better mobile search experience.\n\n"
-    "<PRODUCT>{product}</PRODUCT>\n\n<CATEGORY>{category}</CATEGORY>"
+    "<PRODUCT>\n{product}\n</PRODUCT>\n\n<CATEGORY>\n{category}\n</CATEGORY>\n"
 )
 
 

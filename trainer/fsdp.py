@@ -11,12 +11,18 @@ Decisions:
 - `render_accelerate_config` writes accelerate 1.15's own key names (checked against
   accelerate/commands/config/cluster.py and FullyShardedDataParallelPlugin): FSDP2,
   TRANSFORMER_BASED_WRAP on that class, reshard after forward, FULL_STATE_DICT,
-  cpu_ram_efficient_loading, no CPU offload and no FSDP activation checkpointing (the trainer
-  turns on gradient checkpointing itself), static rendezvous. Keys that FSDP2 made obsolete
+  cpu_ram_efficient_loading, no CPU offload and no FSDP activation checkpointing (a recipe that
+  needs it sets the trainer's `training.gradient_checkpointing`), static rendezvous. Keys that FSDP2 made obsolete
   (sync_module_states, use_orig_params, backward/forward prefetch) are left out.
 - `save_adapter_fsdp_safe` gathers every adapter tensor in full (DTensor.full_tensor(), a
   collective every rank joins) before rank 0 writes the PEFT adapter. Saving "the adapter"
   from a sharded model otherwise writes rank 0's shard only, with no error.
+- `fsdp2_loads_persistent_buffers` makes accelerate's RAM-efficient FSDP2 loading work for models
+  with persistent buffers. accelerate 1.15's `fsdp2_load_full_state_dict` broadcasts every
+  state-dict entry as if it were a sharded parameter and fails on a buffer ("'Tensor' object has
+  no attribute 'device_mesh'", huggingface/accelerate#3898; the fix, #3921, was closed unmerged).
+  Gemma 4's decoder layers hold one (`layer_scalar`), so W1 cannot start without this. The
+  buffers are left out of accelerate's pass and broadcast from rank 0 on their own.
 
 What this module does not do: launch anything (trainer/launch.py does) or shard models itself
 (accelerate does, from the rendered config).
@@ -133,11 +139,15 @@ def render_accelerate_config(
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
     layer_class: str | None = None,
+    use_cpu: bool = False,
 ) -> dict[str, Any]:
     """An accelerate `config_file` as a dict (dump it as YAML).
 
     `num_processes` is the TOTAL over all machines, as accelerate expects. `strategy="none"`
     renders plain data parallelism (MULTI_GPU), used for QLoRA recipes that FSDP cannot shard.
+    `use_cpu=True` runs the processes on CPUs over gloo: accelerate then trains them as DDP
+    (MULTI_CPU), also for an FSDP config, since accelerate shards with FSDP only on accelerators
+    (accelerate 1.15 state.py `AcceleratorState.__init__`).
     """
     if num_processes < 1 or num_machines < 1:
         raise FsdpConfigError(f"num_processes={num_processes} and num_machines={num_machines} must be >= 1")
@@ -163,7 +173,7 @@ def render_accelerate_config(
         # static rendezvous: accelerate passes main_process_ip:port to torchrun as rdzv_endpoint.
         # (`same_network` is left out: accelerate 1.15 ignores it when it comes from a config file.)
         "rdzv_backend": "static",
-        "use_cpu": False,
+        "use_cpu": use_cpu,
         "main_process_port": main_process_port,
     }
     if main_process_ip:
@@ -252,3 +262,62 @@ def save_adapter_fsdp_safe(
     if distributed and barrier:
         dist.barrier()
     return out if rank == 0 else None
+
+
+# --------------------------------------------------------------------------------------
+# FSDP2 RAM-efficient loading of persistent buffers
+
+
+def _persistent_buffers(model: Any) -> list[tuple[Any, str, str]]:
+    """(module, local name, fully qualified name) of every persistent buffer, each module once."""
+    found = []
+    for module_name, module in model.named_modules(remove_duplicate=True):
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                found.append((module, name, f"{module_name}.{name}" if module_name else name))
+    return found
+
+
+def fsdp2_loads_persistent_buffers() -> None:
+    """Wrap accelerate's `fsdp2_load_full_state_dict` so persistent buffers are broadcast too (idempotent).
+
+    accelerate's `fsdp2_prepare_model` looks the function up in its module at call time, so
+    replacing the module attribute is enough. Inside the wrapper the persistent buffers are marked
+    non-persistent while accelerate broadcasts the parameters (its `model.state_dict()` then holds
+    only sharded parameters), then each buffer is broadcast from rank 0 and registered again as a
+    persistent buffer on the accelerator's device.
+    """
+    from accelerate.utils import fsdp_utils
+
+    if getattr(fsdp_utils.fsdp2_load_full_state_dict, "loads_persistent_buffers", False):
+        return
+    load_parameters = fsdp_utils.fsdp2_load_full_state_dict
+
+    def load_full_state_dict(accelerator: Any, model: Any, full_sd: dict[str, Any], cpu_offload: bool = False) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        buffers = _persistent_buffers(model)
+        names = {fqn for _, _, fqn in buffers}
+        for module, name, _ in buffers:
+            module._non_persistent_buffers_set.add(name)
+        try:
+            parameters = (
+                {k: v for k, v in full_sd.items() if k not in names} if accelerator.is_main_process else full_sd
+            )
+            model = load_parameters(accelerator, model, parameters, cpu_offload=cpu_offload)
+        finally:
+            for module, name, _ in buffers:
+                module._non_persistent_buffers_set.discard(name)
+        for module, name, fqn in buffers:
+            empty = getattr(module, name)
+            if accelerator.is_main_process:
+                value = full_sd[fqn].detach().to(accelerator.device, dtype=empty.dtype).contiguous()
+            else:
+                value = torch.empty(empty.shape, dtype=empty.dtype, device=accelerator.device)
+            dist.broadcast(value, src=0)
+            module.register_buffer(name, value, persistent=True)
+        return model
+
+    load_full_state_dict.loads_persistent_buffers = True  # type: ignore[attr-defined]
+    fsdp_utils.fsdp2_load_full_state_dict = load_full_state_dict

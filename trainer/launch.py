@@ -4,18 +4,28 @@
     python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8 \\
         --nnodes 2 --main-process-ip finetune-0.finetune   # node rank from $JOB_COMPLETION_INDEX
     python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8 --dry-run
+    python -m trainer.launch --recipe emoji-local --nproc-per-node 4 --cpu   # CPUs only, over gloo
 
 Decisions:
 - The FSDP wrap class comes from the model's own config (AutoConfig.from_pretrained on the
   recipe's model: the Hub id at run time, a local folder in tests), see trainer/fsdp.py.
 - One process per node runs this; it writes the accelerate config (this node's machine_rank
-  included) to a file and replaces itself (`os.execv`) with `accelerate launch … -m trainer`,
+  included) to a file and replaces itself (`os.execve`) with `accelerate launch … -m trainer`,
   so the Job's SIGTERM reaches accelerate and its workers directly.
 - The node rank is `--node-rank`, else `$JOB_COMPLETION_INDEX` (a Kubernetes Indexed Job sets
   it), else 0. The rendezvous address is `--main-process-ip`, else `$MASTER_ADDR`.
 - `--num-processes` is the TOTAL over all nodes (accelerate's meaning); `--nproc-per-node` is
   per node. Give one of them.
 - Mixed precision follows the recipe's dtype (bfloat16/auto → bf16, float16 → fp16, float32 → no).
+- `--cpu` runs the processes on CPUs (gloo; accelerate trains them as DDP, FSDP needs GPUs):
+  without it, processes on a machine without GPUs each train alone, in one output folder. It
+  renders `use_cpu: true` AND exports `ACCELERATE_USE_CPU=true` to the launched processes:
+  accelerate's multi-process launcher does not forward `use_cpu` (accelerate 1.15
+  utils/launch.py sets ACCELERATE_USE_CPU only for its single-process launcher), and
+  TrainingArguments and AcceleratorState read exactly that variable.
+- A recipe whose `output.dir` already holds a finished run (`_RUN_COMPLETE.json`, see
+  trainer/checkpoints.py) launches nothing and exits 0, before the model config is read and before
+  the run checks that read the data (`trainer.recipe.require_valid_run`).
 
 It does not build the model or touch the GPUs: everything heavy happens in the launched trainer.
 """
@@ -29,13 +39,13 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from trainer.recipe import REPO_ROOT, Recipe, RecipeError, load_recipe
+from trainer.recipe import REPO_ROOT, Recipe, RecipeError, load_recipe, parse_recipe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -54,12 +64,14 @@ class LaunchPlan:
     config: dict[str, Any]
     config_path: Path
     command: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
 
     def render(self) -> str:
+        env = "".join(f"{key}={value} " for key, value in sorted(self.env.items()))
         return (
             f"# accelerate config: {self.config_path}\n"
             + yaml.safe_dump(self.config, sort_keys=True)
-            + f"# command\n{shlex.join(self.command)}\n"
+            + f"# command\n{env}{shlex.join(self.command)}\n"
         )
 
 
@@ -74,6 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--main-process-ip", default=None, help=f"address of node 0 (default ${MASTER_ADDR_ENV})")
     parser.add_argument("--main-process-port", type=int, default=None, help=f"rendezvous port (default {DEFAULT_PORT})")
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16", "fp8"], default=None)
+    parser.add_argument("--cpu", action="store_true", help="run the processes on CPUs (gloo), e.g. tests and laptops")
     parser.add_argument("--config-out", type=Path, default=None, help="where to write the accelerate config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--dry-run", action="store_true", help="print the config and the command; launch nothing")
@@ -159,18 +172,29 @@ def plan(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Laun
         strategy=strategy,
         activation_checkpointing=recipe.distributed.fsdp_activation_checkpointing,
         cpu_offload=recipe.distributed.fsdp_cpu_offload,
+        use_cpu=args.cpu,
     )
     config_path = args.config_out or Path(tempfile.mkdtemp(prefix="accelerate-")) / "accelerate_config.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=True))
-    return LaunchPlan(config, config_path, accelerate_command(config_path, args.recipe, args.overrides))
+    env = {"ACCELERATE_USE_CPU": "true"} if args.cpu else {}
+    return LaunchPlan(config, config_path, accelerate_command(config_path, args.recipe, args.overrides), env)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    from trainer.checkpoints import RUN_MARKER, OutputLocation
     from trainer.fsdp import FsdpConfigError
 
     try:
+        output_dir = parse_recipe(args.recipe, args.overrides).output.dir  # the run checks come in plan()
+        if OutputLocation.from_dir(output_dir).finished_run() is not None:
+            print(
+                f"{output_dir} already holds a finished run ({RUN_MARKER}): nothing to launch; "
+                "set output.dir to a new folder to train again",
+                flush=True,
+            )
+            return 0
         launch = plan(args)
     except (RecipeError, FsdpConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -178,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(launch.render(), flush=True)
     if args.dry_run:
         return 0
-    os.execv(launch.command[0], launch.command)
-    return 0  # pragma: no cover - execv does not return
+    os.execve(launch.command[0], launch.command, {**os.environ, **launch.env})
+    return 0  # pragma: no cover - execve does not return
 
 
 if __name__ == "__main__":

@@ -13,12 +13,15 @@ Decisions:
   place only once complete, and a marker file inside it is written last, so an interrupted
   build never leaves something that looks like a model.
 - No Hub access at any point.
+- Every file of the cached model is readable by everyone (safetensors saves 0600): the cache is
+  shared by the users of a machine and mounted into the serving image, which runs as uid 10001.
 
     python -m trainer.local_model            # build (or find) the model and print its folder
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -72,6 +75,11 @@ def ensure_local_model(cache_dir: str | Path | None = None) -> Path:
     root = cache_root(cache_dir)
     target = root / LOCAL_MODEL_NAME
     if is_built(target):
+        from trainer.export import make_readable
+
+        # caches built before exports were made readable still hold 0600 weights; fix them if they are ours
+        with contextlib.suppress(PermissionError):
+            make_readable(target)
         return target
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -109,6 +117,8 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trainer.export import make_readable
+
     gguf_path = package.assemble(gguf_dir / package.MODEL_NAME)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -118,6 +128,7 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
     set_stop_tokens(model, tokenizer)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    make_readable(staging)  # safetensors writes 0600; the cache is shared with other users and the serving image
     (staging / BUILD_MARKER).write_text(json.dumps({"source": package.MODEL_NAME, "sha256": package.EXPECTED_SHA256}))
 
 

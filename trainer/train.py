@@ -11,6 +11,7 @@ Output layout under `output.dir` (a folder, or a URL mirrored from a local stagi
     merged/                     base + adapter merged in bf16, with _COMPLETE.json last (output.merge)
     logs/                       TensorBoard event files
     run_summary.json            steps, non-pad tokens seen, tokens/s, losses, wall time, recipe, model
+    _RUN_COMPLETE.json          written LAST: the run finished; a rerun on this output.dir does nothing
 
 Decisions:
 - Loss is on the assistant's tokens only. trl does this with `assistant_only_loss` when the chat
@@ -19,7 +20,14 @@ Decisions:
   `completion_only_loss` masks the prompt instead. Same loss, any template.
 - `training.packing` packs with trl's best-fit-decreasing strategy, which is padding-free;
   `training.padding_free` alone is honoured too.
-- A run resumes by itself from the latest complete checkpoint (trainer/checkpoints.py).
+- A run resumes by itself from the latest complete checkpoint (trainer/checkpoints.py); with
+  several ranks on a machine only local rank 0 downloads it, the others wait for it.
+- A run whose `output.dir` already holds `_RUN_COMPLETE.json` (written last, after everything
+  else is published) returns that run's summary at once, before loading a model, a tokenizer or
+  data: a re-created Job does not train, download 31B or re-export again.
+- The SFTConfig is built before the model: building it sets up torch.distributed, and only then
+  can FSDP2's RAM-efficient loading keep the weights off the ranks that are not local rank 0
+  (trainer/modeling.py `load_model`).
 - `training.extra` is passed verbatim to SFTConfig, so any trl/transformers argument can be set
   from a recipe without a code change.
 
@@ -39,12 +47,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoints import OutputLocation, checkpoint_step, mirror_callback, upload_dir
+from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
 from trainer.recipe import Recipe
 
 if TYPE_CHECKING:
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerBase, TrainerCallback
+    from peft import LoraConfig
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
     from trl import SFTConfig, SFTTrainer
 
 log = logging.getLogger(__name__)
@@ -156,16 +165,34 @@ def _tensorboard_dir(path: Path) -> Iterator[None]:
             os.environ["TENSORBOARD_LOGGING_DIR"] = previous
 
 
-def build_trainer(
-    recipe: Recipe, location: OutputLocation, callbacks: Sequence[TrainerCallback] = ()
-) -> tuple[SFTTrainer, Any]:
-    """Load model, tokenizer and data for a recipe and wire them into an SFTTrainer (not yet trained)."""
-    from trl import SFTTrainer
+@dataclass(frozen=True)
+class TrainingInputs:
+    """Everything SFTTrainer is built from."""
 
+    args: SFTConfig
+    model: PreTrainedModel
+    tokenizer: Any
+    train_set: Dataset
+    eval_set: Dataset | None
+    peft_config: LoraConfig
+
+
+def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
+    """Tokenizer, data and SFTConfig, THEN the model.
+
+    TrainingArguments.__post_init__ reads `self.device`, which creates accelerate's PartialState
+    and with it the torch.distributed process group (transformers 5.23 training_args.py
+    `_setup_devices`). transformers reads `is_fsdp_enabled()` while loading weights, and it is
+    False until that group exists, so the config must come first.
+    """
     from trainer.data import prepare_datasets
-    from trainer.modeling import load_model_and_tokenizer, lora_config
+    from trainer.fsdp import fsdp2_loads_persistent_buffers
+    from trainer.local_model import resolve_model_path
+    from trainer.modeling import load_model, load_tokenizer, lora_config
 
-    model, tokenizer = load_model_and_tokenizer(recipe)
+    fsdp2_loads_persistent_buffers()  # else accelerate's FSDP2 prepare fails on Gemma 4 (trainer/fsdp.py)
+    model_path = resolve_model_path(recipe.model.name_or_path)
+    tokenizer: Any = load_tokenizer(recipe.model, model_path)
     text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     split = prepare_datasets(recipe.data, text_tokenizer, recipe.training.max_length)
     loss = choose_loss_mode(text_tokenizer, recipe.training.assistant_only_loss)
@@ -174,17 +201,58 @@ def build_trainer(
         train_set = to_prompt_completion(train_set)
         eval_set = to_prompt_completion(eval_set) if eval_set is not None else None
     args = sft_config(recipe, location, has_eval=eval_set is not None, loss=loss)
+    model = load_model(recipe.model, recipe.quantization, model_path)
+    return TrainingInputs(args, model, tokenizer, train_set, eval_set, lora_config(recipe.lora, model))
+
+
+def build_trainer(
+    recipe: Recipe, location: OutputLocation, callbacks: Sequence[TrainerCallback] = ()
+) -> tuple[SFTTrainer, Any]:
+    """Load model, tokenizer and data for a recipe and wire them into an SFTTrainer (not yet trained)."""
+    from trl import SFTTrainer
+
+    inputs = training_inputs(recipe, location)
     with _tensorboard_dir(location.local / "logs"):
         trainer = SFTTrainer(
-            model=model,
-            args=args,
-            train_dataset=train_set,
-            eval_dataset=eval_set,
-            processing_class=tokenizer,
-            peft_config=lora_config(recipe.lora, model),
+            model=inputs.model,
+            args=inputs.args,
+            train_dataset=inputs.train_set,
+            eval_dataset=inputs.eval_set,
+            processing_class=inputs.tokenizer,
+            peft_config=inputs.peft_config,
             callbacks=[mirror_callback(location), *callbacks],
         )
-    return trainer, tokenizer
+    return trainer, inputs.tokenizer
+
+
+def find_resume_checkpoint(location: OutputLocation, args: TrainingArguments) -> Path | None:
+    """The newest complete checkpoint, downloaded once per machine.
+
+    Local rank 0 looks (and downloads) first while the machine's other ranks wait at
+    TrainingArguments.main_process_first's barrier; they then find it complete in the shared
+    staging folder. Every rank downloading into that one folder raced (rmtree + os.replace).
+    """
+    with args.main_process_first(local=True, desc="finding the checkpoint to resume from"):
+        return location.latest_checkpoint(download=args.local_process_index == 0)
+
+
+def finished_result(recipe: Recipe) -> RunResult | None:
+    """The result of the run `output.dir` already holds (its `_RUN_COMPLETE.json`), else None. Reads the marker
+    only: needs nothing of the model or the data."""
+    finished = OutputLocation.from_dir(recipe.output.dir).finished_run()
+    if finished is None:
+        return None
+    log.info(
+        "%s already holds a finished run (%s): nothing to train; choose a new output.dir to train again",
+        recipe.output.dir,
+        RUN_MARKER,
+    )
+    return RunResult(
+        output_dir=recipe.output.dir,
+        adapter_dir=finished["adapter_dir"],
+        merged_dir=finished.get("merged_dir"),
+        summary=finished["summary"],
+    )
 
 
 def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult:
@@ -192,12 +260,15 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     from trainer.export import merge_and_export, push_to_hub
 
     started = time.perf_counter()
+    finished = finished_result(recipe)
+    if finished is not None:
+        return finished
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
-    resume_from = location.latest_checkpoint()
+    trainer, tokenizer = build_trainer(recipe, location, callbacks)
+    resume_from = find_resume_checkpoint(location, trainer.args)
     if resume_from is not None:
         log.info("resuming from %s", resume_from)
-    trainer, tokenizer = build_trainer(recipe, location, callbacks)
     train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     eval_loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else None
 
@@ -210,6 +281,12 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         merged_dir = merge_and_export(recipe.model.name_or_path, adapter_dir, location.local / "merged")
 
     summary = run_summary(recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started)
+    result = RunResult(
+        output_dir=recipe.output.dir,
+        adapter_dir=location.remote_path("adapter") or str(adapter_dir),
+        merged_dir=(location.remote_path("merged") or str(merged_dir)) if merged_dir else None,
+        summary=summary,
+    )
     if trainer.is_world_process_zero():
         (location.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         _publish(location, merged_dir is not None)
@@ -217,12 +294,15 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
             summary["hub_url"] = push_to_hub(
                 merged_dir or adapter_dir, recipe.output.hub_model_id, recipe.output.hub_private
             )
-    return RunResult(
-        output_dir=recipe.output.dir,
-        adapter_dir=location.remote_path("adapter") or str(adapter_dir),
-        merged_dir=(location.remote_path("merged") or str(merged_dir)) if merged_dir else None,
-        summary=summary,
-    )
+        location.mark_run_complete(
+            {
+                "recipe": recipe.name,
+                "adapter_dir": result.adapter_dir,
+                "merged_dir": result.merged_dir,
+                "summary": summary,
+            }
+        )
+    return result
 
 
 def save_adapter(trainer: SFTTrainer, adapter_dir: Path) -> None:

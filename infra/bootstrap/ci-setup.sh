@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # One-time setup of what the CI workflows need in Google Cloud: the APIs, the three CI identities and
-# their Workload Identity Federation (no JSON keys), the workload service accounts of every stack,
-# and the bucket backend's state bucket and KMS key. Run it as a project owner, from a checkout:
+# their Workload Identity Federation (no JSON keys), every service account the program uses for every
+# stack, and the bucket backend's state bucket and KMS key. Run it as a project owner, from a checkout:
 #
 #   PROJECT_ID=my-gft-project GITHUB_REPO=my-org/gemma-finetune \
 #   GITHUB_REPO_ID=$(gh api repos/my-org/gemma-finetune --jq .id) \
 #   GITHUB_OWNER_ID=$(gh api repos/my-org/gemma-finetune --jq .owner.id) \
 #     infra/bootstrap/ci-setup.sh
 #
-# Run it again after adding a stack file (it creates that stack's workload accounts and grants) or
-# after changing this script: every step checks first or is idempotent in gcloud itself.
+# Run it again after adding a stack file or changing a stack's workload, capacity or imageBuild (it creates
+# that stack's accounts and grants), or after changing this script: every step checks first or is
+# idempotent in gcloud itself.
 #
-# Decisions (README.md, "CI and PR previews", has the table; ci-identities.yaml the reason of each grant)
-# - A dedicated project for the stacks is strongly recommended: Artifact Registry, Cloud Run, GKE and
-#   networks do not support IAM Conditions on resource names, so those grants cover the project.
+# Decisions (README.md, "CI and PR previews", has the table; ci-identities.yaml the reason of each grant;
+# infra/permissions.py proves them against what the program declares)
+# - A dedicated project for the stacks is strongly recommended: Artifact Registry, Cloud Run and GKE do not
+#   support IAM Conditions on resource names, so those grants cover the project.
 # - No identity holds a project-wide service-account role (serviceAccountUser/Admin/TokenCreator),
-#   storage.admin or secretmanager.admin: the workload accounts are created here, per stack, and the
-#   deploy identity gets actAs / setIamPolicy on exactly those; buckets and secrets are reached
+#   storage.admin or secretmanager.admin: IAM Conditions cannot match service-account names, so every
+#   account the program uses (gft-<stack>-train, -serve, -node, -build) is created here, per stack, with the
+#   program's display name, and the deploy identity gets actAs / setIamPolicy on exactly those; `pulumi up`
+#   adopts them and `pulumi destroy` leaves them (infra/foundation.py). Buckets and secrets are reached
 #   through IAM Conditions on their name prefixes (`<project>-gft-`, `gft-`).
-# - Creating a resource is authorised on the project before it has a name a condition could match:
-#   each such permission is a one-permission custom role (gftCiBucketCreator, gftCiSecretCreator).
+# - A create or a list is authorised on the project before a resource has a name a condition could match:
+#   each such permission set is a small custom role (gftCi*Creator, gftCiBucketLister,
+#   gftCiReservationReader). The deploy identity changes the project's IAM policy only through
+#   gftCiProjectIamGranter, conditioned on `modifiedGrantsByRole` to the one project role the program grants
+#   per purpose (the node and builder accounts' log roles).
 # - The deploy identity cannot enable APIs: every API any stack declares is enabled here, and the
 #   program's gcp.projects.Service resources only find them enabled.
 # - Federation is one pool per identity, each with one GitHub provider whose attribute condition is
@@ -31,7 +38,8 @@
 #   static secret at all; every CI identity gets decrypt only (Pulumi wraps a data key with KMS).
 #
 # Not here: GitHub settings (environments, reviewers, variables: printed at the end), creating stacks
-# (`pulumi stack init`, README "New stacks"), Cloud Build grants for `imageBuild: cloud-build`.
+# (`pulumi stack init`, README "New stacks"), grants in another project that owns a stack's reservation
+# (`reservationProject`: give the CI identities compute.reservations.get and compute.zones.list there).
 set -euo pipefail
 
 # ---------------------------------------------------------------------------------------- settings
@@ -45,8 +53,6 @@ STATE_LOCATION="${STATE_LOCATION:-us-central1}"
 KMS_LOCATION="${KMS_LOCATION:-global}"
 KMS_KEYRING="${KMS_KEYRING:-gft-pulumi}"
 KMS_KEY="${KMS_KEY:-stack-secrets}"
-# The GKE node service account the clusters use; empty: the Compute Engine default one.
-GKE_NODE_ACCOUNT="${GKE_NODE_ACCOUNT:-}"
 REPO_ROOT="${REPO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 
 APIS=(
@@ -76,20 +82,20 @@ STACK_LINES=$(python3 "$REPO_ROOT/.ci/stacks.py" --lines --root "$REPO_ROOT")
 
 PROJECT_NUMBER=$(gcloud projects describe "$PROJECT_ID" --format='value(projectNumber)')
 [[ "$PROJECT_NUMBER" =~ ^[0-9]+$ ]] || fail "could not read the project number of $PROJECT_ID"
-GKE_NODE_ACCOUNT="${GKE_NODE_ACCOUNT:-${PROJECT_NUMBER}-compute@developer.gserviceaccount.com}"
 KEY_NAME="projects/$PROJECT_ID/locations/$KMS_LOCATION/keyRings/$KMS_KEYRING/cryptoKeys/$KMS_KEY"
 
 step() { echo "== $*"; }
 account() { echo "$1@$PROJECT_ID.iam.gserviceaccount.com"; }
 member() { echo "serviceAccount:$(account "$1")"; }
 
-# A project binding, with an IAM Condition when a third argument is given (no commas in expressions:
-# gcloud splits --condition on them).
+# A project binding, with an IAM Condition when a third argument is given (its title: the fourth, else the
+# role's id). `^;^` makes `;` gcloud's item separator, so the expression may hold commas (gcloud topic
+# escaping); no expression here holds a `;`.
 grant_project() {
-  local who="$1" role="$2" expression="${3:-}"
+  local who="$1" role="$2" expression="${3:-}" title="${4:-gft-ci-${2##*/}}"
   local condition=None
   if [[ -n "$expression" ]]; then
-    condition="expression=$expression,title=gft-ci-${role##*/}"
+    condition="^;^expression=$expression;title=$title"
   fi
   gcloud projects add-iam-policy-binding "$PROJECT_ID" --member="$(member "$who")" --role="$role" \
     --condition="$condition" --quiet >/dev/null
@@ -180,63 +186,90 @@ if [[ "$STATE_BACKEND" == bucket ]]; then
       --project="$PROJECT_ID" --purpose=encryption
   fi
 fi
-grant_state gft-ci-preview roles/storage.objectViewer
-grant_state gft-ci-preview-gke roles/storage.objectViewer
+# What the stack files use: workloads, and features (.ci/stacks.py: reservation, cloud-build).
+workloads=$(echo "$STACK_LINES" | awk '{print $2}' | sort -u)
+features=$(echo "$STACK_LINES" | awk '{print $3}' | tr ',' '\n' | sort -u)
+has_cloud_run=false has_gke=false has_reservation=false has_cloud_build=false
+grep -qx cloud-run <<<"$workloads" && has_cloud_run=true
+grep -qx -e gke-job -e gke-ray <<<"$workloads" && has_gke=true
+grep -qx reservation <<<"$features" && has_reservation=true
+grep -qx cloud-build <<<"$features" && has_cloud_build=true
+
+if $has_cloud_run; then grant_state gft-ci-preview roles/storage.objectViewer; fi
+if $has_gke; then grant_state gft-ci-preview-gke roles/storage.objectViewer; fi
 grant_state gft-ci-deploy roles/storage.objectUser
 
 # ---------------------------------------------------------------------------------------- project grants
-step "Project grants (custom create-only roles, conditions on bucket and secret names)"
+step "Project grants (custom create/list roles, conditions on bucket and secret names and on granted roles)"
 ensure_custom_role gftCiBucketCreator "gemma-finetune CI bucket creator" storage.buckets.create
+ensure_custom_role gftCiBucketLister "gemma-finetune CI bucket lister" storage.buckets.list
 ensure_custom_role gftCiSecretCreator "gemma-finetune CI secret creator" secretmanager.secrets.create
+ensure_custom_role gftCiAccountCreator "gemma-finetune CI service account creator" iam.serviceAccounts.create
+ensure_custom_role gftCiReservationReader "gemma-finetune CI reservation reader" \
+  compute.reservations.get,compute.zones.list
+ensure_custom_role gftCiProjectIamGranter "gemma-finetune CI project IAM granter" \
+  resourcemanager.projects.getIamPolicy,resourcemanager.projects.setIamPolicy
+custom="projects/$PROJECT_ID/roles"
 buckets="resource.name.startsWith('projects/_/buckets/$PROJECT_ID-gft-')"
 secrets="resource.name.startsWith('projects/$PROJECT_NUMBER/secrets/gft-') || resource.name.startsWith('projects/$PROJECT_ID/secrets/gft-')"
+# IAM docs, "Set limits on granting roles": the policy change may add or remove grants of these roles only.
+grants_only() { echo "api.getAttribute('iam.googleapis.com/modifiedGrantsByRole', []).hasOnly(['$1'])"; }
 
-grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
-
-grant_project gft-ci-deploy roles/browser
-grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
-grant_project gft-ci-deploy "projects/$PROJECT_ID/roles/gftCiBucketCreator"
-grant_project gft-ci-deploy roles/storage.admin "$buckets"
-grant_project gft-ci-deploy "projects/$PROJECT_ID/roles/gftCiSecretCreator"
-grant_project gft-ci-deploy roles/secretmanager.admin "$secrets"
-grant_project gft-ci-deploy roles/artifactregistry.admin
-
-workloads=$(echo "$STACK_LINES" | awk '{print $2}' | sort -u)
-if grep -qx cloud-run <<<"$workloads"; then
-  grant_project gft-ci-deploy roles/run.admin
-  grant_project gft-ci-deploy roles/compute.networkAdmin
+if $has_cloud_run; then
+  grant_project gft-ci-preview "$custom/gftCiBucketLister"
+  grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
 fi
-if grep -qx -e gke-job -e gke-ray <<<"$workloads"; then
-  grant_project gft-ci-preview-gke roles/browser
+if $has_gke; then
+  grant_project gft-ci-preview-gke "$custom/gftCiBucketLister"
   grant_project gft-ci-preview-gke roles/container.developer
+  if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
+fi
+
+grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
+grant_project gft-ci-deploy "$custom/gftCiBucketLister"
+grant_project gft-ci-deploy "$custom/gftCiBucketCreator"
+grant_project gft-ci-deploy roles/storage.admin "$buckets"
+grant_project gft-ci-deploy roles/artifactregistry.admin
+grant_project gft-ci-deploy "$custom/gftCiAccountCreator"
+if $has_cloud_run; then
+  grant_project gft-ci-deploy "$custom/gftCiSecretCreator"
+  grant_project gft-ci-deploy roles/secretmanager.admin "$secrets"
+  grant_project gft-ci-deploy roles/run.admin
+fi
+if $has_gke; then
   grant_project gft-ci-deploy roles/container.clusterAdmin
   grant_project gft-ci-deploy roles/container.developer
-  step "GKE node account $GKE_NODE_ACCOUNT"
-  node_ready=false
-  for _ in $(seq 1 30); do # the Compute Engine default account appears shortly after the API is enabled
-    if gcloud iam service-accounts describe "$GKE_NODE_ACCOUNT" --project="$PROJECT_ID" >/dev/null 2>&1; then
-      node_ready=true
-      break
-    fi
-    sleep 10
-  done
-  $node_ready || fail "the GKE node account $GKE_NODE_ACCOUNT does not exist: set GKE_NODE_ACCOUNT, or rerun later"
-  grant_account gft-ci-deploy roles/iam.serviceAccountUser "$GKE_NODE_ACCOUNT"
+  grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" "$(grants_only roles/container.defaultNodeServiceAccount)" \
+    gft-ci-grant-node-log-role
+  if $has_reservation; then grant_project gft-ci-deploy "$custom/gftCiReservationReader"; fi
+fi
+if $has_cloud_build; then
+  grant_project gft-ci-deploy roles/cloudbuild.builds.editor
+  grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" "$(grants_only roles/logging.logWriter)" \
+    gft-ci-grant-build-log-role
 fi
 
 # ---------------------------------------------------------------------------------------- per stack
-# The workload accounts exist before the first `pulumi up`, which adopts them, so the deploy identity
-# needs actAs / setIamPolicy on these accounts only, never project-wide.
-while read -r stack workload; do
+# Every account the program uses exists before the first `pulumi up`, which adopts it, so the deploy
+# identity needs actAs / setIamPolicy on these accounts only, never project-wide. The display names are the
+# program's (infra/foundation.py account_display_name). The builder account is created for every stack, so
+# switching a stack to imageBuild: cloud-build needs only this script's grants.
+while read -r stack workload stack_features; do
   [[ -n "$stack" ]] || continue
-  step "Stack $stack ($workload): workload accounts"
+  step "Stack $stack ($workload, features: $stack_features): service accounts"
   ensure_account "gft-$stack-train" "gemma-finetune $stack: training workload"
-  grant_account gft-ci-deploy roles/iam.serviceAccountAdmin "$(account "gft-$stack-train")"
+  ensure_account "gft-$stack-build" "gemma-finetune $stack: Cloud Build image builds"
   if [[ "$workload" == cloud-run ]]; then
     ensure_account "gft-$stack-serve" "gemma-finetune $stack: vLLM serving"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-train")"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-serve")"
-    grant_account gft-ci-deploy roles/iam.serviceAccountAdmin "$(account "gft-$stack-serve")"
+  else
+    ensure_account "gft-$stack-node" "gemma-finetune $stack: GKE Autopilot nodes"
+    grant_account gft-ci-deploy roles/iam.serviceAccountAdmin "$(account "gft-$stack-train")"
+    grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-node")"
+  fi
+  if [[ ",$stack_features," == *,cloud-build,* ]]; then
+    grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-build")"
   fi
 done <<<"$STACK_LINES"
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pulumi
 import pytest
 
 from infra.config import ConfigError
-from infra.offline import redact_secrets, run_stack
-from tests.infra.conftest import PREBUILT
+from infra.offline import MOCK_TRAINED_RUN, is_secret, redact_secrets, run_stack
+from serving.startup import MAX_INITIAL_DELAY_S, MAX_PERIOD_S, MAX_PROBE_SPAN_S, STARTUP_WINDOW
+from tests.infra.conftest import PREBUILT, plain_paths
 
 JOB = "gcp:cloudrunv2/job:Job"
 SERVICE = "gcp:cloudrunv2/service:Service"
@@ -129,9 +132,11 @@ class TestServing:
         assert run.of_type(SERVICE) == [] and "servingEnabled true" in run.outputs["nextStep"]
 
     def test_service_waits_for_a_complete_model(self) -> None:
-        with pytest.raises(pulumi.RunError, match="the training run has not finished") as info:
+        """No completed run in the bucket: a message (the listing finds nothing), not a 404 from a read."""
+        with pytest.raises(pulumi.RunError, match="no training run of recipe emoji-gemma3-1b has finished yet") as info:
             run_stack("dev", overrides={**PREBUILT, "servingEnabled": True})
         assert "gcloud run jobs executions list" in str(info.value)
+        assert "pulumi config set servingEnabled false" in str(info.value)
 
     def test_private_by_default_with_configured_invokers_only(self) -> None:
         run = run_stack(
@@ -160,16 +165,17 @@ class TestServing:
         assert template["gpuZonalRedundancyDisabled"] is True
         assert template["scaling"] == {"minInstanceCount": 0, "maxInstanceCount": 1}
         probe = container["startupProbe"]
-        assert probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"] == 240
+        assert probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"] == 480
         assert template["volumes"][0]["gcs"]["readOnly"] is True
         assert container["ports"] == {"containerPort": 8000}
 
-    def test_vllm_serves_the_run_that_trained(self) -> None:
+    def test_vllm_serves_the_completed_run(self) -> None:
         run = run_stack("dev", overrides={**PREBUILT, "servingEnabled": True}, assume_trained=True)
         args = run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"]
-        run_id = run.outputs["runId"]
-        assert args[0] == f"/mnt/models/runs/emoji-gemma3-1b-{run_id}/merged"
+        assert args[0] == f"/mnt/models/runs/emoji-gemma3-1b-{MOCK_TRAINED_RUN}/merged"
         assert args[args.index("--served-model-name") + 1] == "emoji-gemma3-1b"
+        assert run.outputs["servingRunId"] == MOCK_TRAINED_RUN
+        assert run.outputs["servedModelUri"].endswith(f"/runs/emoji-gemma3-1b-{MOCK_TRAINED_RUN}/merged")
 
     def test_zonal_redundancy_is_a_choice_for_the_service(self) -> None:
         run = run_stack(
@@ -180,10 +186,10 @@ class TestServing:
     def test_extra_vllm_flags_pass_through(self) -> None:
         run = run_stack(
             "dev",
-            overrides={**PREBUILT, "servingEnabled": True, "servingExtraArgs": ["--enable-prefix-caching"]},
+            overrides={**PREBUILT, "servingEnabled": True, "servingExtraArgs": ["--no-enable-prefix-caching"]},
             assume_trained=True,
         )
-        assert run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"][-1] == "--enable-prefix-caching"
+        assert run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"][-1] == "--no-enable-prefix-caching"
         assert redact_secrets(run.outputs)["query"].startswith("python -m serving.client --url https://")
 
 
@@ -202,3 +208,198 @@ class TestEditedRecipe:
         after = run_stack("dev", overrides=PREBUILT)
         assert after.outputs["runId"] != before
         assert after.by_name("gft-dev-execution").plain_inputs()["triggers"] == [after.outputs["runId"]]
+
+
+SERVING = {**PREBUILT, "servingEnabled": True}
+BUCKET = "my-gcp-project-gft-dev"
+FILES = {"config.json": 900, "model.safetensors": 2_000_000, "tokenizer.json": 30_000}
+
+
+def completed_run(rid: str, files: dict[str, int] | None = None, missing: tuple[str, ...] = ()) -> dict[str, str]:
+    """What a finished training run leaves in the bucket: its export and the marker listing it."""
+    folder = f"{BUCKET}/runs/emoji-gemma3-1b-{rid}/merged"
+    files = files or FILES
+    objects = {f"{folder}/{name}": "x" for name in files if name not in missing}
+    inventory = [{"path": name, "bytes": size} for name, size in files.items()]
+    objects[f"{folder}/_COMPLETE.json"] = json.dumps({"completed_at": 1, "files": inventory})
+    return objects
+
+
+def served_path(run) -> str:  # type: ignore[no-untyped-def]
+    return run.one(SERVICE).plain_inputs()["template"]["containers"][0]["args"][0]
+
+
+class TestPinnedRun:
+    """Issue: serving followed the CURRENT run id, so any recipe or image change broke `up` with serving on."""
+
+    def test_retraining_with_serving_on_keeps_serving_the_finished_run(self) -> None:
+        first = run_stack("dev", overrides=PREBUILT).outputs["runId"]
+        changed = run_stack(
+            "dev",
+            overrides={**SERVING, "recipeOverrides": ["training.learning_rate=0.0001"]},
+            bucket_objects=completed_run(first),
+        )
+        new_run = changed.outputs["runId"]
+        assert new_run != first, "the recipe change starts a new training run"
+        assert changed.by_name("gft-dev-execution").plain_inputs()["triggers"] == [new_run]
+        assert served_path(changed) == f"/mnt/models/runs/emoji-gemma3-1b-{first}/merged"
+        assert changed.outputs["servingRunId"] == first
+
+    def test_the_latest_completed_run_is_served(self) -> None:
+        run = run_stack("dev", overrides=SERVING, bucket_objects={**completed_run("a" * 12), **completed_run("b" * 12)})
+        assert served_path(run).endswith(f"-{'b' * 12}/merged")
+        older_last = {**completed_run("b" * 12), **completed_run("a" * 12)}
+        assert served_path(run_stack("dev", overrides=SERVING, bucket_objects=older_last)).endswith(
+            f"-{'a' * 12}/merged"
+        )
+
+    def test_serving_run_id_pins_an_older_run(self) -> None:
+        objects = {**completed_run("a" * 12), **completed_run("b" * 12)}
+        run = run_stack("dev", overrides={**SERVING, "servingRunId": "a" * 12}, bucket_objects=objects)
+        assert served_path(run).endswith(f"-{'a' * 12}/merged")
+
+    def test_pinning_a_run_that_has_not_finished_says_which_have(self) -> None:
+        with pytest.raises(pulumi.RunError, match=r"servingRunId=cccccccccccc has no complete model") as info:
+            run_stack("dev", overrides={**SERVING, "servingRunId": "c" * 12}, bucket_objects=completed_run("a" * 12))
+        assert f"Completed runs of emoji-gemma3-1b: {'a' * 12}" in str(info.value)
+
+    def test_an_export_missing_a_listed_file_is_not_served(self) -> None:
+        """serving/completion.py's inventory check, on the bucket listing (names; sizes are checked at start-up)."""
+        with pytest.raises(pulumi.RunError, match=r"not servable: .*missing \(model\.safetensors\)"):
+            run_stack("dev", overrides=SERVING, bucket_objects=completed_run("a" * 12, missing=("model.safetensors",)))
+
+    def test_other_recipes_runs_are_not_served(self) -> None:
+        foreign = {k.replace("emoji-gemma3-1b", "emoji-local"): v for k, v in completed_run("a" * 12).items()}
+        with pytest.raises(pulumi.RunError, match="no training run of recipe emoji-gemma3-1b has finished"):
+            run_stack("dev", overrides=SERVING, bucket_objects=foreign)
+
+    def test_bad_run_id_fails_before_anything_is_declared(self) -> None:
+        with pytest.raises(ConfigError, match="servingRunId='run-1' is not a run id") as info:
+            run_stack("dev", overrides={**SERVING, "servingRunId": "run-1"})
+        assert info.value.declared_resources == []  # type: ignore[attr-defined]
+
+
+class TestStartupWindow:
+    def test_probe_is_the_stated_window_within_cloud_run_limits(self) -> None:
+        run = run_stack("dev", overrides=SERVING, assume_trained=True)
+        container = run.one(SERVICE).plain_inputs()["template"]["containers"][0]
+        probe = container["startupProbe"]
+        assert probe["initialDelaySeconds"] <= MAX_INITIAL_DELAY_S and probe["periodSeconds"] <= MAX_PERIOD_S
+        assert probe["periodSeconds"] * probe["failureThreshold"] <= MAX_PROBE_SPAN_S
+        window = int(probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"])
+        assert window == STARTUP_WINDOW.total_s == 480
+        env = {e["name"]: e.get("value") for e in container["envs"]}
+        assert env["GEMMA_FT_STARTUP_WINDOW_S"] == str(window)
+        # the entrypoint's marker wait is spent inside the window, never on top of it
+        assert int(env["GEMMA_FT_WAIT_FOR_MODEL_S"]) + STARTUP_WINDOW.vllm_budget_s == window
+
+
+class TestServingSettings:
+    def test_concurrency_matches_vllms_batch(self) -> None:
+        for gpu, expected in (("nvidia-l4", 256), ("nvidia-rtx-pro-6000", 1000)):
+            run = run_stack("dev", overrides={**SERVING, "servingGpuType": gpu}, assume_trained=True)
+            template = run.one(SERVICE).plain_inputs()["template"]
+            args = template["containers"][0]["args"]
+            assert template["maxInstanceRequestConcurrency"] == expected
+            assert args[args.index("--max-num-seqs") + 1] == str(expected)
+        run = run_stack("dev", overrides={**SERVING, "servingConcurrency": 32}, assume_trained=True)
+        assert run.one(SERVICE).plain_inputs()["template"]["maxInstanceRequestConcurrency"] == 32
+
+    def test_extra_env_reaches_the_container(self) -> None:
+        run = run_stack("dev", overrides={**SERVING, "servingEnv": ["VLLM_LOGGING_LEVEL=DEBUG"]}, assume_trained=True)
+        envs = run.one(SERVICE).plain_inputs()["template"]["containers"][0]["envs"]
+        assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in envs
+
+    @pytest.mark.parametrize(
+        ("entry", "message"),
+        [
+            ("HF_HUB_OFFLINE=0", "which the program or Cloud Run sets itself"),
+            ("PORT=9000", "which the program or Cloud Run sets itself"),
+            ("MY_API_KEY=abc", "secrets belong in Secret Manager"),
+            ("no-equals", "must be NAME=value"),
+        ],
+    )
+    def test_extra_env_refusals(self, entry: str, message: str) -> None:
+        with pytest.raises(ConfigError, match=message):
+            run_stack("dev", overrides={**SERVING, "servingEnv": [entry]})
+
+
+class TestApiKey:
+    KEY = "vllm-key-not-a-real-credential"
+
+    def test_key_goes_secret_manager_to_env_by_reference(self) -> None:
+        run = run_stack(
+            "dev", overrides={**SERVING, "servingPublic": True, "servingApiKey": self.KEY}, assume_trained=True
+        )
+        version = next(r for r in run.of_type("gcp:secretmanager/secretVersion:SecretVersion") if "api-key" in r.name)
+        assert is_secret(version.inputs["secretData"])
+        envs = {e["name"]: e for e in run.one(SERVICE).plain_inputs()["template"]["containers"][0]["envs"]}
+        ref = envs["VLLM_API_KEY"]["valueSource"]["secretKeyRef"]
+        assert ref["secret"] == "gft-dev-vllm-api-key" and "value" not in envs["VLLM_API_KEY"]
+        grant = next(r for r in run.of_type("gcp:secretmanager/secretIamMember:SecretIamMember") if "api-key" in r.name)
+        assert grant.plain_inputs()["member"] == "serviceAccount:gft-dev-serve@my-gcp-project.iam.gserviceaccount.com"
+        assert grant.plain_inputs()["role"] == "roles/secretmanager.secretAccessor"
+        assert grant.urn in run.one(SERVICE).dependencies, "a Service referencing a secret needs the grant first"
+        for resource in run.resources:
+            assert plain_paths(resource.inputs, self.KEY) == [], resource.urn
+        assert "secretmanager.googleapis.com" in {
+            r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")
+        }
+
+    def test_no_key_no_secret(self) -> None:
+        run = run_stack("dev", overrides=SERVING, assume_trained=True)
+        assert not [r for r in run.resources if "api-key" in r.name]
+
+
+class TestVllmImage:
+    """servingVllmImage is a typed setting that reaches the serving build as VLLM_IMAGE (it used to be never passed)."""
+
+    def test_docker_build_gets_the_build_argument(self) -> None:
+        image = "vllm/vllm-openai:v0.27.1"
+        run = run_stack("dev", overrides={"servingEnabled": True, "servingVllmImage": image}, assume_trained=True)
+        builds = {r.name: r.plain_inputs() for r in run.of_type("docker-build:index:Image")}
+        assert builds["gft-dev-serving"]["buildArgs"] == {"VLLM_IMAGE": image}
+        assert "buildArgs" not in builds["gft-dev-trainer"]
+
+    def test_default_is_the_dockerfile_default(self) -> None:
+        from serving.vllm_args import VLLM_IMAGE
+
+        run = run_stack("dev", overrides={"servingEnabled": True}, assume_trained=True)
+        serving = next(r for r in run.of_type("docker-build:index:Image") if r.name == "gft-dev-serving")
+        assert serving.plain_inputs()["buildArgs"] == {"VLLM_IMAGE": VLLM_IMAGE}
+
+    def test_cloud_build_gets_it_and_a_change_rebuilds(self) -> None:
+        def build(image: str) -> dict:  # type: ignore[type-arg]
+            run = run_stack(
+                "dev",
+                overrides={"servingEnabled": True, "imageBuild": "cloud-build", "servingVllmImage": image},
+                assume_trained=True,
+            )
+            return next(r for r in run.of_type("command:local:Command") if "serving" in r.name).plain_inputs()
+
+        first, second = build("vllm/vllm-openai:v0.27.1"), build("vllm/vllm-openai:v0.28.0")
+        assert first["environment"]["VLLM_IMAGE"] == "vllm/vllm-openai:v0.27.1"
+        assert first["triggers"] != second["triggers"], "another base image must trigger another build"
+
+    @pytest.mark.parametrize(
+        ("image", "gpu", "message"),
+        [
+            ("vllm/vllm-openai:latest", "nvidia-l4", "exact tag or digest"),
+            ("vllm/vllm-openai", "nvidia-l4", "exact tag or digest"),
+            ("vllm/vllm-openai:v0.28.0-cu130", "nvidia-l4", "CUDA 13 build, but Cloud Run's L4 driver is 535"),
+        ],
+    )
+    def test_refusals(self, image: str, gpu: str, message: str) -> None:
+        with pytest.raises(ConfigError, match=message):
+            run_stack("dev", overrides={**SERVING, "servingVllmImage": image, "servingGpuType": gpu})
+
+    def test_cuda13_is_fine_on_rtx_pro_6000(self) -> None:
+        run_stack(
+            "dev",
+            overrides={
+                **SERVING,
+                "servingVllmImage": "vllm/vllm-openai:v0.28.0-cu130",
+                "servingGpuType": "nvidia-rtx-pro-6000",
+            },
+            assume_trained=True,
+        )

@@ -1,10 +1,13 @@
-"""`pulumi up` → `pulumi destroy` → `pulumi up` with the kept bucket.
+"""`pulumi up` → `pulumi destroy` → `pulumi up` with the kept bucket and the kept service accounts.
 
-The mock cloud behaves as Cloud Storage does: a bucket name that exists answers 409 to a create, and an
-import of a bucket that does not exist fails. `destroy` is modelled from what the program declared: every
-resource goes except those registered with `retain_on_delete`. The second `up` must then adopt the kept
-bucket (import by its name, the bucket's ID) with the very inputs the first `up` created it with, so the
-engine's import finds nothing to change and the models in it stay where the stack outputs point.
+The mock cloud behaves as Cloud Storage and IAM do: a bucket name that exists answers 409 to a create, and an
+import of a bucket that does not exist fails; a service account id that exists answers 409 to a create
+unless the resource says `createIgnoreAlreadyExists`. `destroy` is modelled from what the program declared:
+every resource goes except those registered with `retain_on_delete` and the accounts whose provider
+`deletionPolicy` is ABANDON. The second `up` must then adopt the kept bucket (import by its name, the
+bucket's ID) with the very inputs the first `up` created it with, so the engine's import finds nothing to
+change and the models in it stay where the stack outputs point; and it must adopt the kept accounts, as
+the first `up` in a project the CI setup prepared (infra/bootstrap/ci-setup.sh creates them) must.
 """
 
 from __future__ import annotations
@@ -16,10 +19,25 @@ from infra.offline import Mocks, Recorded, StackRun, run_stack, stack_names
 from tests.infra.conftest import PREBUILT
 
 BUCKET = "gcp:storage/bucket:Bucket"
+ACCOUNT = "gcp:serviceaccount/account:Account"
 
 
-def up(stack: str, existing: tuple[str, ...] = (), **overrides: object) -> StackRun:
-    return run_stack(stack, overrides={**PREBUILT, **overrides}, existing_buckets=existing, assume_trained=True)
+def up(stack: str, existing: tuple[str, ...] = (), accounts: tuple[str, ...] = (), **overrides: object) -> StackRun:
+    return run_stack(
+        stack,
+        overrides={**PREBUILT, **overrides},
+        existing_buckets=existing,
+        existing_accounts=accounts,
+        assume_trained=True,
+    )
+
+
+def accounts_kept_after_destroy(run: StackRun) -> tuple[str, ...]:
+    return tuple(sorted(r.plain_inputs()["accountId"] for r in run.of_type(ACCOUNT) if abandoned(r)))
+
+
+def abandoned(account: Recorded) -> bool:
+    return account.plain_inputs().get("deletionPolicy") == "ABANDON"
 
 
 def kept_after_destroy(run: StackRun) -> tuple[str, ...]:
@@ -57,6 +75,35 @@ class TestUpDestroyUp:
         assert all(r.import_id == "" for r in second.of_type(BUCKET))
 
 
+@pytest.mark.parametrize("stack", stack_names())
+class TestKeptAccounts:
+    def test_destroy_keeps_every_account_and_no_grant_to_it(self, stack: str) -> None:
+        first = up(stack, servingEnabled=True) if stack == "dev" else up(stack)
+        accounts = first.of_type(ACCOUNT)
+        assert accounts and all(abandoned(a) for a in accounts), "destroy leaves every account in place"
+        grants = [r for r in first.resources if r.custom and "iam" in r.type.lower() and "member" in r.inputs]
+        assert grants and not [g for g in grants if g.retain_on_delete], "every grant goes with destroy"
+
+    def test_second_up_adopts_the_kept_accounts(self, stack: str) -> None:
+        first = up(stack)
+        kept = accounts_kept_after_destroy(first)
+        assert kept == tuple(sorted(a.plain_inputs()["accountId"] for a in first.of_type(ACCOUNT))), "all are kept"
+        second = up(stack, existing=kept_after_destroy(first), accounts=kept)  # a plain create would get 409
+        assert {a.outputs["email"] for a in second.of_type(ACCOUNT)} == {
+            a.outputs["email"] for a in first.of_type(ACCOUNT)
+        }
+
+    def test_first_up_adopts_the_accounts_the_ci_setup_created(self, stack: str) -> None:
+        everything = up(stack, imageBuild="cloud-build", servingEnabled=True) if stack == "dev" else up(stack)
+        created_by_setup = tuple(a.plain_inputs()["accountId"] for a in everything.of_type(ACCOUNT))
+        run = up(stack, accounts=created_by_setup)
+        assert run.of_type(ACCOUNT), stack
+
+    def test_the_display_name_never_forces_an_update(self, stack: str) -> None:
+        for account in up(stack).of_type(ACCOUNT):
+            assert "displayName" in account.ignore_changes, account.urn
+
+
 class TestMockCloud:
     """The mock cloud is as strict as Cloud Storage: without adoption the second `up` fails as the real one did."""
 
@@ -75,3 +122,14 @@ class TestMockCloud:
 
     def test_import_of_an_existing_bucket_succeeds(self) -> None:
         self.register(("kept",), "kept")
+
+    def test_create_over_an_existing_account_is_a_409_unless_it_adopts(self) -> None:
+        inputs = {"accountId": "gft-dev-train", "project": "p"}
+        with pytest.raises(Exception, match="409"):
+            Mocks(existing_accounts=("gft-dev-train",)).new_resource(
+                MockResourceArgs(typ=ACCOUNT, name="a", inputs=inputs, provider="", resource_id="")
+            )
+        adopt = {**inputs, "createIgnoreAlreadyExists": True}
+        Mocks(existing_accounts=("gft-dev-train",)).new_resource(
+            MockResourceArgs(typ=ACCOUNT, name="a", inputs=adopt, provider="", resource_id="")
+        )

@@ -1,27 +1,39 @@
-"""The permission proof: over every stack and user variant, each identity's planned grants, expanded into
-permissions by public role data (infra/iam_roles.json), cover what its runtime needs (infra/permissions.py),
-and no granted role is one its identity never needs."""
+"""The permission proof: over every stack and user variant, each identity's grants, expanded into permissions by
+public role data (infra/iam_roles.json) and the setup's custom roles, cover what it needs, and no granted role is
+one its identity never needs. The identities are the program's own (their grants planned by the program, their
+needs listed in infra/permissions.py) and the CI identities (their grants from infra/bootstrap/ci-identities.yaml,
+their needs derived from what the program declares: infra/api_permissions.py)."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 
-from infra.config import StackConfig
+from infra.api_permissions import COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
 from infra.foundation import Identity, account_email
-from infra.offline import StackRun
+from infra.offline import Recorded, StackRun
 from infra.permissions import (
+    CI_DEPLOY,
+    CI_PREVIEW,
+    CI_PREVIEW_GKE,
     ROLES_FILE,
     RUNTIMES,
     Grant,
-    Scope,
+    ci_grants,
+    ci_identities,
+    ci_member,
+    condition_holds,
+    granted_roles,
     markdown,
     missing,
     planned_grants,
     role_permissions,
+    stack_features,
     unneeded,
 )
 from tests.infra.conftest import Variant
@@ -32,24 +44,46 @@ def _grants(run: StackRun) -> list[Grant]:
     return planned_grants(run, run.cfg)
 
 
-def _problems(runs: list[tuple[Variant, StackRun]], check: Callable[[StackConfig, list[Grant]], list[str]]) -> str:
-    return "\n".join(
-        f"[{variant.label}] {problem}"
-        for variant, run in runs
-        for problem in check(run.cfg, _grants(run))  # type: ignore[arg-type]
-    )
+def _all(run: StackRun) -> list[Grant]:
+    assert run.cfg is not None
+    return [*_grants(run), *ci_grants(run.cfg)]
 
 
-# The 16 variant runs (a shared session fixture) take about 15 s on 2 busy cores.
+def _problems(runs: list[tuple[Variant, StackRun]], check: Callable[[StackRun], list[str]]) -> str:
+    return "\n".join(f"[{variant.label}] {problem}" for variant, run in runs for problem in check(run))
+
+
+def _setup_groups(runs: list[tuple[Variant, StackRun]]) -> dict[tuple[str, str, frozenset[str]], list[StackRun]]:
+    """Variants that the CI setup cannot tell apart (same stack, workload and features) share its grants."""
+    groups: dict[tuple[str, str, frozenset[str]], list[StackRun]] = defaultdict(list)
+    for variant, run in runs:
+        assert run.cfg is not None
+        groups[(variant.stack, str(run.cfg.workload), stack_features(run.cfg))].append(run)
+    return groups
+
+
+def _member(run: StackRun, account: str) -> str:
+    assert run.cfg is not None
+    return ci_member(account)(run.cfg)
+
+
+# The 16 variant runs (a shared session fixture) take about 15 s on 2 busy cores; the proof over them ~20 s more.
 @pytest.mark.slow
 class TestProof:
     def test_every_needed_permission_is_granted(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
-        problems = _problems(user_variant_runs, missing)
+        problems = _problems(user_variant_runs, lambda run: missing(run, _all(run)))
         assert problems == "", problems
 
-    def test_every_granted_role_is_needed(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
-        problems = _problems(user_variant_runs, unneeded)
+    def test_every_role_the_program_grants_is_needed(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+        problems = _problems(user_variant_runs, lambda run: unneeded([run], _grants(run)))
         assert problems == "", problems
+
+    def test_every_role_the_ci_setup_grants_is_needed(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+        problems = []
+        for group, runs in _setup_groups(user_variant_runs).items():
+            assert runs[0].cfg is not None
+            problems += [f"[{group}] {p}" for p in unneeded(runs, ci_grants(runs[0].cfg))]
+        assert problems == [], "\n".join(problems)
 
     def test_every_identity_the_stack_creates_has_a_runtime_row(
         self, user_variant_runs: list[tuple[Variant, StackRun]]
@@ -61,6 +95,28 @@ class TestProof:
                 member = f"serviceAccount:{account.outputs['email']}"
                 assert member in members, f"[{variant.label}] {account.urn} has no row in infra/permissions.py"
 
+    def test_every_ci_identity_has_a_row(self) -> None:
+        rows = {runtime.name.split(":")[0] for runtime in RUNTIMES if runtime.derived}
+        assert rows == set(ci_identities()["identities"]) == {CI_PREVIEW, CI_PREVIEW_GKE, CI_DEPLOY}
+
+    def test_the_deploy_may_grant_exactly_the_project_roles_the_program_grants(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """The `modifiedGrantsByRole` conditions name no role the program does not grant on the project (the
+        proof shows they name every one it does: a missing one is a missing setIamPolicy)."""
+        granted = {
+            r.plain_inputs()["role"]
+            for _, run in user_variant_runs
+            for r in run.of_type("gcp:projects/iAMMember:IAMMember")
+        }
+        allowed = {
+            role
+            for entry in ci_identities()["identities"][CI_DEPLOY]["grants"]
+            if "modifiedGrantsByRole" in entry.get("condition", "")
+            for role in re.findall(r"'(roles/[^']+)'", entry["condition"])
+        }
+        assert granted and allowed == granted
+
 
 @pytest.mark.slow
 class TestTheProofCanFail:
@@ -70,43 +126,168 @@ class TestTheProofCanFail:
     def ray(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> StackRun:
         return next(run for variant, run in user_variant_runs if variant.stack == "ray-gemma3-vision")
 
+    @pytest.fixture(scope="class")
+    def dev(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> StackRun:
+        return next(run for variant, run in user_variant_runs if variant.label == "dev, serving")
+
     def test_a_dropped_grant_is_a_missing_permission(self, ray: StackRun) -> None:
-        assert ray.cfg is not None
-        kept = [g for g in _grants(ray) if g.role != "roles/storage.bucketViewer"]
-        problems = missing(ray.cfg, kept)
+        kept = [g for g in _all(ray) if g.role != "roles/storage.bucketViewer"]
+        problems = missing(ray, kept)
         assert len(problems) == 1 and "lacks storage.buckets.get on the stack's bucket" in problems[0]
 
     def test_a_project_role_counts_for_every_resource(self, ray: StackRun) -> None:
         assert ray.cfg is not None
         trainer = f"serviceAccount:{account_email(ray.cfg, Identity.TRAINER)}"
         on_project = [replace(g, scope=Scope.PROJECT) if g.member == trainer else g for g in _grants(ray)]
-        assert missing(ray.cfg, on_project) == []
-        assert any("gives" in p and "nothing it needs" in p for p in unneeded(ray.cfg, on_project))
+        assert missing(ray, [*on_project, *ci_grants(ray.cfg)]) == []
+        assert any("gives" in p and "nothing it needs" in p for p in unneeded([ray], on_project))
 
     def test_a_role_nobody_needs_is_reported(self, ray: StackRun) -> None:
         assert ray.cfg is not None
         trainer = f"serviceAccount:{account_email(ray.cfg, Identity.TRAINER)}"
         extra = Grant(trainer, "roles/run.invoker", Scope.BUCKET, "test")
-        assert unneeded(ray.cfg, [*_grants(ray), extra]) == [
+        assert unneeded([ray], [*_grants(ray), extra]) == [
             f"test: roles/run.invoker on {Scope.BUCKET} gives {trainer} nothing it needs there"
         ]
 
     def test_a_grant_to_a_stranger_is_reported(self, ray: StackRun) -> None:
-        assert ray.cfg is not None
         stranger = Grant(
             "serviceAccount:123-compute@developer.gserviceaccount.com",
             "roles/artifactregistry.reader",
             Scope.REGISTRY,
             "test",
         )
-        assert any("an identity no runtime of this stack uses" in p for p in unneeded(ray.cfg, [stranger]))
+        assert any("an identity no runtime of this stack uses" in p for p in unneeded([ray], [stranger]))
+
+    def test_a_ci_grant_dropped_from_the_setup_is_a_missing_permission(self, ray: StackRun) -> None:
+        """The kept-bucket check runs in every preview: without the lister role the deploy cannot even preview."""
+        deploy = _member(ray, CI_DEPLOY)
+        kept = [g for g in _all(ray) if not (g.member == deploy and g.role.endswith("/gftCiBucketLister"))]
+        problems = missing(ray, kept)
+        assert len(problems) == 1, problems
+        assert f"({deploy}) lacks storage.buckets.list on the project" in problems[0]
+        assert "gcp:storage/getBuckets:getBuckets" in problems[0]
+
+    def test_actas_follows_the_account_a_resource_runs_as(self, dev: StackRun) -> None:
+        deploy = _member(dev, CI_DEPLOY)
+        kept = [g for g in _all(dev) if not (g.member == deploy and g.scope is Scope.SERVING_ACCOUNT)]
+        problems = missing(dev, kept)
+        assert any(f"lacks iam.serviceAccounts.actAs on {Scope.SERVING_ACCOUNT}" in p for p in problems), problems
+        assert any("gcp:cloudrunv2/service:Service" in p for p in problems), problems
+
+    def test_the_api_key_is_read_only_through_its_accessor_grant(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """The vLLM Service resolves VLLM_API_KEY as the serving account: the foundation's grant is what gives it."""
+        keyed = next(run for variant, run in user_variant_runs if "API key" in variant.label)
+        kept = [g for g in _all(keyed) if g.scope is not Scope.API_KEY_SECRET]
+        problems = missing(keyed, kept)
+        assert len(problems) == 1, problems
+        assert f"lacks secretmanager.versions.access on {Scope.API_KEY_SECRET}" in problems[0]
+
+    def test_a_condition_that_does_not_name_the_granted_role_is_a_missing_permission(self, ray: StackRun) -> None:
+        swapped = [
+            replace(g, condition=g.condition.replace("container.defaultNodeServiceAccount", "run.invoker"))
+            if g.condition and "modifiedGrantsByRole" in g.condition
+            else g
+            for g in _all(ray)
+        ]
+        problems = missing(ray, swapped)
+        assert len(problems) == 1 and "lacks resourcemanager.projects.setIamPolicy on the project" in problems[0]
+
+    def test_a_bucket_condition_does_not_reach_the_state_bucket(self, ray: StackRun) -> None:
+        assert ray.cfg is not None
+        deploy = _member(ray, CI_DEPLOY)
+        [admin] = [g for g in _all(ray) if g.member == deploy and g.role == "roles/storage.admin"]
+        write = Need("storage.objects.create", Scope.STATE_BUCKET, "test")
+        assert not condition_holds(admin.condition, write, ray.cfg)
+        assert condition_holds(admin.condition, replace(write, scope=Scope.BUCKET), ray.cfg)
+
+    def test_a_ci_role_the_program_never_needs_is_reported(self, ray: StackRun) -> None:
+        """E.g. Cloud Run admin on a GKE stack: of what it gives, the deploy needs only what it already has."""
+        extra = Grant(_member(ray, CI_DEPLOY), "roles/run.admin", Scope.PROJECT, "test")
+        assert ray.cfg is not None
+        assert unneeded([ray], [*ci_grants(ray.cfg), extra]) == [
+            f"test: roles/run.admin on {Scope.PROJECT} gives {extra.member} only what other grants give: "
+            "['resourcemanager.projects.get']"
+        ]
+
+    def test_a_role_granted_for_a_permission_another_grant_gives_is_reported(self, ray: StackRun) -> None:
+        """roles/browser for resourcemanager.projects.get, which the registry admin role carries already."""
+        browser = Grant(_member(ray, CI_DEPLOY), "roles/browser", Scope.PROJECT, "test")
+        assert ray.cfg is not None
+        [problem] = unneeded([ray], [*ci_grants(ray.cfg), browser])
+        assert problem.startswith("test: roles/browser") and "only what other grants give" in problem
+
+    def test_a_resource_type_without_a_row_fails_the_proof(self, ray: StackRun) -> None:
+        network = Recorded(
+            type="gcp:compute/network:Network",
+            name="vpc",
+            urn="urn:pulumi:s::p::gcp:compute/network:Network::vpc",
+            parent="",
+            custom=True,
+            inputs={"project": "my-gcp-project"},
+            dependencies=[],
+            provider="",
+            retain_on_delete=False,
+            protect=False,
+            custom_timeouts={},
+        )
+        with pytest.raises(ValueError, match="resource type gcp:compute/network:Network is unknown"):
+            deploy_needs(replace(ray, resources=[*ray.resources, network]))
+
+    def test_an_invoke_without_a_row_fails_the_proof(self, ray: StackRun) -> None:
+        quota = ("gcp:cloudquota/getSQuotaInfo:getSQuotaInfo", {"parent": "projects/my-gcp-project"})
+        with pytest.raises(ValueError, match="getSQuotaInfo is unknown"):
+            preview_needs(replace(ray, invokes=[*ray.invokes, quota]))
+
+
+@pytest.mark.slow
+class TestDerivedNeeds:
+    """What the CI identities need follows the program, not a list."""
+
+    def test_previews_run_no_command_and_change_nothing(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        for variant, run in user_variant_runs:
+            for need in preview_needs(run):
+                verb = need.permission.rsplit(".", 1)[-1]
+                if not need.permission.startswith("container."):  # a Kubernetes dry run needs the write verbs
+                    assert verb in ("get", "list"), f"[{variant.label}] a preview calls {need.permission}: {need.why}"
+                assert not any(command.name in need.why for command in COMMANDS.values()), variant.label
+
+    def test_the_dev_deploy_needs_to_start_the_job_and_the_ray_deploy_to_read_crds(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        runs = {variant.label: run for variant, run in user_variant_runs}
+        assert "run.jobs.run" in {n.permission for n in deploy_needs(runs["dev"])}
+        ray_needs = {n.permission for n in deploy_needs(runs["ray, standing"])}
+        assert {"container.customResourceDefinitions.get", "container.customResourceDefinitions.list"} <= ray_needs
+        builds = {(n.permission, n.scope) for n in deploy_needs(runs["dev, cloud-build, serving"])}
+        assert {("cloudbuild.builds.create", Scope.PROJECT), ("storage.objects.create", Scope.BUILD_STAGING)} <= builds
+
+    def test_a_reservation_is_read_only_when_a_stack_uses_one(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        for variant, run in user_variant_runs:
+            assert run.cfg is not None
+            reads = "compute.reservations.get" in {n.permission for n in preview_needs(run)}
+            assert reads == ("reservation" in stack_features(run.cfg)), variant.label
+
+    def test_every_invoke_row_is_one_the_program_calls(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+        called = {token for _, run in user_variant_runs for token, _ in run.invokes}
+        assert called == set(INVOKES)
 
 
 class TestRoleData:
-    def test_vendored_with_its_source(self) -> None:
+    def test_one_vendored_file_with_its_source(self) -> None:
         data = json.loads(ROLES_FILE.read_text())
         assert "iann0036/iam-dataset" in data["source"] and "2073fa52" in data["source"]
         assert all(entry["permissions"] for entry in data["roles"].values())
+        assert not list(ROLES_FILE.parent.glob("bootstrap/*.json")), "the CI setup uses the same role data"
+
+    def test_every_role_the_setup_grants_has_data(self) -> None:
+        assert granted_roles() <= set(role_permissions())
 
     def test_objectuser_lacks_bucket_metadata_and_the_ray_grant_adds_only_that(self) -> None:
         roles = role_permissions()
@@ -119,6 +300,6 @@ class TestRoleData:
         }
         assert len(roles["roles/storage.bucketViewer"]) < len(roles["roles/storage.legacyBucketReader"])
 
-    def test_table_renders_every_need(self) -> None:
+    def test_table_renders_every_listed_need(self) -> None:
         table = markdown()
         assert table.count("\n") == 1 + sum(len(r.needs) for r in RUNTIMES)

@@ -227,14 +227,42 @@ class TestWorkflowContract:
         assert setup["with"]["install_components"] == AUTH_PLUGIN and "if" not in setup
         assert index_of(gke, auth(gke)) < index_of(gke, setup) < index_of(gke, runs(gke, ".ci/pulumi-run.sh")[0])
         deploy = load("deploy.yml")
-        for name, source in (("preview", "steps.kind.outputs.workload"), ("apply", "needs.preview.outputs.workload")):
-            job = deploy["jobs"][name]
-            [setup] = uses(job, "google-github-actions/setup-gcloud@")
-            assert setup["with"]["install_components"] == AUTH_PLUGIN
-            assert setup["if"] == f"{source} != 'cloud-run'"
-            assert index_of(job, auth(job)) < index_of(job, setup) < index_of(job, runs(job, ".ci/pulumi-run.sh")[0])
-        [kind] = runs(deploy["jobs"]["preview"], ".ci/stacks.py --workload")
+        preview_job = deploy["jobs"]["preview"]
+        [setup] = uses(preview_job, "google-github-actions/setup-gcloud@")
+        assert setup["with"]["install_components"] == AUTH_PLUGIN
+        assert setup["if"] == "steps.kind.outputs.workload != 'cloud-run'"
+        order = [index_of(preview_job, auth(preview_job)), index_of(preview_job, setup)]
+        assert order[0] < order[1] < index_of(preview_job, runs(preview_job, ".ci/pulumi-run.sh")[0])
+        [kind] = runs(preview_job, ".ci/stacks.py --workload")
         assert kind["id"] == "kind"
+
+    @pytest.mark.slow
+    def test_the_apply_job_has_every_tool_the_command_steps_of_pulumi_up_run(self) -> None:
+        """`pulumi up` runs command steps on the runner (never in a preview): each finds an authenticated gcloud
+        and the components it calls, for every stack and the build mode users pick."""
+        deploy = load("deploy.yml")
+        apply, preview_job = deploy["jobs"]["apply"], deploy["jobs"]["preview"]
+        [setup] = uses(apply, "google-github-actions/setup-gcloud@")
+        assert "if" not in setup, "every stack's `pulumi up` calls gcloud (the dev execution, Cloud Build)"
+        assert index_of(apply, auth(apply)) < index_of(apply, setup) < index_of(apply, runs(apply, '"$ACTION"')[0]), (
+            "setup-gcloud authenticates gcloud from the auth step's credentials, so it must come after it"
+        )
+        assert setup["with"]["install_components"] == "${{ needs.preview.outputs.components }}"
+        assert preview_job["outputs"]["components"] == "${{ steps.kind.outputs.components }}"
+        [kind] = runs(preview_job, ".ci/stacks.py --components")
+        assert (
+            kind["id"] == "kind" and 'echo "components=$(python3 .ci/stacks.py --components "$STACK")"' in kind["run"]
+        )
+        for stack in stack_names():
+            for run in (run_stack(stack), run_stack(stack, overrides={"imageBuild": "cloud-build"})):
+                needed: set[str] = set()
+                if run.of_type("pulumi:providers:kubernetes"):
+                    needed.add(AUTH_PLUGIN)
+                for command in run.of_type("command:local:Command"):
+                    script = command.plain_inputs()["create"]
+                    needed |= {tool for tool in ("kubectl",) if re.search(rf"\b{tool}\b", script)}
+                workload = ci_stacks.stacks()[stack]
+                assert set(ci_stacks.COMPONENTS[workload]) == needed, (stack, needed)
 
     def test_each_job_uses_the_identity_and_gate_of_ci_identities(self) -> None:
         preview = load("preview.yml")

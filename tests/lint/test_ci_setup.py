@@ -1,10 +1,12 @@
-"""The one-time CI setup (infra/bootstrap/ci-setup.sh) grants exactly what ci-identities.yaml lists, and that
-list is least privilege, proven from role data.
+"""The one-time CI setup (infra/bootstrap/ci-setup.sh) grants exactly what ci-identities.yaml lists, and nothing
+it grants reaches too far.
 
 The script runs for real (bash, `set -euo pipefail`) against a recording `gcloud` on PATH that remembers
 what was created, so its control flow, idempotency and input checks are exercised; the recorded calls
-are parsed into grants and compared with the list. The list's reasons are then checked against the
-predefined roles' permissions (infra/bootstrap/role-permissions.json, public role data).
+are parsed into grants and compared with the list, expanded with the same rules the permission proof uses
+(infra/permissions.py `ci_grant_applies`). That the list is what the program needs, no less and no more, is
+the permission proof's job (tests/infra/test_permissions.py); the checks here are the setup's own: no role
+that reaches every account, the state or the IAM policy unconditioned, previews that only read.
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from infra.offline import REPO_ROOT, run_stack, stack_names
+from infra.permissions import ci_grant_applies, ci_identities, permissions_of
 from tests.lint.conftest import ci_module, fake_command
 
 BOOTSTRAP = REPO_ROOT / "infra" / "bootstrap"
 SCRIPT = BOOTSTRAP / "ci-setup.sh"
-IDENTITIES = yaml.safe_load((BOOTSTRAP / "ci-identities.yaml").read_text())
-ROLE_DATA = json.loads((BOOTSTRAP / "role-permissions.json").read_text())["roles"]
+IDENTITIES = ci_identities()
 ci_stacks = ci_module("stacks")
 
 VALUES = {
@@ -38,7 +39,6 @@ VALUES = {
 }
 STATE_BUCKET = f"{VALUES['PROJECT_ID']}-pulumi-state"
 KMS_KEY = "stack-secrets"
-NODE_ACCOUNT = f"{VALUES['PROJECT_NUMBER']}-compute@developer.gserviceaccount.com"
 FEDERATION_APIS = {
     "sts.googleapis.com",
     "iamcredentials.googleapis.com",
@@ -165,8 +165,8 @@ def _grant(call: list[str]) -> Grant | None:
     if call[:2] == ["projects", "add-iam-policy-binding"]:
         condition = _flag(call, "condition")
         expression = None
-        if condition != "None":
-            expression = re.fullmatch(r"expression=(.*),title=[^,]*", condition).group(1)  # type: ignore[union-attr]
+        if condition != "None":  # gcloud topic escaping: `^;^` makes `;` the separator of the condition's items
+            expression = re.fullmatch(r"\^;\^expression=([^;]*);title=[^;]*", condition).group(1)  # type: ignore[union-attr]
         return Grant(identity, role, "project", expression)
     if call[:2] == ["iam", "service-accounts"]:
         return Grant(identity, role, f"account:{target}")
@@ -181,8 +181,6 @@ def run_setup(tmp_path: Path, repo: Path = REPO_ROOT, **overrides: str) -> Setup
     """Run ci-setup.sh with a recording gcloud; the recorder's memory persists in tmp_path between runs."""
     base, log = fake_command(tmp_path, "gcloud", FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"]))
     state = tmp_path / "gcloud-state.json"
-    if not state.exists():  # the Compute Engine default account exists once the API is on
-        state.write_text(json.dumps([f"iam service-accounts {NODE_ACCOUNT.split('@')[0]}"]))
     env = {
         **base,
         "FAKE_GCLOUD_STATE": str(state),
@@ -201,35 +199,53 @@ def substitute(text: str, stack: str = "") -> str:
     return " ".join(text.split())
 
 
-def expected_grants(found_stacks: dict[str, str], backend: str = "bucket") -> set[Grant]:
-    """The list, expanded for these stacks and this backend, as the grants the script must make."""
+def committed_stacks() -> dict[str, tuple[str, list[str]]]:
+    """Every stack file as the setup reads it: name -> (workload, features)."""
+    features = ci_stacks.stack_features()
+    return {name: (workload, features[name]) for name, workload in ci_stacks.stacks().items()}
+
+
+def expected_grants(found_stacks: dict[str, tuple[str, list[str]]], backend: str = "bucket") -> set[Grant]:
+    """The list, expanded for these stacks and this backend, as the grants the script must make: a project,
+    state-bucket or state-key grant once if any stack gets it, a workload-account grant per stack."""
     grants: set[Grant] = set()
-    present = set(found_stacks.values())
     for identity, spec in IDENTITIES["identities"].items():
         for grant in spec["grants"]:
-            workloads = set(grant.get("workloads", ci_stacks.WORKLOADS))
             role = substitute(grant["role"])
             scope = grant["scope"]
+            stacks = [
+                s
+                for s, (workload, features) in found_stacks.items()
+                if ci_grant_applies(identity, grant, workload, features)
+            ]
+            if not stacks:
+                continue
             if scope == "project":
-                if present & workloads:
-                    condition = grant.get("condition")
-                    grants.add(Grant(identity, role, "project", substitute(condition) if condition else None))
+                condition = grant.get("condition")
+                grants.add(Grant(identity, role, "project", substitute(condition) if condition else None))
             elif scope in ("state-bucket", "state-key"):
                 if backend == "bucket":
                     grants.add(
                         Grant(identity, role, f"bucket:{STATE_BUCKET}" if scope == "state-bucket" else f"key:{KMS_KEY}")
                     )
-            elif scope == "node-account":
-                if present & workloads:
-                    grants.add(Grant(identity, role, f"account:{NODE_ACCOUNT}"))
             elif scope == "workload-account":
-                for stack, workload in found_stacks.items():
-                    if workload in workloads:
-                        email = f"gft-{stack}-{grant['account']}@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
-                        grants.add(Grant(identity, role, f"account:{email}"))
+                for stack in stacks:
+                    email = f"gft-{stack}-{grant['account']}@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
+                    grants.add(Grant(identity, role, f"account:{email}"))
             else:
                 raise AssertionError(f"{identity}: unknown scope {scope}")
     return grants
+
+
+def a_repository(tmp_path: Path, stack_files: dict[str, str]) -> Path:
+    """A checkout with these stack files only (and the real Pulumi.yaml and .ci/stacks.py)."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "stacks.py").write_text((REPO_ROOT / ".ci" / "stacks.py").read_text())
+    (repo / "Pulumi.yaml").write_text((REPO_ROOT / "Pulumi.yaml").read_text())
+    for name, text in stack_files.items():
+        (repo / name).write_text(text)
+    return repo
 
 
 @pytest.fixture(scope="module")
@@ -241,11 +257,7 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SetupRun]
 
 
 def _role_permissions(role: str) -> set[str]:
-    custom = role.removeprefix("projects/${PROJECT_ID}/roles/")
-    if custom != role:
-        return set(IDENTITIES["custom_roles"][custom]["permissions"])
-    assert role in ROLE_DATA, f"{role} has no role data: add it to infra/bootstrap/role-permissions.json"
-    return set(ROLE_DATA[role])
+    return set(permissions_of(role, "ci-identities.yaml"))
 
 
 def _all_grants() -> list[tuple[str, dict[str, Any]]]:
@@ -258,7 +270,7 @@ class TestTheScriptGrantsTheList:
     @pytest.mark.slow
     def test_grants_equal_the_list(self, first_run: tuple[Path, SetupRun]) -> None:
         _, run = first_run
-        expected = expected_grants(ci_stacks.stacks())
+        expected = expected_grants(committed_stacks())
         granted = run.grants()
         assert granted - expected == set(), f"granted but not in ci-identities.yaml: {granted - expected}"
         assert expected - granted == set(), f"in ci-identities.yaml but not granted: {expected - granted}"
@@ -283,10 +295,12 @@ class TestTheScriptGrantsTheList:
         """Static pass over the script, for branches one run does not take (e.g. a backend it did not use)."""
         listed = {substitute(g["role"]).replace(VALUES["PROJECT_ID"], "$PROJECT_ID") for _, g in _all_grants()}
         listed |= {"roles/iam.workloadIdentityUser", "roles/cloudkms.cryptoKeyDecrypter"}
+        # The roles a modifiedGrantsByRole condition lets the deploy identity grant.
+        listed |= set(re.findall(r"roles/[a-zA-Z.]+", " ".join(g.get("condition", "") for _, g in _all_grants())))
         text = SCRIPT.read_text()
-        named = set(re.findall(r"(?<![/\w])roles/[a-zA-Z.]+", text)) | set(
-            re.findall(r'"(projects/\$PROJECT_ID/roles/\w+)"', text)
-        )
+        named = set(re.findall(r"(?<![/\w])roles/[a-zA-Z.]+", text)) | {
+            f"projects/$PROJECT_ID/roles/{custom}" for custom in re.findall(r'"\$custom/(\w+)"', text)
+        }
         assert named <= listed, f"roles in ci-setup.sh that ci-identities.yaml does not explain: {named - listed}"
         project_roles = set(re.findall(r"^grant_project \S+ (\S+)", text, re.MULTILINE))
         assert not project_roles & FORBIDDEN_PROJECT_ROLES - {"roles/storage.admin", "roles/secretmanager.admin"}
@@ -296,16 +310,20 @@ class TestTheScriptGrantsTheList:
 
 
 class TestLeastPrivilege:
-    """Each grant is needed (its operations' permissions are in the role) and none reaches too far."""
+    """Nothing the setup grants reaches too far (whether each grant is needed: tests/infra/test_permissions.py)."""
 
     @pytest.mark.parametrize(("identity", "grant"), _all_grants(), ids=lambda v: v if isinstance(v, str) else v["role"])
-    def test_every_grant_names_operations_its_role_covers(self, identity: str, grant: dict[str, Any]) -> None:
-        permissions = _role_permissions(grant["role"])
-        assert grant["needs"], f"{identity}: {grant['role']} says no operation needs it"
-        for need in grant["needs"]:
-            assert need["for"] and need["permissions"], need
-            missing = set(need["permissions"]) - permissions
-            assert not missing, f"{identity}: {grant['role']} lacks {missing} needed to {need['for']}"
+    def test_every_grant_says_why_and_its_role_has_data(self, identity: str, grant: dict[str, Any]) -> None:
+        assert str(grant.get("for", "")).strip(), f"{identity}: {grant['role']} says no reason"
+        assert _role_permissions(grant["role"]), grant["role"]
+
+    def test_custom_roles_exist_for_what_no_predefined_role_holds_alone(self) -> None:
+        """Each custom role is small, and the project's IAM policy is changed only under a condition on the roles."""
+        for name, spec in IDENTITIES["custom_roles"].items():
+            assert 1 <= len(spec["permissions"]) <= 2, name
+        for identity, grant in _all_grants():
+            if "resourcemanager.projects.setIamPolicy" in _role_permissions(grant["role"]):
+                assert "modifiedGrantsByRole" in grant.get("condition", ""), f"{identity}: {grant['role']}"
 
     @pytest.mark.slow
     def test_no_forbidden_role_on_the_project_without_a_condition(self, first_run: tuple[Path, SetupRun]) -> None:
@@ -313,12 +331,12 @@ class TestLeastPrivilege:
         for grant in run.grants():
             if grant.on == "project" and grant.condition is None:
                 assert grant.role not in FORBIDDEN_PROJECT_ROLES, grant
-                reach = _role_permissions(grant.role.replace(VALUES["PROJECT_ID"], "${PROJECT_ID}"))
+                reach = _role_permissions(grant.role)
                 assert not reach & FORBIDDEN_PROJECT_PERMISSIONS, f"{grant}: {reach & FORBIDDEN_PROJECT_PERMISSIONS}"
 
     def test_conditioned_grants_are_limited_to_the_stacks_buckets_and_secrets(self) -> None:
         for identity, grant in _all_grants():
-            if "condition" not in grant:
+            if "condition" not in grant or "modifiedGrantsByRole" in grant["condition"]:
                 continue
             service = grant["role"].split("/")[1].split(".")[0]
             prefixes = {"storage": "projects/_/buckets/${PROJECT_ID}-gft-", "secretmanager": "/secrets/gft-"}
@@ -405,6 +423,7 @@ class TestTheProgramFindsWhatItNeeds:
         accounts: set[str] = set()
         runs = [run_stack(stack) for stack in stack_names()]
         for stack, workload in ci_stacks.stacks().items():
+            runs.append(run_stack(stack, overrides={"imageBuild": "cloud-build"}))
             if workload == "cloud-run":
                 runs.append(
                     run_stack(
@@ -413,7 +432,6 @@ class TestTheProgramFindsWhatItNeeds:
                         assume_trained=True,
                     )
                 )
-                runs.append(run_stack(stack, overrides={"imageBuild": "cloud-build"}))
         for run in runs:
             apis |= {r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")}
             accounts |= {r.plain_inputs()["accountId"] for r in run.of_type("gcp:serviceaccount/account:Account")}
@@ -439,17 +457,23 @@ class TestTheProgramFindsWhatItNeeds:
         assert accounts <= created, f"accounts the program uses but the setup does not create: {accounts - created}"
 
     @pytest.mark.slow
-    @pytest.mark.xfail(
-        strict=True,
-        reason="infra/foundation.py must adopt the accounts ci-setup.sh creates: create_ignore_already_exists=True "
-        "and deletion_policy='ABANDON' on gcp.serviceaccount.Account (the deploy identity may not create accounts)",
-    )
-    def test_the_program_adopts_the_pre_created_accounts(self) -> None:
+    def test_the_program_adopts_the_pre_created_accounts_with_their_display_names(
+        self, first_run: tuple[Path, SetupRun]
+    ) -> None:
+        """The deploy identity may not bind accounts it did not get per-account grants on: the program adopts the
+        setup's (a 409 on create is a read; destroy leaves them), named as the setup named them."""
+        _, run = first_run
+        names = {
+            call[3]: _flag(call, "display-name")
+            for call in run.verbs("create")
+            if call[:2] == ["iam", "service-accounts"]
+        }
         for stack in stack_names():
             for account in run_stack(stack).of_type("gcp:serviceaccount/account:Account"):
                 inputs = account.plain_inputs()
                 assert inputs.get("createIgnoreAlreadyExists") is True, account.urn
                 assert inputs.get("deletionPolicy") == "ABANDON", account.urn
+                assert names[inputs["accountId"]] == inputs["displayName"], account.urn
 
 
 class TestRunningTheScript:
@@ -482,21 +506,36 @@ class TestRunningTheScript:
         run = run_setup(tmp_path, STATE_BACKEND="pulumi-cloud")
         assert run.returncode == 0, run.stderr
         assert not [c for c in run.calls if c[0] == "kms" or c[:2] == ["storage", "buckets"]]
-        assert run.grants() == expected_grants(ci_stacks.stacks(), backend="pulumi-cloud")
+        assert run.grants() == expected_grants(committed_stacks(), backend="pulumi-cloud")
 
     @pytest.mark.slow
     def test_a_new_stack_file_gets_its_accounts_and_grants(self, tmp_path: Path) -> None:
-        repo = tmp_path / "repo"
-        (repo / ".ci").mkdir(parents=True)
-        (repo / ".ci" / "stacks.py").write_text((REPO_ROOT / ".ci" / "stacks.py").read_text())
-        (repo / "Pulumi.yaml").write_text((REPO_ROOT / "Pulumi.yaml").read_text())
-        (repo / "Pulumi.l4-lab.yaml").write_text("config:\n  gemma-finetune:workload: cloud-run\n")
+        repo = a_repository(tmp_path, {"Pulumi.l4-lab.yaml": "config:\n  gemma-finetune:workload: cloud-run\n"})
         run = run_setup(tmp_path, repo=repo)
         assert run.returncode == 0, run.stderr
-        assert run.grants() == expected_grants({"l4-lab": "cloud-run"})
+        assert run.grants() == expected_grants({"l4-lab": ("cloud-run", [])})
         created = {call[3] for call in run.verbs("create") if call[:2] == ["iam", "service-accounts"]}
-        assert {"gft-l4-lab-train", "gft-l4-lab-serve"} <= created
+        assert {"gft-l4-lab-train", "gft-l4-lab-serve", "gft-l4-lab-build"} <= created
         assert not [g for g in run.grants() if g.role.startswith("roles/container.")], "no GKE stack, no GKE grant"
+        assert not [g for g in run.grants() if "cloudbuild" in g.role or "gft-l4-lab-build@" in g.on], "no Cloud Build"
+
+    @pytest.mark.slow
+    def test_a_stack_that_uses_cloud_build_and_a_reservation_gets_their_grants(self, tmp_path: Path) -> None:
+        stack_file = (
+            "config:\n  gemma-finetune:workload: gke-job\n  gemma-finetune:capacity: reservation\n"
+            "  gemma-finetune:imageBuild: cloud-build   # no Docker here\n"
+        )
+        repo = a_repository(tmp_path, {"Pulumi.b200.yaml": stack_file})
+        run = run_setup(tmp_path, repo=repo)
+        assert run.returncode == 0, run.stderr
+        assert run.grants() == expected_grants({"b200": ("gke-job", ["cloud-build", "reservation"])})
+        roles = {g.role for g in run.grants() if g.identity == "gft-ci-deploy"}
+        assert {
+            "roles/cloudbuild.builds.editor",
+            f"projects/{VALUES['PROJECT_ID']}/roles/gftCiReservationReader",
+        } <= roles
+        build = f"account:gft-b200-build@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
+        assert Grant("gft-ci-deploy", "roles/iam.serviceAccountUser", build) in run.grants()
 
     def test_shellcheck(self) -> None:
         shellcheck = Path(sys.executable).parent / "shellcheck"

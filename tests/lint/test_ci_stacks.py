@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from infra.offline import REPO_ROOT
+import pytest
+
+from infra.offline import REPO_ROOT, run_stack, stack_names
+from infra.permissions import stack_features
 from tests.lint.conftest import ci_module
 
 SCRIPT = REPO_ROOT / ".ci" / "stacks.py"
@@ -60,3 +63,49 @@ class TestGroups:
         root = repo(tmp_path, {"Pulumi.a$(id).yaml": "config:\n  gemma-finetune:workload: cloud-run\n"})
         result = listing(root)
         assert result.returncode == 2 and "stack names are letters" in result.stderr
+
+
+class TestFeatures:
+    """What else the one-time setup grants for, read from the stack files as the program reads its config."""
+
+    def test_lines_name_the_workload_and_the_features(self, tmp_path: Path) -> None:
+        project = (
+            "config:\n  capacity:\n    type: string\n    default: on-demand\n"
+            "  imageBuild:\n    type: string\n    default: cloud-build\n"
+        )
+        root = repo(
+            tmp_path,
+            {
+                "Pulumi.a4.yaml": "config:\n  gemma-finetune:workload: gke-job\n"
+                "  gemma-finetune:capacity: reservation   # on-demand | spot | flex-start | reservation\n"
+                "  gemma-finetune:imageBuild: docker\n",
+                "Pulumi.lab.yaml": "config:\n  gemma-finetune:workload: cloud-run\n",
+                "Pulumi.spot.yaml": "config:\n  gemma-finetune:workload: gke-ray\n  gemma-finetune:capacity: 'spot'\n"
+                "  gemma-finetune:imageBuild: docker\n",
+            },
+            project,
+        )
+        result = listing(root, "--lines")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == ["a4 gke-job reservation", "lab cloud-run cloud-build", "spot gke-ray -"]
+
+    def test_components_name_what_pulumi_up_of_the_stack_runs(self, tmp_path: Path) -> None:
+        root = repo(
+            tmp_path,
+            {
+                "Pulumi.ray.yaml": "config:\n  gemma-finetune:workload: gke-ray\n",
+                "Pulumi.dev.yaml": "config:\n  gemma-finetune:workload: cloud-run\n",
+            },
+        )
+        assert listing(root, "--components", "ray").stdout == "gke-gcloud-auth-plugin,kubectl\n"
+        assert listing(root, "--components", "dev").stdout == "\n"
+        missing = listing(root, "--components", "nope")
+        assert missing.returncode == 2 and "no stack file Pulumi.nope.yaml" in missing.stderr
+
+    @pytest.mark.slow
+    def test_every_committed_stack_file_has_the_features_its_validated_config_has(self) -> None:
+        for stack in stack_names():
+            run = run_stack(stack)
+            assert run.cfg is not None
+            expected = sorted(stack_features(run.cfg))
+            assert ci_stacks.features_of(REPO_ROOT / f"Pulumi.{stack}.yaml") == expected, stack

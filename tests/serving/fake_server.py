@@ -40,9 +40,9 @@ def completion(content: str, model: str = "gemma") -> dict[str, Any]:
 
 
 class FakeServer:
-    """Replies from `script` in order (the last one repeats); `/v1/models` always lists `gemma`."""
+    """Replies from `script` in order (the last one repeats); `/v1/models` lists `gemma` after `models_delay_s`."""
 
-    def __init__(self, script: list[Reply]) -> None:
+    def __init__(self, script: list[Reply], models_delay_s: float = 0.0) -> None:
         self.script = list(script)
         self.requests: list[Recorded] = []
         self._lock = threading.Lock()
@@ -59,7 +59,10 @@ class FakeServer:
                 with fake._lock:
                     fake.requests.append(Recorded(self.command, self.path, dict(self.headers.items()), body))
                     if self.path == "/v1/models":
-                        reply = Reply(body={"object": "list", "data": [{"id": "gemma", "object": "model"}]})
+                        reply = Reply(
+                            body={"object": "list", "data": [{"id": "gemma", "object": "model"}]},
+                            delay_s=models_delay_s,
+                        )
                     else:
                         reply = fake.script.pop(0) if len(fake.script) > 1 else fake.script[0]
                 time.sleep(reply.delay_s)
@@ -88,8 +91,8 @@ class FakeServer:
 
 
 @contextmanager
-def fake_server(*script: Reply) -> Iterator[FakeServer]:
-    server = FakeServer(list(script) or [Reply(body=completion("🍌"))])
+def fake_server(*script: Reply, models_delay_s: float = 0.0) -> Iterator[FakeServer]:
+    server = FakeServer(list(script) or [Reply(body=completion("🍌"))], models_delay_s)
     thread = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:

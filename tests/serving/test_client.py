@@ -15,6 +15,7 @@ from serving import client
 from serving.client import (
     AuthError,
     ClientError,
+    Credentials,
     NotFoundError,
     RequestTimeoutError,
     RetryPolicy,
@@ -22,9 +23,12 @@ from serving.client import (
     base_url,
     chat,
     chat_completion,
+    cold_start_policy,
     list_models,
+    resolve_credentials,
     resolve_token,
 )
+from serving.startup import STARTUP_WINDOW
 from tests.serving.fake_server import Reply, completion, fake_server
 
 FAST = RetryPolicy(attempts=4, initial_delay_s=0.01, max_delay_s=0.05, deadline_s=10)
@@ -97,19 +101,27 @@ class TestRetries:
 
 
 class TestErrors:
-    def test_401_without_token_says_how_to_get_one(self) -> None:
+    def test_401_without_token_says_no_token_was_sent(self) -> None:
         with (
             fake_server(Reply(401, {"error": "unauthorized"})) as srv,
-            pytest.raises(
-                AuthError, match=r"HTTP 401 .*no identity token was sent: pass --token, set \$GEMMA_FT_ID_TOKEN"
-            ),
+            pytest.raises(AuthError, match=r"HTTP 401 .*no identity token was sent: tokens are never sent to local"),
         ):
             chat(srv.url, USER, model="gemma", retry=FAST)
         assert len(srv.chat_requests) == 1, "auth errors are not retried"
 
-    def test_403_names_the_role(self) -> None:
-        with fake_server(Reply(403)) as srv, pytest.raises(AuthError, match=r"roles/run\.invoker"):
-            chat(srv.url, USER, model="gemma", retry=FAST)
+    def test_403_with_a_token_names_the_role(self) -> None:
+        with fake_server(Reply(403)) as srv, pytest.raises(AuthError, match=r"roles/run\.invoker") as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=Credentials(SECRET, "--token"))
+        assert "servingInvokers" in str(info.value) and SECRET not in str(info.value)
+
+    def test_timeout_reaches_the_model_lookup(self) -> None:
+        """--timeout applies to GET /v1/models too (it used a fixed 30 s, and the error then said "raise --timeout")."""
+        with (
+            fake_server(models_delay_s=1.5) as srv,
+            pytest.raises(RequestTimeoutError, match=r"v1/models did not answer within 0\.5 s"),
+        ):
+            chat(srv.url, USER, timeout_s=0.5, retry=FAST)
+        assert srv.chat_requests == []
 
     def test_404_shows_the_server_message(self) -> None:
         body = {"error": {"message": "The model `gemma-x` does not exist.", "code": 404}}
@@ -236,3 +248,121 @@ class TestCli:
 )
 def test_base_url(given: str, expected: str) -> None:
     assert base_url(given) == expected
+
+
+RUN_URL = "https://gft-dev-vllm-abc123-uc.a.run.app"
+
+
+def _stub_gcloud(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
+    """A `gcloud` on PATH running `body`; it appends its arguments to calls.txt."""
+    calls = tmp_path / "calls.txt"
+    gcloud = tmp_path / "gcloud"
+    gcloud.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\n{body}\n')
+    gcloud.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(client.TOKEN_ENV, raising=False)
+    return calls
+
+
+class TestAutomaticTokensStayOnCloudRun:
+    """A token the client finds by itself goes only to *.run.app; an explicit --token goes where it is sent."""
+
+    @pytest.mark.parametrize("host", ["https://api.example.com", "https://evil.run.app.example.com", "https://run.app"])
+    def test_env_token_is_not_sent_elsewhere(self, monkeypatch: pytest.MonkeyPatch, host: str) -> None:
+        monkeypatch.setenv(client.TOKEN_ENV, SECRET)
+        assert resolve_token(host) is None
+        assert resolve_token(RUN_URL) == SECRET
+
+    def test_gcloud_token_is_not_minted_for_other_hosts(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        calls = _stub_gcloud(tmp_path, monkeypatch, "echo from-gcloud")
+        creds = resolve_credentials("https://api.example.com")
+        assert creds.token is None and not calls.exists(), "gcloud must not even be asked"
+        assert "not a Cloud Run URL" in creds.missing_because and "--token" in creds.missing_because
+        assert resolve_token(RUN_URL) == "from-gcloud"
+
+    def test_explicit_token_goes_to_any_https_host(self) -> None:
+        assert resolve_token("https://api.example.com", SECRET) == SECRET
+        assert resolve_token("http://api.example.com", SECRET) is None, "never over plain http"
+
+
+class TestGcloud:
+    def test_stdin_is_closed_and_flags_pass_through(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        """gcloud must never wait on a prompt: its stdin is /dev/null, not ours."""
+        calls = _stub_gcloud(tmp_path, monkeypatch, "readlink /proc/$$/fd/0")
+        sa = "ci@p.iam.gserviceaccount.com"
+        assert resolve_token(RUN_URL, audience=RUN_URL, impersonate=sa) == "/dev/null"
+        args = calls.read_text().split()
+        assert args[:3] == ["auth", "print-identity-token", "--quiet"]
+        assert f"--impersonate-service-account={sa}" in args and f"--audiences={RUN_URL}" in args
+
+    def test_not_logged_in_is_explained_with_the_fix(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        said = "ERROR: (gcloud.auth.print-identity-token) You do not currently have an active account selected."
+        _stub_gcloud(tmp_path, monkeypatch, f'echo "{said}" >&2; exit 1')
+        creds = resolve_credentials(RUN_URL)
+        assert creds.token is None
+        assert said in creds.missing_because
+        assert "gcloud auth login" in creds.missing_because and "--impersonate-service-account" in creds.missing_because
+
+    def test_403_without_a_token_says_why_not_which_role(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        """Cloud Run answers 403 to a request without a token: granting run.invoker would not help."""
+        _stub_gcloud(tmp_path, monkeypatch, 'echo "no active account" >&2; exit 1')
+        creds = resolve_credentials(RUN_URL)
+        with fake_server(Reply(403)) as srv, pytest.raises(AuthError) as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=creds)
+        message = str(info.value)
+        assert "no identity token was sent" in message and "no active account" in message
+        assert "gcloud auth login" in message and "roles/run.invoker" not in message
+
+    def test_no_gcloud(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.delenv(client.TOKEN_ENV, raising=False)
+        monkeypatch.setattr(client.shutil, "which", lambda _: None)
+        creds = resolve_credentials(RUN_URL)
+        assert creds.token is None and "gcloud is not installed" in creds.missing_because
+
+
+class TestColdStart:
+    def test_cloud_run_urls_retry_timeouts_across_the_startup_window(self) -> None:
+        policy = cold_start_policy(RUN_URL, client.DEFAULT_RETRY, 120)
+        assert policy.retry_timeouts and policy.deadline_s >= STARTUP_WINDOW.total_s + 120
+        assert not cold_start_policy("http://127.0.0.1:8000", client.DEFAULT_RETRY, 120).retry_timeouts
+        assert not cold_start_policy(RUN_URL, client.NO_RETRY, 120).retry_timeouts, "--no-retry means no retry"
+
+    def test_first_request_times_out_then_the_instance_answers(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The whole path, with this fake standing in for a Cloud Run URL whose first request waits on a cold start."""
+        monkeypatch.setattr(client, "is_cloud_run", lambda url: True)
+        script = [Reply(body=completion("late"), delay_s=3.0), Reply(body=completion("🥣"))]
+        with fake_server(*script) as srv:
+            assert chat(srv.url, USER, model="gemma", timeout_s=1.0, retry=FAST) == "🥣"
+        assert len(srv.chat_requests) >= 2, "the timed-out first request was retried"
+
+
+class TestApiKey:
+    def test_key_in_authorization_and_token_in_the_serverless_header(self) -> None:
+        with fake_server() as srv:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=Credentials("id-token", "--token", api_key=SECRET))
+        headers = srv.chat_requests[0].headers
+        assert headers["Authorization"] == f"Bearer {SECRET}"
+        assert headers["X-Serverless-Authorization"] == "Bearer id-token"
+
+    def test_key_from_env_to_a_local_server(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(client.API_KEY_ENV, SECRET)
+        with fake_server() as srv:
+            list_models(srv.url, retry=FAST)
+        assert srv.requests[0].headers["Authorization"] == f"Bearer {SECRET}"
+
+    def test_never_over_plain_http_to_another_host(self) -> None:
+        with pytest.raises(ClientError, match="over plain http"):
+            resolve_credentials("http://api.example.com", api_key=SECRET)
+
+    def test_rejected_key_is_named(self) -> None:
+        with (
+            fake_server(Reply(401, {"error": "Unauthorized"})) as srv,
+            pytest.raises(AuthError, match="API key was rejected"),
+        ):
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=Credentials(api_key="wrong"))
+
+    def test_cli_never_prints_the_key(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with fake_server(Reply(401, {"error": "Unauthorized"})) as srv:
+            assert client.main(["--url", srv.url, "--api-key", SECRET, "--no-retry", "--model", "gemma", "hi"]) == 1
+        out = capsys.readouterr()
+        assert "API key was rejected" in out.err and SECRET not in out.out + out.err

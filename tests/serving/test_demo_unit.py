@@ -21,6 +21,7 @@ from serving.demo import (
     prepare_output_dir,
 )
 from serving.vllm_args import COMPLETION_MARKER
+from trainer.export import write_completion_marker
 
 
 def _finished_training(output_dir: Path, steps: int) -> None:
@@ -30,7 +31,8 @@ def _finished_training(output_dir: Path, steps: int) -> None:
     (output_dir / "checkpoints" / f"checkpoint-{steps}" / "trainer_state.json").write_text(json.dumps(state))
     (output_dir / "run_summary.json").write_text(json.dumps({"steps": steps}))
     (output_dir / "merged").mkdir()
-    (output_dir / "merged" / COMPLETION_MARKER).write_text("{}")
+    (output_dir / "merged" / "config.json").write_text("{}")
+    write_completion_marker(output_dir / "merged", base_model="test", adapter=None)
 
 
 def _checkpoint(output_dir: Path, step: int, complete: bool = True) -> None:
@@ -67,6 +69,14 @@ class TestOutputDir:
         result, history = demo.reuse_training(out)
         assert result.merged_dir == str(out / "merged") and result.summary["steps"] == 30
         assert history == [{"step": 5, "loss": 3.0}]
+
+    def test_export_that_no_longer_matches_its_marker_is_not_reused(self, tmp_path: Path) -> None:
+        """The demo uses the one definition of complete (serving/completion.py), not the marker's presence."""
+        out = tmp_path / "demo"
+        prepare_output_dir(out, 30, fresh=False)
+        _finished_training(out, 30)
+        (out / "merged" / "config.json").write_text('{"changed": true}')
+        assert prepare_output_dir(out, 30, fresh=False) == PreviousRun()
 
     def test_half_written_export_is_not_reused(self, tmp_path: Path) -> None:
         out = tmp_path / "demo"

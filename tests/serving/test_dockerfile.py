@@ -39,8 +39,8 @@ def test_runs_our_entrypoint_as_non_root() -> None:
     text = DOCKERFILE.read_text()
     users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
     assert users and users[-1].split(":")[0] not in {"root", "0"}
-    assert 'ENTRYPOINT ["/usr/local/bin/gemma-serving-entrypoint"]' in text
-    assert "COPY entrypoint.sh /usr/local/bin/gemma-serving-entrypoint" in text
+    assert 'ENTRYPOINT ["/opt/gemma-serving/entrypoint.sh"]' in text
+    assert "COPY entrypoint.sh completion.py /opt/gemma-serving/" in text
     assert "HF_HUB_OFFLINE=1" in text
 
 

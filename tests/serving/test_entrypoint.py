@@ -1,6 +1,8 @@
 """serving/entrypoint.sh: no vLLM on a half-written model; otherwise `exec vllm serve` with the args unchanged.
 
-A stub `vllm` on PATH records what it was called with, so the test runs anywhere with bash.
+A stub `vllm` on PATH records what it was called with, so the test runs anywhere with bash and
+python3. Folders are marked complete by the trainer's own writer (`write_completion_marker`), and
+one test runs the check on a folder written by the real `merge_and_export` of a tiny model.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from serving.vllm_args import COMPLETION_MARKER, VllmServerConfig, render_args
+from tests.serving.privileges import in_child_as_nobody
+from trainer.export import write_completion_marker
 
 ENTRYPOINT = Path(__file__).resolve().parents[2] / "serving" / "entrypoint.sh"
 
@@ -34,8 +38,9 @@ def stub_bin(tmp_path: Path) -> Path:
 def _model(path: Path, complete: bool = True, adapter: bool = False) -> Path:
     path.mkdir(parents=True)
     (path / ("adapter_config.json" if adapter else "config.json")).write_text("{}")
+    (path / ("adapter_model.safetensors" if adapter else "model.safetensors")).write_bytes(b"weights" * 10)
     if complete:
-        (path / COMPLETION_MARKER).write_text(json.dumps({"status": "complete"}))
+        write_completion_marker(path, base_model="test", adapter=None)
     return path
 
 
@@ -150,7 +155,7 @@ def test_waits_for_the_marker(stub_bin: Path, tmp_path: Path) -> None:
     env["GEMMA_FT_WAIT_FOR_MODEL_S"] = "20"
     proc = subprocess.Popen(["bash", str(ENTRYPOINT), str(model)], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        (model / COMPLETION_MARKER).write_text("{}")
+        write_completion_marker(model, base_model="test", adapter=None)
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
@@ -175,3 +180,109 @@ def test_no_model(stub_bin: Path, tmp_path: Path) -> None:
 def test_marker_constant_matches_python() -> None:
     match = re.search(r'^COMPLETION_MARKER="([^"]+)"$', ENTRYPOINT.read_text(), re.MULTILINE)
     assert match and match.group(1) == COMPLETION_MARKER
+
+
+@pytest.fixture(scope="module")
+def real_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder written by the real `trainer.export.merge_and_export` (tiny Gemma 3 + a LoRA adapter)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.serving.tiny_model import build_tiny_gemma
+    from trainer.export import merge_and_export
+
+    root = tmp_path_factory.mktemp("export")
+    base = build_tiny_gemma(root / "base", marker=False)
+    adapter = root / "adapter"
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(target_modules=["q_proj"]))
+    peft_model.save_pretrained(adapter)
+    return merge_and_export(str(base), adapter, root / "merged")
+
+
+class TestOneDefinitionOfComplete:
+    """The entrypoint runs serving/completion.py: the marker AND the inventory the trainer wrote, files readable."""
+
+    @pytest.mark.slow  # the real merge_and_export of a tiny model (module fixture)
+    def test_a_real_export_is_served(self, real_export: Path, stub_bin: Path, tmp_path: Path) -> None:
+        done, recorded = _run([str(real_export), "--port", "8000"], stub_bin, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert recorded == ["serve", str(real_export), "--port", "8000"]
+
+    @pytest.mark.slow  # the real merge_and_export of a tiny model (module fixture)
+    def test_export_files_are_readable_by_the_image_user(self, real_export: Path) -> None:
+        """safetensors saves 0600; the serving image runs as uid 10001, so the export makes every file a+r."""
+        modes = {p.name: p.stat().st_mode & 0o777 for p in real_export.iterdir()}
+        assert modes["model.safetensors"] & 0o044 == 0o044, oct(modes["model.safetensors"])
+        assert all(mode & 0o444 == 0o444 for mode in modes.values()), {k: oct(v) for k, v in modes.items()}
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("damage", ["truncate", "delete", "drop_inventory"])
+    def test_a_marker_that_no_longer_matches_is_refused(
+        self, real_export: Path, stub_bin: Path, tmp_path: Path, damage: str
+    ) -> None:
+        import shutil
+
+        copy = tmp_path / "merged"
+        shutil.copytree(real_export, copy)
+        if damage == "truncate":  # an interrupted copy into the bucket
+            with open(copy / "model.safetensors", "r+b") as f:
+                f.truncate(100)
+            expected = "does not match _COMPLETE.json: model.safetensors (100 bytes"
+        elif damage == "delete":
+            (copy / "tokenizer.json").unlink()
+            expected = "listed in _COMPLETE.json are missing (tokenizer.json)"
+        else:  # a marker from something other than this trainer's export
+            (copy / COMPLETION_MARKER).write_text(json.dumps({"status": "complete"}))
+            expected = "lists no files"
+        done, recorded = _run([str(copy)], stub_bin, tmp_path)
+        assert done.returncode == 3 and recorded is None, done.stderr
+        assert expected in done.stderr
+
+    @pytest.mark.slow  # the real merge_and_export of a tiny model (module fixture)
+    def test_unreadable_weights_are_refused_before_vllm(self, real_export: Path, tmp_path: Path) -> None:
+        """Run the check as an unprivileged uid (root reads anything) on a 0600 copy of the weights."""
+        import shutil
+        import tempfile
+
+        from serving.completion import verify
+
+        shared = Path(tempfile.mkdtemp(dir="/tmp", prefix="gemma-readable-"))
+        try:
+            shared.chmod(0o755)
+            copy = shared / "merged"
+            shutil.copytree(real_export, copy)
+            copy.chmod(0o755)
+            (copy / "model.safetensors").chmod(0o600)  # what safetensors leaves without make_readable
+            assert "not readable by uid 65534" in in_child_as_nobody(lambda: verify(copy))
+            (copy / "model.safetensors").chmod(0o644)
+            assert in_child_as_nobody(lambda: verify(copy)) == "ok"
+        finally:
+            shutil.rmtree(shared, ignore_errors=True)
+
+    def test_every_json_lora_path_is_checked(self, stub_bin: Path, tmp_path: Path) -> None:
+        """vLLM's JSON form; a JSON list with several adapters must not be reduced to its last path."""
+        base = _model(tmp_path / "base")
+        bad = _model(tmp_path / "bad", complete=False, adapter=True)
+        good = _model(tmp_path / "good", adapter=True)
+        item = json.dumps([{"name": "a", "path": str(bad)}, {"name": "b", "path": str(good)}])
+        done, recorded = _run([str(base), "--enable-lora", "--lora-modules", item], stub_bin, tmp_path)
+        assert done.returncode == 3 and recorded is None
+        assert f"LoRA adapter at {bad} is not complete" in done.stderr
+
+
+class TestStartupWindow:
+    def test_a_wait_that_leaves_vllm_no_time_is_refused(self, stub_bin: Path, tmp_path: Path) -> None:
+        model = _model(tmp_path / "merged")
+        done, recorded = _run(
+            [str(model)], stub_bin, tmp_path, GEMMA_FT_WAIT_FOR_MODEL_S="480", GEMMA_FT_STARTUP_WINDOW_S="480"
+        )
+        assert done.returncode == 3 and recorded is None
+        assert "leaves vLLM no time within the 480 s startup window" in done.stderr
+
+    def test_the_window_is_announced(self, stub_bin: Path, tmp_path: Path) -> None:
+        model = _model(tmp_path / "merged")
+        done, _ = _run(
+            [str(model)], stub_bin, tmp_path, GEMMA_FT_WAIT_FOR_MODEL_S="60", GEMMA_FT_STARTUP_WINDOW_S="480"
+        )
+        assert done.returncode == 0, done.stderr
+        assert "startup window 480 s: up to 60 s waiting" in done.stderr

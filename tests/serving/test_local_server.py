@@ -5,7 +5,6 @@ Every test checks that nothing is left running: the process group is gone and th
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -18,46 +17,62 @@ import pytest
 from serving.client import ClientError, NotFoundError, chat, chat_completion, list_models
 from serving.local_server import (
     EXIT_PORT_BUSY,
+    GenerationRequest,
     LocalServer,
     LocalServerError,
     ModelNotReadyError,
     PortBusyError,
     check_port_free,
     free_port,
+    open_server,
     parse_chat_request,
+    parse_completion_request,
 )
 from serving.vllm_args import COMPLETION_MARKER
+from tests.serving.privileges import in_child_as_nobody
 from tests.serving.tiny_model import build_tiny_gemma
+from trainer.export import write_completion_marker
 
 REPO = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is not running; it only waits for its parent to reap it
+    """True while the process runs; a zombie (exited, not yet reaped) counts as stopped."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
+            # the state follows the command name, which is in parentheses and may hold spaces
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
         return False
 
 
-def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
+def _port_free(port: int) -> bool:
+    try:
+        check_port_free("127.0.0.1", port)
+    except PortBusyError:
+        return False
+    return True
+
+
+def _wait_stopped(pid: int, port: int, timeout_s: float = 30) -> bool:
+    """Poll until the process no longer runs AND its port is free, with a deadline.
+
+    A process whose main thread has exited shows as a zombie while the kernel still tears
+    down its other threads, and the listening socket closes only when the last one is gone.
+    On a busy machine that takes a while, so a single check right after the zombie appears
+    is a race; the port is what a user would trip over, so it is what we wait for.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not _alive(pid) and _port_free(port):
             return True
         time.sleep(0.1)
     return False
 
 
 def _assert_stopped(pid: int, port: int) -> None:
-    assert not _alive(pid), f"server pid {pid} still running"
-    check_port_free("127.0.0.1", port)
+    assert _wait_stopped(pid, port), f"server pid {pid} still running or port {port} still taken"
 
 
 class TestServesTheModel:
@@ -138,9 +153,29 @@ class TestRefusals:
         broken = tmp_path / "broken"
         broken.mkdir()
         (broken / "config.json").write_text("{not json")
-        (broken / COMPLETION_MARKER).write_text("{}")
+        write_completion_marker(broken, base_model="broken", adapter=None)  # complete, but not loadable
         with pytest.raises(LocalServerError, match="exited with code 1 before it was ready"):
             LocalServer(broken, startup_timeout_s=60).start()
+
+
+class TestPrivilegedPort:
+    """EACCES (a port below ip_unprivileged_port_start) is not "in use": the message must say what it is."""
+
+    def test_keeper_and_server_report_a_privileged_port(self) -> None:
+        from http.server import BaseHTTPRequestHandler
+
+        start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+        if start == 0:
+            pytest.skip("every port is unprivileged on this machine")
+        port = start - 1
+        for check in (
+            lambda: check_port_free("127.0.0.1", port),
+            lambda: open_server("127.0.0.1", port, BaseHTTPRequestHandler),
+        ):
+            result = in_child_as_nobody(check)
+            assert result.startswith("PortDeniedError: "), result
+            assert f"port {port} on 127.0.0.1 needs privileges" in result and "--port 8000" in result
+            assert "in use" not in result
 
 
 class TestAlwaysStops:
@@ -183,7 +218,6 @@ class TestAlwaysStops:
             assert _alive(pid)
             keeper.send_signal(signal.SIGKILL)
             keeper.wait(timeout=10)
-            assert _wait_gone(pid), f"orphaned server {pid} kept running"
             _assert_stopped(pid, port)
         finally:
             if keeper.poll() is None:
@@ -193,21 +227,27 @@ class TestAlwaysStops:
 
 class TestRequestParsing:
     def test_defaults(self) -> None:
-        assert parse_chat_request({"messages": USER}, "gemma") == (USER, 64, 0.0, 1.0)
+        assert parse_chat_request({"messages": USER}, "gemma") == GenerationRequest("chat", USER, None, 64, 0.0, 1.0)
+
+    def test_completion_defaults_and_stream_options(self) -> None:
+        body = {"prompt": ["Translate"], "stream": True, "stream_options": {"include_usage": True}}
+        assert parse_completion_request(body, "gemma") == GenerationRequest(
+            "completion", None, "Translate", 16, 0.0, 1.0, stream=True, include_usage=True
+        )
 
     def test_text_parts(self) -> None:
         body = {
             "model": "gemma",
             "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         }
-        assert parse_chat_request(body, "gemma")[0] == [{"role": "user", "content": "ab"}]
+        assert parse_chat_request(body, "gemma").messages == [{"role": "user", "content": "ab"}]
 
     @pytest.mark.parametrize(
         ("body", "message"),
         [
             ({"messages": []}, "non-empty list"),
             ({"messages": [{"role": "tool", "content": "x"}]}, "role of system, user or assistant"),
-            ({"messages": USER, "stream": True}, "stream=true is not supported"),
+            ({"messages": USER, "logprobs": True}, "logprobs is not supported"),
             ({"messages": USER, "temperature": 3}, "temperature=3"),
             ({"messages": USER, "n": 2}, "n=1"),
             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text-only"),

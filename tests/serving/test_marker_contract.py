@@ -18,4 +18,15 @@ def test_trainer_and_serving_agree() -> None:
 def test_the_entrypoint_and_the_local_server_use_it() -> None:
     serving = Path(__file__).resolve().parents[2] / "serving"
     assert f'COMPLETION_MARKER="{COMPLETION_MARKER}"' in (serving / "entrypoint.sh").read_text()
-    assert "COMPLETION_MARKER" in (serving / "local_server.py").read_text()
+    assert "from serving.completion import" in (serving / "local_server.py").read_text()
+    assert "from serving.completion import" in (serving / "demo.py").read_text()
+
+
+def test_the_image_carries_the_check() -> None:
+    """The entrypoint runs serving/completion.py from the image; the build context must include it."""
+    from infra.images import SERVING, context_files
+
+    serving = Path(__file__).resolve().parents[2] / "serving"
+    assert Path("completion.py") in context_files(SERVING)
+    assert "!completion.py" in (serving / ".dockerignore").read_text().splitlines()
+    assert "COPY entrypoint.sh completion.py /opt/gemma-serving/" in (serving / "Dockerfile").read_text()

@@ -184,3 +184,31 @@ def test_imports_only_pydantic_and_stdlib() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+class TestWhatVllmWouldRefuse:
+    """vLLM refuses float16 for Gemma 2/3 at start-up (vllm/config/model.py); here it fails at preview."""
+
+    @pytest.mark.parametrize(
+        "data",
+        [
+            {"model": "google/gemma-3-1b-it", "dtype": "float16"},
+            {"model": "/mnt/models/runs/emoji-gemma3-1b-abc/merged", "dtype": "float16"},
+            {"model": "/mnt/models/merged", "model_type": "gemma3_text", "dtype": "float16"},
+            {"model": "google/gemma-2-2b-it", "dtype": "float16"},
+        ],
+    )
+    def test_float16_for_gemma_is_refused(self, data: dict[str, object]) -> None:
+        with pytest.raises(VllmConfigError, match=r"vLLM refuses float16 for Gemma 2/3.*Use dtype=bfloat16"):
+            load_config(data)
+
+    def test_other_dtypes_and_models_pass(self) -> None:
+        load_config({"model": "google/gemma-3-1b-it", "dtype": "bfloat16"})
+        load_config({"model": "/mnt/models/merged", "dtype": "float16"})  # nothing says it is Gemma 2/3
+        load_config({"model": "google/gemma-3-1b-it", "model_type": "llama", "dtype": "float16"})
+
+
+def test_max_num_seqs_is_rendered_and_not_duplicated() -> None:
+    assert render_args(VllmServerConfig(max_num_seqs=256))[-2:] == ["--max-num-seqs", "256"]
+    with pytest.raises(VllmConfigError, match="duplicates the typed field `max_num_seqs`"):
+        load_config({"extra_args": ["--max-num-seqs", "8"]})

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-
-from serving.vllm_args import COMPLETION_MARKER
 
 _CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
@@ -46,6 +43,8 @@ def build_tiny_gemma(path: Path, marker: bool = True) -> Path:
     model.generation_config.eos_token_id = [1, vocab["<end_of_turn>"]]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    if marker:
-        (path / COMPLETION_MARKER).write_text(json.dumps({"status": "complete"}))
+    if marker:  # the trainer's own writer: marker + inventory, files made readable
+        from trainer.export import write_completion_marker
+
+        write_completion_marker(path, base_model="tiny-gemma", adapter=None, dtype="float32")
     return path

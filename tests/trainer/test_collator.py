@@ -5,7 +5,7 @@ and a magic id like 262144 silently stops matching when the vocabulary changes. 
 come from a tiny Gemma 3 processor built on this machine (no Hub), including one whose image
 tokens sit at other ids, and the masks are checked position by position.
 
-`tiny_vision_processor` / `tiny_vision_model` are reused by tests/trainer/test_ray_entry.py.
+`tiny_vision_processor` / `tiny_vision_model` also build the Ray tests' tiny model (tests/trainer/conftest.py).
 """
 
 from __future__ import annotations
@@ -194,6 +194,23 @@ class TestAssistantOnlyLoss:
         batch = VisionSFTCollator(processor)(examples(2))
         loss = model(**batch).loss
         assert torch.isfinite(loss) and loss.item() > 0
+
+    def test_every_w2_adapter_gets_a_gradient(self, processor):
+        """DDP runs W2 without `find_unused_parameters`: every trainable parameter must get a gradient.
+
+        The tiny SigLIP keeps its attention-pooling head (`vision_use_head`), which Gemma 3 never uses."""
+        from peft import get_peft_model
+
+        from trainer.modeling import lora_config
+        from trainer.recipe import load_recipe
+
+        model = tiny_vision_model(processor)
+        assert any(".vision_tower.head." in name for name, _ in model.named_parameters())
+        peft_model = get_peft_model(model, lora_config(load_recipe("product-descriptions-gemma3-4b").lora, model))
+        peft_model(**VisionSFTCollator(processor)(examples(2))).loss.backward()
+        trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+        assert any("vision_tower" in n for n in trainable)
+        assert [n for n, p in trainable.items() if p.grad is None] == []
 
     def test_conversation_without_answer_is_rejected(self, processor):
         broken = examples(1)

@@ -1,13 +1,24 @@
-"""Evaluation: the emoji F1 definition, and real scoring of a (tiny) merged model on held-out rows."""
+"""Evaluation: the score definitions, and real scoring of tiny models (text and vision) on held-out rows."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from trainer.evaluate import _score, emoji_f1, evaluate, extract_emoji
+from trainer.evaluate import (
+    _score,
+    emoji_f1,
+    evaluate,
+    extract_emoji,
+    generate,
+    generate_batch,
+    held_out_rows,
+    load_for_eval,
+    rouge_l_f1,
+)
 from trainer.recipe import REPO_ROOT, Task, load_recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -77,3 +88,118 @@ def test_evaluate_text_to_sql(tiny_merged: Path, tmp_path: Path) -> None:
     )
     results = evaluate(tiny_merged, load_recipe(str(recipe_file)), max_samples=2, out=tmp_path / "sql.json")
     assert results["samples"] == 2 and results["execution_match"] == 0.0  # an untrained tiny model writes no SQL
+
+
+class TestRougeL:
+    def test_identical_disjoint_and_empty(self) -> None:
+        assert rouge_l_f1("A red mug.", "a red MUG") == 1.0
+        assert rouge_l_f1("blue lamp", "red mug") == 0.0
+        assert rouge_l_f1("", "") == 1.0 and rouge_l_f1("mug", "") == 0.0
+
+    def test_longest_common_subsequence_in_order(self) -> None:
+        # LCS of "a sturdy red enamel mug" and "a red mug for camp" is "a red mug": P 3/5, R 3/5
+        assert rouge_l_f1("a sturdy red enamel mug", "a red mug for camp") == pytest.approx(0.6)
+        assert rouge_l_f1("mug red a", "a red mug") == pytest.approx(1 / 3)
+
+
+def test_generation_budget_comes_from_the_recipe_by_task() -> None:
+    """64 new tokens cut SQL queries off; each task gets the budget its answers need."""
+    assert load_recipe("text-to-sql-gemma4-31b").max_new_tokens == 512
+    assert load_recipe("product-descriptions-gemma3-4b").max_new_tokens == 512
+    assert load_recipe("emoji-gemma3-1b").max_new_tokens == 32
+    unset = load_recipe("text-to-sql-gemma4-31b", ["evaluation.max_new_tokens=null"])
+    assert unset.max_new_tokens == 512
+    assert load_recipe("emoji-local", ["evaluation.max_new_tokens=7"]).max_new_tokens == 7
+
+
+def test_gpu_loading_is_bf16_with_a_device_map(tiny_merged: Path) -> None:
+    """The GPU path (bf16, device_map="auto") loads and generates on whatever device there is.
+
+    On a machine without a GPU, accelerate's "auto" map places everything on the CPU; the spread over
+    several GPUs is accelerate's own behaviour and is not exercised here.
+    """
+    import torch
+
+    recipe = load_recipe("emoji-gemma3-1b")  # dtype bfloat16, as the cloud recipes
+    model, tokenizer = load_for_eval(tiny_merged, recipe, device="cuda")
+    assert model.dtype == torch.bfloat16
+    assert isinstance(generate(model, tokenizer, [{"role": "user", "content": "Translate to emoji: rain"}], 3), str)
+    cpu_model, _ = load_for_eval(tiny_merged, recipe, device="cpu")
+    assert cpu_model.dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe_name", ["emoji-local", pytest.param("text-to-sql", marks=pytest.mark.slow)])
+def test_batched_generation_equals_one_at_a_time(tiny_merged: Path, tmp_path: Path, recipe_name: str) -> None:
+    """Left-padded greedy batches give exactly the outputs of one prompt at a time."""
+    from trainer.formatting import prompt_messages
+
+    recipe = load_recipe("emoji-local") if recipe_name == "emoji-local" else _sql_recipe(tmp_path)
+    model, tokenizer = load_for_eval(tiny_merged, recipe, device="cpu")
+    conversations = [{"messages": prompt_messages(c)} for c, _ in held_out_rows(recipe, 5)]
+    lengths = {len(tokenizer.apply_chat_template(c["messages"], tokenize=False)) for c in conversations}
+    assert len(lengths) > 1, "the prompts must differ in length for padding to matter"
+    batched = generate_batch(model, tokenizer, conversations, max_new_tokens=12)
+    alone = [generate(model, tokenizer, c["messages"], max_new_tokens=12) for c in conversations]
+    assert batched == alone and any(batched)
+
+
+def _sql_recipe(tmp_path: Path):  # type: ignore[no-untyped-def]
+    recipe_file = tmp_path / "sql-batch.yaml"
+    recipe_file.write_text(
+        "name: sql-local\nmodel: {name_or_path: local:gemma3-270m}\n"
+        "data: {task: text-to-sql, source: local, path: trainer/data/text_to_sql.jsonl, eval_rows: 5}\n"
+        "output: {dir: out}\n"
+    )
+    return load_recipe(str(recipe_file))
+
+
+@pytest.fixture(scope="module")
+def tiny_vision_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA adapter (W2's spec: all-linear, vision tower too) on a tiny Gemma 3 vision model, as W2 saves it."""
+    from peft import get_peft_model
+
+    from tests.trainer.test_collator import tiny_vision_model, tiny_vision_processor
+    from trainer.modeling import lora_config
+
+    root = tmp_path_factory.mktemp("vision-eval")
+    processor = tiny_vision_processor()
+    tiny_vision_model(processor).save_pretrained(root / "base")
+    processor.save_pretrained(root / "base")
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(root / "base")  # the adapter records this base path
+    lora = load_recipe("product-descriptions-gemma3-4b").lora.model_copy(update={"modules_to_save": []})
+    model = get_peft_model(base, lora_config(lora, base))
+    model.save_pretrained(root / "adapter")
+    processor.save_pretrained(root / "adapter")
+    return root
+
+
+@pytest.mark.slow
+def test_evaluate_product_descriptions_on_held_out_rows(tiny_vision_adapter: Path, tmp_path: Path) -> None:
+    """W2's held-out rows: image + name + category in, a description out; ROUGE-L and held-out loss."""
+    overrides = [
+        f"model.name_or_path={tiny_vision_adapter / 'base'}",
+        "model.dtype=float32",
+        "quantization=null",
+        "data.source=local",
+        "data.path=trainer/data/products.jsonl",
+        "data.image_dir=trainer/data",
+        "data.eval_rows=4",
+        "training.save_steps=1",
+        "evaluation.max_new_tokens=6",
+    ]
+    recipe = load_recipe("product-descriptions-gemma3-4b", overrides)
+    results = evaluate(tiny_vision_adapter / "adapter", recipe, max_samples=3, out=tmp_path / "eval.json")
+    assert results["samples"] == 3 and results["max_new_tokens"] == 6
+    assert 0.0 <= results["rouge_l_f1"] <= 1.0
+    assert results["held_out_loss"] > 0 and math.isfinite(results["held_out_perplexity"])
+    assert all(p["reference"] and "<PRODUCT>" in p["prompt"] for p in results["predictions"])
+    one_by_one = evaluate(
+        tiny_vision_adapter / "adapter",
+        load_recipe("product-descriptions-gemma3-4b", [*overrides, "evaluation.batch_size=1"]),
+        max_samples=3,
+        out=tmp_path / "eval1.json",
+    )
+    assert [p["prediction"] for p in one_by_one["predictions"]] == [p["prediction"] for p in results["predictions"]]
+    assert one_by_one["held_out_loss"] == pytest.approx(results["held_out_loss"], rel=1e-5)

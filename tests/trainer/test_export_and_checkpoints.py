@@ -11,7 +11,14 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from trainer.checkpoints import CHECKPOINT_MARKER, OutputLocation, download_dir, upload_dir, write_json_atomic
+from trainer.checkpoints import (
+    CHECKPOINT_MARKER,
+    RUN_MARKER,
+    OutputLocation,
+    download_dir,
+    upload_dir,
+    write_json_atomic,
+)
 from trainer.export import COMPLETION_MARKER, is_complete, merge_and_export
 from trainer.local_model import LocalModelError, _move_into_place, is_built, resolve_model_path
 from trainer.recipe import REPO_ROOT
@@ -110,6 +117,34 @@ def test_latest_checkpoint_ignores_unmarked_and_prefers_the_newest_remote(tmp_pa
     latest = location.latest_checkpoint()
     assert latest == location.checkpoints_dir / "checkpoint-8"
     assert (latest / "adapter_model.safetensors").read_text() == "8"
+
+
+def test_only_the_downloading_rank_fetches_a_remote_checkpoint(tmp_path: Path) -> None:
+    """Ranks other than local rank 0 look with download=False: after rank 0's download it is a no-op, before it an error."""
+    remote = tmp_path / "bucket"
+    location = OutputLocation.from_dir(f"file://{remote}", staging_root=tmp_path / "staging")
+    remote_only = remote / "checkpoints/checkpoint-6"
+    remote_only.mkdir(parents=True)
+    (remote_only / "rng_state_1.pth").write_text("6")
+    (remote_only / CHECKPOINT_MARKER).write_text("{}")
+    with pytest.raises(RuntimeError, match="local rank 0"):
+        location.latest_checkpoint(download=False)
+    assert not location.checkpoints_dir.exists()
+    downloaded = location.latest_checkpoint()
+    (downloaded / "rng_state_1.pth").write_text("local copy")
+    assert location.latest_checkpoint(download=False) == downloaded
+    assert (downloaded / "rng_state_1.pth").read_text() == "local copy"  # not fetched again
+
+
+def test_run_marker_round_trip(tmp_path: Path) -> None:
+    for output in (str(tmp_path / "folder"), f"file://{tmp_path / 'bucket'}"):
+        location = OutputLocation.from_dir(output, staging_root=tmp_path / "staging")
+        assert location.finished_run() is None
+        location.local.mkdir(parents=True, exist_ok=True)
+        location.mark_run_complete({"summary": {"steps": 3}})
+        finished = location.finished_run()
+        assert finished is not None and finished["summary"] == {"steps": 3} and finished["completed_at"] > 0
+    assert (tmp_path / "bucket" / RUN_MARKER).is_file() and (tmp_path / "folder" / RUN_MARKER).is_file()
 
 
 def test_same_url_same_staging_folder(tmp_path: Path) -> None:

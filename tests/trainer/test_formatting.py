@@ -71,9 +71,12 @@ class TestTextToSql:
         assert [m["role"] for m in messages] == ["system", "user", "assistant"]
         assert messages[0]["content"].startswith("You are a text to SQL query translator.")
         assert messages[0]["content"].endswith("based on the provided SCHEMA.")
+        # the seed's user prompt (W1 finetune.py `user_prompt`), instruction sentence included
         assert messages[1]["content"] == (
+            "Given the <USER_QUERY> and the <SCHEMA>, generate the corresponding SQL command to retrieve the "
+            "desired data, considering the query's syntax, semantics, and schema constraints.\n\n"
             "<SCHEMA>\nCREATE TABLE orders (id INT, placed_on DATE);\n</SCHEMA>\n\n"
-            "<USER_QUERY>\nHow many orders were placed in 2024?\n</USER_QUERY>"
+            "<USER_QUERY>\nHow many orders were placed in 2024?\n</USER_QUERY>\n"
         )
         assert messages[2]["content"] == SQL_ROW["sql"]
 
@@ -92,8 +95,12 @@ class TestProductDescription:
             {"type": "text", "text": "You are an expert product description writer for Amazon."}
         ]
         text_part, image_part = user["content"]
-        assert "<PRODUCT>Trail Mug</PRODUCT>" in text_part["text"]
-        assert "<CATEGORY>Kitchen</CATEGORY>" in text_part["text"]
+        # the seed's user prompt (W2 vision_train.py `user_prompt`), newlines inside the tags included
+        assert text_part["text"] == (
+            "Create a Short Product description based on the provided <PRODUCT> and <CATEGORY> and image.\n"
+            "Only return description. The description should be SEO optimized and for a better mobile search "
+            "experience.\n\n<PRODUCT>\nTrail Mug\n</PRODUCT>\n\n<CATEGORY>\nKitchen\n</CATEGORY>\n"
+        )
         assert image_part == {"type": "image"}
         assert assistant["content"] == [{"type": "text", "text": PRODUCT_ROW["description"]}]
         assert result["images"] == ["mug.png"]

@@ -96,6 +96,14 @@ class TestPlan:
         p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "2", "--set", "model.dtype=float32")
         assert p.config["mixed_precision"] == "no"
 
+    def test_cpu_processes_get_accelerates_cpu_switch(self, gemma4_model_dir, tmp_path):
+        """accelerate's multi-process launcher does not pass `use_cpu` on: the launcher exports the variable."""
+        p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4", "--cpu")
+        assert p.config["use_cpu"] is True and p.env == {"ACCELERATE_USE_CPU": "true"}
+        assert "ACCELERATE_USE_CPU=true" in p.render()
+        gpu = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4")
+        assert gpu.config["use_cpu"] is False and gpu.env == {}
+
     def test_no_fsdp_recipe_renders_data_parallel(self, tmp_path):
         args = launch.parse_args(
             ["--recipe", "emoji-gemma3-1b", "--nproc-per-node", "4", "--config-out", str(tmp_path / "a.yaml")]

@@ -26,6 +26,21 @@ def test_local_model_is_built_once_with_chat_template_and_stop_token() -> None:
     generation = json.loads((model_dir / "generation_config.json").read_text())
     assert 106 in generation["eos_token_id"]  # <end_of_turn>
     assert "<start_of_turn>" in (model_dir / "chat_template.jinja").read_text()
+    # the cache is shared with other users and mounted into the serving image (uid 10001);
+    # safetensors saves 0600, so the build makes every file readable
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in model_dir.iterdir() if p.is_file())
+
+
+def test_a_cache_built_with_private_weights_is_made_readable(tmp_path: Path) -> None:
+    """Caches built before exports were made readable still hold 0600 weights; the next call fixes them."""
+    target = tmp_path / "gemma3-270m"
+    target.mkdir()
+    (target / BUILD_MARKER).write_text("{}")
+    weights = target / "model.safetensors"
+    weights.write_bytes(b"w")
+    weights.chmod(0o600)
+    assert ensure_local_model(tmp_path) == target
+    assert weights.stat().st_mode & 0o777 == 0o644
 
 
 def test_short_lora_run_on_gemma3_270m(tmp_path: Path) -> None:

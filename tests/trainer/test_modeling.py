@@ -78,6 +78,22 @@ def test_lora_never_targets_the_vision_tower(targets: list[str] | str) -> None:
     assert not any(part in name for name in adapted for part in NON_LANGUAGE_MODULES)
 
 
+def test_w2_lora_adapts_the_vision_tower_and_the_language_model() -> None:
+    """The seed's `all-linear` on Gemma3ForConditionalGeneration covers SigLIP's linear layers too."""
+    from peft import get_peft_model
+
+    from trainer.recipe import load_recipe
+
+    model = _tiny_gemma3_vision(vocab_size=300)
+    spec = load_recipe("product-descriptions-gemma3-4b").lora
+    peft_model = get_peft_model(model, lora_config(spec, model))
+    adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
+    vision = [name for name in adapted if "vision_tower" in name]
+    assert vision and any("language_model" in name for name in adapted), adapted
+    assert any(name.endswith(("fc1", "fc2")) for name in vision) and any(name.endswith("q_proj") for name in vision)
+    assert not any(name.endswith("lm_head") for name in adapted)  # kept whole via modules_to_save
+
+
 def test_text_only_model_gets_no_exclusion(tiny_gemma3_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -98,3 +114,23 @@ def test_missing_chat_template_comes_from_trl(tiny_tokenizer) -> None:  # type: 
     tokenizer.chat_template = None
     with pytest.raises(RecipeError, match=r"model\.chat_template"):
         ensure_chat_template(tokenizer, None)
+
+
+def test_w1_recipe_loads_the_gemma4_class_of_the_real_checkpoint(tiny_gemma4_dir: Path) -> None:
+    """`gemma4` checkpoints (google/gemma-4-31B-it) load as Gemma4ForConditionalGeneration through
+    AutoModelForCausalLM (transformers models/auto/modeling_auto.py MODEL_FOR_CAUSAL_LM_MAPPING_NAMES);
+    the tests' tiny Gemma 4 is that class, and the recipe's LoRA stays out of its vision tower."""
+    from peft import get_peft_model
+    from transformers import AutoConfig
+
+    from trainer.modeling import load_model
+    from trainer.recipe import load_recipe
+
+    recipe = load_recipe("text-to-sql-gemma4-31b", [f"model.name_or_path={tiny_gemma4_dir}", "model.dtype=float32"])
+    assert AutoConfig.from_pretrained(tiny_gemma4_dir).model_type == "gemma4"
+    model = load_model(recipe.model)
+    assert type(model).__name__ == "Gemma4ForConditionalGeneration"
+    assert any("vision_tower" in name for name, _ in model.named_modules())
+    peft_model = get_peft_model(model, lora_config(recipe.lora, model))
+    adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
+    assert adapted and all("language_model" in name for name in adapted), adapted

@@ -1,10 +1,11 @@
-"""`trainer.train.save_adapter` takes the shard-gathering path whenever the trainer runs FSDP."""
+"""`trainer.train.save_adapter` writes the adapter the trainer trained, with or without FSDP."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
@@ -35,8 +36,43 @@ def test_fsdp_trainer_saves_every_adapter_tensor_in_full(tmp_path: Path) -> None
         assert torch.equal(saved[key], tensor), key
 
 
-def test_plain_trainer_uses_save_model(tmp_path: Path) -> None:
-    calls: list[str] = []
-    plain = SimpleNamespace(is_fsdp_enabled=False, save_model=calls.append)
-    save_adapter(plain, tmp_path / "plain")  # type: ignore[arg-type]
-    assert calls == [str(tmp_path / "plain")]
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_trained_adapter_lands_on_disk_as_trained(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    """A real (unsharded) SFTTrainer after two steps: the saved adapter is the trained one, tensor by tensor."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoints import OutputLocation
+    from trainer.recipe import load_recipe
+    from trainer.train import build_trainer
+
+    recipe = load_recipe(
+        "emoji-local",
+        [
+            f"model.name_or_path={tiny_gemma3_dir}",
+            f"output.dir={tmp_path / 'run'}",
+            "training.max_steps=2",
+            "training.learning_rate=0.01",
+            "training.report_to=[]",
+            "data.max_rows=24",
+            "data.eval_rows=0",
+        ],
+    )
+    trainer, _ = build_trainer(recipe, OutputLocation.from_dir(recipe.output.dir))
+    trainer.train()
+    trained = {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+    assert trained and any("lora_B" in k and v.abs().sum() > 0 for k, v in trained.items()), "nothing trained"
+
+    save_adapter(trainer, tmp_path / "adapter")
+
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved.keys() == trained.keys()
+    for key, tensor in trained.items():
+        assert torch.equal(saved[key], tensor), key
+    # and it is a usable adapter: base + saved adapter computes what the trained model computes
+    ids = torch.arange(3, 30).unsqueeze(0)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir), tmp_path / "adapter")
+    with torch.no_grad():
+        expected = trainer.model.eval()(input_ids=ids).logits
+        torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, expected)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sqlite3
 import sys
 import time
 from datetime import datetime
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.sql_eval import Reason, evaluate_sql, execution_match, to_sqlite
+from trainer.sql_eval import MYSQL_FUNCTIONS, Reason, evaluate_sql, execution_match, sandboxed_connection, to_sqlite
 
 DATA = Path(__file__).resolve().parents[2] / "trainer" / "data"
 NOW = datetime(2024, 3, 10, 12, 0, 0)
@@ -167,9 +168,226 @@ class TestFailures:
         r = judge("SELECT 1", "SELECT missing FROM orders")
         assert not r.match and r.reason is Reason.GOLD_ERROR
 
-    def test_sql_injection_style_input_does_not_escape(self):
-        r = judge("SELECT 1; ATTACH DATABASE '/tmp/x.db' AS x", "SELECT 1")
-        assert not r.match
+
+def _files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*"))
+
+
+# Each prediction tries to write `{path}` (or something next to it). `{path}` is a file in an empty folder,
+# and the working directory is that folder too, so a relative name would land there as well.
+ESCAPES = {
+    "vacuum-into-then-select": "VACUUM INTO '{path}'; SELECT COUNT(*) FROM orders",
+    "vacuum-into-alone": "VACUUM INTO '{path}'",
+    "select-then-vacuum-into": "SELECT COUNT(*) FROM orders; VACUUM INTO '{path}'",
+    "vacuum-into-relative": "vacuum into 'escaped.db'; SELECT 4",
+    "attach-database-then-select": "ATTACH DATABASE '{path}' AS x; SELECT COUNT(*) FROM orders",
+    "attach-lowercase-no-keyword": "attach '{path}' as x; SELECT 4",
+    "select-then-attach": "SELECT COUNT(*) FROM orders; ATTACH '{path}' AS x",
+    "attach-after-comment-then-write": "/* hi */ ATTACH '{path}' AS x; CREATE TABLE x.t (a INT); SELECT 4",
+    "attach-uri": "ATTACH 'file:{path}?mode=rwc' AS x; SELECT 4",
+    "pragma-journal-mode": "PRAGMA journal_mode = WAL; SELECT 4",
+    "pragma-user-version": "PRAGMA user_version = 7",
+    "pragma-writable-schema": "PRAGMA writable_schema = ON; SELECT 4",
+    "load-extension": "SELECT load_extension('{path}')",
+    "load-extension-in-where": "SELECT COUNT(*) FROM orders WHERE load_extension('{path}') IS NULL",
+    "two-selects": "SELECT 4; SELECT COUNT(*) FROM orders",
+    "delete-then-select": "DELETE FROM orders; SELECT COUNT(*) FROM orders",
+    "cte-that-inserts": "WITH t AS (SELECT 9 AS a) INSERT INTO orders (id) SELECT a FROM t",
+    "insert-returning": "INSERT INTO orders (id) VALUES (9) RETURNING id",
+    "drop-after-select": "SELECT COUNT(*) FROM orders; DROP TABLE orders",
+    "create-trigger": "CREATE TRIGGER t AFTER INSERT ON orders BEGIN DELETE FROM customers; END",
+    "transaction": "BEGIN; SELECT 4",
+    "replace-into": "REPLACE INTO orders (id) VALUES (9)",
+}
+
+
+class TestSandbox:
+    """A prediction must never reach the file system: each escape is rejected and nothing is written.
+
+    The gold query counts 4 orders, so a prediction that smuggles a side effect in before or after an
+    honest `SELECT COUNT(*)` would score correct if only the last result were compared.
+    """
+
+    @pytest.mark.parametrize("pred", list(ESCAPES.values()), ids=list(ESCAPES))
+    def test_escape_is_rejected_and_writes_nothing(
+        self, pred: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.chdir(tmp_path)
+        target = tmp_path / "escaped.db"
+        r = judge(pred.format(path=target), "SELECT COUNT(*) FROM orders")
+        assert not r.match and r.reason is Reason.INVALID_SQL, r
+        assert _files_under(tmp_path) == [], f"{pred!r} wrote {_files_under(tmp_path)}"
+
+    def test_gold_and_context_are_sandboxed_too(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.chdir(tmp_path)
+        target = tmp_path / "escaped.db"
+        gold = judge("SELECT 1", f"VACUUM INTO '{target}'; SELECT 1")
+        assert gold.reason is Reason.GOLD_ERROR, gold
+        context = judge("SELECT 1", "SELECT 1", context=f"CREATE TABLE t (a INT); VACUUM INTO '{target}';")
+        assert context.reason is Reason.CONTEXT_ERROR, context
+        assert _files_under(tmp_path) == []
+
+    @pytest.mark.parametrize(
+        "statement",
+        [
+            "VACUUM INTO '{path}'",
+            "ATTACH DATABASE '{path}' AS x",
+            "ATTACH '{path}' AS x",
+            "attach database 'file:{path}?mode=rwc' as x",
+            "SELECT load_extension('{path}')",
+            "PRAGMA journal_mode = WAL",
+            "PRAGMA writable_schema = ON",
+            "PRAGMA user_version = 3",
+            "PRAGMA table_info(t)",
+            "CREATE TEMP TABLE z (a INT)",
+            "CREATE TRIGGER tr AFTER INSERT ON t BEGIN DELETE FROM t; END",
+            "CREATE VIRTUAL TABLE v USING fts5(a)",
+            "BEGIN",
+            "SAVEPOINT s",
+            "ANALYZE",
+        ],
+    )
+    @pytest.mark.parametrize("access", ["read", "change"])
+    def test_the_connection_itself_denies_escapes(
+        self, statement: str, access: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The last line of defence: raw SQLite, no sqlglot in front of it."""
+        monkeypatch.chdir(tmp_path)
+        template = sandboxed_connection(NOW, "change")
+        template.execute("CREATE TABLE t (a INT)")
+        template.execute("INSERT INTO t VALUES (1)")
+        conn = sandboxed_connection(NOW, access)
+        template.backup(conn)  # as the evaluator copies the context database
+        try:
+            with pytest.raises(sqlite3.DatabaseError, match=r"not authorized|authorization denied|too many attached"):
+                conn.execute(statement.format(path=tmp_path / "escaped.db")).fetchall()
+        finally:
+            conn.close()
+            template.close()
+        assert _files_under(tmp_path) == []
+
+    def test_read_access_reads_and_change_access_changes_main_only(self) -> None:
+        conn = sandboxed_connection(NOW, "change")
+        try:
+            conn.execute("CREATE TABLE t (a INT)")
+            conn.execute("INSERT INTO t VALUES (1), (2)")
+            conn.execute("CREATE VIEW v AS SELECT a FROM t WHERE a > 1")
+            conn.execute("ALTER TABLE t ADD COLUMN b TEXT")
+            conn.execute("CREATE INDEX i ON t (a)")
+            conn.execute("UPDATE t SET b = UPPER('x')")
+            assert conn.execute("SELECT a, b FROM v JOIN t USING (a)").fetchall() == [(2, "X")]
+        finally:
+            conn.close()
+        reader = sandboxed_connection(NOW, "read")
+        try:
+            reader.execute("SELECT YEAR(NOW()), LOWER('A'), json_extract('[5]', '$[0]')").fetchall()
+            for statement in ["CREATE TABLE u (a INT)", "WITH x AS (SELECT 1) SELECT * FROM x; DELETE FROM u"]:
+                with pytest.raises((sqlite3.DatabaseError, sqlite3.ProgrammingError)):
+                    reader.execute(statement)
+        finally:
+            reader.close()
+
+    def test_legitimate_queries_are_still_scored(self) -> None:
+        assert judge("SELECT COUNT(*) FROM orders", "SELECT COUNT(id) FROM orders").match
+        assert judge(
+            "WITH t AS (SELECT customer, amount FROM orders) SELECT customer FROM t WHERE amount > 8",
+            "SELECT customer FROM orders WHERE amount > 8",
+        ).match
+        assert judge("UPDATE orders SET amount = 0 WHERE id = 1", "UPDATE orders SET amount = 0 WHERE id = 1").match
+
+    def test_prediction_may_not_change_data_when_the_gold_only_reads(self) -> None:
+        r = judge("DELETE FROM orders WHERE id = 99", "SELECT COUNT(*) FROM orders")
+        assert r.reason is Reason.INVALID_SQL and "only reads" in r.detail
+
+
+class TestDataDefinition:
+    """gretel has "data definition" tasks: the gold query creates or alters a table, view or index."""
+
+    def test_view_and_index_are_part_of_the_outcome(self) -> None:
+        gold = "CREATE VIEW porto AS SELECT name FROM customers WHERE city = 'Porto'"
+        assert judge("CREATE VIEW porto AS SELECT name FROM customers WHERE city = 'Porto'", gold).match
+        noop = judge("DELETE FROM customers WHERE 1 = 0", gold)
+        assert noop.reason is Reason.MISMATCH, noop
+        assert judge("CREATE INDEX idx ON orders (customer)", "CREATE INDEX idx ON orders (customer)").match
+        assert (
+            judge("DELETE FROM orders WHERE 1 = 0", "CREATE INDEX idx ON orders (customer)").reason is Reason.MISMATCH
+        )
+
+    def test_added_column_is_compared(self) -> None:
+        gold = "ALTER TABLE customers ADD COLUMN email VARCHAR(50)"
+        assert judge("ALTER TABLE customers ADD email VARCHAR(50)", gold).match
+        assert judge("ALTER TABLE customers ADD COLUMN mail VARCHAR(50)", gold).reason is Reason.MISMATCH
+
+
+FUNCTION_CONTEXT = (
+    CONTEXT
+    + """
+CREATE TABLE n (x INT, s VARCHAR(20), d DATETIME);
+INSERT INTO n VALUES (1, 'abcdef', '2024-03-10 13:45:30'), (2, 'Banana', '2024-03-11 00:00:00'),
+                     (3, NULL, NULL), (4, 'cab', '2024-08-15 09:00:00');
+"""
+)
+# MySQL function -> (gold query using it, the value MySQL returns, written as SQL). NOW is 2024-03-10 12:00:00.
+MYSQL_CASES = {
+    "CURDATE": ("SELECT CURDATE()", "'2024-03-10'"),
+    "CURRENT_DATE": ("SELECT CURRENT_DATE", "'2024-03-10'"),
+    "NOW": ("SELECT NOW()", "'2024-03-10 12:00:00'"),
+    "CURRENT_TIMESTAMP": ("SELECT CURRENT_TIMESTAMP", "'2024-03-10 12:00:00'"),
+    "SYSDATE": ("SELECT SYSDATE()", "'2024-03-10 12:00:00'"),
+    "UTC_TIMESTAMP": ("SELECT UTC_TIMESTAMP()", "'2024-03-10 12:00:00'"),
+    "DATE_ADD": ("SELECT DATE_ADD('2024-01-31', INTERVAL 1 MONTH)", "'2024-02-29'"),
+    "DATE_SUB": ("SELECT DATE_SUB('2024-03-10', INTERVAL 10 DAY)", "'2024-02-29'"),
+    "INTERVAL": ("SELECT COUNT(*) FROM n WHERE d > NOW() - INTERVAL 1 DAY", "3"),
+    "TIMESTAMPDIFF": ("SELECT TIMESTAMPDIFF(MONTH, '2024-01-31', '2024-03-30')", "1"),
+    "DATEDIFF": ("SELECT DATEDIFF('2024-03-10', '2024-03-01')", "9"),
+    "EXTRACT": ("SELECT EXTRACT(MONTH FROM d) FROM n WHERE x = 1", "3"),
+    "YEAR": ("SELECT x FROM n WHERE YEAR(d) = 2024 AND x > 3", "4"),
+    "MONTH": ("SELECT MONTH(d) FROM n WHERE x = 4", "8"),
+    "DAY": ("SELECT DAY(d) FROM n WHERE x = 1", "10"),
+    "DAYOFMONTH": ("SELECT DAYOFMONTH(d) FROM n WHERE x = 2", "11"),
+    "HOUR": ("SELECT HOUR(d) FROM n WHERE x = 1", "13"),
+    "MINUTE": ("SELECT MINUTE(d) FROM n WHERE x = 1", "45"),
+    "SECOND": ("SELECT SECOND(d) FROM n WHERE x = 1", "30"),
+    "QUARTER": ("SELECT QUARTER(d) FROM n WHERE x = 4", "3"),
+    "WEEK": ("SELECT WEEK('2024-03-11')", "10"),  # mode 0: weeks start on Sunday
+    "WEEKOFYEAR": ("SELECT WEEKOFYEAR('2024-03-11')", "11"),  # ISO week
+    "WEEKDAY": ("SELECT WEEKDAY('2024-03-10')", "6"),  # Monday = 0
+    "DAYOFWEEK": ("SELECT DAYOFWEEK('2024-03-10')", "1"),  # Sunday = 1
+    "DAYOFYEAR": ("SELECT DAYOFYEAR('2024-03-10')", "70"),
+    "DAYNAME": ("SELECT DAYNAME(d) FROM n WHERE x = 1", "'Sunday'"),
+    "MONTHNAME": ("SELECT MONTHNAME(d) FROM n WHERE x = 4", "'August'"),
+    "LAST_DAY": ("SELECT LAST_DAY('2024-02-10')", "'2024-02-29'"),
+    "UNIX_TIMESTAMP": ("SELECT UNIX_TIMESTAMP('2024-01-01 00:00:00')", "1704067200"),
+    "DATE_FORMAT": ("SELECT DATE_FORMAT(d, '%W %M %Y %H:%i') FROM n WHERE x = 1", "'Sunday March 2024 13:45'"),
+    "LEFT": ("SELECT LEFT(s, 2) FROM n WHERE x = 1", "'ab'"),
+    "RIGHT": ("SELECT x FROM n WHERE RIGHT(s, 3) = 'ana'", "2"),
+    "REGEXP": ("SELECT x FROM n WHERE s REGEXP '^ab'", "1"),
+    "RLIKE": ("SELECT x FROM n WHERE s RLIKE 'B$'", "4"),  # case-insensitive, as MySQL's default collation
+    "STD": ("SELECT STD(x) FROM n", "1.118034"),
+    "STDDEV": ("SELECT STDDEV(x) FROM n", "1.118034"),
+    "STDDEV_POP": ("SELECT STDDEV_POP(x) FROM n", "1.118034"),
+    "STDDEV_SAMP": ("SELECT STDDEV_SAMP(x) FROM n", "1.290994"),
+    "VARIANCE": ("SELECT VARIANCE(x) FROM n", "1.25"),
+    "VAR_POP": ("SELECT VAR_POP(x) FROM n", "1.25"),
+    "VAR_SAMP": ("SELECT VAR_SAMP(x) FROM n", "1.666667"),
+}
+
+
+def test_every_supported_mysql_function_has_a_gold_query_case() -> None:
+    assert set(MYSQL_CASES) == set(MYSQL_FUNCTIONS)
+
+
+@pytest.mark.parametrize("name", MYSQL_FUNCTIONS)
+def test_mysql_function_in_a_gold_query_returns_what_mysql_returns(name: str) -> None:
+    gold, expected = MYSQL_CASES[name]
+    r = evaluate_sql(f"SELECT {expected}", gold, FUNCTION_CONTEXT, now=NOW)
+    assert r.match and r.reason is Reason.OK, (gold, r)
+    # and a prediction written with the same function is scored too
+    assert evaluate_sql(gold, gold, FUNCTION_CONTEXT, now=NOW).match
+
+
+def test_left_and_right_with_null_and_negative_lengths() -> None:
+    assert judge("SELECT NULL, ''", "SELECT LEFT(NULL, 2), RIGHT('abc', -1)").match
 
 
 SAMPLE_ROWS = [json.loads(line) for line in (DATA / "text_to_sql.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from trainer.checkpoints import CHECKPOINT_MARKER
+from trainer.checkpoints import CHECKPOINT_MARKER, RUN_MARKER
 from trainer.export import COMPLETION_MARKER, is_complete, merge_and_export
 from trainer.recipe import Recipe, load_recipe
 from trainer.train import LossMode, RunResult, build_trainer, choose_loss_mode, main
@@ -48,6 +48,13 @@ class StopAfterStep(TrainerCallback):
         if state.global_step == self.step:
             raise KeyboardInterrupt(f"killed after step {self.step}")
         return control
+
+
+class NeverTrain(TrainerCallback):
+    """Fails the test if a run that should be skipped starts training."""
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a finished run was trained again")
 
 
 def _lora_b_norm(adapter_dir: Path) -> float:
@@ -134,13 +141,53 @@ def test_gemma4_template_falls_back_to_completion_only_loss(tiny_gemma4_dir: Pat
     assert labels[0] == -100 and "Translate to emoji" not in answer and answer.strip()
 
 
-def test_packing_packs_several_conversations_per_row(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
-    recipe = tiny_recipe(tiny_gemma3_dir, tmp_path / "run", "training.packing=true", "training.max_length=128")
+@pytest.mark.slow
+def test_packed_conversations_do_not_attend_across_boundaries(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    """Packing puts several conversations in one row; each must still see only itself.
+
+    How trl 1.16 does it (trl/data_utils.py `pack_dataset`, strategy "bfd"; trl/trainer/sft_trainer.py
+    `DataCollatorForLanguageModeling.torch_call` with padding_free): whole conversations are packed
+    best-fit-decreasing, each packed row keeps its `seq_lengths`, and the collator sends NO attention
+    mask but `position_ids` that restart at 0 for every conversation (plus `cu_seq_lens_*` for varlen
+    kernels), and masks the label at each restart. transformers 5 (masking_utils.py
+    `find_packed_sequence_indices`) turns restarting positions into a block-diagonal causal mask for
+    sdpa/eager. This test checks the outcome, not the mechanism: the logits of every conversation in a
+    packed row equal its logits when run alone.
+    """
+    recipe = tiny_recipe(
+        tiny_gemma3_dir,
+        tmp_path / "run",
+        "training.packing=true",
+        "training.packing_reason=isolation test",
+        "training.per_device_train_batch_size=1",
+        "training.max_length=128",
+    )
     trainer, _ = build_trainer(recipe, _location(tmp_path))
-    assert len(trainer.train_dataset) < 52  # 60 rows - 8 held out, packed into fewer sequences
-    trainer.args.max_steps = 2
-    output = trainer.train()
-    assert math.isfinite(output.training_loss)
+    packed = trainer.train_dataset
+    assert len(packed) < 52  # 60 rows - 8 held out, packed into fewer sequences
+    row = max(packed, key=lambda r: len(r["seq_lengths"]))
+    lengths = row["seq_lengths"]
+    assert len(lengths) >= 3, lengths
+    batch = trainer.data_collator([row])
+    assert "attention_mask" not in batch
+    assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    assert all(batch["labels"][0, s] == -100 for s in starts), "a label predicts across a boundary"
+
+    model = trainer.model.eval()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        packed_logits = model(**inputs).logits[0]
+        unmasked_logits = model(input_ids=batch["input_ids"]).logits[0]  # one long sequence, no restarts
+    for start, n in zip(starts, lengths, strict=True):
+        alone = _logits(model, batch["input_ids"][:, start : start + n])[0]
+        torch.testing.assert_close(packed_logits[start : start + n], alone, atol=1e-5, rtol=1e-4)
+    last = starts[-1]
+    assert not torch.allclose(unmasked_logits[last:], packed_logits[last:], atol=1e-3), (
+        "the check has no teeth: without restarting positions the last conversation should see the others"
+    )
+    trainer.args.max_steps = 1
+    assert math.isfinite(trainer.train().training_loss)  # and the packed batch trains
 
 
 @pytest.mark.slow
@@ -194,6 +241,14 @@ def test_checkpoints_mirror_to_a_url_and_resume_on_a_new_machine(
     assert (remote / "merged" / COMPLETION_MARKER).is_file() and is_complete(result.merged_dir)
     assert (remote / "adapter/adapter_model.safetensors").is_file()
     assert json.loads((remote / "run_summary.json").read_text())["steps"] == 4
+    # the run marker is the last file written to the bucket, and a rerun finds it and does nothing
+    marker = remote / RUN_MARKER
+    others = [p.stat().st_mtime_ns for p in remote.rglob("*") if p.is_file() and p != marker]
+    assert marker.is_file() and marker.stat().st_mtime_ns >= max(others)
+    monkeypatch.setenv("GEMMA_FT_STAGING", str(tmp_path / "machine-3"))
+    again = main(tiny_recipe(tiny_gemma3_dir, url), callbacks=[NeverTrain()])
+    assert again == result
+    assert not (tmp_path / "machine-3").exists(), "the rerun staged something"
 
 
 def _location(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -1,0 +1,247 @@
+"""A preempted 4-rank W1 run, through the real launcher: killed after a checkpoint, resumed on a fresh machine.
+
+Why it matters: the a4-gemma4 Job runs 8 ranks on one node, all sharing one local staging folder.
+When the node is lost, the Job's retry lands on a new node with an EMPTY staging folder and has
+to resume from the bucket. Two things broke that:
+- every rank downloaded the remote checkpoint into the same folder at once (rmtree + os.replace
+  races: `Directory not empty`, missing files); now local rank 0 downloads, the others wait;
+- rank 0 marked a checkpoint complete (and mirrored it) in `on_save` before the other ranks had
+  written their `rng_state_<rank>.pth`; now every rank passes a barrier first.
+
+The run is the W1 recipe on a tiny Gemma 4 (the class the recipe loads), 4 processes started by
+`python -m trainer.launch --cpu` (accelerate launch → torchrun, gloo on loopback), output to a
+`file://` "bucket". Ranks 1..3 write their RNG state 1.5 s late (a slow disk), and on the second
+machine every file read from the bucket takes 0.5 s (a slow network), both injected by a
+sitecustomize module that delays the real functions (transformers' `Trainer._save_rng_state`,
+fsspec's `LocalFileSystem.get_file`): a mark that does not wait for every rank, and ranks that
+download side by side, are then caught every time. The first launch is SIGKILLed, launcher and every rank at
+once with no grace (a lost node), as soon as a checkpoint is marked in the bucket; the second
+launch, on a new empty staging folder, must resume from the newest marked checkpoint and finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from serving.local_server import free_port
+from trainer.checkpoints import CHECKPOINT_MARKER, RUN_MARKER, checkpoint_step
+
+REPO = Path(__file__).resolve().parents[2]
+NPROC = 4
+MAX_STEPS = 6
+SAVE_STEPS = 2
+SLOW_RNG_SAVE_S = 1.5
+SLOW_BUCKET_READ_S = 0.5
+
+# Imported by every Python process of the run (it is first on PYTHONPATH); only the torchrun
+# workers (LOCAL_RANK set) are slowed, and only in the real code paths:
+# - SLOW_RNG_SAVE_S: ranks other than local rank 0 write their RNG state late (a slow disk);
+# - SLOW_BUCKET_READ_S: every file read from the bucket takes that long (a slow network), so the
+#   ranks of a machine that all look for the checkpoint at start-up do overlap, as 8 real ranks
+#   downloading gigabytes do.
+SLOW_MACHINE = """
+import os
+
+if "LOCAL_RANK" in os.environ:
+    import importlib.abc
+    import importlib.util
+    import sys
+    import time
+
+    def _after_import(module_name, patch):
+        # Patch a module right after it is first imported, without importing it earlier than the
+        # program would (an early import of transformers would change when each rank gets anywhere).
+        class Finder(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name != module_name:
+                    return None
+                sys.meta_path.remove(self)
+                spec = importlib.util.find_spec(name)
+                exec_module = spec.loader.exec_module
+
+                def exec_and_patch(module):
+                    exec_module(module)
+                    patch(module)
+
+                spec.loader.exec_module = exec_and_patch
+                return spec
+
+        sys.meta_path.insert(0, Finder())
+
+    def _delay(cls, method, seconds):
+        original = getattr(cls, method)
+
+        def delayed(self, *args, **kwargs):
+            time.sleep(seconds)
+            return original(self, *args, **kwargs)
+
+        setattr(cls, method, delayed)
+
+    if os.environ["LOCAL_RANK"] != "0" and os.environ.get("SLOW_RNG_SAVE_S"):
+        seconds = float(os.environ["SLOW_RNG_SAVE_S"])
+        _after_import("transformers.trainer", lambda m, s=seconds: _delay(m.Trainer, "_save_rng_state", s))
+    if os.environ.get("SLOW_BUCKET_READ_S"):
+        seconds = float(os.environ["SLOW_BUCKET_READ_S"])
+        _after_import("fsspec.implementations.local", lambda m, s=seconds: _delay(m.LocalFileSystem, "get_file", s))
+"""
+
+
+def launch_command(model_dir: Path, url: str, config_out: Path) -> list[str]:
+    overrides = [
+        f"model.name_or_path={model_dir}",
+        "model.dtype=float32",
+        "data.source=local",
+        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.max_rows=110",
+        "data.eval_rows=0",
+        f"training.max_steps={MAX_STEPS}",
+        f"training.save_steps={SAVE_STEPS}",
+        "training.save_total_limit=null",
+        "training.eval_steps=null",
+        "training.logging_steps=1",
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=1",
+        "training.report_to=[]",
+        f"output.dir={url}",
+    ]
+    command = [sys.executable, "-m", "trainer.launch", "--recipe", "text-to-sql-gemma4-31b"]
+    command += ["--nproc-per-node", str(NPROC), "--cpu", "--main-process-port", str(free_port())]
+    command += ["--config-out", str(config_out)]
+    for item in overrides:
+        command += ["--set", item]
+    return command
+
+
+def run_env(tmp_path: Path, staging: Path, slow_bucket: bool) -> dict[str, str]:
+    inject = tmp_path / "inject"
+    inject.mkdir(exist_ok=True)
+    (inject / "sitecustomize.py").write_text(SLOW_MACHINE)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{inject}{os.pathsep}{REPO}",
+        "GEMMA_FT_STAGING": str(staging),
+        "GLOO_SOCKET_IFNAME": "lo",  # loopback only
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "SLOW_RNG_SAVE_S": str(SLOW_RNG_SAVE_S),
+    }
+    env.pop("SLOW_BUCKET_READ_S", None)
+    if slow_bucket:
+        env["SLOW_BUCKET_READ_S"] = str(SLOW_BUCKET_READ_S)
+    return env
+
+
+def marked_checkpoints(remote: Path) -> dict[int, Path]:
+    found = {}
+    for path in (remote / "checkpoints").glob("checkpoint-*"):
+        step = checkpoint_step(path)
+        if step is not None and (path / CHECKPOINT_MARKER).is_file():
+            found[step] = path
+    return found
+
+
+def kill_tree(pid: int) -> list[psutil.Process]:
+    """SIGKILL a process and every descendant: torchrun starts each worker in a session of its own,
+    so killing the launcher's process group would leave the ranks training (a lost node leaves nothing)."""
+    root = psutil.Process(pid)
+    tree = [*root.children(recursive=True), root]
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    return tree
+
+
+def run_until_first_mark_then_kill(command: list[str], env: dict[str, str], remote: Path, log: Path) -> int:
+    """Start the launch; SIGKILL it and all its processes once a checkpoint is marked in the bucket."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 420
+        try:
+            while not marked_checkpoints(remote):
+                if proc.poll() is not None:
+                    pytest.fail(f"the first launch ended (rc {proc.returncode}) before any checkpoint was marked:\n"
+                                + log.read_text()[-6000:])  # fmt: skip
+                if time.monotonic() > deadline:
+                    pytest.fail("no checkpoint was marked in time:\n" + log.read_text()[-6000:])
+                time.sleep(0.05)
+        finally:
+            tree = kill_tree(proc.pid)
+            proc.wait(timeout=60)
+            _gone, alive = psutil.wait_procs(tree, timeout=30)
+            assert not alive, f"processes survived the kill: {alive}"
+    return proc.returncode
+
+
+EXPECTED_FILES = {f"rng_state_{rank}.pth" for rank in range(NPROC)} | {
+    "adapter_model.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "trainer_state.json",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_four_rank_run_resumes_on_an_empty_machine(tiny_gemma4_dir: Path, tmp_path: Path) -> None:
+    remote = tmp_path / "bucket" / "run"
+    url = f"file://{remote}"
+
+    # 1. The first node: killed outright right after the first checkpoint is marked in the bucket.
+    first_log = tmp_path / "first.log"
+    command = launch_command(tiny_gemma4_dir, url, tmp_path / "acc-1.yaml")
+    rc = run_until_first_mark_then_kill(
+        command, run_env(tmp_path, tmp_path / "node-1", slow_bucket=False), remote, first_log
+    )
+    assert rc == -signal.SIGKILL, first_log.read_text()[-4000:]
+    assert not (remote / RUN_MARKER).exists(), "the first launch finished before it was killed"
+
+    # A mark means complete: every rank's RNG state and the trainer's files are there.
+    marked = marked_checkpoints(remote)
+    assert marked
+    for step, path in marked.items():
+        missing = EXPECTED_FILES - {p.name for p in path.iterdir()}
+        assert not missing, f"checkpoint-{step} is marked complete without {sorted(missing)}"
+    resume_step = max(marked)
+    assert resume_step < MAX_STEPS
+
+    # 2. The retry, on a new node: an empty staging folder, the same command.
+    second_staging = tmp_path / "node-2"
+    assert not second_staging.exists()
+    command = launch_command(tiny_gemma4_dir, url, tmp_path / "acc-2.yaml")
+    done = subprocess.run(
+        command,
+        cwd=REPO,
+        env=run_env(tmp_path, second_staging, slow_bucket=True),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = done.stdout + done.stderr
+    (tmp_path / "second.log").write_text(output)
+    assert done.returncode == 0, output[-8000:]
+
+    summary = json.loads((remote / "run_summary.json").read_text())
+    assert summary["resumed_from_step"] == resume_step and summary["steps"] == MAX_STEPS, summary
+    assert (remote / RUN_MARKER).is_file()
+    # one download on the machine, every rank resumed from it, and every rank found its RNG state
+    downloads = output.count(f"downloading checkpoint-{resume_step}")
+    assert downloads == 1, f"{downloads} ranks downloaded checkpoint-{resume_step} into one staging folder"
+    assert output.count(f"resuming from {second_staging}") == NPROC, output[-8000:]
+    downloaded = next(second_staging.glob(f"*/checkpoints/checkpoint-{resume_step}"))
+    assert {p.name for p in downloaded.iterdir()} >= EXPECTED_FILES
+    for step, path in marked_checkpoints(remote).items():
+        missing = EXPECTED_FILES - {p.name for p in path.iterdir()}
+        assert not missing, f"checkpoint-{step} is marked complete without {sorted(missing)}"
+    assert MAX_STEPS in marked_checkpoints(remote)

@@ -1,0 +1,188 @@
+"""FSDP2's RAM-efficient loading, under 2 ranks: only rank 0 reads the weights; rank 1 still ends up with the model.
+
+Why it matters: on an A4 node 8 ranks load Gemma 4 31B before FSDP shards it. With
+`fsdp_cpu_ram_efficient_loading` accelerate broadcasts rank 0's weights and throws the other
+ranks' copies away, so those ranks must never read them: 7 extra copies of 62 GB of bf16 is
+most of the node's host memory. transformers decides this only once torch.distributed is up
+(`is_fsdp_enabled()`), so the trainer builds its SFTConfig before the model, and on ranks other
+than local rank 0 it builds the model without weights (trainer/modeling.py).
+
+The ranks are started by accelerate's own launcher with the config `trainer.launch` renders for
+the W1 recipe (FSDP2, cpu_ram_efficient_loading), 2 processes over gloo on loopback. Each runs
+`trainer.train.training_inputs` (tokenizer, data, SFTConfig, model), exactly as `build_trainer`
+does, and reports where its weights are and how much its peak RSS grew. accelerate shards with
+FSDP2 only on GPUs, so the step `Accelerator.prepare` takes there is taken by hand: the recipe's
+LoRA (peft) and accelerate's own `fsdp2_prepare_model` with the FSDP plugin built from the
+launcher's environment, which broadcasts rank 0's weights into the shards. Both ranks' logits
+must then equal an unsharded forward of the loaded model.
+
+The checkpoint is stored in float32 and the recipe loads bfloat16, so a rank that reads the
+weights holds a converted copy: its RSS shows it. (With matching dtypes transformers maps the
+safetensors file lazily and a rank that never touches the weights stays small either way; the
+meta device check below holds in both cases.)
+
+This file is also the worker:
+    accelerate launch --config_file CONFIG tests/trainer/test_ram_efficient_loading.py OUT_DIR MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving.local_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "text-to-sql-gemma4-31b"
+# ~25 M parameters: about 100 MB in float32 on disk, 50 MB in bfloat16 once loaded
+TEXT_DIMS = {
+    "vocab_size": 32768,
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_attention_heads": 4,
+    "head_dim": 128,
+    "global_head_dim": 128,
+}
+
+
+def overrides(model_dir: str, out_dir: str) -> list[str]:
+    return [
+        f"model.name_or_path={model_dir}",
+        "data.source=local",
+        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.max_rows=16",
+        "data.eval_rows=0",
+        # The ranks build the run (SFTConfig, model) but train no step. Bounded by max_steps, its length is chosen,
+        # not computed from 16 rows (3 updates), so the recipe's save_steps/eval_steps of 20 are not held to it.
+        "training.max_steps=1",
+        "training.report_to=[]",
+        f"output.dir={out_dir}",
+    ]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(out_dir: str, model_dir: str) -> None:
+    """One rank: training_inputs, then accelerate's FSDP2 preparation, then a forward on both ranks."""
+    from types import SimpleNamespace
+
+    import datasets  # noqa: F401  (imported before the baseline: only the model may grow the RSS)
+    import peft
+    import torch
+    import torch.distributed as dist
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from transformers.integrations import is_fsdp_enabled
+
+    from trainer.checkpoints import OutputLocation
+    from trainer.recipe import load_recipe
+    from trainer.train import training_inputs
+
+    torch.set_num_threads(1)
+    baseline = peak_rss_mb()
+    recipe = load_recipe(RECIPE, overrides(model_dir, str(Path(out_dir) / "run")))
+    inputs = training_inputs(recipe, OutputLocation.from_dir(recipe.output.dir))
+    loaded = peak_rss_mb()
+    rank = dist.get_rank()
+    model = inputs.model.eval()
+    devices = sorted({p.device.type for p in model.parameters()})
+
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        if rank == 0:
+            reference = model(input_ids=ids).logits.float()
+        else:
+            reference = torch.empty(1, ids.shape[1], model.config.get_text_config().vocab_size)
+    dist.broadcast(reference, src=0)
+
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch set
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin),
+        torch_device_mesh=None,
+        parallelism_config=None,
+        mixed_precision="no",
+        is_main_process=rank == 0,
+        device=torch.device("cpu"),
+    )
+    sharded = fsdp2_prepare_model(accelerator, peft.get_peft_model(model, inputs.peft_config)).eval()
+    with torch.no_grad():
+        logits = sharded(input_ids=ids).logits.float()
+    report = {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "is_fsdp_enabled": is_fsdp_enabled(),
+        "ram_efficient_plugin": plugin.cpu_ram_efficient_loading,
+        "class": type(model).__name__,
+        "param_devices": devices,
+        "baseline_mb": baseline,
+        "loaded_mb": loaded,
+        "max_logit_diff": float((logits - reference).abs().max()),
+    }
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ranks_other_than_0_load_no_weights_and_fsdp2_fills_them(tmp_path: Path) -> None:
+    from tests.trainer.tiny import save_tiny_model
+    from trainer import launch
+
+    model_dir = save_tiny_model(tmp_path / "model", "gemma4", **TEXT_DIMS)
+    checkpoint_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    argv = ["--recipe", RECIPE, "--nproc-per-node", "2", "--main-process-port", str(free_port())]
+    argv += ["--config-out", str(tmp_path / "accelerate.yaml")]
+    for item in overrides(str(model_dir), str(out_dir / "run")):
+        argv += ["--set", item]
+    plan = launch.plan(launch.parse_args(argv), env={})
+    assert plan.config["fsdp_config"]["fsdp_cpu_ram_efficient_loading"] is True and not plan.config["use_cpu"]
+    head = plan.command[: plan.command.index("--config_file") + 2]  # the same accelerate and config
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "GLOO_SOCKET_IFNAME": "lo",  # loopback only
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    done = subprocess.run(
+        [*head, str(Path(__file__).resolve()), str(out_dir), str(model_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-8000:]
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    print(json.dumps({"checkpoint_mb": round(checkpoint_mb, 1), "ranks": ranks}, indent=2))
+
+    for report in ranks:
+        assert report["world"] == 2 and report["is_fsdp_enabled"] and report["ram_efficient_plugin"]
+        assert report["class"] == "Gemma4ForConditionalGeneration"  # what the W1 recipe loads
+    rank0, rank1 = ranks
+    assert rank0["param_devices"] == ["cpu"]
+    assert rank1["param_devices"] == ["meta"], "rank 1 materialised the weights"
+    # measured, not assumed: the rank that read the checkpoint holds at least the bf16 copy,
+    # the other stays well below even that
+    assert rank0["loaded_mb"] - rank0["baseline_mb"] >= checkpoint_mb / 2
+    assert rank1["loaded_mb"] - rank1["baseline_mb"] < checkpoint_mb / 4
+    # and the broadcast gave rank 1 the real model: the same logits as the unsharded forward
+    for report in ranks:
+        assert report["max_logit_diff"] < 1e-2, report
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])

