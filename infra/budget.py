@@ -7,6 +7,10 @@
 
 Decisions
 - Declared only when the stack sets `billingAccount` and `budgetUsd` (config validation requires both).
+- The filter names the project by number (`projects/<number>`, pulumi-gcp 10.2 BudgetBudgetFilter
+  `projects`), taken from the stack bucket's `project_number` output (Cloud Storage buckets carry
+  `projectNumber`; pulumi-gcp 10.2 storage.Bucket `project_number`), not from a `getProject` invoke: a
+  preview then reads nothing more, so PR previews need no `resourcemanager.projects.get`.
 - Scope: the stack's project (`projects/<number>`) AND the label `stack=<stack>`, which every labelled
   resource of the stack carries (`StackConfig.resource_labels`): other stacks in the same project do not
   count. The Budget API takes one label with one value (pulumi-gcp 10.2 BudgetBudgetFilter `labels`: "A
@@ -19,7 +23,9 @@ Decisions
 
 Not here: credentials. Creating the budget needs `billing.budgets.create` on the billing account
 (roles/billing.costsManager, or roles/billing.admin); the channels need
-`monitoring.notificationChannels.create` on the project (roles/monitoring.notificationChannelEditor). With
+`monitoring.notificationChannels.create` on the project (roles/monitoring.notificationChannelEditor).
+`infra/api_permissions.py` RESOURCES holds every call with its source; the CI deploy identity gets both roles
+from the one-time setup (infra/bootstrap/ci-identities.yaml, `uses: [budget]`). With
 user credentials (ADC) the Budget API also needs `gcp:billingProject` and `gcp:userProjectOverride: true`
 (pulumi-gcp Budget docs), and `serviceusage.services.use` on that project.
 """
@@ -35,23 +41,14 @@ from infra.config import StackConfig
 
 THRESHOLDS = (0.5, 0.9, 1.0)
 BUDGET_LABEL = "stack"
-# What the identity running `pulumi up` needs for the budget guard, where, and why (README "What it costs").
-PULUMI_RUNNER_NEEDS: tuple[tuple[str, str, str], ...] = (
-    ("billing.budgets.create", "the billing account", "create the budget (roles/billing.costsManager)"),
-    ("billing.budgets.get", "the billing account", "read it on refresh / preview"),
-    ("billing.budgets.update", "the billing account", "change budgetUsd or the channels"),
-    ("billing.budgets.delete", "the billing account", "pulumi destroy"),
-    ("monitoring.notificationChannels.create", "the project", "one email channel per budgetEmails address"),
-    ("monitoring.notificationChannels.get", "the project", "read them on refresh"),
-    ("monitoring.notificationChannels.update", "the project", "change an address"),
-    ("monitoring.notificationChannels.delete", "the project", "pulumi destroy"),
-)
 
 
 @dataclass
 class BudgetGuardArgs:
     cfg: StackConfig
     """The validated stack configuration (billingAccount, budgetUsd, budgetEmails)."""
+    project_number: pulumi.Input[int]
+    """The project's number, which the budget filter takes: the stack bucket's `project_number` output."""
     after: list[pulumi.Resource] = field(default_factory=list)
     """The APIs the budget and its channels call (Billing Budgets, Monitoring)."""
 
@@ -79,13 +76,12 @@ class BudgetGuard(pulumi.ComponentResource):
             )
             for index, email in enumerate(cfg.budget_emails)
         ]
-        project_number = gcp.organizations.get_project(project_id=cfg.project).number
         self.budget = gcp.billing.Budget(
             f"{name}-budget",
             billing_account=cfg.billing_account,
             display_name=f"gemma-finetune {cfg.stack}"[:60],
             budget_filter=gcp.billing.BudgetBudgetFilterArgs(
-                projects=[f"projects/{project_number}"],
+                projects=[pulumi.Output.concat("projects/", pulumi.Output.from_input(args.project_number).apply(str))],
                 labels={BUDGET_LABEL: cfg.resource_labels[BUDGET_LABEL]},
                 calendar_period="MONTH",
             ),

@@ -374,7 +374,9 @@ class Mocks(pulumi_mocks.Mocks):
             if args.resource_id and not exists:
                 raise Exception(f"importing {args.resource_id}: bucket does not exist (404)")
             state.update(
-                url=f"gs://{plain['name']}", selfLink=f"https://www.googleapis.com/storage/v1/b/{plain['name']}"
+                url=f"gs://{plain['name']}",
+                selfLink=f"https://www.googleapis.com/storage/v1/b/{plain['name']}",
+                projectNumber=int(MOCK_PROJECT_NUMBER),
             )
             rid = plain["name"]
         elif typ == "gcp:secretmanager/secret:Secret":

@@ -40,7 +40,9 @@ Decisions
 Not here: prices and the ceiling itself (`infra.cost`), and credentials: the identity that runs `pulumi
 preview` / `up` needs `compute.zones.list` and `compute.reservations.get` on the reservation's project (both
 in roles/compute.viewer) and `cloudquotas.quotas.get` on the project (roles/cloudquotas.viewer), with the
-Cloud Quotas API (cloudquotas.googleapis.com) enabled; `PULUMI_RUNNER_NEEDS` lists them.
+Cloud Quotas API (cloudquotas.googleapis.com) enabled. `infra/api_permissions.py` INVOKES holds these with
+their sources; the CI identities get them from infra/bootstrap/ci-identities.yaml (`gftCiReservationReader`,
+`gftCiQuotaReader`), and the permission proof checks both.
 """
 
 from __future__ import annotations
@@ -69,12 +71,6 @@ QUOTA_PERMISSION = "cloudquotas.quotas.get"
 QUOTA_ROLE = "roles/cloudquotas.viewer"
 QUOTA_API = "cloudquotas.googleapis.com"
 WARN_FIX = "pulumi config set preflight warn"
-# What the identity running `pulumi preview` / `up` needs for preflight (and why); README "What it costs".
-PULUMI_RUNNER_NEEDS: tuple[tuple[str, str], ...] = (
-    ("compute.zones.list", "capacity: reservation: list the region's zones (gcp.compute.get_zones)"),
-    ("compute.reservations.get", "capacity: reservation: read the reservation in each zone"),
-    (QUOTA_PERMISSION, "GPU quota for the capacity type / Cloud Run GPUs (gcp.cloudquota.get_s_quota_info)"),
-)
 
 
 class PreflightError(pulumi.RunError):

@@ -67,7 +67,10 @@ def run() -> dict[str, Any]:
     cost.declare_price_file(name, cfg, foundation.bucket_name, run_dir, after=[foundation.bucket])
     outputs["costLine"] = run_dir.apply(cost.cost_line_command)
     if cfg.budget_usd is not None:
-        BudgetGuard(name, BudgetGuardArgs(cfg=cfg, after=list(foundation.apis)))
+        BudgetGuard(
+            name,
+            BudgetGuardArgs(cfg=cfg, project_number=foundation.bucket.project_number, after=list(foundation.apis)),
+        )
         recipients = ", ".join(cfg.budget_emails) or "the billing account's admins"
         outputs["budget"] = (
             f"{cfg.budget_usd} USD a month for resources labelled stack={cfg.stack} in {cfg.project} (billing "
