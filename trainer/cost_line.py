@@ -12,15 +12,21 @@ Decisions
   attempt that finished: earlier attempts of a resumed run, node start-up and release are not in it (the
   ceiling, `runCostCeilingUsd`, bounds all of them).
 - Without the file (a laptop run, `make demo`) the line has the wall time and no price.
+- `run_cost_line` is what the trainer calls at the end of a run (trainer/train.py `run_summary`, so the
+  line is in `run_summary.json` and in the `_RUN_COMPLETE.json` that embeds the summary, for the
+  accelerate and the Ray runs alike): a price file it cannot read costs the run its price, never the run.
 
-Not here: prices (infra/pricing.py), writing the marker or the summary (trainer.export, trainer.train).
+Not here: prices (infra/pricing.py), writing the marker or the summary (trainer.train, trainer.checkpoints).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PRICE_FILE = "_PRICE.json"
 # The key of the cost line in the completion marker and in run_summary.json.
@@ -72,3 +78,16 @@ def describe(line: dict[str, Any]) -> str:
         f"({line['gpus']} GPUs, {line['nodes']} node(s), {line['capacity']}; price {line['price_status']}, "
         f"as of {line['prices_as_of']})"
     )
+
+
+def run_cost_line(output_dir: str | Path, wall_seconds: float) -> dict[str, Any]:
+    """The cost line of the run in `output_dir`, logged; an unreadable price file leaves the price out."""
+    try:
+        price = read_price(output_dir)
+    except (OSError, ValueError) as error:  # a missing grant or a damaged file must not fail a finished run
+        line = cost_line(None, wall_seconds)
+        line["note"] = f"could not read {PRICE_FILE} in {output_dir}: {error}"
+    else:
+        line = cost_line(price, wall_seconds)
+    log.info("%s", describe(line))
+    return line
