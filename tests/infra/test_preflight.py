@@ -91,6 +91,12 @@ class TestStopsBeforeAnything:
         msg = fails("ray-gemma3-vision", reservations=at("us-central1-a", count=1))
         assert "1 of its 1 machines are free (0 in use), and nodes=2 needs 2" in msg
 
+    def test_one_machine_short_names_both_numbers_and_the_command(self) -> None:
+        msg = fails("ray-gemma3-vision", reservations=at("us-central1-a", count=3, in_use=2))
+        assert "1 of its 3 machines are free (2 in use), and nodes=2 needs 2" in msg
+        assert LIST_COMMAND in msg
+        run_stack("ray-gemma3-vision", overrides=PREBUILT, reservations=at("us-central1-a", count=3, in_use=1))
+
     def test_not_specific(self) -> None:
         msg = fails(reservations=at("us-central1-a", specific=False))
         assert (
@@ -187,6 +193,15 @@ class TestGpuQuotaStops:
         assert f"capacity={capacity} with nodes=1 x gpusPerNode=8 (nvidia-b200) needs 8" in msg
         assert f"--quota-id={SPOT_B200} --preferred-value=8 --dimensions=region=us-central1" in msg
         assert f"console.cloud.google.com/iam-admin/quotas?project={PROJECT}" in msg
+
+    def test_one_gpu_short_names_both_numbers_and_the_request(self) -> None:
+        msg = fails_with(A4, a4("spot", nodes=2), NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 15))
+        assert "is 15, and capacity=spot with nodes=2 x gpusPerNode=8 (nvidia-b200) needs 16" in msg
+        assert (
+            f"gcloud quotas preferences create --service=compute.googleapis.com --quota-id={SPOT_B200} "
+            f"--preferred-value=16 --dimensions=region=us-central1 --project={PROJECT}"
+        ) in msg
+        run_stack(A4, overrides=a4("spot", nodes=2), remove=NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 16))
 
     def test_two_nodes_need_sixteen(self) -> None:
         msg = fails_with(A4, a4("spot", nodes=2), NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 8))
