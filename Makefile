@@ -47,8 +47,8 @@ test-fast: $(STAMP) ## the tests not marked slow
 demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query it
 	$(PY) -m serving.demo
 
-plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4
-	$(PY) -m infra.plan --stack $(STACK)
+plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4 [SET="maxRunCostUsd=500 nodes=2"]
+	$(PY) -m infra.plan --stack $(STACK) $(foreach kv,$(SET),--set $(kv))
 
 bench: $(STAMP) ## training throughput, seed configuration vs ours (CPU)
 	$(PY) bench/train_throughput.py --device cpu

@@ -13,7 +13,9 @@ Decisions
 - The workload is read from the `gemma-finetune:workload:` line of the stack file (or its default in
   `Pulumi.yaml`); `tests/lint/test_ci_stacks.py` checks that this agrees with a real YAML parse.
 - The features are what else the one-time setup grants for (`uses:` in infra/bootstrap/ci-identities.yaml):
-  `reservation` (capacity: reservation: the preflight reads the reservation) and `cloud-build`
+  `reservation` (capacity: reservation: the preflight reads the reservation), `gpu-quota` (capacity:
+  on-demand | spot | flex-start: on GKE the preflight reads that capacity's GPU quota), `budget`
+  (billingAccount set: the deploy manages a budget on the billing account) and `cloud-build`
   (imageBuild: cloud-build: the deploy starts builds as the stack's builder account), read the same way;
   `-` when none. infra/permissions.py `stack_features` says the same from the validated configuration.
 - The GKE workloads (`gke-job`, `gke-ray`) are grouped: their previews need the cluster, the
@@ -46,7 +48,12 @@ COMPONENTS = {
     "gke-ray": ["gke-gcloud-auth-plugin", "kubectl"],
 }
 # Stack setting -> {value: the feature it means}.
-FEATURES = {"capacity": {"reservation": "reservation"}, "imageBuild": {"cloud-build": "cloud-build"}}
+FEATURES = {
+    "capacity": {"reservation": "reservation", **dict.fromkeys(("on-demand", "spot", "flex-start"), "gpu-quota")},
+    "imageBuild": {"cloud-build": "cloud-build"},
+}
+# Stack setting -> the feature it means whatever its value (set in the stack file, or defaulted in Pulumi.yaml).
+FEATURES_WHEN_SET = {"billingAccount": "budget"}
 
 
 class StackError(ValueError):
@@ -89,6 +96,7 @@ def setting_of(stack_file: Path, key: str, root: Path = REPO_ROOT) -> str | None
 def features_of(stack_file: Path, root: Path = REPO_ROOT) -> list[str]:
     """The features (FEATURES) the stack file uses, sorted."""
     found = {FEATURES[key].get(setting_of(stack_file, key, root) or "") for key in FEATURES}
+    found |= {feature for key, feature in FEATURES_WHEN_SET.items() if setting_of(stack_file, key, root)}
     return sorted(feature for feature in found if feature)
 
 

@@ -25,8 +25,7 @@ Decisions
   means no update. The provider's own options decide others (`no_delete_when`, `force_delete`).
 
 Not here: which identity may do what (`infra.permissions`), and what Pulumi's state backend needs (listed with
-the CI identities there). Quota and billing invokes of the preflight's cost checks belong in `INVOKES`, beside
-the reservation reads.
+the CI identities there).
 """
 
 from __future__ import annotations
@@ -66,6 +65,7 @@ class Scope(StrEnum):
     SERVING_ACCOUNT = "the serving service account"
     NODE_ACCOUNT = "the GKE node service account"
     BUILD_ACCOUNT = "the Cloud Build builder account"
+    BILLING_ACCOUNT = "the billing account of the budget (billingAccount)"
     STATE_BUCKET = "the Pulumi state bucket"
     STATE_KEY = "the Cloud KMS key of the stack secrets"
 
@@ -101,6 +101,8 @@ def scopes(cfg: StackConfig) -> dict[tuple[str, str], Scope]:
     }
     if cfg.reservation_project and cfg.reservation_project != cfg.project:
         found[("project", cfg.reservation_project)] = Scope.RESERVATION_PROJECT
+    if cfg.billing_account:
+        found[("billing-account", cfg.billing_account)] = Scope.BILLING_ACCOUNT
     found.update({("account", account_email(cfg, identity)): scope for identity, scope in ACCOUNT_SCOPES.items()})
     return found
 
@@ -111,6 +113,10 @@ def _short_name(kind: str, name: str) -> str:
         return name.rsplit("/serviceAccounts/", 1)[-1]
     if kind == "secret":
         return name.rsplit("/secrets/", 1)[-1]
+    if kind == "billing-account":
+        return name.removeprefix("billingAccounts/")
+    if kind == "project":  # the Cloud Quotas data source's parent: projects/PROJECT
+        return name.removeprefix("projects/")
     if kind == "repository" and "/" in name:  # REGION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE:TAG
         return name.split("/")[2]
     return name
@@ -212,6 +218,15 @@ RESOURCES: dict[str, Calls] = {
         delete=("storage.buckets.delete",),
         force_delete=("storage.objects.list", "storage.objects.delete"),
     ),
+    "gcp:storage/bucketObject:BucketObject": Calls(
+        ("bucket", "bucket"),
+        f"{_TF}/storage/resource_storage_bucket_object.go (objects.insert, objects.get, objects.delete; new content "
+        "replaces the object): the run's price file (infra/cost.py declare_price_file)",
+        create=("storage.objects.create", "storage.objects.get"),
+        read=("storage.objects.get",),
+        update=("storage.objects.create", "storage.objects.delete"),
+        delete=("storage.objects.delete",),
+    ),
     "gcp:storage/bucketIAMMember:BucketIAMMember": Calls(
         ("bucket", "bucket"),
         _IAM_MEMBER,
@@ -304,6 +319,25 @@ RESOURCES: dict[str, Calls] = {
         delete=("container.clusters.delete", "container.operations.get"),
         acts_as=("clusterAutoscaling.autoProvisioningDefaults.serviceAccount",),
     ),
+    "gcp:billing/budget:Budget": Calls(
+        ("billing-account", "billingAccount"),
+        f"{_TF}/billing/resource_billing_budget.go; Cloud Billing Budget API reference, "
+        "billingAccounts.budgets.create/get/patch/delete: billing.budgets.create/get/update/delete on the parent "
+        "billing account (cloud.google.com/billing/docs/reference/budget/rest/v1/billingAccounts.budgets)",
+        create=("billing.budgets.create", "billing.budgets.get"),
+        read=("billing.budgets.get",),
+        update=("billing.budgets.update",),
+        delete=("billing.budgets.delete",),
+    ),
+    "gcp:monitoring/notificationChannel:NotificationChannel": Calls(
+        ("project", "project"),
+        f"{_TF}/monitoring/resource_monitoring_notification_channel.go; Cloud Monitoring API, "
+        "projects.notificationChannels: monitoring.notificationChannels.create/get/update/delete",
+        create=("monitoring.notificationChannels.create", "monitoring.notificationChannels.get"),
+        read=("monitoring.notificationChannels.get",),
+        update=("monitoring.notificationChannels.update",),
+        delete=("monitoring.notificationChannels.delete",),
+    ),
 }
 
 # Kubernetes kinds the program declares -> the GKE IAM resource name; custom resources are thirdPartyObjects.
@@ -372,7 +406,14 @@ INVOKES: dict[str, Invoke] = {
     "gcp:organizations/getClientConfig:getClientConfig": Invoke(
         (), ("project", "project"), "returns the caller's own access token for the registry login: no API call"
     ),
-    # Quota and billing invokes (the preflight's cost checks) go here, each with the permission it needs.
+    "gcp:cloudquota/getSQuotaInfo:getSQuotaInfo": Invoke(
+        ("cloudquotas.quotas.get",),
+        ("project", "parent"),
+        "the GPU quota preflight reads one QuotaInfo per quota the run draws on (infra/preflight.py check_gpu_quota); "
+        "the data source calls quotaInfos.get, which 'requires the following IAM permission on the name resource: "
+        "cloudquotas.quotas.get' (cloud.google.com/docs/quotas/reference/rest/v1/"
+        "projects.locations.services.quotaInfos/get)",
+    ),
 }
 
 

@@ -75,6 +75,7 @@ from infra.catalog import CLOUD_RUN_GPUS
 from infra.config import LoadedConfig, StackConfig
 from infra.foundation import Foundation, Identity
 from infra.images import Images
+from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
 from serving.startup import STARTUP_WINDOW
 from serving.vllm_args import (
@@ -145,6 +146,21 @@ def _resources(gpu: str, cpu: int, memory_gib: int) -> dict[str, str]:
     }
 
 
+def training_instance_hour(cfg: StackConfig) -> HourlyPrice | None:
+    """The price of one training instance-hour (Jobs run without zonal redundancy), from the price table."""
+    return cloud_run_instance_hour(cfg, cfg.gpu_type or "nvidia-l4", False, job_limits(cfg), serving=False)
+
+
+def job_limits(cfg: StackConfig) -> dict[str, str]:
+    """CPU, memory and GPU of the training instance (the price of an instance-hour follows them)."""
+    return _resources(cfg.gpu_type or "nvidia-l4", JOB_CPU, JOB_MEMORY_GIB)
+
+
+def service_limits(cfg: StackConfig) -> dict[str, str]:
+    """CPU, memory and GPU of one vLLM instance."""
+    return _resources(cfg.serving_gpu_type, SERVICE_CPU, SERVICE_MEMORY_GIB)
+
+
 def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
     base_model = load_recipe(cfg.recipe, cfg.recipe_overrides).model.name_or_path
     return VllmServerConfig(
@@ -202,7 +218,8 @@ class CloudRunTraining(pulumi.ComponentResource):
             location=cfg.region,
             name=job_name(cfg),
             deletion_protection=False,
-            labels=cfg.resource_labels,
+            # The price per instance-hour and the stack's limit, for the policy pack's cost rule.
+            labels={**cfg.resource_labels, **cost_labels(cfg, training_instance_hour(cfg), kubernetes=False)},
             template=gcp.cloudrunv2.JobTemplateArgs(
                 task_count=1,
                 parallelism=1,
@@ -221,9 +238,7 @@ class CloudRunTraining(pulumi.ComponentResource):
                             commands=["python"],
                             args=trainer_args(cfg, self.run_id),
                             envs=envs,
-                            resources=gcp.cloudrunv2.JobTemplateTemplateContainerResourcesArgs(
-                                limits=_resources(cfg.gpu_type or "nvidia-l4", JOB_CPU, JOB_MEMORY_GIB)
-                            ),
+                            resources=gcp.cloudrunv2.JobTemplateTemplateContainerResourcesArgs(limits=job_limits(cfg)),
                             volume_mounts=[
                                 gcp.cloudrunv2.JobTemplateTemplateContainerVolumeMountArgs(
                                     name="bucket", mount_path=BUCKET_MOUNT

@@ -63,10 +63,22 @@ class RayClusterMode(StrEnum):
     STANDING = "standing"
 
 
+class PreflightMode(StrEnum):
+    """What the checks that ask the cloud (reservation, GPU quota; `infra.preflight`) do with a problem."""
+
+    STRICT = "strict"
+    WARN = "warn"
+    OFF = "off"
+
+
 _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
 _DIGEST_REF = re.compile(r"^[a-z0-9.-]+(:\d+)?/[^@\s]+@sha256:[0-9a-f]{64}$")
 _STACK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
+_BILLING_ACCOUNT = re.compile(r"^[0-9A-F]{6}-[0-9A-F]{6}-[0-9A-F]{6}$")
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+# A budget sends to at most 5 Monitoring notification channels (Budget allUpdatesRule, pulumi-gcp 10.2 docs).
+MAX_BUDGET_EMAILS = 5
 _RUN_ID = re.compile(r"^[0-9a-f]{12}$")
 _IMAGE_REF = re.compile(
     r"^[a-z0-9][a-z0-9._/-]*(:\d+/[a-z0-9._/-]+)?(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})$"
@@ -153,6 +165,14 @@ class StackConfig(BaseModel):
     training_retries: int = Field(2, alias="trainingRetries", ge=0, le=10)
     gpu_zonal_redundancy: bool = Field(False, alias="gpuZonalRedundancy")
 
+    preflight: PreflightMode = PreflightMode.STRICT
+    max_run_cost_usd: int | None = Field(None, alias="maxRunCostUsd", gt=0)
+    training_hour_price_usd: float | None = Field(None, alias="trainingHourPriceUsd", gt=0)
+    serving_hour_price_usd: float | None = Field(None, alias="servingHourPriceUsd", gt=0)
+    billing_account: str | None = Field(None, alias="billingAccount")
+    budget_usd: int | None = Field(None, alias="budgetUsd", gt=0)
+    budget_emails: list[str] = Field(default_factory=list, alias="budgetEmails")
+
     # --- single-field checks ---------------------------------------------------------
 
     @field_validator("stack")
@@ -212,6 +232,30 @@ class StackConfig(BaseModel):
             raise ValueError(
                 f"image {v!r} is not pinned by digest; give REGISTRY/PATH@sha256:<64 hex> "
                 "(find it with `gcloud artifacts docker images describe IMAGE:TAG --format='value(image_summary.digest)'`)"
+            )
+        return v
+
+    @field_validator("billing_account")
+    @classmethod
+    def _billing_account(cls, v: str | None) -> str | None:
+        if v is not None and not _BILLING_ACCOUNT.match(v):
+            raise ValueError(
+                f"billingAccount={v!r} is not a billing account id (XXXXXX-XXXXXX-XXXXXX, digits and A-F). "
+                "Find it with `gcloud billing accounts list` or `gcloud billing projects describe PROJECT`, then "
+                f"{_set('billingAccount', '012345-6789AB-CDEF01')}"
+            )
+        return v
+
+    @field_validator("budget_emails")
+    @classmethod
+    def _budget_emails(cls, v: list[str]) -> list[str]:
+        bad = [e for e in v if not _EMAIL.match(e)]
+        if bad:
+            raise ValueError(f"budgetEmails entries {bad} are not email addresses, e.g. alice@example.com")
+        if len(v) > MAX_BUDGET_EMAILS:
+            raise ValueError(
+                f"budgetEmails has {len(v)} addresses; a budget notifies at most {MAX_BUDGET_EMAILS} channels. "
+                "Use a group address for more people"
             )
         return v
 
@@ -308,9 +352,27 @@ class StackConfig(BaseModel):
                 f"servingEnabled=true is only implemented for workload cloud-run (this stack is {self.workload}); "
                 f"Fix: {_set('servingEnabled', False)}"
             )
+        problems += self._check_budget()
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _check_budget(self) -> list[str]:
+        if (self.billing_account is None) != (self.budget_usd is None):
+            given, missing = (
+                ("billingAccount", "budgetUsd") if self.billing_account else ("budgetUsd", "billingAccount")
+            )
+            return [
+                f"{given} is set but {missing} is not: a budget needs both. "
+                f"Fix: {_set(missing, 500 if missing == 'budgetUsd' else '012345-6789AB-CDEF01')}, or "
+                f"pulumi config rm {given}"
+            ]
+        if self.budget_emails and self.budget_usd is None:
+            return [
+                "budgetEmails is set but no budget is (billingAccount + budgetUsd). "
+                f"Fix: {_set('budgetUsd', 500)} and {_set('billingAccount', '012345-6789AB-CDEF01')}"
+            ]
+        return []
 
     def _check_cloud_run(self) -> list[str]:
         problems = []
@@ -414,7 +476,7 @@ _WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     Workload.CLOUD_RUN: {"gpuType": "nvidia-l4", "gpusPerNode": 1},
 }
 
-_LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "servingEnv", "labels"}
+_LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "servingEnv", "labels", "budgetEmails"}
 _SECRET_KEYS = {"hfToken": "hf_token", "servingApiKey": "serving_api_key"}
 
 

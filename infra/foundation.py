@@ -184,6 +184,8 @@ def required_apis(cfg: StackConfig) -> list[str]:
         apis.append("secretmanager.googleapis.com")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:
         apis.append("cloudbuild.googleapis.com")
+    if cfg.budget_usd is not None:  # infra.budget: the budget and its email channels
+        apis += ["billingbudgets.googleapis.com", "monitoring.googleapis.com"]
     return sorted(set(apis))
 
 

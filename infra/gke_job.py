@@ -65,6 +65,7 @@ from infra.gke_workload import (
     hf_token_env,
     run_name,
 )
+from infra.pricing import cost_labels, gke_node_hour
 
 if TYPE_CHECKING:
     from infra.config import LoadedConfig
@@ -105,6 +106,8 @@ class TrainingJobSpec:
     timeout_seconds: int
     overrides: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
+    cost_labels: dict[str, str] = field(default_factory=dict)
+    """Price and limit labels, on the Job's metadata only: a new price must not replace a running Job."""
 
     @property
     def multi_node(self) -> bool:
@@ -216,7 +219,7 @@ def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
             "metadata": {
                 "name": spec.name,
                 "namespace": spec.namespace,
-                "labels": dict(spec.labels),
+                "labels": {**spec.labels, **spec.cost_labels},
                 "annotations": dict(SKIP_AWAIT),
             },
             "spec": job_spec,
@@ -247,6 +250,7 @@ def job_spec_for(
         timeout_seconds=cfg.timeout_minutes * 60,
         overrides=tuple(cfg.recipe_overrides),
         labels={**common_labels(cfg, "training"), "gemma-finetune/recipe": cfg.recipe[:63]},
+        cost_labels=cost_labels(cfg, gke_node_hour(cfg), kubernetes=True),
     )
 
 

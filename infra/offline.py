@@ -16,7 +16,11 @@ Decisions
   (`pulumi.runtime.rpc.UNKNOWN`), the value a policy pack sees for them.
 - Invokes answer as the provider would for a project that is ready: the reservation a stack
   names exists as it must (`reservations` overrides it per `project/zone/name`; `None` there
-  models "not found", a `ProviderError` an invoke that fails).
+  models "not found", a `ProviderError` an invoke that fails); every GPU quota the Cloud Quotas
+  API is asked for has `MOCK_QUOTA_LIMIT` in every region (`quotas` overrides it per quota id
+  with a `mock_quota_info` result or a `ProviderError`).
+- Warnings the program logs (`pulumi.log.warn`, e.g. `preflight: warn`) are kept in
+  `StackRun.warnings` (and on the exception of a failed run).
 - The mock state is reset before each run (`reset_options` then `set_mocks`), so several
   stacks run in one process.
 - A secret config value in a stack file is encrypted and cannot be read here; the caller
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +166,41 @@ MOCK_RESERVATION_MACHINE = "a4-highgpu-8g"
 MOCK_RESERVATION_COUNT = 4
 
 
+# Every GPU quota the mocks are asked for, in every region: enough for any stack here.
+MOCK_QUOTA_LIMIT = 64
+
+
+def mock_quota_info(
+    service: str,
+    quota_id: str,
+    value: int = MOCK_QUOTA_LIMIT,
+    dimensions: dict[str, str] | None = None,
+    locations: tuple[str, ...] = (),
+    more: tuple[dict[str, Any], ...] = (),
+) -> dict[str, Any]:
+    """A `gcp:cloudquota/getSQuotaInfo:getSQuotaInfo` result (camelCase, as on the wire; field names from
+    pulumi-gcp 10.2 sdk/python/pulumi_gcp/cloudquota/get_s_quota_info.py and outputs.py): one row with
+    `value` for `dimensions` (none: every region) in `locations`, plus the rows in `more`."""
+    row = {
+        "dimensions": dict(dimensions or {}),
+        "details": [{"value": str(value)}],
+        "applicableLocations": list(locations),
+    }
+    return {
+        "service": service,
+        "quotaId": quota_id,
+        "id": f"projects/mock/locations/global/services/{service}/quotaInfos/{quota_id}",
+        "name": f"projects/mock/locations/global/services/{service}/quotaInfos/{quota_id}",
+        "metric": f"{service}/{quota_id.lower()}",
+        "containerType": "PROJECT",
+        "dimensions": sorted({*(dimensions or {}), "region"}),
+        "dimensionsInfos": [row, *more],
+        "isConcurrent": False,
+        "isFixed": False,
+        "isPrecise": True,
+    }
+
+
 def mock_zones(region: str) -> list[str]:
     return [f"{region}-{suffix}" for suffix in MOCK_ZONES.get(region, ("a", "b", "c"))]
 
@@ -273,9 +313,11 @@ class Mocks(pulumi_mocks.Mocks):
         reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
         project: str = "mock-project",
         existing_buckets: tuple[str, ...] = (),
+        quotas: dict[str, dict[str, Any] | ProviderError] | None = None,
         existing_accounts: tuple[str, ...] = (),
     ) -> None:
         self.project = project
+        self.quotas = dict(quotas or {})
         self.existing_accounts = set(existing_accounts)
         self.invokes: list[tuple[str, dict[str, Any]]] = []
         self.bucket_objects = dict(bucket_objects or {})
@@ -332,7 +374,9 @@ class Mocks(pulumi_mocks.Mocks):
             if args.resource_id and not exists:
                 raise Exception(f"importing {args.resource_id}: bucket does not exist (404)")
             state.update(
-                url=f"gs://{plain['name']}", selfLink=f"https://www.googleapis.com/storage/v1/b/{plain['name']}"
+                url=f"gs://{plain['name']}",
+                selfLink=f"https://www.googleapis.com/storage/v1/b/{plain['name']}",
+                projectNumber=int(MOCK_PROJECT_NUMBER),
             )
             rid = plain["name"]
         elif typ == "gcp:secretmanager/secret:Secret":
@@ -374,6 +418,11 @@ class Mocks(pulumi_mocks.Mocks):
             return {**dict(args.args), "id": region, "names": mock_zones(region)}, []
         if args.token == "gcp:compute/getReservation:getReservation":
             return self._reservation(dict(args.args)), []
+        if args.token == "gcp:cloudquota/getSQuotaInfo:getSQuotaInfo":
+            found = self.quotas.get(args.args["quotaId"])
+            if isinstance(found, ProviderError):
+                raise found
+            return found or mock_quota_info(args.args["service"], args.args["quotaId"]), []
         if args.token == "gcp:storage/getBuckets:getBuckets":
             prefix = args.args.get("prefix") or ""
             names = sorted(b for b in self.existing_buckets if b.startswith(prefix))
@@ -469,6 +518,8 @@ class StackRun:
     secret_outputs: set[str]
     invokes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """Every provider function the program called (token, arguments), in order."""
+    warnings: list[str] = field(default_factory=list)
+    """Every warning the program logged (`pulumi.log.warn`)."""
     cfg: StackConfig | None = None
     """The validated configuration the program ran with."""
 
@@ -498,6 +549,7 @@ def run_stack(
     assume_trained: bool = False,
     reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
     existing_buckets: tuple[str, ...] = (),
+    quotas: dict[str, dict[str, Any] | ProviderError] | None = None,
     existing_accounts: tuple[str, ...] = (),
 ) -> StackRun:
     """Run the program for `stack` under mocks with its real stack file (plus overrides).
@@ -526,10 +578,14 @@ def run_stack(
         reservations=reservations,
         project=str(values.get("gcp:project", "mock-project")),
         existing_buckets=existing_buckets,
+        quotas=quotas,
         existing_accounts=existing_accounts,
     )
     monitor = RecordingMonitor(mocks)
-    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor)
+    warnings = _WarningRecorder()
+    pulumi.runtime.set_mocks(
+        mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor, logger=warnings.logger
+    )
 
     from infra import config as stack_config
     from infra.program import run
@@ -556,6 +612,7 @@ def run_stack(
         # Tests check that bad configuration declared nothing before failing.
         exc.declared_resources = list(monitor.recorded)  # type: ignore[attr-defined]
         exc.invokes = list(mocks.invokes)  # type: ignore[attr-defined]
+        exc.warnings = list(warnings.messages)  # type: ignore[attr-defined]
         raise
     return StackRun(
         stack=stack,
@@ -563,5 +620,19 @@ def run_stack(
         outputs=result,
         secret_outputs=secret_outputs,
         invokes=list(mocks.invokes),
+        warnings=list(warnings.messages),
         cfg=loaded[0] if loaded else None,
     )
+
+
+class _WarningRecorder(logging.Handler):
+    """The mock engine's logger for one run: keeps the warning messages (other levels pass through)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+        self.logger = logging.Logger(f"{__name__}.run")  # not registered globally: one per run
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -326,8 +326,12 @@ def stack_features(cfg: StackConfig) -> frozenset[str]:
     found = set()
     if cfg.capacity is Capacity.RESERVATION:
         found.add("reservation")
+    else:  # on GKE the preflight reads this capacity's GPU quota (Cloud Run stacks read theirs whatever capacity says)
+        found.add("gpu-quota")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:
         found.add("cloud-build")
+    if cfg.billing_account:
+        found.add("budget")
     return frozenset(found)
 
 
@@ -345,7 +349,12 @@ def substitute(text: str, values: dict[str, str]) -> str:
     return " ".join(text.split())
 
 
-_CI_SCOPES = {"project": Scope.PROJECT, "state-bucket": Scope.STATE_BUCKET, "state-key": Scope.STATE_KEY}
+_CI_SCOPES = {
+    "project": Scope.PROJECT,
+    "state-bucket": Scope.STATE_BUCKET,
+    "state-key": Scope.STATE_KEY,
+    "billing-account": Scope.BILLING_ACCOUNT,
+}
 
 
 def ci_grants(cfg: StackConfig) -> list[Grant]:
@@ -412,6 +421,8 @@ def resource_name(scope: Scope, cfg: StackConfig) -> str:
         **{sc: f"projects/{MOCK_PROJECT_NUMBER}/secrets/{name}" for sc, name in secrets.items()},
         **{sc: f"projects/{cfg.project}/serviceAccounts/{email}" for sc, email in accounts.items()},
     }
+    if cfg.billing_account:
+        names[Scope.BILLING_ACCOUNT] = f"billingAccounts/{cfg.billing_account}"
     return names[scope]
 
 
@@ -441,9 +452,13 @@ def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool
     raise ValueError(f"IAM Condition {condition!r} is in no form infra/permissions.py condition_holds evaluates")
 
 
+_OUTSIDE_THE_PROJECT = (Scope.RESERVATION_PROJECT, Scope.BILLING_ACCOUNT)
+
+
 def _reaches(grant: Grant, need: Need) -> bool:
-    """IAM inheritance: a project grant reaches every resource of the project (not another project's)."""
-    return grant.scope == need.scope or (grant.scope is Scope.PROJECT and need.scope is not Scope.RESERVATION_PROJECT)
+    """IAM inheritance: a project grant reaches every resource of the project (not another project's, nor a billing
+    account, which sits beside projects in the resource hierarchy)."""
+    return grant.scope == need.scope or (grant.scope is Scope.PROJECT and need.scope not in _OUTSIDE_THE_PROJECT)
 
 
 def covers(grant: Grant, need: Need, cfg: StackConfig) -> bool:

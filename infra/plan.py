@@ -3,6 +3,7 @@
     python -m infra.plan --stack dev
     python -m infra.plan --stack dev --set servingEnabled=true --assume-trained
     python -m infra.plan --stack a4-gemma4 --out build/plan
+    python -m infra.plan --stack a4-gemma4 --set maxRunCostUsd=500     # fails when a run can cost more
 
 Runs the program under mocks (infra/offline.py) with the real stack file, prints a
 preview-like table (type, name, parent, key inputs), and writes
@@ -12,11 +13,14 @@ as "[secret]") and every Kubernetes object the stack would apply as YAML under
 
 Computed values are the mocks' stand-ins (digests, emails, endpoints), not real ones; the
 shape of every request is real. It does not contact Google Cloud and needs no Pulumi CLI.
+The table ends with what one training run can cost at most (`runCostCeilingUsd`) and what serving
+costs per hour, from the price table in infra/pricing.py, and any warning the program logged.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
@@ -26,7 +30,20 @@ from typing import Any
 import pulumi
 import yaml
 
-from infra.offline import REPO_ROOT, Recorded, StackRun, redact_secrets, run_stack, stack_names
+from infra import cost
+from infra.config import StackConfig, validate
+from infra.offline import (
+    PROJECT,
+    REPO_ROOT,
+    Recorded,
+    StackRun,
+    project_defaults,
+    redact_secrets,
+    run_stack,
+    stack_file_config,
+    stack_names,
+)
+from trainer.cost_line import cost_line, describe
 
 # Inputs worth a glance in the table, per resource type (the JSON has everything).
 _KEY_INPUTS = ("accountId", "name", "role", "member", "service", "location", "repositoryId", "secretId", "metadata")
@@ -117,7 +134,33 @@ def print_table(run: StackRun, out: Path) -> None:
     for key, value in run.outputs.items():
         shown = "[secret]" if key in run.secret_outputs else value
         print(f"    {key}: {shown}")
+    print("\nCost:")
+    print(f"    one training run at most: {run.outputs.get('runCostCeiling')}")
+    if "servingCostPerHourUsd" in run.outputs:
+        print(f"    serving, every instance awake: {run.outputs['servingCostPerHourUsd']} USD/h")
+    for warning in run.warnings:
+        print(f"\nWarning: {warning}")
     print(f"\nWrote {out / 'resources.json'} and {out / 'manifests'}/")
+
+
+def stack_config(stack: str) -> StackConfig:
+    """A stack's validated configuration from Pulumi.yaml defaults and its stack file (no mocks, no cloud)."""
+    values = {**project_defaults(), **stack_file_config(stack)}
+    raw = {key.removeprefix(f"{PROJECT}:"): value for key, value in values.items() if not isinstance(value, dict)}
+    return validate(raw, stack, hf_token_set=True)
+
+
+def cost_on_each_stack(wall_seconds: float) -> list[str]:
+    """What a run of `wall_seconds` would cost on each stack's training hardware (`make demo` prints it)."""
+    lines = []
+    for stack in stack_names():
+        document = cost.price_document(stack_config(stack))
+        if document is None:
+            lines.append(f"{stack}: no price in infra/pricing.py for its hardware")
+            continue
+        line = cost_line(document, wall_seconds)
+        lines.append(f"{stack}: {describe(line).removeprefix('cost: ')}")
+    return lines
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
@@ -144,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run = run_stack(args.stack, overrides=_parse_sets(args.set), assume_trained=args.assume_trained)
-    except pulumi.RunError as exc:  # ConfigError included: the message is the whole story
+    except pulumi.RunError as exc:  # ConfigError, PreflightError included: the message is the whole story
         print(str(exc), file=sys.stderr)
+        # A failed run leaves the event loop of its provider invokes behind; collect it now, while its file
+        # descriptors are still open, instead of at interpreter exit (asyncio prints a spurious ValueError).
+        gc.collect()
         return 2
     out = write_plan(run, args.out)
     print_table(run, out)

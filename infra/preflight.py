@@ -1,14 +1,17 @@
 """Checks against the live project that run before any resource is declared, so `pulumi preview` fails too.
 
     pulumi preview --stack a4-gemma4     # stops here, naming the key, when the capacity cannot exist
+    pulumi config set preflight warn     # report the same problems as warnings and go on
 
 Decisions
 - `infra.config` judges values on their own; preflight asks the cloud whether they can work, through the
   provider's invokes, so the same code runs in `pulumi preview`, in PR previews and under mocks in tests.
-- One entry point, `check(cfg)`: every check in `CHECKS` runs and every problem is reported at once, each
-  with the key, what was found, what is needed and the command that shows or fixes it. A check is a
-  function `StackConfig -> list[str]`; quota and cost checks belong beside the reservation check, in
-  `CHECKS`, not in a second mechanism.
+- One entry point, `check(cfg)`: every check runs and every problem is reported at once, each with the key,
+  what was found, what is needed and the command that shows or fixes it. A check is a function
+  `StackConfig -> list[str]`. `CLOUD_CHECKS` ask the cloud and follow the `preflight` setting: `strict`
+  (default) stops on any problem, including one the caller may not read (the message names the missing
+  permission and `pulumi config set preflight warn`), `warn` logs them as warnings and goes on, `off` skips
+  them. `check_cost_ceiling` asks nothing and always applies: `maxRunCostUsd` is the stack's own limit.
 - `capacity: reservation`: GKE Autopilot consumes SPECIFIC reservations only (CLOUD-FACTS §1), in the
   cluster's region, of the machine type that carries the stack's GPU (`infra.catalog`), with at least
   `nodes` machines. A placeholder or a typo would otherwise leave the GPU pods Pending until the
@@ -25,10 +28,25 @@ Decisions
   RayJob is deleted before its successor), and every PR preview runs this check too. Stopping there
   would make `pulumi up` fail for as long as the stack trains. Machines held by other VMs leave the pods
   Pending until they are freed or the deadline ends the run; the warning says how to see who holds them.
+- GPU quota, other capacities on GKE: the regional quota of that capacity type covers nodes x gpusPerNode
+  (`infra.catalog.GKE_GPU_QUOTAS`: spot and flex-start draw on preemptible quota; on-demand also on
+  `GPUS-ALL-REGIONS-per-project`). Cloud Run: the training Job draws 1 GPU on the no-zonal-redundancy
+  quota; the service (`servingEnabled`) draws servingMaxInstances + 1 (a new revision starts before the
+  old one stops; CLOUD-FACTS §6) on the quota `gpuZonalRedundancy` selects; on one quota they add up. The
+  limit comes from the Cloud Quotas API (`gcp.cloudquota.get_s_quota_info`, pulumi-gcp 10.2:
+  `dimensionsInfos[].dimensions` / `details[].value` / `applicableLocations`): the row whose dimensions
+  all match (region, GPU family) and are the most specific wins (a row without a dimension applies to the
+  values no other row names, Cloud Quotas DimensionsInfo reference); a value of -1 means unlimited
+  (`gcloud quotas preferences create --preferred-value`: "-1 ... unlimited").
+- The Cloud Quotas API returns limits, not usage: a quota that covers the run can still be in use by
+  something else. The check catches the common failure (a limit of 0 or too small for the shape).
 
-Not here: GPU quota, prices and budgets (to be added to `CHECKS`), and credentials: the identity that runs
-`pulumi preview` / `up` needs `compute.zones.list` and `compute.reservations.get` on the reservation's
-project (both in roles/compute.viewer); any other invoke error stops with that hint.
+Not here: prices and the ceiling itself (`infra.cost`), and credentials: the identity that runs `pulumi
+preview` / `up` needs `compute.zones.list` and `compute.reservations.get` on the reservation's project (both
+in roles/compute.viewer) and `cloudquotas.quotas.get` on the project (roles/cloudquotas.viewer), with the
+Cloud Quotas API (cloudquotas.googleapis.com) enabled. `infra/api_permissions.py` INVOKES holds these with
+their sources; the CI identities get them from infra/bootstrap/ci-identities.yaml (`gftCiReservationReader`,
+`gftCiQuotaReader`), and the permission proof checks both.
 """
 
 from __future__ import annotations
@@ -41,10 +59,22 @@ from typing import Any
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.catalog import GKE_ACCELERATORS
-from infra.config import Capacity, StackConfig, Workload
+from infra import cost
+from infra.catalog import (
+    CLOUD_RUN_GPU_QUOTA,
+    CLOUD_RUN_QUOTA_SERVICE,
+    GKE_ACCELERATORS,
+    GKE_GPU_QUOTAS,
+    GPUS_ALL_REGIONS,
+    GpuQuota,
+)
+from infra.config import Capacity, PreflightMode, StackConfig, Workload
 
 READ_ROLE = "roles/compute.viewer"
+QUOTA_PERMISSION = "cloudquotas.quotas.get"
+QUOTA_ROLE = "roles/cloudquotas.viewer"
+QUOTA_API = "cloudquotas.googleapis.com"
+WARN_FIX = "pulumi config set preflight warn"
 
 
 class PreflightError(pulumi.RunError):
@@ -115,7 +145,8 @@ def _access_problem(project: str, what: str, error: Exception) -> str:
     return (
         f"preflight could not {what} in project {project}: {error}. The identity running pulumi needs "
         f"compute.zones.list and compute.reservations.get there ({READ_ROLE} has both): "
-        f"gcloud projects add-iam-policy-binding {project} --role={READ_ROLE} --member=user:YOU@example.com"
+        f"gcloud projects add-iam-policy-binding {project} --role={READ_ROLE} --member=user:YOU@example.com; "
+        f"or skip the check: {WARN_FIX}"
     )
 
 
@@ -211,13 +242,180 @@ def _judge(cfg: StackConfig, where: str, reservation: FoundReservation) -> str |
     )
 
 
+@dataclass(frozen=True)
+class QuotaNeed:
+    """GPUs one quota must cover, and the settings that ask for them."""
+
+    quota: GpuQuota
+    needed: int
+    because: str
+
+
+def gpu_quota_needs(cfg: StackConfig) -> list[QuotaNeed]:
+    """The quotas this stack draws GPUs from, and how many it needs of each (none for a reservation)."""
+    if cfg.workload is Workload.CLOUD_RUN:
+        return _cloud_run_needs(cfg)
+    if cfg.capacity is Capacity.RESERVATION:
+        return []
+    assert cfg.gpu_type and cfg.gpus_per_node
+    preemptible = cfg.capacity in (Capacity.SPOT, Capacity.FLEX_START)
+    needed = cfg.nodes * cfg.gpus_per_node
+    because = f"capacity={cfg.capacity} with nodes={cfg.nodes} x gpusPerNode={cfg.gpus_per_node} ({cfg.gpu_type})"
+    needs = [QuotaNeed(GKE_GPU_QUOTAS[(cfg.gpu_type, preemptible)], needed, because)]
+    if not preemptible:
+        needs.append(QuotaNeed(GPUS_ALL_REGIONS, needed, because))
+    return needs
+
+
+def _cloud_run_needs(cfg: StackConfig) -> list[QuotaNeed]:
+    job = CLOUD_RUN_GPU_QUOTA[(cfg.gpu_type or "nvidia-l4", False)]
+    needs: dict[str, list[tuple[int, str]]] = {job: [(1, f"the training Job (gpuType={cfg.gpu_type}, 1 task)")]}
+    if cfg.serving_enabled:
+        service = CLOUD_RUN_GPU_QUOTA[(cfg.serving_gpu_type, cfg.gpu_zonal_redundancy)]
+        instances = cfg.serving_max_instances + 1
+        needs.setdefault(service, []).append(
+            (
+                instances,
+                f"the vLLM service (servingGpuType={cfg.serving_gpu_type}, gpuZonalRedundancy="
+                f"{str(cfg.gpu_zonal_redundancy).lower()}: servingMaxInstances={cfg.serving_max_instances} + 1 "
+                "while a new revision starts)",
+            )
+        )
+    return [
+        QuotaNeed(
+            GpuQuota(CLOUD_RUN_QUOTA_SERVICE, quota_id), sum(n for n, _ in parts), " + ".join(w for _, w in parts)
+        )
+        for quota_id, parts in needs.items()
+    ]
+
+
+def quota_limit(result: Any, quota: GpuQuota, region: str) -> int | None:
+    """The limit in effect for `region` (and the quota's other dimensions); None when unlimited, 0 when no row
+    of the quota applies there."""
+    wanted = dict(quota.dimensions)
+    if quota.regional:
+        wanted["region"] = region
+    best: tuple[int, int] | None = None
+    for info in result.dimensions_infos or []:
+        dims = dict(info.dimensions or {})
+        if any(wanted.get(key) != value for key, value in dims.items()):
+            continue
+        locations = list(info.applicable_locations or [])
+        if quota.regional and locations and region not in locations and "global" not in locations:
+            continue
+        details = list(info.details or [])
+        if not details or details[0].value in (None, ""):
+            continue
+        candidate = (len(dims), int(details[0].value))
+        if best is None or candidate[0] > best[0]:
+            best = candidate
+    if best is None:
+        return 0
+    return None if best[1] < 0 else best[1]
+
+
+def _quota_fix(cfg: StackConfig, need: QuotaNeed) -> str:
+    flags = f"--dimensions={need.quota.dimension_flag(cfg.region)} " if need.quota.dimension_flag(cfg.region) else ""
+    return (
+        f"gcloud quotas preferences create --service={need.quota.service} --quota-id={need.quota.quota_id} "
+        f"--preferred-value={need.needed} {flags}--project={cfg.project} --email=YOU@example.com, or "
+        f"https://console.cloud.google.com/iam-admin/quotas?project={cfg.project}"
+    )
+
+
+def _quota_unreadable(cfg: StackConfig, need: QuotaNeed, error: Exception) -> str:
+    text = str(error)
+    where = f"GPU quota {need.quota.quota_id} ({need.quota.service}) in project {cfg.project}"
+    if "SERVICE_DISABLED" in text or "has not been used" in text or "is disabled" in text:
+        fix = f"enable the Cloud Quotas API: gcloud services enable {QUOTA_API} --project {cfg.project}"
+    elif _is_not_found(error):
+        fix = (
+            f"the quota id may not exist for this project; list the GPU quotas with `gcloud beta quotas info list "
+            f"--service={need.quota.service} --project={cfg.project} --filter='quotaId~GPU'`"
+        )
+    else:
+        fix = (
+            f"the identity running pulumi needs {QUOTA_PERMISSION} on the project ({QUOTA_ROLE} has it): gcloud "
+            f"projects add-iam-policy-binding {cfg.project} --role={QUOTA_ROLE} --member=user:YOU@example.com"
+        )
+    return f"preflight could not read {where}: {error}. Fix: {fix}; or report instead of stop: {WARN_FIX}"
+
+
+def check_gpu_quota(cfg: StackConfig) -> list[str]:
+    """The GPU quota of the stack's capacity type (GKE) or Cloud Run GPU setting covers what the run needs."""
+    problems: list[str] = []
+    for need in gpu_quota_needs(cfg):
+        try:
+            result = gcp.cloudquota.get_s_quota_info(
+                parent=f"projects/{cfg.project}", service=need.quota.service, quota_id=need.quota.quota_id
+            )
+        except Exception as error:  # the SDK raises a plain Exception for any failed invoke; report it with the fix
+            problems.append(_quota_unreadable(cfg, need, error))
+            continue
+        limit = quota_limit(result, need.quota, cfg.region)
+        if limit is not None and limit < need.needed:
+            scope = f"region {cfg.region}" if need.quota.regional else "all regions"
+            problems.append(
+                f"GPU quota {need.quota.quota_id} ({need.quota.service}, {scope}) is {limit}, and {need.because} "
+                f"needs {need.needed}. Request more: {_quota_fix(cfg, need)}; or lower the settings that ask for "
+                "GPUs, or choose another capacity"
+            )
+    return problems
+
+
+def check_cost_ceiling(cfg: StackConfig) -> list[str]:
+    """`maxRunCostUsd`: the most one training run can cost (`infra.cost`) stays within the stack's limit."""
+    if cfg.max_run_cost_usd is None:
+        return []
+    limit = cfg.max_run_cost_usd
+    ceiling = cost.run_ceiling(cfg)
+    if ceiling.hourly is None:
+        return [
+            f"maxRunCostUsd={limit} cannot be checked: the price table (infra/pricing.py) has no figure for "
+            f"gpuType={cfg.gpu_type} x gpusPerNode={cfg.gpus_per_node} in this workload. Fix: pulumi config set "
+            "trainingHourPriceUsd PRICE (one node or instance per hour), or pulumi config rm maxRunCostUsd"
+        ]
+    if not ceiling.bounded:
+        return [
+            f"maxRunCostUsd={limit} cannot hold with rayCluster=standing: the standing cluster has no deadline and "
+            f"bills {ceiling.per_hour_usd:,.2f} USD/h until it is switched off. Fix: pulumi config set rayCluster "
+            "ephemeral, or pulumi config rm maxRunCostUsd"
+        ]
+    usd = ceiling.usd
+    assert usd is not None
+    if usd <= limit:
+        return []
+    moves = {
+        Workload.GKE_JOB: f"trainingTimeoutMinutes, nodes, capacity (now {cfg.capacity})",
+        Workload.GKE_RAY: f"trainingTimeoutMinutes, nodes, capacity (now {cfg.capacity}), trainingRetries",
+        Workload.CLOUD_RUN: "trainingTimeoutMinutes, trainingRetries, gpuType",
+    }[cfg.workload]
+    return [
+        f"runCostCeilingUsd={usd:,.2f} exceeds maxRunCostUsd={limit}: {ceiling.formula()}; "
+        f"{ceiling.hourly.describe()}. Lower what moves it ({moves}), correct the price with "
+        "trainingHourPriceUsd, or raise the limit: pulumi config set maxRunCostUsd "
+        f"{int(usd) + 1}"
+    ]
+
+
 Check = Callable[[StackConfig], list[str]]
-CHECKS: tuple[Check, ...] = (check_reservation,)
+CLOUD_CHECKS: tuple[Check, ...] = (check_reservation, check_gpu_quota)
 
 
-def check(cfg: StackConfig, checks: tuple[Check, ...] = CHECKS) -> None:
-    """Run every preflight check; raise `PreflightError` listing every problem (nothing is declared yet)."""
-    problems = [problem for run_check in checks for problem in run_check(cfg)]
+def check(cfg: StackConfig, checks: tuple[Check, ...] = CLOUD_CHECKS) -> None:
+    """Run every preflight check; raise `PreflightError` listing every problem (nothing is declared yet).
+
+    With `preflight: warn` the problems of `checks` are logged as warnings instead; with `off` they are not
+    looked for. The cost ceiling applies in every mode."""
+    problems: list[str] = []
+    if cfg.preflight is not PreflightMode.OFF:
+        found = [problem for run_check in checks for problem in run_check(cfg)]
+        if cfg.preflight is PreflightMode.WARN:
+            for problem in found:
+                pulumi.log.warn(f"preflight (warn): {problem}")
+        else:
+            problems += found
+    problems += check_cost_ceiling(cfg)
     if problems:
         lines = [f"stack {cfg.stack!r} cannot run in project {cfg.project} as configured (nothing was created):"]
         lines += [f"  - {problem}" for problem in problems]

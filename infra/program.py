@@ -1,16 +1,21 @@
 """The Pulumi program as a function, so every stack can run fresh in one process (tests, `make plan`).
 
-Flow: validated config → preflight → foundation → images → the workload the stack names → outputs.
+Flow: validated config → preflight → foundation → images → the workload the stack names → outputs
+(the run's cost ceiling among them) → the budget guard when the stack sets one.
 Bad configuration raises `ConfigError`, and configuration the project cannot serve (a reservation that
-is missing or too small) raises `PreflightError`, both before the first resource is declared.
+is missing or too small, GPU quota below what the run needs, a cost ceiling above `maxRunCostUsd`)
+raises `PreflightError`, both before the first resource is declared.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pulumi
+
 from infra import config as stack_config
-from infra import preflight
+from infra import cost, preflight
+from infra.budget import BudgetGuard, BudgetGuardArgs
 from infra.config import Workload
 from infra.foundation import Foundation, FoundationArgs, Identity
 from infra.images import Images, ImagesArgs
@@ -56,6 +61,21 @@ def run() -> dict[str, Any]:
         outputs["servingImage"] = images.serving_image
 
     outputs.update(_workload(cfg, loaded, foundation, images))
+    outputs.update(cost.outputs(cfg))
+    # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py).
+    run_dir = pulumi.Output.from_input(outputs.get("runDir") or outputs["runUri"])
+    cost.declare_price_file(name, cfg, foundation.bucket_name, run_dir, after=[foundation.bucket])
+    outputs["costLine"] = run_dir.apply(cost.cost_line_command)
+    if cfg.budget_usd is not None:
+        BudgetGuard(
+            name,
+            BudgetGuardArgs(cfg=cfg, project_number=foundation.bucket.project_number, after=list(foundation.apis)),
+        )
+        recipients = ", ".join(cfg.budget_emails) or "the billing account's admins"
+        outputs["budget"] = (
+            f"{cfg.budget_usd} USD a month for resources labelled stack={cfg.stack} in {cfg.project} (billing "
+            f"account {cfg.billing_account}); alerts at 50, 90 and 100 % to {recipients}"
+        )
     return outputs
 
 

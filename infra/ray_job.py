@@ -74,6 +74,7 @@ from infra.gke_workload import (
     hf_token_env,
     run_name,
 )
+from infra.pricing import cost_labels, gke_node_hour
 
 if TYPE_CHECKING:
     from infra.config import LoadedConfig
@@ -120,6 +121,8 @@ class RayRunSpec:
     standing_cluster: str | None = None
     overrides: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
+    cost_labels: dict[str, str] = field(default_factory=dict)
+    """Price and limit labels, on the RayJob's / RayCluster's metadata only (never in the pod templates)."""
 
     @property
     def num_workers(self) -> int:
@@ -217,7 +220,7 @@ def render_ray_cluster(spec: RayRunSpec) -> dict[str, Any]:
         "metadata": {
             "name": spec.standing_cluster,
             "namespace": spec.namespace,
-            "labels": dict(spec.labels),
+            "labels": {**spec.labels, **spec.cost_labels},
             "annotations": dict(SKIP_AWAIT),
         },
         "spec": render_ray_cluster_spec(spec),
@@ -246,7 +249,7 @@ def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
         "metadata": {
             "name": spec.name,
             "namespace": spec.namespace,
-            "labels": dict(spec.labels),
+            "labels": {**spec.labels, **spec.cost_labels},
             "annotations": dict(SKIP_AWAIT),
         },
         "spec": job_spec,
@@ -278,6 +281,7 @@ def ray_spec_for(
         standing_cluster=STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None,
         overrides=tuple(cfg.recipe_overrides),
         labels={**common_labels(cfg, "training"), "gemma-finetune/recipe": cfg.recipe[:63]},
+        cost_labels=cost_labels(cfg, gke_node_hour(cfg), kubernetes=True),
     )
 
 

@@ -10,7 +10,8 @@ Steps, each timed and explained if it fails:
  4. score the merged result AFTER training on the same rows
  5. check the export exactly as the cloud does (serving/completion.py: marker, inventory, readable files)
  6. serve it on 127.0.0.1 (serving/local_server.py) and ask the seed prompt with serving/client.py
- 7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json
+ 7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json, and print what
+    the same training wall time would cost on each stack's hardware (infra/plan.py cost_on_each_stack)
 
 Decisions:
 - The recipe's own 60 steps by default (`--max-steps` for fewer): the whole demo takes about
@@ -478,6 +479,13 @@ Next steps: the same pipeline on Google Cloud (README.md has the details)
   pulumi destroy                               # removes everything the stack created"""
 
 
+def cost_lines(wall_seconds: float) -> list[str]:
+    """What the same wall time would cost on each stack's training hardware (from the one price table)."""
+    from infra.plan import cost_on_each_stack  # the Pulumi program's modules, only for the report
+
+    return cost_on_each_stack(wall_seconds)
+
+
 def print_report(demo: DemoResult, wall_s: float) -> None:
     b, a = demo.before, demo.after
     print("\n" + "=" * 78)
@@ -491,6 +499,12 @@ def print_report(demo: DemoResult, wall_s: float) -> None:
             f"Train  : {rs.get('steps')} steps, final loss {_number(rs.get('final_train_loss'))}, "
             f"{_number(rs.get('tokens_per_second'), 0)} tokens/s, {_number(rs.get('train_runtime_s'), 0)} s"
         )
+    if rs and rs.get("wall_time_s") is not None:
+        print(
+            f"Cost   : this training's {rs['wall_time_s']:.0f} s wall time on each stack's hardware (infra/pricing.py):"
+        )
+        for line in cost_lines(float(rs["wall_time_s"])):
+            print(f"  {line}")
     print(f"Outputs: {demo.output_dir}")
     print(f"  merged model  {demo.merged_dir}  (served as `gemma`; vLLM serves this same folder in the cloud)")
     print(f"  adapter       {demo.output_dir / 'adapter'}")

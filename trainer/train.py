@@ -10,7 +10,8 @@ Output layout under `output.dir` (a folder, or a URL mirrored from a local stagi
     adapter/                    the final LoRA adapter + tokenizer
     merged/                     base + adapter merged in bf16, with _COMPLETE.json last (output.merge)
     logs/                       TensorBoard event files
-    run_summary.json            steps, non-pad tokens seen, tokens/s, losses, wall time, recipe, model
+    run_summary.json            steps, non-pad tokens seen, tokens/s, losses, wall time, recipe, model, and the
+                                cost line (`cost`: trainer/cost_line.py, priced from the stack's _PRICE.json)
     _RUN_COMPLETE.json          written LAST: the run finished; a rerun on this output.dir does nothing
 
 Decisions:
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
+from trainer.cost_line import SUMMARY_COST_KEY, run_cost_line
 from trainer.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -328,7 +330,7 @@ def run_summary(
     resumed_from: Path | None,
     wall_time_s: float,
 ) -> dict[str, Any]:
-    """What a person checks after a run: how far it got, how fast, and how well."""
+    """What a person checks after a run: how far it got, how fast, how well, and what it cost."""
     state = trainer.state
     train_losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
     runtime = float(train_output.metrics.get("train_runtime", wall_time_s))
@@ -345,6 +347,7 @@ def run_summary(
         "eval_loss": eval_loss,
         "train_runtime_s": round(runtime, 2),
         "wall_time_s": round(wall_time_s, 2),
+        SUMMARY_COST_KEY: run_cost_line(recipe.output.dir, wall_time_s),
     }
 
 

@@ -61,7 +61,7 @@ APIS=(
   cloudresourcemanager.googleapis.com serviceusage.googleapis.com cloudkms.googleapis.com
   storage.googleapis.com artifactregistry.googleapis.com secretmanager.googleapis.com
   container.googleapis.com compute.googleapis.com logging.googleapis.com run.googleapis.com
-  cloudbuild.googleapis.com
+  cloudbuild.googleapis.com cloudquotas.googleapis.com billingbudgets.googleapis.com monitoring.googleapis.com
 )
 
 # ---------------------------------------------------------------------------------------- checks
@@ -187,10 +187,10 @@ if [[ "$STATE_BACKEND" == bucket ]]; then
       --project="$PROJECT_ID" --purpose=encryption
   fi
 fi
-# What the stack files use: workloads, and features (.ci/stacks.py: reservation, cloud-build).
+# What the stack files use: workloads, and features (.ci/stacks.py: reservation, gpu-quota, budget, cloud-build).
 workloads=$(echo "$STACK_LINES" | awk '{print $2}' | sort -u)
 features=$(echo "$STACK_LINES" | awk '{print $3}' | tr ',' '\n' | sort -u)
-has_cloud_run=false has_gke=false has_reservation=false has_cloud_build=false
+has_cloud_run=false has_gke=false has_reservation=false has_cloud_build=false has_gpu_quota=false has_budget=false
 grep -qx cloud-run <<<"$workloads" && has_cloud_run=true
 grep -qx -e gke-job -e gke-ray <<<"$workloads" && has_gke=true
 grep -qx reservation <<<"$features" && has_reservation=true
@@ -198,6 +198,11 @@ grep -qx cloud-build <<<"$features" && has_cloud_build=true
 has_cloud_run_cloud_build=false
 awk '$2 == "cloud-run" && ("," $3 ",") ~ /,cloud-build,/ {found = 1} END {exit !found}' <<<"$STACK_LINES" &&
   has_cloud_run_cloud_build=true
+grep -qx budget <<<"$features" && has_budget=true
+# GKE stacks whose capacity draws on GPU quota (the Cloud Run stacks always do).
+if $has_gke && echo "$STACK_LINES" | awk '$2 != "cloud-run" {print $3}' | tr ',' '\n' | grep -qx gpu-quota; then
+  has_gpu_quota=true
+fi
 
 if $has_cloud_run; then grant_state gft-ci-preview roles/storage.objectViewer; fi
 if $has_gke; then grant_state gft-ci-preview-gke roles/storage.objectViewer; fi
@@ -211,6 +216,7 @@ ensure_custom_role gftCiSecretCreator "gemma-finetune CI secret creator" secretm
 ensure_custom_role gftCiAccountCreator "gemma-finetune CI service account creator" iam.serviceAccounts.create
 ensure_custom_role gftCiReservationReader "gemma-finetune CI reservation reader" \
   compute.reservations.get,compute.zones.list
+ensure_custom_role gftCiQuotaReader "gemma-finetune CI quota reader" cloudquotas.quotas.get
 ensure_custom_role gftCiProjectIamGranter "gemma-finetune CI project IAM granter" \
   resourcemanager.projects.getIamPolicy,resourcemanager.projects.setIamPolicy
 custom="projects/$PROJECT_ID/roles"
@@ -228,11 +234,13 @@ grants_only() {
 if $has_cloud_run; then
   grant_project gft-ci-preview "$custom/gftCiBucketLister"
   grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
+  grant_project gft-ci-preview "$custom/gftCiQuotaReader"
 fi
 if $has_gke; then
   grant_project gft-ci-preview-gke "$custom/gftCiBucketLister"
   grant_project gft-ci-preview-gke roles/container.developer
   if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
+  if $has_gpu_quota; then grant_project gft-ci-preview-gke "$custom/gftCiQuotaReader"; fi
 fi
 
 grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
@@ -252,6 +260,16 @@ if $has_gke; then
   grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" \
     "$(grants_only roles/container.defaultNodeServiceAccount roles/logging.logWriter)" gft-ci-grant-project-log-roles
   if $has_reservation; then grant_project gft-ci-deploy "$custom/gftCiReservationReader"; fi
+fi
+if $has_cloud_run || $has_gpu_quota; then grant_project gft-ci-deploy "$custom/gftCiQuotaReader"; fi
+if $has_budget; then
+  grant_project gft-ci-deploy roles/monitoring.notificationChannelEditor
+  # A budget lives on the billing account: granting there needs Billing Account Administrator on it.
+  billing_account=$(gcloud billing projects describe "$PROJECT_ID" --format='value(billingAccountName)')
+  billing_account=${billing_account#billingAccounts/}
+  step "Billing account $billing_account: the deploy manages the stacks' budgets (needs you to administer it)"
+  gcloud billing accounts add-iam-policy-binding "$billing_account" --member="$(member gft-ci-deploy)" \
+    --role=roles/billing.costsManager --quiet >/dev/null
 fi
 if $has_cloud_build; then
   grant_project gft-ci-deploy roles/cloudbuild.builds.editor

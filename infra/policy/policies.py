@@ -37,7 +37,17 @@ Decisions
   The program keeps it from happening: workload names derive from the images' content hash, and
   only the image digest is left unknown, as a leaf.
 
-Not here: cost limits, regions, quotas (the stack configuration validates those), Kubernetes RBAC.
+- Cost: a training workload labelled with the stack's limit (`max-run-cost-usd`, from `maxRunCostUsd`) must
+  not be able to cost more. The pack sees resources, not config, so it reads the hourly price the program
+  wrote from its one price table (`node-hour-cents`, infra/pricing.py) and everything else from the workload
+  itself: nodes (Job `parallelism`, RayJob worker `replicas`, Cloud Run `taskCount`), the deadline
+  (`activeDeadlineSeconds`, Cloud Run `timeout`) and the retries that restart it (RayJob `backoffLimit`,
+  Cloud Run `maxRetries`; a Kubernetes Job's deadline covers its retries). A code change that raises a
+  deadline, a node count or a retry count is caught in the PR preview. `NODE_RELEASE_S` and the formula are
+  the program's (`infra.cost`); a test computes both over every stack and keeps them equal. A standing
+  RayCluster has no deadline, so one labelled with a limit is a violation.
+
+Not here: regions, quotas (the stack configuration and preflight check those), Kubernetes RBAC.
 """
 
 from __future__ import annotations
@@ -500,6 +510,113 @@ def required_labels(resource_type: str, props: Mapping[str, Any]) -> list[str]:
     ]
 
 
+# Kept equal to infra/cost.py NODE_RELEASE_S (GKE nodes outlive their Pods until scale-down); tests/policy checks it.
+NODE_RELEASE_S = 600
+NODE_HOUR_CENTS = "node-hour-cents"
+MAX_RUN_COST = "max-run-cost-usd"
+K8S_COST_PREFIX = "gemma-finetune/"
+# Cloud Run's own defaults when a field is left out (Cloud Run jobs reference: 3 retries, a 10 minute task timeout).
+CLOUD_RUN_DEFAULT_RETRIES = 3
+CLOUD_RUN_DEFAULT_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class CeilingParts:
+    """What a workload's own fields say about its most expensive run."""
+
+    nodes: int
+    deadline_s: float
+    tail_s: float
+    attempts: int
+
+    def usd(self, cents: int) -> float:
+        return round(cents * self.nodes * self.attempts * (self.deadline_s + self.tail_s) / 3600 / 100, 2)
+
+    def explain(self, cents: int) -> str:
+        return (
+            f"${cents / 100:,.2f}/h x {self.nodes} x ({self.deadline_s:.0f} s deadline + {self.tail_s:.0f} s release) "
+            f"x {self.attempts} attempt(s)"
+        )
+
+
+def _cost_labels(resource_type: str, props: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    labels = props.get("labels") if resource_type == CLOUD_RUN_JOB else _dig(props, "metadata", "labels")
+    return labels if isinstance(labels, Mapping) else None
+
+
+def _label(labels: Mapping[str, Any], resource_type: str, key: str) -> Any:
+    return labels.get(key if resource_type == CLOUD_RUN_JOB else K8S_COST_PREFIX + key)
+
+
+def _int(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+def ceiling_parts(resource_type: str, props: Mapping[str, Any]) -> CeilingParts | str:
+    """The nodes, deadline, tail and attempts of a training workload, or why they cannot be read."""
+    if resource_type == K8S_JOB:
+        deadline = _seconds(_dig(props, "spec", "activeDeadlineSeconds"))
+        nodes = _int(_dig(props, "spec", "parallelism"), 1)
+        return CeilingParts(nodes, deadline, NODE_RELEASE_S, 1) if deadline else "spec.activeDeadlineSeconds is not set"
+    if resource_type == RAY_JOB:
+        spec = props.get("spec") or {}
+        if "rayClusterSpec" not in spec:
+            return "it runs on a standing RayCluster, which has no deadline"
+        deadline = _seconds(spec.get("activeDeadlineSeconds"))
+        if not deadline:
+            return "spec.activeDeadlineSeconds is not set"
+        groups = _dig(props, "spec", "rayClusterSpec", "workerGroupSpecs") or []
+        nodes = sum(
+            max(_int(g.get("replicas"), 0), _int(g.get("maxReplicas"), 0))
+            for g in groups
+            if isinstance(g, Mapping) and requests_gpu(g)
+        )
+        ttl = _int(spec.get("ttlSecondsAfterFinished"), 0) if spec.get("shutdownAfterJobFinishes") is True else 0
+        return CeilingParts(nodes, deadline, NODE_RELEASE_S + ttl, _int(spec.get("backoffLimit"), 0) + 1)
+    if resource_type == CLOUD_RUN_JOB:
+        template = props.get("template") or {}
+        task = template.get("template") or {}
+        deadline = _seconds(task.get("timeout")) or CLOUD_RUN_DEFAULT_TIMEOUT_S
+        retries = _int(task.get("maxRetries"), CLOUD_RUN_DEFAULT_RETRIES)
+        return CeilingParts(_int(template.get("taskCount"), 1), deadline, 0, retries + 1)
+    return f"{resource_type} is not a training workload with a deadline"
+
+
+def run_cost_within_limit(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """A training workload labelled `max-run-cost-usd` cannot cost more than that in one run."""
+    if resource_type not in (K8S_JOB, RAY_JOB, RAY_CLUSTER, CLOUD_RUN_JOB):
+        return []
+    labels = _cost_labels(resource_type, props)
+    if labels is None:
+        return []
+    limit = _label(labels, resource_type, MAX_RUN_COST)
+    if limit is None or is_unknown(limit):
+        return []
+    if not str(limit).isdigit():
+        return [f"label {MAX_RUN_COST}={limit!r} is not whole US dollars (maxRunCostUsd)"]
+    if resource_type == RAY_CLUSTER:
+        return [
+            f"a standing RayCluster has no deadline, so it cannot stay within {MAX_RUN_COST}={limit}: run training "
+            "as an ephemeral RayJob (rayCluster: ephemeral), or remove maxRunCostUsd"
+        ]
+    price = _label(labels, resource_type, NODE_HOUR_CENTS)
+    if price is None or is_unknown(price) or not str(price).isdigit():
+        return [
+            f"{MAX_RUN_COST}={limit} cannot be checked: the label {NODE_HOUR_CENTS} (the hourly price the program takes "
+            f"from infra/pricing.py) is {price!r}; set trainingHourPriceUsd for hardware the table lacks"
+        ]
+    parts = ceiling_parts(resource_type, props)
+    if isinstance(parts, str):
+        return [f"{MAX_RUN_COST}={limit} cannot be checked: {parts}"]
+    usd = parts.usd(int(price))
+    if usd <= int(limit):
+        return []
+    return [
+        f"one run can cost {usd:,.2f} USD ({parts.explain(int(price))}), above {MAX_RUN_COST}={limit} (maxRunCostUsd): "
+        "lower trainingTimeoutMinutes, nodes or trainingRetries, choose cheaper capacity, or raise maxRunCostUsd"
+    ]
+
+
 # --- the pack's policies -----------------------------------------------------------------
 
 
@@ -541,6 +658,12 @@ GUARD_RAILS: tuple[GuardRail, ...] = (
         "required-labels",
         "Buckets, registries, secrets, clusters and Cloud Run jobs/services carry app/stack/workload labels.",
         required_labels,
+    ),
+    GuardRail(
+        "run-cost-within-limit",
+        "A training workload labelled max-run-cost-usd cannot cost more in one run (price label x its own nodes, "
+        "deadline and retries).",
+        run_cost_within_limit,
     ),
     GuardRail(
         "workload-known-at-preview",

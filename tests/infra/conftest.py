@@ -69,8 +69,9 @@ class Variant:
 _NO_RESERVATION = ("reservationName",)
 SERVING_ON = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}
 MOCK_API_KEY = "mock-vllm-api-key-not-a-real-credential"
+BUDGET = {"billingAccount": "012345-6789AB-CDEF01", "budgetUsd": 500, "budgetEmails": ["alice@example.com"]}
 # Every stack as committed, each capacity mode, one and two nodes, Ray ephemeral and standing, serving on
-# (private, and public with the API key Pulumi.yaml asks for), each image build mode, no HF token.
+# (private, and public with the API key Pulumi.yaml asks for), each image build mode, no HF token, a budget.
 USER_VARIANTS: tuple[Variant, ...] = (
     Variant("dev", "dev"),
     Variant("dev, no token", "dev", {"recipe": "emoji-local"}, hf_token=None),
@@ -83,12 +84,15 @@ USER_VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("dev, cloud-build, serving", "dev", {**SERVING_ON, "imageBuild": "cloud-build"}, assume_trained=True),
     Variant("dev, prebuilt", "dev", dict(PREBUILT)),
+    # A stack file with a budget is its own group for the setup: serving on, so it holds every grant dev needs.
+    Variant("dev, budget, serving", "dev", {**SERVING_ON, **BUDGET}, assume_trained=True),
     Variant("a4 (reservation)", "a4-gemma4"),
     Variant("a4, spot", "a4-gemma4", {"capacity": "spot"}, _NO_RESERVATION),
     Variant("a4, flex-start", "a4-gemma4", {"capacity": "flex-start"}, _NO_RESERVATION),
     Variant("a4, on-demand", "a4-gemma4", {"capacity": "on-demand"}, _NO_RESERVATION),
     Variant("a4, 2 nodes", "a4-gemma4", {"nodes": 2}),
     Variant("a4, cloud-build", "a4-gemma4", {"imageBuild": "cloud-build"}),
+    Variant("a4, spot, budget", "a4-gemma4", {"capacity": "spot", **BUDGET}, _NO_RESERVATION),
     Variant("ray (ephemeral, 2 nodes)", "ray-gemma3-vision"),
     Variant("ray, standing", "ray-gemma3-vision", {"rayCluster": "standing"}),
     Variant("ray, spot, 1 node", "ray-gemma3-vision", {"capacity": "spot", "nodes": 1}, _NO_RESERVATION),

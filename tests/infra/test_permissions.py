@@ -67,7 +67,7 @@ def _member(run: StackRun, account: str) -> str:
     return ci_member(account)(run.cfg)
 
 
-# The 16 variant runs (a shared session fixture) take about 15 s on 2 busy cores; the proof over them ~20 s more.
+# The 18 variant runs (a shared session fixture) take about 15 s on 2 busy cores; the proof over them ~20 s more.
 @pytest.mark.slow
 class TestProof:
     def test_every_needed_permission_is_granted(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
@@ -237,9 +237,9 @@ class TestTheProofCanFail:
             deploy_needs(replace(ray, resources=[*ray.resources, network]))
 
     def test_an_invoke_without_a_row_fails_the_proof(self, ray: StackRun) -> None:
-        quota = ("gcp:cloudquota/getSQuotaInfo:getSQuotaInfo", {"parent": "projects/my-gcp-project"})
-        with pytest.raises(ValueError, match="getSQuotaInfo is unknown"):
-            preview_needs(replace(ray, invokes=[*ray.invokes, quota]))
+        account = ("gcp:billing/getAccount:getAccount", {"billingAccount": "012345-6789AB-CDEF01"})
+        with pytest.raises(ValueError, match="getAccount is unknown"):
+            preview_needs(replace(ray, invokes=[*ray.invokes, account]))
 
 
 @pytest.mark.slow
@@ -273,6 +273,34 @@ class TestDerivedNeeds:
             assert run.cfg is not None
             reads = "compute.reservations.get" in {n.permission for n in preview_needs(run)}
             assert reads == ("reservation" in stack_features(run.cfg)), variant.label
+
+    def test_gpu_quota_is_read_where_the_run_draws_on_it(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """Every preview of a Cloud Run stack, and of a GKE stack whose capacity is not a reservation, reads GPU
+        quota (so each CI identity of such a stack needs cloudquotas.quotas.get on the project); no other does."""
+        for variant, run in user_variant_runs:
+            assert run.cfg is not None
+            reads = {(n.permission, n.scope) for n in preview_needs(run) if n.permission.startswith("cloudquotas.")}
+            draws = run.cfg.workload.value == "cloud-run" or "gpu-quota" in stack_features(run.cfg)
+            assert reads == ({("cloudquotas.quotas.get", Scope.PROJECT)} if draws else set()), variant.label
+
+    def test_a_budget_is_managed_on_its_billing_account(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """The deploy manages the budget on the billing account and its channels in the project; a preview reads
+        nothing for it; a grant on the project does not reach a billing account."""
+        run = {variant.label: run for variant, run in user_variant_runs}["a4, spot, budget"]
+        needs = {(n.permission, n.scope) for n in deploy_needs(run)}
+        assert {
+            ("billing.budgets.create", Scope.BILLING_ACCOUNT),
+            ("billing.budgets.delete", Scope.BILLING_ACCOUNT),
+            ("monitoring.notificationChannels.create", Scope.PROJECT),
+        } <= needs
+        assert not [n for n in preview_needs(run) if n.permission.startswith(("billing.", "monitoring."))]
+        assert missing(run, _all(run)) == []
+        moved = [replace(g, scope=Scope.PROJECT) if g.scope is Scope.BILLING_ACCOUNT else g for g in _all(run)]
+        assert any(f"lacks billing.budgets.create on {Scope.BILLING_ACCOUNT}" in p for p in missing(run, moved))
 
     def test_every_invoke_row_is_one_the_program_calls(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
         called = {token for _, run in user_variant_runs for token, _ in run.invokes}

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from infra import preflight
-from infra.offline import ProviderError, StackRun, mock_reservation, run_stack, stack_names
+from infra.offline import ProviderError, StackRun, mock_quota_info, mock_reservation, run_stack, stack_names
 from infra.preflight import PreflightError
 from tests.infra.conftest import PREBUILT
 
@@ -88,6 +88,12 @@ class TestStopsBeforeAnything:
         msg = fails("ray-gemma3-vision", reservations=at("us-central1-a", count=1))
         assert "it holds 1 machines (0 in use), and nodes=2 needs 2" in msg
 
+    def test_one_machine_short_names_both_numbers_and_the_command(self) -> None:
+        msg = fails("ray-gemma3-vision", reservations=at("us-central1-a", count=1))
+        assert "it holds 1 machines (0 in use), and nodes=2 needs 2" in msg
+        assert LIST_COMMAND in msg
+        run_stack("ray-gemma3-vision", overrides=PREBUILT, reservations=at("us-central1-a", count=2))
+
     def test_not_specific(self) -> None:
         msg = fails(reservations=at("us-central1-a", specific=False))
         assert (
@@ -135,3 +141,217 @@ class TestBusyReservation:
     def test_the_ray_stack_while_its_workers_hold_the_reservation(self, monkeypatch: pytest.MonkeyPatch) -> None:
         run, warnings = self.up(monkeypatch, "ray-gemma3-vision", count=2, in_use=2)
         assert run.outputs["rayJobName"] and len(warnings) == 1 and "nodes=2 needs 2 free" in warnings[0]
+
+
+# --- GPU quota (Cloud Quotas API), the preflight setting, the cost ceiling -------------------------------------
+
+GET_QUOTA = "gcp:cloudquota/getSQuotaInfo:getSQuotaInfo"
+COMPUTE = "compute.googleapis.com"
+RUN = "run.googleapis.com"
+SPOT_B200 = "PREEMPTIBLE-NVIDIA-B200-GPUS-per-project-region"
+FAMILY = "GPUS-PER-GPU-FAMILY-per-project-region"
+ALL_REGIONS = "GPUS-ALL-REGIONS-per-project"
+L4_JOB = "NvidiaL4GpuAllocNoZonalRedundancyPerProjectRegion"
+L4_ZONAL = "NvidiaL4GpuAllocPerProjectRegion"
+NO_RESERVATION = ("reservationName",)
+DENIED = ProviderError(
+    "googleapi: Error 403: Permission 'cloudquotas.quotas.get' denied on resource (or it may not exist)"
+)
+
+
+def quota(service: str, quota_id: str, value: int, **kwargs: Any) -> dict[str, Any]:
+    return {quota_id: mock_quota_info(service, quota_id, value, **kwargs)}
+
+
+def asked(stack_run_or_exc: Any) -> dict[str, str]:
+    """quota id -> service of every Cloud Quotas invoke the program made."""
+    return {a["quotaId"]: a["service"] for t, a in stack_run_or_exc.invokes if t == GET_QUOTA}
+
+
+def a4(capacity: str, **overrides: Any) -> dict[str, Any]:
+    return {**PREBUILT, "capacity": capacity, **overrides}
+
+
+def fails_with(stack: str, overrides: dict[str, Any], remove: tuple[str, ...] = (), **kwargs: Any) -> str:
+    with pytest.raises(PreflightError) as caught:
+        run_stack(stack, overrides=overrides, remove=remove, **kwargs)
+    assert getattr(caught.value, "declared_resources", None) == [], "preflight runs before any resource"
+    return str(caught.value)
+
+
+class TestGpuQuotaIsAsked:
+    """Each capacity type draws on its own quota; the happy path of every stack passes."""
+
+    def test_reservation_needs_no_quota(self) -> None:
+        assert asked(run_stack(A4, overrides=PREBUILT)) == {}
+
+    @pytest.mark.parametrize("capacity", ["spot", "flex-start"])
+    def test_spot_and_flex_start_draw_on_preemptible_quota(self, capacity: str) -> None:
+        assert asked(run_stack(A4, overrides=a4(capacity), remove=NO_RESERVATION)) == {SPOT_B200: COMPUTE}
+
+    def test_on_demand_draws_on_the_b200_family_and_the_all_regions_cap(self) -> None:
+        stack_run = run_stack(A4, overrides=a4("on-demand"), remove=NO_RESERVATION)
+        assert asked(stack_run) == {FAMILY: COMPUTE, ALL_REGIONS: COMPUTE}
+        parents = {a["parent"] for t, a in stack_run.invokes if t == GET_QUOTA}
+        assert parents == {f"projects/{PROJECT}"}
+
+    def test_dev_asks_the_job_quota_and_the_service_quota(self) -> None:
+        assert asked(run_stack("dev", overrides=PREBUILT)) == {L4_JOB: RUN}
+        serving = {"servingEnabled": True, "gpuZonalRedundancy": True}
+        assert asked(run_stack("dev", overrides={**PREBUILT, **serving}, assume_trained=True)) == {
+            L4_JOB: RUN,
+            L4_ZONAL: RUN,
+        }
+
+
+class TestGpuQuotaStops:
+    """Quota below the run's need stops before anything is declared: key, number found, number needed, fix."""
+
+    @pytest.mark.parametrize("capacity", ["spot", "flex-start"])
+    def test_preemptible_quota_zero(self, capacity: str) -> None:
+        msg = fails_with(A4, a4(capacity), NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 0))
+        assert f"GPU quota {SPOT_B200} (compute.googleapis.com, region us-central1) is 0" in msg
+        assert f"capacity={capacity} with nodes=1 x gpusPerNode=8 (nvidia-b200) needs 8" in msg
+        assert f"--quota-id={SPOT_B200} --preferred-value=8 --dimensions=region=us-central1" in msg
+        assert f"console.cloud.google.com/iam-admin/quotas?project={PROJECT}" in msg
+
+    def test_one_gpu_short_names_both_numbers_and_the_request(self) -> None:
+        msg = fails_with(A4, a4("spot", nodes=2), NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 15))
+        assert "is 15, and capacity=spot with nodes=2 x gpusPerNode=8 (nvidia-b200) needs 16" in msg
+        assert (
+            f"gcloud quotas preferences create --service=compute.googleapis.com --quota-id={SPOT_B200} "
+            f"--preferred-value=16 --dimensions=region=us-central1 --project={PROJECT}"
+        ) in msg
+        run_stack(A4, overrides=a4("spot", nodes=2), remove=NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 16))
+
+    def test_two_nodes_need_sixteen(self) -> None:
+        msg = fails_with(A4, a4("spot", nodes=2), NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 8))
+        assert "is 8, and capacity=spot with nodes=2 x gpusPerNode=8 (nvidia-b200) needs 16" in msg
+
+    def test_on_demand_reads_the_b200_row_of_the_family_quota(self) -> None:
+        """The family quota has a row per GPU family: another family's grant does not count for B200."""
+        rows = quota(
+            COMPUTE,
+            FAMILY,
+            0,
+            more=(
+                {"dimensions": {"gpu_family": "NVIDIA_H100"}, "details": [{"value": "64"}], "applicableLocations": []},
+            ),
+        )
+        msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=rows)
+        assert f"GPU quota {FAMILY} (compute.googleapis.com, region us-central1) is 0" in msg
+        assert "--dimensions=region=us-central1,gpu_family=NVIDIA_B200" in msg
+
+    def test_the_most_specific_row_wins(self) -> None:
+        b200 = {
+            "dimensions": {"gpu_family": "NVIDIA_B200", "region": "us-central1"},
+            "details": [{"value": "8"}],
+            "applicableLocations": ["us-central1"],
+        }
+        run_stack(A4, overrides=a4("on-demand"), remove=NO_RESERVATION, quotas=quota(COMPUTE, FAMILY, 0, more=(b200,)))
+
+    def test_a_row_for_another_region_does_not_count(self) -> None:
+        rows = quota(COMPUTE, SPOT_B200, 64, dimensions={"region": "europe-west4"}, locations=("europe-west4",))
+        assert "is 0, and capacity=spot" in fails_with(A4, a4("spot"), NO_RESERVATION, quotas=rows)
+
+    def test_unlimited_passes(self) -> None:
+        run_stack(A4, overrides=a4("spot"), remove=NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, -1))
+
+    def test_the_all_regions_cap(self) -> None:
+        msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=quota(COMPUTE, ALL_REGIONS, 4))
+        assert f"GPU quota {ALL_REGIONS} (compute.googleapis.com, all regions) is 4" in msg
+        assert f"--quota-id={ALL_REGIONS} --preferred-value=8 --project={PROJECT}" in msg
+
+    def test_cloud_run_job_quota_zero(self) -> None:
+        msg = fails_with("dev", dict(PREBUILT), quotas=quota(RUN, L4_JOB, 0))
+        assert f"GPU quota {L4_JOB} (run.googleapis.com, region us-central1) is 0" in msg
+        assert "the training Job (gpuType=nvidia-l4, 1 task) needs 1" in msg
+
+    def test_cloud_run_service_on_the_zonal_quota_needs_max_instances_plus_one(self) -> None:
+        serving = {**PREBUILT, "servingEnabled": True, "gpuZonalRedundancy": True, "servingMaxInstances": 3}
+        msg = fails_with("dev", serving, quotas=quota(RUN, L4_ZONAL, 2), assume_trained=True)
+        assert f"GPU quota {L4_ZONAL} (run.googleapis.com, region us-central1) is 2" in msg
+        assert "servingMaxInstances=3 + 1 while a new revision starts) needs 4" in msg
+
+    def test_job_and_service_on_one_quota_add_up(self) -> None:
+        serving = {**PREBUILT, "servingEnabled": True, "servingMaxInstances": 2}
+        msg = fails_with("dev", serving, quotas=quota(RUN, L4_JOB, 3), assume_trained=True)
+        assert "the training Job (gpuType=nvidia-l4, 1 task) + the vLLM service" in msg and "needs 4" in msg
+
+
+class TestPreflightSetting:
+    """strict stops (naming the missing permission and the switch), warn reports and goes on, off asks nothing."""
+
+    def test_strict_names_the_permission_and_how_to_switch_to_warn(self) -> None:
+        msg = fails_with("dev", dict(PREBUILT), quotas={L4_JOB: DENIED})
+        assert "could not read GPU quota NvidiaL4GpuAllocNoZonalRedundancyPerProjectRegion" in msg
+        assert "cloudquotas.quotas.get" in msg and "roles/cloudquotas.viewer" in msg
+        assert "pulumi config set preflight warn" in msg
+
+    def test_a_disabled_api_names_the_command_that_enables_it(self) -> None:
+        disabled = ProviderError(
+            "googleapi: Error 403: Cloud Quotas API has not been used in project 1, SERVICE_DISABLED"
+        )
+        msg = fails_with(A4, a4("spot"), NO_RESERVATION, quotas={SPOT_B200: disabled})
+        assert f"gcloud services enable cloudquotas.googleapis.com --project {PROJECT}" in msg
+
+    def test_warn_declares_the_stack_and_reports_the_problem(self) -> None:
+        stack_run = run_stack("dev", overrides={**PREBUILT, "preflight": "warn"}, quotas={L4_JOB: DENIED})
+        assert stack_run.of_type("gcp:cloudrunv2/job:Job")
+        assert any("cloudquotas.quotas.get" in w for w in stack_run.warnings), stack_run.warnings
+
+    def test_warn_covers_the_reservation_check_too(self) -> None:
+        missing = {f"{PROJECT}/us-central1-a/{NAME}": None}
+        stack_run = run_stack(A4, overrides={**PREBUILT, "preflight": "warn"}, reservations=missing)
+        assert stack_run.of_type("kubernetes:batch/v1:Job")
+        assert any("does not exist in region us-central1" in w for w in stack_run.warnings), stack_run.warnings
+
+    def test_strict_reservation_denial_says_how_to_switch_to_warn(self) -> None:
+        denied = {
+            f"{PROJECT}/us-central1-a/{NAME}": ProviderError(
+                "googleapi: Error 403: Required 'compute.reservations.get'"
+            )
+        }
+        assert "pulumi config set preflight warn" in fails(reservations=denied)
+
+    def test_off_asks_nothing(self) -> None:
+        missing = {f"{PROJECT}/us-central1-a/{NAME}": None}
+        stack_run = run_stack(A4, overrides={**PREBUILT, "preflight": "off"}, reservations=missing)
+        assert not [t for t, _ in stack_run.invokes if t in (GET_QUOTA, GET_RESERVATION)]
+        assert stack_run.of_type("kubernetes:batch/v1:Job") and not stack_run.warnings
+
+    def test_an_unknown_mode_is_a_config_error(self) -> None:
+        from infra.config import ConfigError
+
+        with pytest.raises(ConfigError, match="preflight='loose'"):
+            run_stack("dev", overrides={**PREBUILT, "preflight": "loose"})
+
+
+class TestCostCeiling:
+    """maxRunCostUsd stops preview/up when one run can cost more, naming both numbers and what moves them."""
+
+    def test_over_the_limit(self) -> None:
+        msg = fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1})
+        assert "runCostCeilingUsd=1,210.38 exceeds maxRunCostUsd=1" in msg
+        assert "$148.21/h x 1 node(s) x 8.17 h (deadline 480 min + 10 min release) x 1 attempt(s)" in msg
+        assert "trainingTimeoutMinutes, nodes, capacity (now reservation)" in msg
+        assert "pulumi config set maxRunCostUsd 1211" in msg
+
+    def test_dev_over_the_limit_names_its_retries(self) -> None:
+        msg = fails_with("dev", {**PREBUILT, "maxRunCostUsd": 1})
+        assert "runCostCeilingUsd=4.29 exceeds maxRunCostUsd=1" in msg and "x 3 attempt(s)" in msg
+        assert "trainingTimeoutMinutes, trainingRetries, gpuType" in msg
+
+    def test_at_the_limit_passes_and_off_does_not_lift_it(self) -> None:
+        run_stack(A4, overrides={**PREBUILT, "maxRunCostUsd": 1211})
+        assert "exceeds maxRunCostUsd=1210" in fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1210, "preflight": "off"})
+
+    def test_a_standing_ray_cluster_has_no_ceiling(self) -> None:
+        msg = fails_with("ray-gemma3-vision", {**PREBUILT, "rayCluster": "standing", "maxRunCostUsd": 100000})
+        assert "cannot hold with rayCluster=standing" in msg and "296.42 USD/h" in msg
+
+    def test_hardware_without_a_price_asks_for_one(self) -> None:
+        h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "maxRunCostUsd": 100}
+        msg = fails_with(A4, {**h100x4, "capacity": "spot"}, NO_RESERVATION)
+        assert "maxRunCostUsd=100 cannot be checked" in msg and "trainingHourPriceUsd" in msg
+        run_stack(A4, overrides={**h100x4, "capacity": "spot", "trainingHourPriceUsd": "10.5"}, remove=NO_RESERVATION)

@@ -85,6 +85,9 @@ FORBIDDEN_PROJECT_PERMISSIONS = {
 }
 READ_VERBS = ("get", "list", "useToDecrypt")
 
+# The billing account the fake `gcloud billing projects describe` says the project is billed to.
+PROJECT_BILLING_ACCOUNT = "0A1B2C-3D4E5F-6A7B8C"
+
 FAKE_GCLOUD = r'''#!{python}
 """A recording gcloud: logs argv, remembers what `create` made, answers `describe` from that memory."""
 import json, os, sys
@@ -108,6 +111,9 @@ def key(argv):
 
 if args[:2] == ["projects", "describe"]:
     print("{number}")
+    sys.exit(0)
+if args[:3] == ["billing", "projects", "describe"]:
+    print("billingAccounts/{billing}")
     sys.exit(0)
 verb = next((a for a in args if a in VERBS), None)
 if verb == "describe":
@@ -175,12 +181,18 @@ def _grant(call: list[str]) -> Grant | None:
         return Grant(identity, role, f"bucket:{target.removeprefix('gs://')}")
     if call[:2] == ["kms", "keys"]:
         return Grant(identity, role, f"key:{target}")
+    if call[:2] == ["billing", "accounts"]:
+        return Grant(identity, role, f"billing-account:{target}")
     raise AssertionError(f"unexpected binding command {call}")
 
 
 def run_setup(tmp_path: Path, repo: Path = REPO_ROOT, **overrides: str) -> SetupRun:
     """Run ci-setup.sh with a recording gcloud; the recorder's memory persists in tmp_path between runs."""
-    base, log = fake_command(tmp_path, "gcloud", FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"]))
+    base, log = fake_command(
+        tmp_path,
+        "gcloud",
+        FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"]).replace("{billing}", PROJECT_BILLING_ACCOUNT),
+    )
     state = tmp_path / "gcloud-state.json"
     env = {
         **base,
@@ -229,6 +241,8 @@ def expected_grants(found_stacks: dict[str, tuple[str, list[str]]], backend: str
                     grants.add(
                         Grant(identity, role, f"bucket:{STATE_BUCKET}" if scope == "state-bucket" else f"key:{KMS_KEY}")
                     )
+            elif scope == "billing-account":
+                grants.add(Grant(identity, role, f"billing-account:{PROJECT_BILLING_ACCOUNT}"))
             elif scope == "workload-account":
                 for stack in stacks:
                     email = f"gft-{stack}-{grant['account']}@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
@@ -567,8 +581,9 @@ class TestRunningTheScript:
         "stacks",
         [
             {"emoji": ("cloud-run", ["cloud-build"])},
-            {"emoji": ("cloud-run", ["cloud-build"]), "b200": ("gke-job", [])},
-            {"emoji": ("cloud-run", []), "b200": ("gke-job", ["cloud-build"])},
+            # a GKE stack on the default capacity draws on GPU quota (gpu-quota: the preflight reads it)
+            {"emoji": ("cloud-run", ["cloud-build"]), "b200": ("gke-job", ["gpu-quota"])},
+            {"emoji": ("cloud-run", []), "b200": ("gke-job", ["cloud-build", "gpu-quota"])},
         ],
         ids=["cloud-run-builds", "cloud-run-builds-and-gke", "gke-builds"],
     )
@@ -589,6 +604,25 @@ class TestRunningTheScript:
         needed = 1 if any(w.startswith("gke") for w, _ in stacks.values()) else 0
         needed += any(w == "cloud-run" and "cloud-build" in f for w, f in stacks.values())
         assert len(granter) == needed, granter
+
+    @pytest.mark.slow
+    def test_a_stack_on_gpu_quota_with_a_budget_gets_their_grants(self, tmp_path: Path) -> None:
+        stack_file = (
+            "config:\n  gemma-finetune:workload: gke-job\n  gemma-finetune:capacity: spot\n"
+            "  gemma-finetune:billingAccount: 012345-6789AB-CDEF01\n  gemma-finetune:budgetUsd: 500\n"
+        )
+        repo = a_repository(tmp_path, {"Pulumi.spot.yaml": stack_file})
+        run = run_setup(tmp_path, repo=repo)
+        assert run.returncode == 0, run.stderr
+        assert run.grants() == expected_grants({"spot": ("gke-job", ["budget", "gpu-quota"])})
+        quota = f"projects/{VALUES['PROJECT_ID']}/roles/gftCiQuotaReader"
+        assert {Grant("gft-ci-preview-gke", quota, "project"), Grant("gft-ci-deploy", quota, "project")} <= run.grants()
+        assert Grant("gft-ci-deploy", "roles/monitoring.notificationChannelEditor", "project") in run.grants()
+        billing = Grant("gft-ci-deploy", "roles/billing.costsManager", f"billing-account:{PROJECT_BILLING_ACCOUNT}")
+        assert billing in run.grants()
+        assert not [g for g in run.grants() if "gftCiReservationReader" in g.role], (
+            "no reservation, no reservation read"
+        )
 
     def test_shellcheck(self) -> None:
         shellcheck = Path(sys.executable).parent / "shellcheck"

@@ -81,13 +81,17 @@ class TestFeatures:
                 "  gemma-finetune:imageBuild: docker\n",
                 "Pulumi.lab.yaml": "config:\n  gemma-finetune:workload: cloud-run\n",
                 "Pulumi.spot.yaml": "config:\n  gemma-finetune:workload: gke-ray\n  gemma-finetune:capacity: 'spot'\n"
-                "  gemma-finetune:imageBuild: docker\n",
+                "  gemma-finetune:imageBuild: docker\n  gemma-finetune:billingAccount: 012345-6789AB-CDEF01\n",
             },
             project,
         )
         result = listing(root, "--lines")
         assert result.returncode == 0, result.stderr
-        assert result.stdout.splitlines() == ["a4 gke-job reservation", "lab cloud-run cloud-build", "spot gke-ray -"]
+        assert result.stdout.splitlines() == [
+            "a4 gke-job reservation",
+            "lab cloud-run cloud-build,gpu-quota",
+            "spot gke-ray budget,gpu-quota",
+        ]
 
     def test_components_name_what_pulumi_up_of_the_stack_runs(self, tmp_path: Path) -> None:
         root = repo(

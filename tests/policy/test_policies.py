@@ -692,7 +692,7 @@ class TestPackFiles:
     def test_one_policy_per_guard_rail_with_unique_names(self) -> None:
         names = [p.name for p in policies.resource_policies()]
         assert names == [rail.name for rail in policies.GUARD_RAILS]
-        assert len(set(names)) == len(names) == 8
+        assert len(set(names)) == len(names) == 9
 
     def test_requirements_name_the_policy_sdk(self) -> None:
         lines = Path(POLICY_DIR / "requirements.txt").read_text().splitlines()

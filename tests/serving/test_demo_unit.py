@@ -195,3 +195,26 @@ def test_loss_plot(tmp_path: Path) -> None:
     path = plot_loss(history, tmp_path / "loss.png", "test")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_loss([{"step": 1, "train_runtime": 3}], tmp_path / "none.png", "test") is None
+
+
+def test_the_report_prices_the_run_on_each_stack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`make demo` ends with what its training wall time would cost on each stack's hardware (the one price table)."""
+    from infra.offline import stack_names
+
+    result = demo.DemoResult(
+        output_dir=tmp_path,
+        base_model_dir=tmp_path,
+        merged_dir=tmp_path / "merged",
+        answer="🍌",
+        response={},
+        before={},
+        after={},
+        run_summary={"steps": 60, "wall_time_s": 3600.0},
+        loss_curve=None,
+    )
+    demo.print_report(result, wall_s=4000)
+    out = capsys.readouterr().out
+    assert "Cost   : this training's 3600 s wall time on each stack's hardware" in out
+    for stack in stack_names():
+        assert f"  {stack}: about " in out, out
+    assert "1.43 USD/h x 1 instance(s) x 1.00 h" in out  # dev: one L4 instance for the hour

@@ -1,0 +1,185 @@
+"""What one training run can cost at most, and what serving costs per hour, from the one price table.
+
+    runCostCeilingUsd = hourly price x nodes x (deadline + tail) x attempts
+
+Decisions
+- The ceiling is a true upper bound only where a deadline stops the GPUs, so it follows each workload's
+  real deadline and retry semantics (the values the workload modules render):
+  - gke-job: `activeDeadlineSeconds` bounds the whole Job, retries included ("the activeDeadlineSeconds
+    applies to the duration of the job, no matter how many Pods are created", kubernetes.io Job docs,
+    CLOUD-FACTS §5), so attempts = 1 whatever `backoffLimit` is.
+  - gke-ray (ephemeral): the RayJob deadline is per attempt: a retry deletes the cluster and starts over with
+    a fresh `Status.StartTime` (KubeRay rayjob_controller.go: Retrying -> New -> `initRayJobStatusIfNeed`
+    sets StartTime; `checkActiveDeadlineAndUpdateStatusIfNeeded` measures from it), so attempts =
+    `backoffLimit` + 1, and each attempt may add the cluster's `ttlSecondsAfterFinished`.
+  - cloud-run: the task timeout is per attempt (`gcloud run jobs create --task-timeout`, `--max-retries`), so
+    attempts = `maxRetries` + 1; an instance ends with its task (no tail).
+  - GKE nodes outlive their Pods until the autoscaler removes them: `NODE_RELEASE_S` per attempt (the cluster
+    autoscaler's default scale-down-unneeded-time, 10 min; Autopilot's own value is UNCONFIRMED).
+- A standing Ray cluster (`rayCluster: standing`) has no deadline: no ceiling (None), only a cost per hour;
+  `maxRunCostUsd` refuses it (`infra.preflight.check_cost_ceiling`).
+- `servingCostPerHourUsd` is every instance `servingMaxInstances` allows, awake for an hour (the service
+  scales to zero, so idle hours cost nothing).
+
+- Every run gets its price (`price_document`) as a file in its output folder (`trainer.cost_line.PRICE_FILE`,
+  a `gcp.storage.BucketObject` next to what the trainer writes); the trainer turns it into the cost line
+  of its completion marker and run summary. A file, because env vars and arguments live in the pod
+  template, where a new price would replace a running Job.
+
+Not here: the prices themselves (`infra.pricing`), enforcing the limit (`infra.preflight`, and the policy
+pack's `run-cost-within-limit` over the rendered workloads, which a test keeps equal to this).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra import cloud_run, ray_job
+from infra.config import RayClusterMode, StackConfig, Workload
+from infra.pricing import PRICES_AS_OF, HourlyPrice, cloud_run_instance_hour, gke_node_hour
+from trainer.cost_line import PRICE_FILE, SUMMARY_COST_KEY
+
+NODE_RELEASE_S = 600
+
+
+@dataclass(frozen=True)
+class RunCeiling:
+    """The most one training run can cost, as a product of the settings that move it."""
+
+    hourly: HourlyPrice | None
+    nodes: int
+    deadline_s: int
+    tail_s: int
+    attempts: int
+    bounded: bool = True
+    """False for a standing Ray cluster: it bills until it is switched off."""
+    unit: str = "node"
+    """What the hourly price is for: a GKE node or a Cloud Run instance."""
+
+    @property
+    def usd(self) -> float | None:
+        if self.hourly is None or not self.bounded:
+            return None
+        return round(self.hourly.cents * self.nodes * self.attempts * (self.deadline_s + self.tail_s) / 3600 / 100, 2)
+
+    @property
+    def per_hour_usd(self) -> float | None:
+        return None if self.hourly is None else round(self.hourly.cents * self.nodes / 100, 2)
+
+    def formula(self) -> str:
+        price = f"${self.hourly.usd:,.2f}/h" if self.hourly else "unknown $/h"
+        hours = (self.deadline_s + self.tail_s) / 3600
+        return (
+            f"{price} x {self.nodes} {self.unit}(s) x {hours:.2f} h (deadline {self.deadline_s // 60} min + "
+            f"{self.tail_s // 60} min release) x {self.attempts} attempt(s)"
+        )
+
+
+def training_hour(cfg: StackConfig) -> HourlyPrice | None:
+    """The hourly price of one training node (GKE) or instance (Cloud Run), as the workload labels it."""
+    if cfg.workload is Workload.CLOUD_RUN:
+        return cloud_run.training_instance_hour(cfg)
+    return gke_node_hour(cfg)
+
+
+def serving_hour(cfg: StackConfig) -> HourlyPrice | None:
+    """The hourly price of one vLLM instance (cloud-run with serving on), as the service is sized."""
+    limits = cloud_run.service_limits(cfg)
+    return cloud_run_instance_hour(cfg, cfg.serving_gpu_type, cfg.gpu_zonal_redundancy, limits, serving=True)
+
+
+def run_ceiling(cfg: StackConfig) -> RunCeiling:
+    deadline = cfg.timeout_minutes * 60
+    hourly = training_hour(cfg)
+    if cfg.workload is Workload.CLOUD_RUN:
+        return RunCeiling(hourly, 1, deadline, 0, cfg.training_retries + 1, unit="instance")
+    if cfg.workload is Workload.GKE_JOB:
+        return RunCeiling(hourly, cfg.nodes, deadline, NODE_RELEASE_S, 1)
+    standing = cfg.ray_cluster is RayClusterMode.STANDING
+    tail = NODE_RELEASE_S + (0 if standing else ray_job.CLUSTER_TTL_AFTER_FINISHED_S)
+    return RunCeiling(hourly, cfg.nodes, deadline, tail, cfg.training_retries + 1, bounded=not standing)
+
+
+def serving_per_hour_usd(cfg: StackConfig) -> float | None:
+    hourly = serving_hour(cfg)
+    return None if hourly is None else round(hourly.cents * cfg.serving_max_instances / 100, 2)
+
+
+def outputs(cfg: StackConfig) -> dict[str, object]:
+    """The stack outputs about cost: the ceiling (a number, or None), how it is made, and serving per hour."""
+    ceiling = run_ceiling(cfg)
+    out: dict[str, object] = {
+        "runCostCeilingUsd": ceiling.usd,
+        "runCostCeiling": _ceiling_text(cfg, ceiling),
+    }
+    if cfg.workload is Workload.CLOUD_RUN and cfg.serving_enabled:
+        out["servingCostPerHourUsd"] = serving_per_hour_usd(cfg)
+    return out
+
+
+def _ceiling_text(cfg: StackConfig, ceiling: RunCeiling) -> str:
+    if ceiling.hourly is None:
+        return (
+            "unknown: the price table has no figure for this hardware; "
+            "set one with `pulumi config set trainingHourPriceUsd 12.34`"
+        )
+    if not ceiling.bounded:
+        return (
+            f"unbounded: the standing Ray cluster bills {ceiling.per_hour_usd:,.2f} USD/h for its GPU nodes until "
+            "rayCluster is set back to ephemeral"
+        )
+    limit = f"; maxRunCostUsd={cfg.max_run_cost_usd}" if cfg.max_run_cost_usd is not None else ""
+    return f"{ceiling.usd:,.2f} USD = {ceiling.formula()}; {ceiling.hourly.describe()}{limit}"
+
+
+def price_document(cfg: StackConfig) -> dict[str, Any] | None:
+    """What the trainer needs for its cost line (`trainer.cost_line`); None when the table has no price."""
+    hourly = training_hour(cfg)
+    if hourly is None:
+        return None
+    cloud = cfg.workload is Workload.CLOUD_RUN
+    return {
+        "hourly_usd": hourly.usd,
+        "unit": "instance" if cloud else "node",
+        "units": 1 if cloud else cfg.nodes,
+        "gpus": cfg.total_gpus,
+        "nodes": 1 if cloud else cfg.nodes,
+        "capacity": "cloud-run" if cloud else str(cfg.capacity),
+        "hardware": hourly.what,
+        "price_status": str(hourly.status),
+        "prices_as_of": PRICES_AS_OF,
+        "stack": cfg.stack,
+    }
+
+
+def declare_price_file(
+    name: str, cfg: StackConfig, bucket: pulumi.Input[str], run_dir: pulumi.Input[str], after: list[pulumi.Resource]
+) -> gcp.storage.BucketObject | None:
+    """The run's price document at `<run_dir>/_PRICE.json` (run_dir = gs://BUCKET/PATH)."""
+    document = price_document(cfg)
+    if document is None:
+        return None
+    path = pulumi.Output.all(run_dir, bucket).apply(
+        lambda parts: f"{parts[0].removeprefix(f'gs://{parts[1]}/').rstrip('/')}/{PRICE_FILE}"
+    )
+    return gcp.storage.BucketObject(
+        f"{name}-price",
+        bucket=bucket,
+        name=path,
+        content=json.dumps(document, indent=2, sort_keys=True),
+        content_type="application/json",
+        opts=pulumi.ResourceOptions(depends_on=after),
+    )
+
+
+def cost_line_command(run_dir: str) -> str:
+    """Prints the cost line of the stack's current (latest) run, once it has finished."""
+    return (
+        f"gcloud storage cat {run_dir}/run_summary.json | python3 -c "
+        f"\"import json, sys; print(json.dumps(json.load(sys.stdin)['{SUMMARY_COST_KEY}'], indent=2))\""
+    )
