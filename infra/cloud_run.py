@@ -42,12 +42,12 @@ Decisions
   only when the stack says `servingPublic: true` (then the invoker check is disabled,
   with no allUsers binding: an unauthenticated GPU endpoint, see Pulumi.yaml). An optional
   `servingApiKey` goes to Secret Manager (the foundation's secret, with the serving account's
-  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference. vLLM checks it only on paths
-  under /v1, /v2, /inference and /cohere (serving/vllm_args.py `VLLM_API_KEY_GUARDED_PREFIXES`,
-  from vLLM's `AuthenticationMiddleware`): /invocations serves the same completions without it
-  (vllm-project/vllm#58144), so on a public service the key limits casual use, not inference.
-  The startup probe's /health is outside those prefixes and needs no key. Scale to zero,
-  `servingMaxInstances` GPUs at most.
+  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference. vLLM alone checks it only on
+  paths under /v1, /v2, /inference and /cohere (its `AuthenticationMiddleware`), and /invocations
+  serves the same completions without it (vllm-project/vllm#58144); so with a key the service
+  also loads serving/api_key_guard.py (`--middleware serving.api_key_guard.ApiKeyGuard`), which
+  asks for the key on every route except /health, the startup probe's path (the probe sends no
+  key). Scale to zero, `servingMaxInstances` GPUs at most.
 - No Direct VPC egress: the service reads the model through its Cloud Storage volume over
   Google's network, and a subnet used by Direct VPC egress cannot be deleted for 1-2 hours
   after the service is (Cloud Run docs, CLOUD-FACTS §11), which would break `pulumi destroy`.
@@ -78,14 +78,7 @@ from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
 from serving.startup import STARTUP_WINDOW
-from serving.vllm_args import (
-    VLLM_HEALTH_PATH,
-    VLLM_KEYLESS_INFERENCE_ROUTE,
-    Dtype,
-    VllmServerConfig,
-    model_type_of,
-    render_args,
-)
+from serving.vllm_args import VLLM_HEALTH_PATH, Dtype, VllmServerConfig, model_type_of, render_args
 from trainer.recipe import load_recipe, recipe_sha256
 
 BUCKET_MOUNT = "/mnt/bucket"
@@ -171,6 +164,8 @@ def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
         model_type=model_type_of(base_model),
         port=VLLM_PORT,
         max_num_seqs=cfg.serving_max_concurrency,
+        # the key (VLLM_API_KEY, see VllmService._envs) on every route but /health, not only vLLM's /v1 prefixes
+        api_key_guard=cfg.serving_api_key_set,
         extra_args=cfg.serving_extra_args,
     )
 
@@ -416,7 +411,7 @@ class VllmService(pulumi.ComponentResource):
                             period_seconds=STARTUP_WINDOW.period_s,
                             timeout_seconds=STARTUP_WINDOW.timeout_s,
                             failure_threshold=STARTUP_WINDOW.failure_threshold,
-                            # outside the API key's prefixes: the probe sends no key (serving/vllm_args.py)
+                            # the one path serving/api_key_guard.py leaves open: the probe sends no key
                             http_get=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeHttpGetArgs(
                                 path=VLLM_HEALTH_PATH, port=VLLM_PORT
                             ),
@@ -510,12 +505,6 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
             pulumi.log.warn(
                 "servingPublic=true without servingApiKey: anyone with the URL can use this GPU service and bill "
                 "up to servingMaxInstances instances; set one with `pulumi config set --secret servingApiKey …`"
-            )
-        elif cfg.serving_public:
-            pulumi.log.warn(
-                "servingPublic=true: servingApiKey guards only vLLM's /v1, /v2, /inference and /cohere paths; "
-                f"{VLLM_KEYLESS_INFERENCE_ROUTE} serves completions without it (vllm-project/vllm#58144), so anyone "
-                "with the URL can still use this GPU service. Keep it private (servingInvokers) unless that is fine"
             )
         service = VllmService(
             name,

@@ -92,13 +92,13 @@ class ImageSpec:
 
 
 TRAINER = ImageSpec("trainer", REPO_ROOT / "trainer", REPO_ROOT / "trainer" / "Dockerfile", (".",))
-# The serving image holds only its entrypoint and the completion check it runs; edits to the
-# client or the demo must not rebuild it.
+# The serving image holds only its entrypoint, the completion check it runs and the API key guard
+# vLLM loads (serving/__init__.py makes it a package); edits to the client or the demo must not rebuild it.
 SERVING = ImageSpec(
     "serving",
     REPO_ROOT / "serving",
     REPO_ROOT / "serving" / "Dockerfile",
-    ("Dockerfile", "entrypoint.sh", "completion.py", ".dockerignore"),
+    ("Dockerfile", "entrypoint.sh", "completion.py", "__init__.py", "api_key_guard.py", ".dockerignore"),
 )
 
 

@@ -13,6 +13,10 @@ Decisions:
   field (two sources of truth for one setting is how a stack silently serves the wrong thing).
   It also refuses a flag that carries a credential (`--api-key`, `--hf-token`): container args
   are plain text in the Pulumi state and the revision; the API key comes from Secret Manager.
+- A server with an API key also gets `--middleware serving.api_key_guard.ApiKeyGuard`
+  (`api_key_guard`): vLLM's own check covers only /v1, /v2, /inference and /cohere, and
+  /invocations serves completions without the key (vllm-project/vllm#58144); the guard asks
+  for the key on every route but /health. `--middleware` is therefore refused in `extra_args`.
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
@@ -127,21 +131,28 @@ def cuda12_variant(image: str) -> str:
     return VLLM_IMAGE
 
 
-# What vLLM's API key (`--api-key`, or VLLM_API_KEY as the service sets it) guards in the releases this image
-# pins: a path-prefix test, `GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")` in
+# What vLLM's own API key check (`--api-key`, or VLLM_API_KEY as the service sets it) guards in the releases this
+# image pins: a path-prefix test, `GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")` in
 # vllm/entrypoints/serve/utils/server_utils.py (`AuthenticationMiddleware`; the same rule in 0.27.1 and 0.29.0,
-# vllm-project/vllm#58144). Every other route answers without the key: /health, /ping, /load, /version,
+# vllm-project/vllm#58144). On its own it leaves every other route open: /health, /ping, /load, /version,
 # /metrics, /tokenize, /detokenize, /pooling, /classify, /score, /rerank, and /invocations, the SageMaker
 # route that serves the same chat and completion requests as /v1 (the `--api-key` help in
 # vllm/entrypoints/openai/cli_args.py says so; #58144 measured full completions there without a key).
+# That is why a key never goes to vLLM alone: `api_key_guard` adds serving/api_key_guard.py, which asks for the
+# key on every route but the health check.
 VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 VLLM_KEYLESS_INFERENCE_ROUTE = "/invocations"
-# vLLM's health route (the startup probe's path): outside the guarded prefixes, so the probe needs no key.
+# vLLM's health route (the startup probe's path): the one path serving/api_key_guard.py leaves open.
 VLLM_HEALTH_PATH = "/health"
+# The import path vLLM's `--middleware` takes (FrontendArgs.middleware in vllm/entrypoints/openai/cli_args.py: "If a
+# class is provided, vLLM will add it to the server using `app.add_middleware()`"). It resolves in the serving
+# image because serving/Dockerfile copies the package to /opt/gemma-serving/serving and puts /opt/gemma-serving
+# on PYTHONPATH; here it is the repository's own serving/api_key_guard.py.
+API_KEY_GUARD_MIDDLEWARE = "serving.api_key_guard.ApiKeyGuard"
 
 
 def vllm_api_key_guards(path: str) -> bool:
-    """Whether vLLM asks for the API key on `path` (its own test: `path.startswith(GUARDED_PREFIX)`)."""
+    """Whether vLLM's own check asks for the API key on `path` (its test: `path.startswith(GUARDED_PREFIX)`)."""
     return path.startswith(VLLM_API_KEY_GUARDED_PREFIXES)
 
 
@@ -160,6 +171,9 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_lora_rank": ("--max-lora-rank",),
     "max_loras": ("--max-loras",),
     "max_num_seqs": ("--max-num-seqs",),
+    # vLLM parses `--middleware` with nargs="+" and no append (`collection_to_kwargs` in vllm/engine/arg_utils.py),
+    # so a second `--middleware` in extra_args would replace the API key guard, not add to it.
+    "api_key_guard": ("--middleware",),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
 
@@ -218,6 +232,11 @@ class VllmServerConfig(BaseModel):
     max_loras: int | None = Field(None, description="adapters active in one batch")
     max_num_seqs: int | None = Field(
         None, description="sequences vLLM schedules at once (its continuous batch); null keeps vLLM's default"
+    )
+    api_key_guard: bool = Field(
+        False,
+        description=f"load {API_KEY_GUARD_MIDDLEWARE} (`--middleware`): with VLLM_API_KEY set, every route but "
+        f"{VLLM_HEALTH_PATH} needs the key. Set it whenever the server gets a key: vLLM alone leaves /invocations open",
     )
     extra_args: list[str] = Field(default_factory=list, description="other `vllm serve` flags, passed as given")
 
@@ -317,6 +336,11 @@ class VllmServerConfig(BaseModel):
                     f"use {SECRET_FLAGS[flag]}"
                 )
             field = _FLAG_TO_FIELD.get(_flag_name(arg))
+            if field == "api_key_guard":
+                raise ValueError(
+                    f"extra_args contains {arg!r}: vLLM keeps only the last --middleware, so it would replace the API key "
+                    f"guard ({API_KEY_GUARD_MIDDLEWARE}); other middleware is not supported, remove it"
+                )
             if field is not None:
                 raise ValueError(
                     f"extra_args contains {arg!r}, which duplicates the typed field `{field}`: set `{field}` instead"
@@ -396,6 +420,8 @@ def render_args(cfg: VllmServerConfig) -> list[str]:
         args += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.enforce_eager:
         args.append("--enforce-eager")
+    if cfg.api_key_guard:
+        args += ["--middleware", API_KEY_GUARD_MIDDLEWARE]
     if cfg.lora_modules:
         args += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in cfg.lora_modules.items())]
         if cfg.max_lora_rank is not None:

@@ -375,34 +375,55 @@ class TestApiKey:
             r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")
         }
 
-    def test_startup_probe_needs_no_key_and_the_api_does(self) -> None:
-        """Cloud Run's probe sends no Authorization header: its path must be one vLLM leaves open with a key set,
-        while the client's model lookup (/v1/models) is guarded and so must carry the key (test_client.py)."""
-        from serving.vllm_args import vllm_api_key_guards
+    @staticmethod
+    def _container(overrides: dict[str, object]) -> dict[str, object]:
+        run = run_stack("dev", overrides={**SERVING, **overrides}, assume_trained=True)
+        return run.one(SERVICE).plain_inputs()["template"]["containers"][0]
 
-        run = run_stack(
-            "dev", overrides={**SERVING, "servingPublic": True, "servingApiKey": self.KEY}, assume_trained=True
-        )
-        probe = run.one(SERVICE).plain_inputs()["template"]["containers"][0]["startupProbe"]["httpGet"]["path"]
-        assert not vllm_api_key_guards(probe), probe
-        assert vllm_api_key_guards("/v1/models") and vllm_api_key_guards("/v1/chat/completions")
+    def test_with_a_key_vllm_loads_the_guard_for_every_route(self) -> None:
+        """vLLM alone checks the key only under /v1, /v2, /inference, /cohere; /invocations served completions
+        without it (vllm-project/vllm#58144). With a key the service must load serving/api_key_guard.py."""
+        from serving.vllm_args import API_KEY_GUARD_MIDDLEWARE
 
-    def test_public_with_a_key_still_warns_that_invocations_is_open(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """vLLM's key does not cover /invocations (vllm-project/vllm#58144): a key is no reason to stay silent."""
+        for public in (True, False):
+            args = self._container({"servingPublic": public, "servingApiKey": self.KEY})["args"]
+            assert args[args.index("--middleware") + 1] == API_KEY_GUARD_MIDDLEWARE, args
+            assert args.count("--middleware") == 1
+            assert self.KEY not in args
+
+    def test_without_a_key_no_guard(self) -> None:
+        """Nothing to check without a key (the guard would pass everything): the args stay vLLM's plain ones."""
+        for public in (True, False):
+            assert "--middleware" not in self._container({"servingPublic": public})["args"]
+
+    def test_startup_probe_is_the_one_path_the_guard_leaves_open(self) -> None:
+        """Cloud Run's probe sends no Authorization header; with the guard every other path needs the key
+        (tests/serving/test_api_key_guard.py shows both over HTTP), so the probe must use an open path."""
+        from serving.api_key_guard import OPEN_PATHS
+
+        container = self._container({"servingPublic": True, "servingApiKey": self.KEY})
+        assert container["startupProbe"]["httpGet"]["path"] in OPEN_PATHS
+        assert "livenessProbe" not in container or container["livenessProbe"]["httpGet"]["path"] in OPEN_PATHS
+
+    def test_public_warns_only_without_a_key(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Without a key a public service is free GPU inference; with one every route but /health needs it."""
         warned: list[str] = []
         monkeypatch.setattr(pulumi.log, "warn", lambda message, *a, **k: warned.append(str(message)))
+        run_stack("dev", overrides={**SERVING, "servingPublic": True}, assume_trained=True)
+        assert any("servingPublic=true without servingApiKey" in w for w in warned), warned
+        warned.clear()
         run_stack("dev", overrides={**SERVING, "servingPublic": True, "servingApiKey": self.KEY}, assume_trained=True)
-        assert any("/invocations" in w and "servingApiKey" in w for w in warned), warned
+        assert not [w for w in warned if "servingPublic" in w or "servingApiKey" in w], warned
 
-    def test_every_description_of_the_keys_scope_names_what_vllm_guards(self) -> None:
-        """The key's scope is vLLM's path-prefix test (serving/vllm_args.py); docs that said "/v1 only" left
-        /v2, /inference, /cohere out and /invocations, which serves completions without the key, unmentioned."""
+    def test_every_description_of_the_keys_scope_says_what_is_guarded(self) -> None:
+        """The docs used to say the key guards /v1 only, then that /invocations stays open; with the guard the
+        key covers every route except /health, and each description must say so and not the old scope."""
         from pathlib import Path
 
         import yaml
 
         from infra import cloud_run
-        from serving.vllm_args import VLLM_API_KEY_GUARDED_PREFIXES, VLLM_KEYLESS_INFERENCE_ROUTE
+        from serving.vllm_args import VLLM_HEALTH_PATH, VLLM_KEYLESS_INFERENCE_ROUTE
 
         root = Path(__file__).resolve().parents[2]
         config = yaml.safe_load((root / "Pulumi.yaml").read_text())["config"]
@@ -410,15 +431,18 @@ class TestApiKey:
         docs = {
             "Pulumi.yaml servingApiKey": config["servingApiKey"]["description"],
             "Pulumi.yaml servingPublic": config["servingPublic"]["description"],
-            "README.md": readme[readme.index("**`servingPublic: true`") :][:1500],
+            "README.md": readme[readme.index("**`servingPublic: true`") :][:1800],
             "infra/cloud_run.py": cloud_run.__doc__ or "",
         }
         for where, text in docs.items():
-            flat = " ".join(text.split())
-            for prefix in VLLM_API_KEY_GUARDED_PREFIXES:
-                assert prefix in flat, f"{where} does not name {prefix}"
-            assert VLLM_KEYLESS_INFERENCE_ROUTE in flat, f"{where} does not say {VLLM_KEYLESS_INFERENCE_ROUTE} is open"
-            assert "/v1 routes" not in flat and "/v1/…` routes" not in flat, f"{where} still says /v1 only"
+            flat = " ".join(text.split()).replace("`", "")
+            assert f"every route except {VLLM_HEALTH_PATH}" in flat or f"every route but {VLLM_HEALTH_PATH}" in flat, (
+                f"{where} does not say the key covers every route but {VLLM_HEALTH_PATH}"
+            )
+            for stale in ("/v1 routes", "does not close it", "stays open", "stay open", "is not access control"):
+                assert stale not in flat, f"{where} still says {stale!r}"
+            if where != "Pulumi.yaml servingPublic":
+                assert VLLM_KEYLESS_INFERENCE_ROUTE in flat, f"{where} does not say why: vLLM alone leaves it open"
 
     def test_no_key_no_secret(self) -> None:
         run = run_stack("dev", overrides=SERVING, assume_trained=True)

@@ -47,3 +47,22 @@ def test_runs_our_entrypoint_as_non_root() -> None:
 def test_entrypoint_is_executable_in_git() -> None:
     """The COPY keeps the mode from the build context, and the build context is a git checkout."""
     assert (SERVING / "entrypoint.sh").stat().st_mode & 0o111
+
+
+def test_every_copied_file_is_in_the_build_context_and_its_hash() -> None:
+    """serving/.dockerignore allows only listed files, and infra/images.py hashes only listed paths: a file COPY
+    names (the API key guard included) must pass both, or the build fails or an edit to it never rebuilds."""
+    from infra.images import SERVING as SERVING_SPEC
+    from infra.images import context_files
+
+    allowed = {line[1:] for line in (SERVING / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    hashed = {p.as_posix() for p in context_files(SERVING_SPEC)}
+    copied = [
+        source
+        for sources in re.findall(r"^COPY (?!--from)((?:\S+ )+)\S+$", DOCKERFILE.read_text(), re.MULTILINE)
+        for source in sources.split()
+    ]
+    assert {"api_key_guard.py", "__init__.py"} <= set(copied)
+    for source in copied:
+        assert source in allowed, f"{source} is copied but serving/.dockerignore leaves it out of the context"
+        assert source in hashed, f"{source} is copied but infra/images.py SERVING does not hash it"

@@ -220,3 +220,35 @@ def test_max_num_seqs_is_rendered_and_not_duplicated() -> None:
     assert render_args(VllmServerConfig(max_num_seqs=256))[-2:] == ["--max-num-seqs", "256"]
     with pytest.raises(VllmConfigError, match="duplicates the typed field `max_num_seqs`"):
         load_config({"extra_args": ["--max-num-seqs", "8"]})
+
+
+class TestApiKeyGuard:
+    """vLLM alone checks the key only under /v1, /v2, /inference, /cohere (vllm-project/vllm#58144); a server with a
+    key gets serving/api_key_guard.py through `--middleware` (tests/serving/test_api_key_guard.py runs it)."""
+
+    def test_rendered_iff_set(self) -> None:
+        assert "--middleware" not in render_args(VllmServerConfig())
+        args = render_args(VllmServerConfig(api_key_guard=True))
+        assert args[args.index("--middleware") + 1] == "serving.api_key_guard.ApiKeyGuard"
+        assert args.count("--middleware") == 1
+
+    def test_the_import_path_names_the_guard_class(self) -> None:
+        import importlib
+        import inspect
+
+        from serving.api_key_guard import ApiKeyGuard
+        from serving.vllm_args import API_KEY_GUARD_MIDDLEWARE
+
+        module_path, object_name = API_KEY_GUARD_MIDDLEWARE.rsplit(".", 1)  # as vLLM's build_app splits it
+        imported = getattr(importlib.import_module(module_path), object_name)
+        assert imported is ApiKeyGuard and inspect.isclass(imported)
+
+    @pytest.mark.parametrize(
+        "extra",
+        [["--middleware", "my.Mw"], ["--middleware=my.Mw"], ["--middleware", "serving.api_key_guard.ApiKeyGuard"]],
+    )
+    def test_middleware_in_extra_args_is_refused(self, extra: list[str]) -> None:
+        """vLLM parses --middleware with nargs="+" and no append: a later one would replace the guard."""
+        for guard in (True, False):
+            with pytest.raises(VllmConfigError, match="would replace the API key guard"):
+                load_config({"api_key_guard": guard, "extra_args": extra})
