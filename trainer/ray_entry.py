@@ -23,6 +23,9 @@ Decisions:
 - Ray Train V2 (`RAY_TRAIN_V2_ENABLED=1`) is switched on here unless the environment says
   otherwise: it is opt-in in the image's Ray (`RAY_VERSION`, 2.48.0, also the tests' Ray) and the
   default in later releases, so the code path does not change on an upgrade.
+- `--num-workers` must be the recipe's `distributed.world_size` (the run is sized for that many
+  ranks, `trainer.recipe.world_size_problem`): the driver refuses another count before starting Ray
+  Train, exit 2. A re-aimed entrypoint re-sizes the recipe too (`--set distributed.world_size=2`).
 - The run name defaults to the recipe name, not a timestamp: a retried RayJob (KubeRay
   starts a new cluster) finds the same run under storage_path, and a retried worker group
   resumes from `ray.train.get_checkpoint()`, copied to local disk first.
@@ -71,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.recipe import Recipe, RecipeError, load_recipe
+from trainer.recipe import Recipe, RecipeError, load_recipe, world_size_problem
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -361,6 +364,9 @@ def build_torch_trainer(spec: RayRunSpec, loop: Callable[[dict[str, Any]], None]
     from ray.train.torch import TorchTrainer
 
     recipe = load_recipe(spec.recipe, spec.overrides)
+    problem = world_size_problem(recipe, spec.num_workers, f"--num-workers {spec.num_workers}")
+    if problem:
+        raise RecipeError(problem)
     resources: dict[str, float] | None = None
     if spec.cpus_per_worker is not None:
         resources = {"CPU": spec.cpus_per_worker}

@@ -28,6 +28,8 @@ Decisions:
 - The SFTConfig is built before the model: building it sets up torch.distributed, and only then
   can FSDP2's RAM-efficient loading keep the weights off the ranks that are not local rank 0
   (trainer/modeling.py `load_model`).
+- A run whose process count (torchrun's WORLD_SIZE, else 1) is not the recipe's
+  `distributed.world_size` stops before loading anything (`trainer.recipe.world_size_problem`).
 - `training.extra` is passed verbatim to SFTConfig, so any trl/transformers argument can be set
   from a recipe without a code change.
 
@@ -48,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
-from trainer.recipe import Recipe
+from trainer.recipe import Recipe, RecipeError, world_size_problem
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -263,6 +265,10 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     finished = finished_result(recipe)
     if finished is not None:
         return finished
+    # torchrun (accelerate launch) sets WORLD_SIZE; a plain `python -m trainer` is one process.
+    problem = world_size_problem(recipe, int(os.environ.get("WORLD_SIZE") or 1), "this run")
+    if problem:
+        raise RecipeError(problem)
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
     trainer, tokenizer = build_trainer(recipe, location, callbacks)

@@ -112,6 +112,7 @@ def launch_command(model_dir: Path, url: str, config_out: Path) -> list[str]:
         "training.per_device_train_batch_size=1",
         "training.gradient_accumulation_steps=1",
         "training.report_to=[]",
+        f"distributed.world_size={NPROC}",
         f"output.dir={url}",
     ]
     command = [sys.executable, "-m", "trainer.launch", "--recipe", "text-to-sql-gemma4-31b"]

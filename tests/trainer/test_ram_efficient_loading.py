@@ -62,6 +62,7 @@ def overrides(model_dir: str, out_dir: str) -> list[str]:
         # not computed from 16 rows (3 updates), so the recipe's save_steps/eval_steps of 20 are not held to it.
         "training.max_steps=1",
         "training.report_to=[]",
+        "distributed.world_size=2",
         f"output.dir={out_dir}",
     ]
 
