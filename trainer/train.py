@@ -28,6 +28,11 @@ Decisions:
 - The SFTConfig is built before the model: building it sets up torch.distributed, and only then
   can FSDP2's RAM-efficient loading keep the weights off the ranks that are not local rank 0
   (trainer/modeling.py `load_model`).
+- Those ranks are ready in seconds while local rank 0 downloads the weights (31B: ~62 GB on a fresh
+  node). The first collective after loading is trl's dataset preparation (`main_process_first`), whose
+  wait the process group bounds by `ddp_timeout` (30 min; the NCCL watchdog then kills every rank, and
+  the retried pod downloads again). So every rank first meets at a barrier of its own gloo group, with
+  a timeout of STARTUP_TIMEOUT (2 h), right after loading; later collectives keep `ddp_timeout`.
 - A run whose process count (torchrun's WORLD_SIZE, else 1) is not the recipe's
   `distributed.world_size` stops before loading anything (`trainer.recipe.world_size_problem`).
 - `training.extra` is passed verbatim to SFTConfig, so any trl/transformers argument can be set
@@ -45,6 +50,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +67,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "run_summary.json"
+# How long the ranks wait for local rank 0 to load the model: on a fresh node that is the first
+# download of the weights from the Hub (Gemma 4 31B: ~62 GB). Every later collective keeps the
+# process group's own timeout (`ddp_timeout`, 30 min), so a hung rank is still found within it.
+STARTUP_TIMEOUT = timedelta(hours=2)
 
 
 class LossMode(StrEnum):
@@ -203,8 +213,32 @@ def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
         train_set = to_prompt_completion(train_set)
         eval_set = to_prompt_completion(eval_set) if eval_set is not None else None
     args = sft_config(recipe, location, has_eval=eval_set is not None, loss=loss)
+    startup = startup_group()  # every rank, right after the process group came up in sft_config
     model = load_model(recipe.model, recipe.quantization, model_path)
+    _wait_for_every_rank(startup)  # the ranks that load no weights wait here for local rank 0's download
     return TrainingInputs(args, model, tokenizer, train_set, eval_set, lora_config(recipe.lora, model))
+
+
+def startup_group() -> Any:
+    """A gloo group over every rank whose barrier waits up to STARTUP_TIMEOUT; None without several ranks.
+
+    Created by every rank at the same point (right after the default process group exists), used once
+    the models are loaded. gloo runs on the CPU, next to an NCCL default group, with its own timeout
+    (torch.distributed `new_group(backend=..., timeout=...)`).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
+
+
+def _wait_for_every_rank(group: Any) -> None:
+    if group is not None:
+        import torch.distributed as dist
+
+        log.info("waiting for every rank to hold its model (up to %s)", STARTUP_TIMEOUT)
+        dist.barrier(group=group)
 
 
 def build_trainer(
