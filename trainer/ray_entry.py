@@ -37,8 +37,9 @@ Decisions:
 - DDP does not search for unused parameters on vision recipes (`ddp_find_unused_parameters:
   false` unless `training.extra` says otherwise): trl turns it on for every vision-language model
   because a text-only batch leaves a trainable vision tower without gradients (trl
-  sft_trainer.py, huggingface/transformers#49443), but here every row has an image and LoRA stays
-  off the vision tower, so each trainable parameter gets a gradient in every step and the search is
+  sft_trainer.py, huggingface/transformers#49443), but here every row has an image, and a vision-tower
+  adapter (`lora.vision_tower`, W2) leaves out SigLIP's unused pooling head (trainer/modeling.py
+  VISION_LORA_EXCLUDED_REGEX), so each trainable parameter gets a gradient in every step and the search is
   only an extra pass over the autograd graph per step (torch DistributedDataParallel docs). If a
   parameter were unused, DDP would stop the run with an error in the next step, not silently.
 - Workers without a GPU train with `use_cpu` (added as `training.extra.use_cpu=true`): accelerate
@@ -254,7 +255,7 @@ def build_vision_trainer(
     existing = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     args.dataset_kwargs = {**existing, "skip_prepare_dataset": True}
     if "ddp_find_unused_parameters" not in recipe.training.extra:
-        # Every row has an image and LoRA stays off the vision tower: no trainable parameter is unused.
+        # Every row has an image; a vision-tower adapter skips the unused pooling head: no trainable parameter is unused.
         args.ddp_find_unused_parameters = False
     trainer = SFTTrainer(
         model=model,
