@@ -215,7 +215,7 @@ def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
     args = sft_config(recipe, location, has_eval=eval_set is not None, loss=loss)
     startup = startup_group()  # every rank, right after the process group came up in sft_config
     model = load_model(recipe.model, recipe.quantization, model_path)
-    _wait_for_every_rank(startup)  # the ranks that load no weights wait here for local rank 0's download
+    _startup_barrier(startup)  # the ranks that load no weights wait here for local rank 0's download
     return TrainingInputs(args, model, tokenizer, train_set, eval_set, lora_config(recipe.lora, model))
 
 
@@ -233,7 +233,7 @@ def startup_group() -> Any:
     return dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
 
 
-def _wait_for_every_rank(group: Any) -> None:
+def _startup_barrier(group: Any) -> None:
     if group is not None:
         import torch.distributed as dist
 

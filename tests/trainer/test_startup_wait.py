@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from serving.local_server import free_port
+from tests.trainer.inject import AFTER_IMPORT
 
 REPO = Path(__file__).resolve().parents[2]
 NPROC = 2
@@ -39,34 +40,14 @@ SLOW_LOAD_S = 50
 
 # Imported by every Python process of the run (first on PYTHONPATH); only the torchrun workers
 # (RANK set) are changed: their default process-group timeout, and rank 0's load_model.
-SLOW_RANK_0 = """
+SLOW_RANK_0 = (
+    AFTER_IMPORT
+    + """
 import os
 
 if "RANK" in os.environ and os.environ.get("SLOW_LOAD_S"):
     import datetime
-    import importlib.abc
-    import importlib.util
-    import sys
     import time
-
-    def _after_import(module_name, patch):
-        # Patch a module right after it is first imported, without importing it earlier than the program would.
-        class Finder(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name != module_name:
-                    return None
-                sys.meta_path.remove(self)
-                spec = importlib.util.find_spec(name)
-                exec_module = spec.loader.exec_module
-
-                def exec_and_patch(module):
-                    exec_module(module)
-                    patch(module)
-
-                spec.loader.exec_module = exec_and_patch
-                return spec
-
-        sys.meta_path.insert(0, Finder())
 
     def _short_timeout(c10d):
         seconds = float(os.environ["DDP_TIMEOUT_S"])
@@ -86,6 +67,7 @@ if "RANK" in os.environ and os.environ.get("SLOW_LOAD_S"):
     if os.environ["RANK"] == "0":
         _after_import("trainer.modeling", _slow_load)
 """
+)
 
 
 @pytest.mark.slow
