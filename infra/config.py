@@ -11,6 +11,9 @@ Decisions
   integers, booleans and arrays, so maps (labels) are arrays of `key=value`.
 - Defaults that depend on the workload (GPU type, GPUs per node, timeouts) are computed
   here, not in `Pulumi.yaml`.
+- The recipe must be sized for the ranks the stack starts (`distributed.world_size` = nodes x
+  gpusPerNode): a stack with `nodes: 2` for an 8-rank recipe fails here, with the recipeOverrides
+  that re-size it.
 - The Hugging Face token never enters this model: only whether it is set. The value
   stays a Pulumi secret Output (see `load`).
 """
@@ -30,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
 from serving.vllm_args import SECRET_FLAGS, VLLM_IMAGE, cuda12_variant, image_cuda_major, secret_flag
 from trainer.ray_entry import RAY_VERSION
-from trainer.recipe import RecipeError, list_recipes, load_recipe
+from trainer.recipe import RecipeError, list_recipes, load_recipe, world_size_problem
 
 PROJECT_NAMESPACE = "gemma-finetune"
 
@@ -532,10 +535,30 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
         )
     except ValidationError as exc:
         raise ConfigError(_render(stack, [_describe(e) for e in exc.errors()])) from None
-    token_problem = _hf_token_problem(cfg)
+    token_problem = _hf_token_problem(cfg) or _world_size_problem(cfg)
     if token_problem:
         raise ConfigError(_render(stack, [token_problem]))
     return cfg
+
+
+def _world_size_problem(cfg: StackConfig) -> str | None:
+    """The stack starts `total_gpus` data-parallel ranks (gke-job: nodes x gpusPerNode processes, gke-ray: one Ray
+    Train worker per GPU, cloud-run: one process); the recipe must be sized for that many (the trainer refuses
+    another count at start, trainer.recipe.world_size_problem: here it fails before a GPU is rented)."""
+    recipe = load_recipe(cfg.recipe, cfg.recipe_overrides)  # loads: _hf_token_problem checked it
+    ranks = cfg.total_gpus
+    problem = world_size_problem(
+        recipe, ranks, f"this stack (nodes={cfg.nodes} x gpusPerNode={cfg.gpus_per_node or 1})"
+    )
+    if problem is None:
+        return None
+    per_node = cfg.gpus_per_node or 1
+    nodes = recipe.distributed.world_size // per_node if recipe.distributed.world_size % per_node == 0 else None
+    back = f"{_set('nodes', nodes)}, or " if nodes else ""
+    return (
+        f"{problem}. Fix: {back}size the recipe for {ranks} with "
+        f"`pulumi config set --path 'recipeOverrides[{len(cfg.recipe_overrides)}]' distributed.world_size={ranks}`"
+    )
 
 
 def _hf_token_problem(cfg: StackConfig) -> str | None:

@@ -4,7 +4,8 @@
     python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8 \\
         --nnodes 2 --main-process-ip finetune-0.finetune   # node rank from $JOB_COMPLETION_INDEX
     python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8 --dry-run
-    python -m trainer.launch --recipe emoji-local --nproc-per-node 4 --cpu   # CPUs only, over gloo
+    python -m trainer.launch --recipe emoji-local --nproc-per-node 4 --cpu \\
+        --set distributed.world_size=4      # CPUs only, over gloo; the recipe sized for 4 ranks
 
 Decisions:
 - The FSDP wrap class comes from the model's own config (AutoConfig.from_pretrained on the
@@ -23,6 +24,9 @@ Decisions:
   accelerate's multi-process launcher does not forward `use_cpu` (accelerate 1.15
   utils/launch.py sets ACCELERATE_USE_CPU only for its single-process launcher), and
   TrainingArguments and AcceleratorState read exactly that variable.
+- The processes over all nodes must be the recipe's `distributed.world_size` (the run it describes is
+  sized for that many ranks, `trainer.recipe.world_size_problem`); another count exits 2 with the
+  `--set distributed.world_size=N` that re-sizes the recipe.
 - A recipe whose `output.dir` already holds a finished run (`_RUN_COMPLETE.json`, see
   trainer/checkpoints.py) launches nothing and exits 0, before the model config is read and before
   the run checks that read the data (`trainer.recipe.require_valid_run`).
@@ -45,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from trainer.recipe import REPO_ROOT, Recipe, RecipeError, load_recipe, parse_recipe
+from trainer.recipe import REPO_ROOT, Recipe, RecipeError, load_recipe, parse_recipe, world_size_problem
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -159,6 +163,14 @@ def plan(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Laun
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = recipe.distributed.strategy
     num_processes = total_processes(args.nproc_per_node, args.num_processes, args.nnodes)
+    given = (
+        f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
+        if args.nproc_per_node is not None
+        else f"--num-processes {args.num_processes}"
+    )
+    problem = world_size_problem(recipe, num_processes, f"this launch ({given})")
+    if problem:
+        raise RecipeError(problem)
     model_config: PretrainedConfig | dict[str, Any] = load_model_config(recipe) if strategy == "fsdp" else {}
     port = args.main_process_port or int(env.get(MASTER_PORT_ENV) or DEFAULT_PORT)
     config = render_accelerate_config(

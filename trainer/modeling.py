@@ -26,8 +26,10 @@ Decisions:
   `_move_missing_keys_from_meta_to_device`): it still reads every checkpoint tensor on every rank
   (core_model_loading.py `convert_and_load_state_dict_in_model`). So on those ranks `load_model`
   hands transformers no checkpoint at all (`from_pretrained(None, config=…, state_dict={})`):
-  every weight stays on the meta device and transformers' own FSDP branch gives only the
-  non-persistent buffers (rotary tables) real values. Not for 4-bit models, which accelerate
+  no weight is read, transformers' own FSDP branch gives only the non-persistent buffers (rotary
+  tables) real values, and every parameter then gets its own untouched `torch.empty` CPU storage
+  (not meta: accelerate maps the optimizer to the shards by `data_ptr()`, which is 0 for every meta
+  tensor, and that rank's adapter shards would never train). Not for 4-bit models, which accelerate
   does not load this way, nor under `ACCELERATE_USE_CPU` (accelerate then runs DDP, no FSDP).
 
 It does not build Ray/FSDP wrappers (trainer/fsdp.py, trainer/ray_entry.py do) or batches.
@@ -130,7 +132,8 @@ def load_model(
 ) -> PreTrainedModel:
     """The base model in the recipe's dtype and attention implementation, 4-bit when quantization is set.
 
-    On the ranks that FSDP2 fills from rank 0 the weights stay on the meta device (module docstring).
+    On the ranks that FSDP2 fills from rank 0 no weight is read: every parameter is an untouched `torch.empty`
+    (module docstring).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -153,7 +156,7 @@ def load_model(
 
 
 def _load_without_weights(path: str, spec: ModelSpec, kwargs: dict[str, Any]) -> PreTrainedModel:
-    """The model class the Auto loader would pick, with weights on the meta device and real non-persistent buffers."""
+    """The model class the Auto loader would pick, no weight read (empty CPU parameters), real non-persistent buffers."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -172,8 +175,33 @@ def _load_without_weights(path: str, spec: ModelSpec, kwargs: dict[str, Any]) ->
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    _parameters_to_empty_cpu(model)
     log.info("built %s from %s without weights: FSDP2 broadcasts them from rank 0", model_class.__name__, path)
     return model
+
+
+def _parameters_to_empty_cpu(model: PreTrainedModel) -> None:
+    """Give every meta parameter its own uninitialised CPU storage (`torch.empty`: no page is touched, so no RAM is
+    used), keeping tied parameters tied.
+
+    accelerate's FSDP2 prepare maps the optimizer's parameters to the sharded ones by `data_ptr()` (accelerate 1.15
+    accelerator.py `_prepare_fsdp2`, utils/fsdp_utils.py `fsdp2_switch_optimizer_parameters`). A meta tensor's
+    data_ptr() is 0 for all of them, so on a rank whose model stayed on the meta device every optimizer entry
+    became the same (frozen) parameter and that rank's shards of the adapters never trained, silently.
+    accelerate's own RAM-efficient path expects CPU tensors there ("non-main ranks only have torch.empty",
+    fsdp2_prepare_model); buffers are left as transformers set them.
+    """
+    import torch
+
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in replaced:
+                empty = torch.empty_like(param, device="cpu")
+                replaced[id(param)] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
 
 
 def load_model_and_tokenizer(recipe: Recipe) -> tuple[PreTrainedModel, Any]:

@@ -23,6 +23,9 @@ Decisions:
 - Ray Train V2 (`RAY_TRAIN_V2_ENABLED=1`) is switched on here unless the environment says
   otherwise: it is opt-in in the image's Ray (`RAY_VERSION`, 2.48.0, also the tests' Ray) and the
   default in later releases, so the code path does not change on an upgrade.
+- `--num-workers` must be the recipe's `distributed.world_size` (the run is sized for that many
+  ranks, `trainer.recipe.world_size_problem`): the driver refuses another count before starting Ray
+  Train, exit 2. A re-aimed entrypoint re-sizes the recipe too (`--set distributed.world_size=2`).
 - The run name defaults to the recipe name, not a timestamp: a retried RayJob (KubeRay
   starts a new cluster) finds the same run under storage_path, and a retried worker group
   resumes from `ray.train.get_checkpoint()`, copied to local disk first.
@@ -34,8 +37,9 @@ Decisions:
 - DDP does not search for unused parameters on vision recipes (`ddp_find_unused_parameters:
   false` unless `training.extra` says otherwise): trl turns it on for every vision-language model
   because a text-only batch leaves a trainable vision tower without gradients (trl
-  sft_trainer.py, huggingface/transformers#49443), but here every row has an image and LoRA stays
-  off the vision tower, so each trainable parameter gets a gradient in every step and the search is
+  sft_trainer.py, huggingface/transformers#49443), but here every row has an image, and a vision-tower
+  adapter (`lora.vision_tower`, W2) leaves out SigLIP's unused pooling head (trainer/modeling.py
+  VISION_LORA_EXCLUDED_REGEX), so each trainable parameter gets a gradient in every step and the search is
   only an extra pass over the autograd graph per step (torch DistributedDataParallel docs). If a
   parameter were unused, DDP would stop the run with an error in the next step, not silently.
 - Workers without a GPU train with `use_cpu` (added as `training.extra.use_cpu=true`): accelerate
@@ -71,7 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.recipe import Recipe, RecipeError, load_recipe
+from trainer.recipe import Recipe, RecipeError, load_recipe, world_size_problem
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -251,7 +255,7 @@ def build_vision_trainer(
     existing = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     args.dataset_kwargs = {**existing, "skip_prepare_dataset": True}
     if "ddp_find_unused_parameters" not in recipe.training.extra:
-        # Every row has an image and LoRA stays off the vision tower: no trainable parameter is unused.
+        # Every row has an image; a vision-tower adapter skips the unused pooling head: no trainable parameter is unused.
         args.ddp_find_unused_parameters = False
     trainer = SFTTrainer(
         model=model,
@@ -361,6 +365,9 @@ def build_torch_trainer(spec: RayRunSpec, loop: Callable[[dict[str, Any]], None]
     from ray.train.torch import TorchTrainer
 
     recipe = load_recipe(spec.recipe, spec.overrides)
+    problem = world_size_problem(recipe, spec.num_workers, f"--num-workers {spec.num_workers}")
+    if problem:
+        raise RecipeError(problem)
     resources: dict[str, float] | None = None
     if spec.cpus_per_worker is not None:
         resources = {"CPU": spec.cpus_per_worker}

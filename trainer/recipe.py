@@ -20,6 +20,12 @@ Beyond the schema (`parse_recipe`), `load_recipe` checks the run the recipe desc
   padding-free collator flattens a micro-batch into one row, and sdpa/eager compute its full square);
 - `constant` ignores warmup: a warmup needs `constant_with_warmup` (or another warming schedule).
 
+Where the processes are started (`trainer.launch`, `trainer.ray_entry`, `python -m trainer`, and the
+stack's config in infra/config.py), `world_size_problem` refuses a process count other than
+`distributed.world_size`: every number above (sequences per update, updates, the checkpoint rule) is
+computed for that many ranks, and another count silently changes the run (16 ranks double W1's
+examples per update and halve its updates).
+
 This module deliberately imports only pydantic and PyYAML: the Pulumi program uses it
 to check that a stack names a real recipe and whether that recipe needs a Hugging Face
 token, and `pulumi up` does not install torch. For the same reason a run bounded by
@@ -550,3 +556,24 @@ def check_run(recipe: Recipe) -> list[str]:
             "(a smaller micro-batch or accumulation), or write why in training.packing_reason"
         )
     return problems
+
+
+def world_size_problem(recipe: Recipe, processes: int, started_as: str) -> str | None:
+    """Why `processes` data-parallel ranks cannot run this recipe (None when they can).
+
+    The recipe is sized for `distributed.world_size` ranks: its sequences per update and every step count
+    `check_run` makes assume that many. `started_as` says how the count was given (e.g. `--nproc-per-node 4`).
+    """
+    world = recipe.distributed.world_size
+    if processes == world:
+        return None
+    t = recipe.training
+    per_update = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    return (
+        f"distributed.world_size={world} but {started_as} starts {processes} data-parallel processes: recipe "
+        f"{recipe.name} is sized for {world} ({per_update * world} sequences per update = per_device_train_batch_size "
+        f"{t.per_device_train_batch_size} x gradient_accumulation_steps {t.gradient_accumulation_steps} x {world}), "
+        f"and {processes} would train {per_update * processes} per update. Start {world} processes, or size the "
+        f"recipe for {processes}: --set distributed.world_size={processes}, scaling "
+        f"training.gradient_accumulation_steps by {world}/{processes} to keep the sequences per update"
+    )

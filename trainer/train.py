@@ -29,6 +29,13 @@ Decisions:
 - The SFTConfig is built before the model: building it sets up torch.distributed, and only then
   can FSDP2's RAM-efficient loading keep the weights off the ranks that are not local rank 0
   (trainer/modeling.py `load_model`).
+- Those ranks are ready in seconds while local rank 0 downloads the weights (31B: ~62 GB on a fresh
+  node). The first collective after loading is trl's dataset preparation (`main_process_first`), whose
+  wait the process group bounds by `ddp_timeout` (30 min; the NCCL watchdog then kills every rank, and
+  the retried pod downloads again). So every rank first meets at a barrier of its own gloo group, with
+  a timeout of STARTUP_TIMEOUT (2 h), right after loading; later collectives keep `ddp_timeout`.
+- A run whose process count (torchrun's WORLD_SIZE, else 1) is not the recipe's
+  `distributed.world_size` stops before loading anything (`trainer.recipe.world_size_problem`).
 - `training.extra` is passed verbatim to SFTConfig, so any trl/transformers argument can be set
   from a recipe without a code change.
 
@@ -44,13 +51,14 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
 from trainer.cost_line import SUMMARY_COST_KEY, run_cost_line
-from trainer.recipe import Recipe
+from trainer.recipe import Recipe, RecipeError, world_size_problem
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -61,6 +69,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "run_summary.json"
+# How long the ranks wait for local rank 0 to load the model: on a fresh node that is the first
+# download of the weights from the Hub (Gemma 4 31B: ~62 GB). Every later collective keeps the
+# process group's own timeout (`ddp_timeout`, 30 min), so a hung rank is still found within it.
+STARTUP_TIMEOUT = timedelta(hours=2)
 
 
 class LossMode(StrEnum):
@@ -203,8 +215,32 @@ def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
         train_set = to_prompt_completion(train_set)
         eval_set = to_prompt_completion(eval_set) if eval_set is not None else None
     args = sft_config(recipe, location, has_eval=eval_set is not None, loss=loss)
+    startup = startup_group()  # every rank, right after the process group came up in sft_config
     model = load_model(recipe.model, recipe.quantization, model_path)
+    _startup_barrier(startup)  # the ranks that load no weights wait here for local rank 0's download
     return TrainingInputs(args, model, tokenizer, train_set, eval_set, lora_config(recipe.lora, model))
+
+
+def startup_group() -> Any:
+    """A gloo group over every rank whose barrier waits up to STARTUP_TIMEOUT; None without several ranks.
+
+    Created by every rank at the same point (right after the default process group exists), used once
+    the models are loaded. gloo runs on the CPU, next to an NCCL default group, with its own timeout
+    (torch.distributed `new_group(backend=..., timeout=...)`).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
+
+
+def _startup_barrier(group: Any) -> None:
+    if group is not None:
+        import torch.distributed as dist
+
+        log.info("waiting for every rank to hold its model (up to %s)", STARTUP_TIMEOUT)
+        dist.barrier(group=group)
 
 
 def build_trainer(
@@ -265,6 +301,10 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     finished = finished_result(recipe)
     if finished is not None:
         return finished
+    # torchrun (accelerate launch) sets WORLD_SIZE; a plain `python -m trainer` is one process.
+    problem = world_size_problem(recipe, int(os.environ.get("WORLD_SIZE") or 1), "this run")
+    if problem:
+        raise RecipeError(problem)
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
     trainer, tokenizer = build_trainer(recipe, location, callbacks)

@@ -90,12 +90,17 @@ USER_VARIANTS: tuple[Variant, ...] = (
     Variant("a4, spot", "a4-gemma4", {"capacity": "spot"}, _NO_RESERVATION),
     Variant("a4, flex-start", "a4-gemma4", {"capacity": "flex-start"}, _NO_RESERVATION),
     Variant("a4, on-demand", "a4-gemma4", {"capacity": "on-demand"}, _NO_RESERVATION),
-    Variant("a4, 2 nodes", "a4-gemma4", {"nodes": 2}),
+    Variant("a4, 2 nodes", "a4-gemma4", {"nodes": 2, "recipeOverrides": ["distributed.world_size=16"]}),
     Variant("a4, cloud-build", "a4-gemma4", {"imageBuild": "cloud-build"}),
     Variant("a4, spot, budget", "a4-gemma4", {"capacity": "spot", **BUDGET}, _NO_RESERVATION),
     Variant("ray (ephemeral, 2 nodes)", "ray-gemma3-vision"),
     Variant("ray, standing", "ray-gemma3-vision", {"rayCluster": "standing"}),
-    Variant("ray, spot, 1 node", "ray-gemma3-vision", {"capacity": "spot", "nodes": 1}, _NO_RESERVATION),
+    Variant(
+        "ray, spot, 1 node",
+        "ray-gemma3-vision",
+        {"capacity": "spot", "nodes": 1, "recipeOverrides": ["distributed.world_size=8"]},
+        _NO_RESERVATION,
+    ),
     Variant("ray, cloud-build", "ray-gemma3-vision", {"imageBuild": "cloud-build"}),
 )
 

@@ -14,6 +14,7 @@ from infra.offline import run_stack
 
 CLOUD_RUN = {"gcp:project": "p", "gcp:region": "us-central1", "workload": "cloud-run", "recipe": "emoji-gemma3-1b"}
 GKE = {"gcp:project": "p", "gcp:region": "us-central1", "workload": "gke-job", "recipe": "text-to-sql-gemma4-31b"}
+RAY = {**GKE, "workload": "gke-ray", "recipe": "product-descriptions-gemma3-4b"}
 
 
 def fails(raw: dict[str, Any], hf_token_set: bool = True) -> str:
@@ -98,6 +99,23 @@ class TestRecipe:
     def test_bad_recipe_override(self) -> None:
         msg = fails({**CLOUD_RUN, "recipeOverrides": ["training.max_stepz=3"]})
         assert "recipeOverrides do not apply" in msg and "max_stepz" in msg
+
+
+class TestWorldSize:
+    """The recipe is sized for distributed.world_size ranks: a stack that starts another count fails at preview."""
+
+    def test_two_a4_nodes_for_the_eight_rank_w1_recipe(self) -> None:
+        msg = fails({**GKE, "nodes": 2})
+        assert "distributed.world_size=8 but this stack (nodes=2 x gpusPerNode=8) starts 16" in msg
+        assert "pulumi config set nodes 1" in msg
+        assert "pulumi config set --path 'recipeOverrides[0]' distributed.world_size=16" in msg
+        assert validate({**GKE, "nodes": 2, "recipeOverrides": ["distributed.world_size=16"]}, "s", True).nodes == 2
+
+    def test_one_ray_node_for_the_sixteen_worker_w2_recipe(self) -> None:
+        msg = fails({**RAY, "nodes": 1})
+        assert "distributed.world_size=16 but this stack (nodes=1 x gpusPerNode=8) starts 8" in msg
+        assert "pulumi config set nodes 2" in msg
+        assert validate({**RAY, "nodes": 2}, "s", True).nodes == 2
 
 
 class TestHfToken:

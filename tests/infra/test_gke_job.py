@@ -39,7 +39,7 @@ def single() -> StackRun:
 
 @pytest.fixture(scope="module")
 def multi() -> StackRun:
-    return run(nodes=2)
+    return run(nodes=2, recipeOverrides=["distributed.world_size=16"])
 
 
 def job_of(stack_run: StackRun) -> dict[str, Any]:

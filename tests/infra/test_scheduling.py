@@ -239,7 +239,9 @@ def test_gpu_pods_follow_only_gpu_pods_and_can_start(
     stack: str, extra: dict[str, Any], capacity: str, nodes: int
 ) -> None:
     overrides, remove = CAPACITY[capacity]
-    stack_run = run_stack(stack, overrides={**PREBUILT, **extra, **overrides, "nodes": nodes}, remove=remove)
+    sized = {"a4-gemma4": 8, "ray-gemma3-vision": 16}[stack] == 8 * nodes  # the recipe's distributed.world_size
+    resize = {} if sized else {"recipeOverrides": [f"distributed.world_size={8 * nodes}"]}
+    stack_run = run_stack(stack, overrides={**PREBUILT, **extra, **overrides, **resize, "nodes": nodes}, remove=remove)
     objects = objects_of(stack_run)
     pods = run_pods(objects)
     assert any(p.gpus for p in pods), f"{stack}: no GPU pod found among {[p.where for p in pods]}"

@@ -75,7 +75,7 @@ class TestPlan:
         env = {"JOB_COMPLETION_INDEX": "1"}
         p = make_plan(
             gemma4_model_dir, tmp_path, "--nproc-per-node", "8", "--nnodes", "2", "--main-process-ip", "job-0.svc",
-            env=env,
+            "--set", "distributed.world_size=16", env=env,
         )  # fmt: skip
         c = p.config
         assert (c["num_processes"], c["num_machines"], c["machine_rank"]) == (16, 2, 1)
@@ -83,7 +83,8 @@ class TestPlan:
 
     def test_cli_rank_and_master_env(self, gemma4_model_dir, tmp_path):
         env = {"JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "23456"}
-        p = make_plan(gemma4_model_dir, tmp_path, "--num-processes", "32", "--nnodes", "4", "--node-rank", "3", env=env)
+        p = make_plan(gemma4_model_dir, tmp_path, "--num-processes", "32", "--nnodes", "4", "--node-rank", "3",
+                      "--set", "distributed.world_size=32", env=env)  # fmt: skip
         c = p.config
         assert (c["num_processes"], c["machine_rank"], c["main_process_ip"], c["main_process_port"]) == (
             32,
@@ -93,21 +94,24 @@ class TestPlan:
         )
 
     def test_mixed_precision_follows_the_recipe_dtype(self, gemma4_model_dir, tmp_path):
-        p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "2", "--set", "model.dtype=float32")
+        p = make_plan(
+            gemma4_model_dir, tmp_path, "--nproc-per-node", "2", "--set", "model.dtype=float32",
+            "--set", "distributed.world_size=2",
+        )  # fmt: skip
         assert p.config["mixed_precision"] == "no"
 
     def test_cpu_processes_get_accelerates_cpu_switch(self, gemma4_model_dir, tmp_path):
         """accelerate's multi-process launcher does not pass `use_cpu` on: the launcher exports the variable."""
-        p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4", "--cpu")
+        four = ("--set", "distributed.world_size=4")
+        p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4", "--cpu", *four)
         assert p.config["use_cpu"] is True and p.env == {"ACCELERATE_USE_CPU": "true"}
         assert "ACCELERATE_USE_CPU=true" in p.render()
-        gpu = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4")
+        gpu = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4", *four)
         assert gpu.config["use_cpu"] is False and gpu.env == {}
 
     def test_no_fsdp_recipe_renders_data_parallel(self, tmp_path):
-        args = launch.parse_args(
-            ["--recipe", "emoji-gemma3-1b", "--nproc-per-node", "4", "--config-out", str(tmp_path / "a.yaml")]
-        )
+        argv = ["--recipe", "emoji-gemma3-1b", "--nproc-per-node", "4", "--set", "distributed.world_size=4"]
+        args = launch.parse_args([*argv, "--config-out", str(tmp_path / "a.yaml")])
         p = launch.plan(args, env={})  # no model config needed: nothing to wrap
         assert p.config["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in p.config
 
@@ -129,7 +133,7 @@ def test_cli_dry_run(gemma4_model_dir, tmp_path):
     cmd = [
         sys.executable, "-m", "trainer.launch", "--recipe", RECIPE, "--nproc-per-node", "8", "--nnodes", "2",
         "--main-process-ip", "job-0.svc", "--set", f"model.name_or_path={gemma4_model_dir}",
-        "--config-out", str(tmp_path / "acc.yaml"), "--dry-run",
+        "--set", "distributed.world_size=16", "--config-out", str(tmp_path / "acc.yaml"), "--dry-run",
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -34,6 +34,7 @@ import psutil
 import pytest
 
 from serving.local_server import free_port
+from tests.trainer.inject import AFTER_IMPORT
 from trainer.checkpoints import CHECKPOINT_MARKER, RUN_MARKER, checkpoint_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,34 +50,13 @@ SLOW_BUCKET_READ_S = 0.5
 # - SLOW_BUCKET_READ_S: every file read from the bucket takes that long (a slow network), so the
 #   ranks of a machine that all look for the checkpoint at start-up do overlap, as 8 real ranks
 #   downloading gigabytes do.
-SLOW_MACHINE = """
+SLOW_MACHINE = (
+    AFTER_IMPORT
+    + """
 import os
 
 if "LOCAL_RANK" in os.environ:
-    import importlib.abc
-    import importlib.util
-    import sys
     import time
-
-    def _after_import(module_name, patch):
-        # Patch a module right after it is first imported, without importing it earlier than the
-        # program would (an early import of transformers would change when each rank gets anywhere).
-        class Finder(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name != module_name:
-                    return None
-                sys.meta_path.remove(self)
-                spec = importlib.util.find_spec(name)
-                exec_module = spec.loader.exec_module
-
-                def exec_and_patch(module):
-                    exec_module(module)
-                    patch(module)
-
-                spec.loader.exec_module = exec_and_patch
-                return spec
-
-        sys.meta_path.insert(0, Finder())
 
     def _delay(cls, method, seconds):
         original = getattr(cls, method)
@@ -94,6 +74,7 @@ if "LOCAL_RANK" in os.environ:
         seconds = float(os.environ["SLOW_BUCKET_READ_S"])
         _after_import("fsspec.implementations.local", lambda m, s=seconds: _delay(m.LocalFileSystem, "get_file", s))
 """
+)
 
 
 def launch_command(model_dir: Path, url: str, config_out: Path) -> list[str]:
@@ -112,6 +93,7 @@ def launch_command(model_dir: Path, url: str, config_out: Path) -> list[str]:
         "training.per_device_train_batch_size=1",
         "training.gradient_accumulation_steps=1",
         "training.report_to=[]",
+        f"distributed.world_size={NPROC}",
         f"output.dir={url}",
     ]
     command = [sys.executable, "-m", "trainer.launch", "--recipe", "text-to-sql-gemma4-31b"]

@@ -10,16 +10,19 @@ than local rank 0 it builds the model without weights (trainer/modeling.py).
 The ranks are started by accelerate's own launcher with the config `trainer.launch` renders for
 the W1 recipe (FSDP2, cpu_ram_efficient_loading), 2 processes over gloo on loopback. Each runs
 `trainer.train.training_inputs` (tokenizer, data, SFTConfig, model), exactly as `build_trainer`
-does, and reports where its weights are and how much its peak RSS grew. accelerate shards with
-FSDP2 only on GPUs, so the step `Accelerator.prepare` takes there is taken by hand: the recipe's
-LoRA (peft) and accelerate's own `fsdp2_prepare_model` with the FSDP plugin built from the
-launcher's environment, which broadcasts rank 0's weights into the shards. Both ranks' logits
-must then equal an unsharded forward of the loaded model.
+does, and reports how much its peak RSS grew. accelerate shards with FSDP2 only on GPUs, so the
+test gives accelerate's state the view it has on a GPU node (2 processes, FSDP, the plugin from the
+launcher's environment) and then calls accelerate's own `Accelerator.prepare(model, optimizer)` on
+the recipe's LoRA (peft) model and an AdamW created before it, as the Trainer does under FSDP2:
+rank 0's weights are broadcast into the shards, and the optimizer's parameters are mapped to them.
+Both ranks' logits must then equal an unsharded forward of the loaded model, every rank's optimizer
+must hold its own adapter shards, and one step must change every one of them. (A rank whose model
+stayed on the meta device failed the last two: accelerate maps the optimizer by `data_ptr()`, 0 for
+every meta tensor, and rank 1's optimizer held one frozen parameter 28 times.)
 
 The checkpoint is stored in float32 and the recipe loads bfloat16, so a rank that reads the
 weights holds a converted copy: its RSS shows it. (With matching dtypes transformers maps the
-safetensors file lazily and a rank that never touches the weights stays small either way; the
-meta device check below holds in both cases.)
+safetensors file lazily and a rank that never touches the weights stays small either way.)
 
 This file is also the worker:
     accelerate launch --config_file CONFIG tests/trainer/test_ram_efficient_loading.py OUT_DIR MODEL_DIR
@@ -62,6 +65,7 @@ def overrides(model_dir: str, out_dir: str) -> list[str]:
         # not computed from 16 rows (3 updates), so the recipe's save_steps/eval_steps of 20 are not held to it.
         "training.max_steps=1",
         "training.report_to=[]",
+        "distributed.world_size=2",
         f"output.dir={out_dir}",
     ]
 
@@ -72,16 +76,14 @@ def peak_rss_mb() -> float:
 
 def worker(out_dir: str, model_dir: str) -> None:
     """One rank: training_inputs, then accelerate's FSDP2 preparation, then a forward on both ranks."""
-    from types import SimpleNamespace
-
     import datasets  # noqa: F401  (imported before the baseline: only the model may grow the RSS)
     import peft
     import torch
     import torch.distributed as dist
     import transformers  # noqa: F401
     import trl  # noqa: F401
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers.integrations import is_fsdp_enabled
 
     from trainer.checkpoints import OutputLocation
@@ -105,18 +107,33 @@ def worker(out_dir: str, model_dir: str) -> None:
             reference = torch.empty(1, ids.shape[1], model.config.get_text_config().vocab_size)
     dist.broadcast(reference, src=0)
 
-    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch set
-    accelerator = SimpleNamespace(
-        state=SimpleNamespace(fsdp_plugin=plugin),
-        torch_device_mesh=None,
-        parallelism_config=None,
-        mixed_precision="no",
-        is_main_process=rank == 0,
-        device=torch.device("cpu"),
+    # accelerate's own FSDP2 preparation, with the optimizer the Trainer creates before it (transformers 5.23
+    # creates the optimizer first under FSDP2): accelerate maps the optimizer's parameters to the shards.
+    # On a machine without GPUs the PartialState TrainingArguments built (the launcher's FSDP config has no
+    # use_cpu) calls every process the only one and accelerate never picks FSDP (accelerate 1.15 state.py):
+    # the test gives it the 2-process view and the FSDP type it has on GPUs, nothing else.
+    state = PartialState._shared_state
+    state.update(
+        process_index=rank, local_process_index=rank, num_processes=2, distributed_type=DistributedType.MULTI_CPU
     )
-    sharded = fsdp2_prepare_model(accelerator, peft.get_peft_model(model, inputs.peft_config)).eval()
+    accelerator = Accelerator()
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin = FullyShardedDataParallelPlugin()  # from accelerate launch's FSDP_* vars
+    peft_model = peft.get_peft_model(model, inputs.peft_config)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    sharded, optimizer = accelerator.prepare(peft_model, optimizer)
+    sharded.eval()
     with torch.no_grad():
         logits = sharded(input_ids=ids).logits.float()
+    trainable = {n: p for n, p in sharded.named_parameters() if p.requires_grad}
+    held = {
+        n for n, p in sharded.named_parameters() for group in optimizer.param_groups for q in group["params"] if q is p
+    }
+    before = {n: p.to_local().detach().clone() for n, p in trainable.items()}
+    sharded.train()
+    accelerator.backward(sharded(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    changed = sorted(n for n, p in trainable.items() if not torch.equal(before[n], p.to_local().detach()))
     report = {
         "rank": rank,
         "world": dist.get_world_size(),
@@ -127,6 +144,9 @@ def worker(out_dir: str, model_dir: str) -> None:
         "baseline_mb": baseline,
         "loaded_mb": loaded,
         "max_logit_diff": float((logits - reference).abs().max()),
+        "trainable": sorted(trainable),
+        "optimizer_holds": sorted(held),
+        "changed_by_a_step": changed,
     }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
@@ -173,8 +193,6 @@ def test_ranks_other_than_0_load_no_weights_and_fsdp2_fills_them(tmp_path: Path)
         assert report["world"] == 2 and report["is_fsdp_enabled"] and report["ram_efficient_plugin"]
         assert report["class"] == "Gemma4ForConditionalGeneration"  # what the W1 recipe loads
     rank0, rank1 = ranks
-    assert rank0["param_devices"] == ["cpu"]
-    assert rank1["param_devices"] == ["meta"], "rank 1 materialised the weights"
     # measured, not assumed: the rank that read the checkpoint holds at least the bf16 copy,
     # the other stays well below even that
     assert rank0["loaded_mb"] - rank0["baseline_mb"] >= checkpoint_mb / 2
@@ -182,6 +200,13 @@ def test_ranks_other_than_0_load_no_weights_and_fsdp2_fills_them(tmp_path: Path)
     # and the broadcast gave rank 1 the real model: the same logits as the unsharded forward
     for report in ranks:
         assert report["max_logit_diff"] < 1e-2, report
+    # every rank's optimizer holds its own shards of the adapters, and one step changes every one of them
+    # (with rank 1's model left on the meta device, accelerate mapped all its optimizer entries to one frozen
+    # parameter by data_ptr() == 0, and rank 1's adapter shards never trained)
+    for report in ranks:
+        assert report["trainable"] and all(".lora_" in name for name in report["trainable"]), report["trainable"]
+        assert report["optimizer_holds"] == report["trainable"], f"rank {report['rank']}: {report['optimizer_holds']}"
+        assert report["changed_by_a_step"] == report["trainable"], f"rank {report['rank']} did not train its shards"
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
     planned = shlex.split(ray_plan.entrypoint)[3:]
     spec = parse_args(
         [*planned, "--num-workers", "2", "--no-use-gpu", "--storage-path", str(storage), "--max-failures", "1",
-         "--set", "training.max_steps=4", "--set", f"output.dir={out}"],
+         "--set", "distributed.world_size=2", "--set", "training.max_steps=4", "--set", f"output.dir={out}"],
         env={},
     )  # fmt: skip
     ray.init(address=ray_cluster.address)

@@ -90,7 +90,10 @@ def test_planned_entrypoint_succeeds_through_job_submission(ray_cluster, ray_pla
     from ray.job_submission import JobSubmissionClient
 
     out, storage = tmp_path / "out", tmp_path / "ray"
-    entrypoint = f"{ray_plan.entrypoint} --num-workers 2 --no-use-gpu --storage-path {storage} --set output.dir={out}"
+    entrypoint = (
+        f"{ray_plan.entrypoint} --num-workers 2 --no-use-gpu --storage-path {storage} "
+        f"--set distributed.world_size=2 --set output.dir={out}"
+    )
     submission_id = f"{ray_plan.run_name}-test"
     submit = (
         f"{RAY} job submit --address {ray_cluster.dashboard_url} --no-wait --submission-id {submission_id} -- "

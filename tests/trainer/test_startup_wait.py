@@ -1,0 +1,114 @@
+"""The other ranks outwait local rank 0's model download, however long it takes, through the real launcher.
+
+Why it matters: with FSDP2's RAM-efficient loading only local rank 0 reads the weights; on a fresh A4
+node that is the first download of Gemma 4 31B from the Hub (~62 GB). The other 7 ranks are done in
+seconds and wait for it at the first collective, trl's dataset preparation in SFTTrainer
+(`global_then_local_main_first`: accelerate's `main_process_first`, a plain barrier), bounded by the
+process group's timeout (`ddp_timeout`, 30 min): a download slower than that killed every rank with a
+collective timeout, and the Job's retry, on a new pod with an empty cache, started the same download
+again. Before the fix this test failed there ("Timed out waiting 20000ms", rank 1 in trl's
+`_prepare_dataset`); now rank 1 waits at the trainer's own startup barrier (trainer/train.py).
+
+2 processes started by `python -m trainer.launch --cpu` (accelerate launch -> torchrun, gloo on
+loopback) train a tiny Gemma 3. A sitecustomize module sets the two conditions of the cloud run:
+- the process group's timeout is DDP_TIMEOUT_S. On GPUs transformers passes `ddp_timeout` to the
+  process group; on CPUs it passes none (transformers 5.23 training_args.py `_setup_devices`) and torch
+  falls back to its default, so the workers' default (`distributed_c10d._get_default_timeout`) is
+  lowered instead;
+- rank 0's `trainer.modeling.load_model` starts SLOW_LOAD_S late, longer than that timeout (the same
+  real function, called late: a slow download).
+The run must finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving.local_server import free_port
+from tests.trainer.inject import AFTER_IMPORT
+
+REPO = Path(__file__).resolve().parents[2]
+NPROC = 2
+DDP_TIMEOUT_S = 20
+SLOW_LOAD_S = 50
+
+# Imported by every Python process of the run (first on PYTHONPATH); only the torchrun workers
+# (RANK set) are changed: their default process-group timeout, and rank 0's load_model.
+SLOW_RANK_0 = (
+    AFTER_IMPORT
+    + """
+import os
+
+if "RANK" in os.environ and os.environ.get("SLOW_LOAD_S"):
+    import datetime
+    import time
+
+    def _short_timeout(c10d):
+        seconds = float(os.environ["DDP_TIMEOUT_S"])
+        c10d._get_default_timeout = lambda backend: datetime.timedelta(seconds=seconds)
+
+    def _slow_load(modeling):
+        original = modeling.load_model
+
+        def slow_load_model(*args, **kwargs):
+            print("rank 0: slow model download started", flush=True)
+            time.sleep(float(os.environ["SLOW_LOAD_S"]))
+            return original(*args, **kwargs)
+
+        modeling.load_model = slow_load_model
+
+    _after_import("torch.distributed.distributed_c10d", _short_timeout)
+    if os.environ["RANK"] == "0":
+        _after_import("trainer.modeling", _slow_load)
+"""
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ranks_wait_for_a_model_download_longer_than_the_collective_timeout(
+    tiny_gemma3_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    overrides = [
+        f"model.name_or_path={tiny_gemma3_dir}",
+        "data.eval_rows=0",
+        "training.max_steps=2",
+        "training.save_steps=2",
+        "training.per_device_train_batch_size=2",
+        "training.report_to=[]",
+        f"distributed.world_size={NPROC}",
+        "output.merge=false",
+        f"output.dir={out}",
+    ]
+    command = [sys.executable, "-m", "trainer.launch", "--recipe", "emoji-local", "--nproc-per-node", str(NPROC)]
+    command += ["--cpu", "--main-process-port", str(free_port()), "--config-out", str(tmp_path / "acc.yaml")]
+    for item in overrides:
+        command += ["--set", item]
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SLOW_RANK_0)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{inject}{os.pathsep}{REPO}",
+        "SLOW_LOAD_S": str(SLOW_LOAD_S),
+        "DDP_TIMEOUT_S": str(DDP_TIMEOUT_S),
+        "GLOO_SOCKET_IFNAME": "lo",  # loopback only
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    output = done.stdout + done.stderr
+    (tmp_path / "launch.log").write_text(output)
+    assert "rank 0: slow model download started" in output, output[-6000:]
+    assert done.returncode == 0, output[-8000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 2, summary
