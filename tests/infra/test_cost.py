@@ -23,6 +23,9 @@ WORKLOADS = ("gcp:cloudrunv2/job:Job", "kubernetes:batch/v1:Job", "kubernetes:ra
 DATE = re.compile(r"^\d{4}(-\d{2}){0,2}$")
 NO_RESERVATION = ("reservationName",)
 
+# the recipe sized for the 4 GPUs of one H100 x4 node (the stack refuses another world size)
+SIZED_FOR_4 = {"recipeOverrides": ["distributed.world_size=4"]}
+
 
 def ceiling(stack: str, remove: tuple[str, ...] = (), **overrides: Any) -> float:
     value = run_stack(stack, overrides={**PREBUILT, **overrides}, remove=remove).outputs["runCostCeilingUsd"]
@@ -96,7 +99,9 @@ class TestCeilingFollowsTheWorkload:
         assert ceiling(A4 := "a4-gemma4", trainingRetries=0) == ceiling(A4, trainingRetries=5)
         hours = (480 * 60 + NODE_RELEASE_S) / 3600
         assert ceiling(A4) == pytest.approx(148.21 * hours, abs=0.01)
-        assert ceiling(A4, nodes=2) == pytest.approx(2 * ceiling(A4), abs=0.02)
+        assert ceiling(A4, nodes=2, recipeOverrides=["distributed.world_size=16"]) == pytest.approx(
+            2 * ceiling(A4), abs=0.02
+        )
         assert ceiling(A4, trainingTimeoutMinutes=120) < ceiling(A4)
 
     def test_each_ray_retry_gets_a_fresh_deadline(self) -> None:
@@ -175,7 +180,7 @@ class TestEveryRunGetsItsPrice:
         assert stack_run.outputs["costLine"].startswith("gcloud storage cat gs://")
 
     def test_no_price_no_file(self) -> None:
-        h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "capacity": "spot"}
+        h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "capacity": "spot", **SIZED_FOR_4}
         stack_run = run_stack("a4-gemma4", overrides=h100x4, remove=NO_RESERVATION)
         assert not stack_run.of_type("gcp:storage/bucketObject:BucketObject")
 

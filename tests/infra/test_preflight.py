@@ -22,6 +22,9 @@ PROJECT = "my-gcp-project"
 GET_RESERVATION = "gcp:compute/getReservation:getReservation"
 LIST_COMMAND = f"gcloud compute reservations list --project {PROJECT} --filter='name={NAME}'"
 
+# the recipe sized for the 4 GPUs of one H100 x4 node (the stack refuses another world size)
+SIZED_FOR_4 = {"recipeOverrides": ["distributed.world_size=4"]}
+
 
 def fails(stack: str = A4, reservations: dict[str, Any] | None = None, **overrides: Any) -> str:
     with pytest.raises(PreflightError) as caught:
@@ -216,16 +219,31 @@ class TestGpuQuotaStops:
         assert f"console.cloud.google.com/iam-admin/quotas?project={PROJECT}" in msg
 
     def test_one_gpu_short_names_both_numbers_and_the_request(self) -> None:
-        msg = fails_with(A4, a4("spot", nodes=2), NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 15))
+        msg = fails_with(
+            A4,
+            a4("spot", nodes=2, recipeOverrides=["distributed.world_size=16"]),
+            NO_RESERVATION,
+            quotas=quota(COMPUTE, SPOT_B200, 15),
+        )
         assert "is 15, and capacity=spot with nodes=2 x gpusPerNode=8 (nvidia-b200) needs 16" in msg
         assert (
             f"gcloud quotas preferences create --service=compute.googleapis.com --quota-id={SPOT_B200} "
             f"--preferred-value=16 --dimensions=region=us-central1 --project={PROJECT}"
         ) in msg
-        run_stack(A4, overrides=a4("spot", nodes=2), remove=NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 16))
+        run_stack(
+            A4,
+            overrides=a4("spot", nodes=2, recipeOverrides=["distributed.world_size=16"]),
+            remove=NO_RESERVATION,
+            quotas=quota(COMPUTE, SPOT_B200, 16),
+        )
 
     def test_two_nodes_need_sixteen(self) -> None:
-        msg = fails_with(A4, a4("spot", nodes=2), NO_RESERVATION, quotas=quota(COMPUTE, SPOT_B200, 8))
+        msg = fails_with(
+            A4,
+            a4("spot", nodes=2, recipeOverrides=["distributed.world_size=16"]),
+            NO_RESERVATION,
+            quotas=quota(COMPUTE, SPOT_B200, 8),
+        )
         assert "is 8, and capacity=spot with nodes=2 x gpusPerNode=8 (nvidia-b200) needs 16" in msg
 
     def test_on_demand_reads_the_b200_row_of_the_family_quota(self) -> None:
@@ -351,7 +369,7 @@ class TestCostCeiling:
         assert "cannot hold with rayCluster=standing" in msg and "296.42 USD/h" in msg
 
     def test_hardware_without_a_price_asks_for_one(self) -> None:
-        h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "maxRunCostUsd": 100}
+        h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "maxRunCostUsd": 100, **SIZED_FOR_4}
         msg = fails_with(A4, {**h100x4, "capacity": "spot"}, NO_RESERVATION)
         assert "maxRunCostUsd=100 cannot be checked" in msg and "trainingHourPriceUsd" in msg
         run_stack(A4, overrides={**h100x4, "capacity": "spot", "trainingHourPriceUsd": "10.5"}, remove=NO_RESERVATION)

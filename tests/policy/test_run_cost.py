@@ -28,13 +28,17 @@ NO_RESERVATION = ("reservationName",)
 # Every stack, each capacity, more nodes, more retries, serving on: (stack, overrides, remove).
 CASES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
     "a4": ("a4-gemma4", {}, ()),
-    "a4-spot-2-nodes": ("a4-gemma4", {"capacity": "spot", "nodes": 2}, NO_RESERVATION),
+    "a4-spot-2-nodes": (
+        "a4-gemma4",
+        {"capacity": "spot", "nodes": 2, "recipeOverrides": ["distributed.world_size=16"]},
+        NO_RESERVATION,
+    ),
     "a4-flex-start": ("a4-gemma4", {"capacity": "flex-start"}, NO_RESERVATION),
     "a4-on-demand-retries": ("a4-gemma4", {"capacity": "on-demand", "trainingRetries": 4}, NO_RESERVATION),
     "ray": ("ray-gemma3-vision", {}, ()),
     "ray-spot-1-node-3-retries": (
         "ray-gemma3-vision",
-        {"capacity": "spot", "nodes": 1, "trainingRetries": 3},
+        {"capacity": "spot", "nodes": 1, "trainingRetries": 3, "recipeOverrides": ["distributed.world_size=8"]},
         NO_RESERVATION,
     ),
     "dev": ("dev", {}, ()),
