@@ -39,7 +39,15 @@ from typing import Any
 from infra.cloud_run import EXECUTE_SCRIPT
 from infra.config import StackConfig
 from infra.crd_wait import WAIT_SCRIPT
-from infra.foundation import Identity, account_email, bucket_name, hf_secret_id, repository_id, staging_bucket_name
+from infra.foundation import (
+    Identity,
+    account_email,
+    api_key_secret_id,
+    bucket_name,
+    hf_secret_id,
+    repository_id,
+    staging_bucket_name,
+)
 from infra.images import CLOUD_BUILD_SCRIPT
 from infra.offline import Recorded, StackRun
 
@@ -52,6 +60,7 @@ class Scope(StrEnum):
     BUCKET = "the stack's bucket"
     BUILD_STAGING = "the build staging bucket"
     HF_SECRET = "the HF token secret"
+    API_KEY_SECRET = "the vLLM API key secret"
     REGISTRY = "the image repository"
     TRAINER_ACCOUNT = "the trainer's service account"
     SERVING_ACCOUNT = "the serving service account"
@@ -86,6 +95,7 @@ def scopes(cfg: StackConfig) -> dict[tuple[str, str], Scope]:
         ("bucket", bucket_name(cfg)): Scope.BUCKET,
         ("bucket", staging_bucket_name(cfg)): Scope.BUILD_STAGING,
         ("secret", hf_secret_id(cfg)): Scope.HF_SECRET,
+        ("secret", api_key_secret_id(cfg)): Scope.API_KEY_SECRET,
         ("repository", repository_id(cfg)): Scope.REGISTRY,
         ("project", cfg.project): Scope.PROJECT,
     }
@@ -338,10 +348,18 @@ INVOKES: dict[str, Invoke] = {
         "the kept-bucket check (infra/foundation.py kept_bucket); Cloud Storage buckets.list is authorised on the "
         "project, so no condition on bucket names can narrow it",
     ),
+    "gcp:storage/getBucketObjects:getBucketObjects": Invoke(
+        ("storage.objects.list",),
+        ("bucket", "bucket"),
+        "the served-run choice lists the recipe's completion markers, then the chosen run's folder, before the vLLM "
+        "service is planned (infra/cloud_run.py served_run); the provider's data source calls Cloud Storage "
+        "objects.list (terraform-provider-google google/services/storage/data_source_storage_bucket_objects.go; "
+        "registry docs, data-sources/storage_bucket_objects: 'See the API: objects/list')",
+    ),
     "gcp:storage/getBucketObjectContent:getBucketObjectContent": Invoke(
         ("storage.objects.get",),
         ("bucket", "bucket"),
-        "the completion marker read before the vLLM service is planned (infra/cloud_run.py)",
+        "the chosen run's completion marker is read before the vLLM service is planned (infra/cloud_run.py served_run)",
     ),
     "gcp:compute/getZones:getZones": Invoke(
         ("compute.zones.list",), ("project", "project"), "the reservation preflight lists the region's zones"

@@ -40,7 +40,8 @@ Decisions
 - The Service is private: `roles/run.invoker` only for `servingInvokers`; it is public
   only when the stack says `servingPublic: true` (then the invoker check is disabled,
   with no allUsers binding: an unauthenticated GPU endpoint, see Pulumi.yaml). An optional
-  `servingApiKey` goes to Secret Manager and reaches vLLM as `VLLM_API_KEY`; vLLM checks it
+  `servingApiKey` goes to Secret Manager (the foundation's secret, with the serving account's
+  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference; vLLM checks it
   on `/v1` routes only (vllm/entrypoints/openai/api_server.py). Scale to zero,
   `servingMaxInstances` GPUs at most.
 - No Direct VPC egress: the service reads the model through its Cloud Storage volume over
@@ -345,7 +346,6 @@ class VllmService(pulumi.ComponentResource):
         foundation: Foundation,
         image: pulumi.Output[str],
         training_run: pulumi.Output[str],
-        api_key: pulumi.Output[str] | None = None,
         opts=None,
     ) -> None:
         super().__init__("gemma-finetune:gcp:VllmService", name, None, opts)
@@ -353,7 +353,7 @@ class VllmService(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         self.run_id = served_run(cfg, foundation.bucket_name, training_run)
         vllm_args = self.run_id.apply(lambda rid: render_args(vllm_config(cfg, rid)))
-        envs, key_resources = self._envs(name, cfg, foundation, api_key, child)
+        envs = self._envs(cfg, foundation)
         self.service = gcp.cloudrunv2.Service(
             f"{name}-service",
             project=cfg.project,
@@ -412,11 +412,13 @@ class VllmService(pulumi.ComponentResource):
             ),
             opts=pulumi.ResourceOptions(
                 parent=self,
+                # A Service that references a secret fails to create without the accessor grant (CLOUD-FACTS §11):
+                # the key's grant is one of grants_to(SERVING).
                 depends_on=[
                     *foundation.apis,
                     foundation.serving_account,
                     *foundation.grants_to(Identity.SERVING),
-                    *key_resources,
+                    *([foundation.api_key_secret_version] if foundation.api_key_secret_version else []),
                 ],
             ),
         )
@@ -434,13 +436,7 @@ class VllmService(pulumi.ComponentResource):
         self.register_outputs({"url": self.url, "run_id": self.run_id})
 
     @staticmethod
-    def _envs(
-        name: str,
-        cfg: StackConfig,
-        foundation: Foundation,
-        api_key: pulumi.Output[str] | None,
-        opts: pulumi.ResourceOptions,
-    ) -> tuple[list[gcp.cloudrunv2.ServiceTemplateContainerEnvArgs], list[pulumi.Resource]]:
+    def _envs(cfg: StackConfig, foundation: Foundation) -> list[gcp.cloudrunv2.ServiceTemplateContainerEnvArgs]:
         """The container's environment: fixed settings, the startup window, servingEnv, and the API key by reference."""
         env = gcp.cloudrunv2.ServiceTemplateContainerEnvArgs
         envs = [
@@ -449,43 +445,19 @@ class VllmService(pulumi.ComponentResource):
             env(name="GEMMA_FT_WAIT_FOR_MODEL_S", value=str(STARTUP_WINDOW.marker_wait_s)),
             *(env(name=k, value=v) for k, _, v in (item.partition("=") for item in cfg.serving_env)),
         ]
-        if api_key is None:
-            return envs, []
-        assert foundation.serving_account is not None
-        secret = gcp.secretmanager.Secret(
-            f"{name}-api-key",
-            project=cfg.project,
-            secret_id=f"gft-{cfg.stack}-vllm-api-key",
-            replication=gcp.secretmanager.SecretReplicationArgs(auto=gcp.secretmanager.SecretReplicationAutoArgs()),
-            labels=cfg.resource_labels,
-            opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=foundation.apis)),
-        )
-        version = gcp.secretmanager.SecretVersion(
-            f"{name}-api-key-v",
-            secret=secret.id,
-            secret_data=pulumi.Output.secret(api_key),  # type: ignore[arg-type]
-            opts=opts,
-        )
-        access = gcp.secretmanager.SecretIamMember(
-            f"{name}-api-key-serving",
-            project=cfg.project,
-            secret_id=secret.secret_id,
-            role="roles/secretmanager.secretAccessor",
-            member=foundation.serving_account.email.apply(lambda e: f"serviceAccount:{e}"),
-            opts=opts,
-        )
-        envs.append(
-            env(
-                name="VLLM_API_KEY",
-                value_source=gcp.cloudrunv2.ServiceTemplateContainerEnvValueSourceArgs(
-                    secret_key_ref=gcp.cloudrunv2.ServiceTemplateContainerEnvValueSourceSecretKeyRefArgs(
-                        secret=secret.secret_id, version=version.version
-                    )
-                ),
+        if foundation.api_key_secret is not None and foundation.api_key_secret_version is not None:
+            envs.append(
+                env(
+                    name="VLLM_API_KEY",
+                    value_source=gcp.cloudrunv2.ServiceTemplateContainerEnvValueSourceArgs(
+                        secret_key_ref=gcp.cloudrunv2.ServiceTemplateContainerEnvValueSourceSecretKeyRefArgs(
+                            secret=foundation.api_key_secret.secret_id,
+                            version=foundation.api_key_secret_version.version,
+                        )
+                    ),
+                )
             )
-        )
-        # a Service that references a secret fails to create without the accessor grant (CLOUD-FACTS §11)
-        return envs, [version, access]
+        return envs
 
 
 def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images) -> dict[str, Any]:
@@ -517,7 +489,6 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
             foundation,
             images.serving_image,
             pulumi.Output.from_input(training.run_id),
-            loaded.serving_api_key,
         )
         outputs["servingUrl"] = service.url
         outputs["servingRunId"] = service.run_id

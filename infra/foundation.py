@@ -43,8 +43,11 @@ Decisions
   pkg/resource/deploy/step_generator.go: an import happens only when there is no old state or
   the old ID differs).
 - The HF token goes to Secret Manager only for a workload that reads it there (Cloud Run);
-  the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). It stays a secret Output
-  everywhere.
+  the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). The optional vLLM API key
+  (`servingApiKey`) goes there too when serving is on. Each is one `_secret`: the secret, its
+  version and the reader's accessor grant, registered in `grants_to(reader)` like every other
+  grant, so the workload that reads it waits for it and the permission proof sees it. Both stay
+  secret Outputs everywhere.
 
 Not here: Kubernetes identities and the Workload Identity binding (the GKE components own
 them, because they know the namespace and the Kubernetes service account).
@@ -131,6 +134,10 @@ def hf_secret_id(cfg: StackConfig) -> str:
     return f"gft-{cfg.stack}-hf-token"
 
 
+def api_key_secret_id(cfg: StackConfig) -> str:
+    return f"gft-{cfg.stack}-vllm-api-key"
+
+
 def repository_id(cfg: StackConfig) -> str:
     return f"gemma-finetune-{cfg.stack}"
 
@@ -140,10 +147,15 @@ def reads_hf_secret(cfg: StackConfig) -> bool:
     return cfg.hf_token_set and cfg.workload is Workload.CLOUD_RUN
 
 
+def reads_api_key_secret(cfg: StackConfig) -> bool:
+    """The vLLM Service reads `servingApiKey` from Secret Manager (`infra.cloud_run` VLLM_API_KEY secretKeyRef)."""
+    return cfg.serving_enabled and cfg.serving_api_key_set
+
+
 def required_apis(cfg: StackConfig) -> list[str]:
     """The APIs this stack uses, and no others."""
     apis = list(_COMMON_APIS) + list(_WORKLOAD_APIS[cfg.workload])
-    if reads_hf_secret(cfg) or (cfg.serving_enabled and cfg.serving_api_key_set):
+    if reads_hf_secret(cfg) or reads_api_key_secret(cfg):
         apis.append("secretmanager.googleapis.com")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:
         apis.append("cloudbuild.googleapis.com")
@@ -165,10 +177,12 @@ class FoundationArgs:
     """The validated stack configuration."""
     hf_token: pulumi.Output[str] | None
     """The Hugging Face token as a secret Output, or None when the recipe needs none."""
+    serving_api_key: pulumi.Output[str] | None = None
+    """`servingApiKey` as a secret Output, or None when the stack sets none."""
 
 
 class Foundation(pulumi.ComponentResource):
-    """APIs, service accounts and their grants, the HF token secret, the bucket and the image registry."""
+    """APIs, service accounts and their grants, the HF token and API key secrets, the bucket and the image registry."""
 
     apis: list[gcp.projects.Service]
     accounts: dict[Identity, gcp.serviceaccount.Account]
@@ -182,6 +196,8 @@ class Foundation(pulumi.ComponentResource):
     build_staging_bucket: gcp.storage.Bucket | None
     hf_secret: gcp.secretmanager.Secret | None
     hf_secret_version: gcp.secretmanager.SecretVersion | None
+    api_key_secret: gcp.secretmanager.Secret | None
+    api_key_secret_version: gcp.secretmanager.SecretVersion | None
     registry: gcp.artifactregistry.Repository
     registry_url: pulumi.Output[str]
 
@@ -254,32 +270,15 @@ class Foundation(pulumi.ComponentResource):
         if Identity.SERVING in self.accounts:
             self._grant_on_bucket(Identity.SERVING, "serving", "roles/storage.objectViewer")
 
-        self.hf_secret = None
-        self.hf_secret_version = None
+        self.hf_secret, self.hf_secret_version = None, None
         if args.hf_token is not None and reads_hf_secret(cfg):
-            self.hf_secret = gcp.secretmanager.Secret(
-                f"{name}-hf-token",
-                project=cfg.project,
-                secret_id=hf_secret_id(cfg),
-                replication=gcp.secretmanager.SecretReplicationArgs(auto=gcp.secretmanager.SecretReplicationAutoArgs()),
-                labels=cfg.resource_labels,
-                opts=after_apis,
+            self.hf_secret, self.hf_secret_version = self._secret(
+                "hf-token", hf_secret_id(cfg), args.hf_token, Identity.TRAINER
             )
-            self.hf_secret_version = gcp.secretmanager.SecretVersion(
-                f"{name}-hf-token-v",
-                secret=self.hf_secret.id,
-                secret_data=pulumi.Output.secret(args.hf_token),  # type: ignore[arg-type]
-                opts=child,
-            )
-            self._grants[Identity.TRAINER].append(
-                gcp.secretmanager.SecretIamMember(
-                    f"{name}-hf-token-trainer",
-                    project=cfg.project,
-                    secret_id=self.hf_secret.secret_id,
-                    role="roles/secretmanager.secretAccessor",
-                    member=self._member(Identity.TRAINER),
-                    opts=child,
-                )
+        self.api_key_secret, self.api_key_secret_version = None, None
+        if args.serving_api_key is not None and reads_api_key_secret(cfg):
+            self.api_key_secret, self.api_key_secret_version = self._secret(
+                "vllm-api-key", api_key_secret_id(cfg), args.serving_api_key, Identity.SERVING
             )
 
         self.registry = gcp.artifactregistry.Repository(
@@ -319,6 +318,37 @@ class Foundation(pulumi.ComponentResource):
 
     def _member(self, identity: Identity) -> pulumi.Output[str]:
         return self.accounts[identity].email.apply(lambda e: f"serviceAccount:{e}")
+
+    def _secret(
+        self, suffix: str, secret_id: str, value: pulumi.Output[str], reader: Identity
+    ) -> tuple[gcp.secretmanager.Secret, gcp.secretmanager.SecretVersion]:
+        """A Secret Manager secret holding `value` (kept a secret Output), its version, and `reader`'s accessor
+        grant, registered in `grants_to(reader)`."""
+        secret = gcp.secretmanager.Secret(
+            f"{self._name}-{suffix}",
+            project=self._cfg.project,
+            secret_id=secret_id,
+            replication=gcp.secretmanager.SecretReplicationArgs(auto=gcp.secretmanager.SecretReplicationAutoArgs()),
+            labels=self._cfg.resource_labels,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=self.apis),
+        )
+        version = gcp.secretmanager.SecretVersion(
+            f"{self._name}-{suffix}-v",
+            secret=secret.id,
+            secret_data=pulumi.Output.secret(value),  # type: ignore[arg-type]
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        self._grants[reader].append(
+            gcp.secretmanager.SecretIamMember(
+                f"{self._name}-{suffix}-{reader.name.lower()}",
+                project=self._cfg.project,
+                secret_id=secret.secret_id,
+                role="roles/secretmanager.secretAccessor",
+                member=self._member(reader),
+                opts=pulumi.ResourceOptions(parent=self),
+            )
+        )
+        return secret, version
 
     def _grant_on_bucket(
         self, identity: Identity, suffix: str, role: str, bucket: gcp.storage.Bucket | None = None

@@ -51,7 +51,7 @@ import yaml
 
 from infra.api_permissions import ACCOUNT_SCOPES, Need, Scope, deploy_needs, preview_needs, scope_of, scopes
 from infra.config import Capacity, ImageBuild, StackConfig, Workload
-from infra.foundation import Identity, account_email, reads_hf_secret, repository_id
+from infra.foundation import Identity, account_email, reads_api_key_secret, reads_hf_secret, repository_id
 from infra.gke_workload import TRAINER_KSA, workload_identity_member
 from infra.offline import MOCK_PROJECT_NUMBER, StackRun
 
@@ -199,6 +199,19 @@ RUNTIMES: tuple[Runtime, ...] = (
                 Scope.BUCKET,
                 "vLLM loads the merged model from /mnt/models (infra/cloud_run.py VllmService; "
                 "serving/entrypoint.sh checks the completion marker)",
+            ),
+        ),
+    ),
+    Runtime(
+        "vLLM server reading its API key (servingApiKey)",
+        _account(Identity.SERVING),
+        reads_api_key_secret,
+        (
+            Need(
+                "secretmanager.versions.access",
+                Scope.API_KEY_SECRET,
+                "Cloud Run resolves the Service's VLLM_API_KEY secretKeyRef as the Service's account "
+                "(infra/cloud_run.py VllmService; Cloud Run docs, 'Configure secrets')",
             ),
         ),
     ),
@@ -387,22 +400,19 @@ def permissions_of(role: str, origin: str) -> frozenset[str]:
 def resource_name(scope: Scope, cfg: StackConfig) -> str:
     """The name IAM Conditions see for a resource of this scope (`resource.name`)."""
     buckets = {sc: name for (kind, name), sc in scopes(cfg).items() if kind == "bucket"}
+    secrets = {sc: name for (kind, name), sc in scopes(cfg).items() if kind == "secret"}
     accounts = {sc: email for (kind, email), sc in scopes(cfg).items() if kind == "account"}
     names = {
         Scope.PROJECT: f"projects/{cfg.project}",
         Scope.RESERVATION_PROJECT: f"projects/{cfg.reservation_project}",
         Scope.STATE_BUCKET: f"projects/_/buckets/{cfg.project}{STATE_BUCKET_SUFFIX}",
         Scope.STATE_KEY: f"projects/{cfg.project}/{STATE_KEY_PATH}",
-        Scope.HF_SECRET: f"projects/{MOCK_PROJECT_NUMBER}/secrets/{_secret_id(cfg)}",
         Scope.REGISTRY: f"projects/{cfg.project}/locations/{cfg.region}/repositories/{repository_id(cfg)}",
         **{sc: f"projects/_/buckets/{name}" for sc, name in buckets.items()},
+        **{sc: f"projects/{MOCK_PROJECT_NUMBER}/secrets/{name}" for sc, name in secrets.items()},
         **{sc: f"projects/{cfg.project}/serviceAccounts/{email}" for sc, email in accounts.items()},
     }
     return names[scope]
-
-
-def _secret_id(cfg: StackConfig) -> str:
-    return next(name for (kind, name), _ in scopes(cfg).items() if kind == "secret")
 
 
 _STARTS_WITH = re.compile(r"resource\.name\.startsWith\('([^']*)'\)")

@@ -23,7 +23,9 @@ def run() -> dict[str, Any]:
     preflight.check(cfg)  # asks the cloud whether the configuration can work, before anything is declared
     name = f"gft-{cfg.stack}"
 
-    foundation = Foundation(name, FoundationArgs(cfg=cfg, hf_token=loaded.hf_token))
+    foundation = Foundation(
+        name, FoundationArgs(cfg=cfg, hf_token=loaded.hf_token, serving_api_key=loaded.serving_api_key)
+    )
     images = Images(
         name,
         ImagesArgs(

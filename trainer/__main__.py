@@ -4,7 +4,8 @@
     .venv/bin/python -m trainer --recipe emoji-local --set training.max_steps=5 --set output.dir=/tmp/emoji
     .venv/bin/python -m trainer --list
 
-Parses arguments, loads and validates the recipe, and calls the typed `trainer.train.main`.
+Parses arguments and the recipe (schema), exits 0 with the earlier result when `output.dir` already
+holds a finished run, else validates the run the recipe describes and calls the typed `trainer.train.main`.
 A problem the user can fix (bad recipe, bad override, missing data file, full disk) is printed
 as one clear message without a traceback, with exit code 2.
 """
@@ -17,7 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from trainer.recipe import RecipeError, list_recipes, load_recipe
+from trainer.recipe import RecipeError, list_recipes, parse_recipe, require_valid_run
 
 USER_ERRORS: tuple[type[Exception], ...] = (RecipeError,)
 
@@ -54,10 +55,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        from trainer.train import main
+        # A finished run exits before the run checks, which read the data (a re-created Job whose data is gone
+        # still finds its marker), and before anything is loaded.
+        recipe = parse_recipe(args.recipe, args.overrides)
+        from trainer.train import finished_result, main
 
-        result = main(recipe)
+        result = finished_result(recipe) or main(require_valid_run(recipe, args.recipe))
     except _user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,8 @@ Decisions:
   utils/launch.py sets ACCELERATE_USE_CPU only for its single-process launcher), and
   TrainingArguments and AcceleratorState read exactly that variable.
 - A recipe whose `output.dir` already holds a finished run (`_RUN_COMPLETE.json`, see
-  trainer/checkpoints.py) launches nothing and exits 0, before the model config is read.
+  trainer/checkpoints.py) launches nothing and exits 0, before the model config is read and before
+  the run checks that read the data (`trainer.recipe.require_valid_run`).
 
 It does not build the model or touch the GPUs: everything heavy happens in the launched trainer.
 """
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from trainer.recipe import REPO_ROOT, Recipe, RecipeError, load_recipe
+from trainer.recipe import REPO_ROOT, Recipe, RecipeError, load_recipe, parse_recipe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.fsdp import FsdpConfigError
 
     try:
-        output_dir = load_recipe(args.recipe, args.overrides).output.dir
+        output_dir = parse_recipe(args.recipe, args.overrides).output.dir  # the run checks come in plan()
         if OutputLocation.from_dir(output_dir).finished_run() is not None:
             print(
                 f"{output_dir} already holds a finished run ({RUN_MARKER}): nothing to launch; "

@@ -4,8 +4,8 @@ A recipe names the model, the data and its task formatter, the LoRA/QLoRA settin
 the SFT arguments and where the results go. It is validated on load (unknown keys are
 rejected, values are checked) so a typo fails before any GPU is rented.
 
-Beyond the schema, `load_recipe` checks the run the recipe describes (`step_plan`), before any
-GPU is rented:
+Beyond the schema (`parse_recipe`), `load_recipe` checks the run the recipe describes (`step_plan`,
+`require_valid_run`), before any GPU is rented:
 - the optimizer steps are computed from the data: rows (a local file is counted; a Hub dataset
   declares `data.rows`), `max_rows`/`eval_rows`, the task's conversation lengths (trainer/data/
   token_lengths.json, measured on the bundled sample with the Gemma 3 tokenizer) packed into
@@ -379,8 +379,8 @@ def _format_errors(source: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
-    """Load, validate (schema, then the run it describes: `check_run`) and return a recipe."""
+def parse_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
+    """Read a recipe, apply the overrides and validate the schema; the data is not looked at (`require_valid_run`)."""
     path = recipe_path(name_or_path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -390,13 +390,28 @@ def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
         raise RecipeError(f"recipe {path} must be a mapping of sections, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides)
     try:
-        recipe = Recipe.model_validate(raw)
+        return Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(_format_errors(str(path), exc)) from None
+
+
+def require_valid_run(recipe: Recipe, name_or_path: str) -> Recipe:
+    """`recipe` when the run it describes is valid (`check_run`: it counts the rows of a local data file), else a
+    RecipeError listing every problem."""
     problems = check_run(recipe)
     if problems:
-        raise RecipeError("\n".join([f"recipe {path} is invalid:", *(f"  {p}" for p in problems)]))
+        where = recipe_path(name_or_path)
+        raise RecipeError("\n".join([f"recipe {where} is invalid:", *(f"  {p}" for p in problems)]))
     return recipe
+
+
+def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
+    """Load, validate (schema, then the run it describes: `check_run`) and return a recipe.
+
+    The entry points that honour a finished run (`python -m trainer`, `trainer.launch`) call the two steps
+    apart: the schema tells them `output.dir`, whose completion marker they check before the run checks,
+    which read the data (a finished run's data may be gone)."""
+    return require_valid_run(parse_recipe(name_or_path, overrides), name_or_path)
 
 
 # --------------------------------------------------------------------------------------

@@ -239,25 +239,34 @@ def find_resume_checkpoint(location: OutputLocation, args: TrainingArguments) ->
         return location.latest_checkpoint(download=args.local_process_index == 0)
 
 
+def finished_result(recipe: Recipe) -> RunResult | None:
+    """The result of the run `output.dir` already holds (its `_RUN_COMPLETE.json`), else None. Reads the marker
+    only: needs nothing of the model or the data."""
+    finished = OutputLocation.from_dir(recipe.output.dir).finished_run()
+    if finished is None:
+        return None
+    log.info(
+        "%s already holds a finished run (%s): nothing to train; choose a new output.dir to train again",
+        recipe.output.dir,
+        RUN_MARKER,
+    )
+    return RunResult(
+        output_dir=recipe.output.dir,
+        adapter_dir=finished["adapter_dir"],
+        merged_dir=finished.get("merged_dir"),
+        summary=finished["summary"],
+    )
+
+
 def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult:
     """Train, save the adapter, optionally merge, write run_summary.json, mirror everything to output.dir."""
     from trainer.export import merge_and_export, push_to_hub
 
     started = time.perf_counter()
-    location = OutputLocation.from_dir(recipe.output.dir)
-    finished = location.finished_run()
+    finished = finished_result(recipe)
     if finished is not None:
-        log.info(
-            "%s already holds a finished run (%s): nothing to train; choose a new output.dir to train again",
-            recipe.output.dir,
-            RUN_MARKER,
-        )
-        return RunResult(
-            output_dir=recipe.output.dir,
-            adapter_dir=finished["adapter_dir"],
-            merged_dir=finished.get("merged_dir"),
-            summary=finished["summary"],
-        )
+        return finished
+    location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
     trainer, tokenizer = build_trainer(recipe, location, callbacks)
     resume_from = find_resume_checkpoint(location, trainer.args)

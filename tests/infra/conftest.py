@@ -68,13 +68,19 @@ class Variant:
 
 _NO_RESERVATION = ("reservationName",)
 SERVING_ON = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}
-# Every stack as committed, each capacity mode, one and two nodes, Ray ephemeral and standing, serving on,
-# each image build mode, no HF token.
+MOCK_API_KEY = "mock-vllm-api-key-not-a-real-credential"
+# Every stack as committed, each capacity mode, one and two nodes, Ray ephemeral and standing, serving on
+# (private, and public with the API key Pulumi.yaml asks for), each image build mode, no HF token.
 USER_VARIANTS: tuple[Variant, ...] = (
     Variant("dev", "dev"),
     Variant("dev, no token", "dev", {"recipe": "emoji-local"}, hf_token=None),
     Variant("dev, serving", "dev", SERVING_ON, assume_trained=True),
-    Variant("dev, serving public", "dev", {"servingEnabled": True, "servingPublic": True}, assume_trained=True),
+    Variant(
+        "dev, serving public, API key",
+        "dev",
+        {"servingEnabled": True, "servingPublic": True, "servingApiKey": MOCK_API_KEY},
+        assume_trained=True,
+    ),
     Variant("dev, cloud-build, serving", "dev", {**SERVING_ON, "imageBuild": "cloud-build"}, assume_trained=True),
     Variant("dev, prebuilt", "dev", dict(PREBUILT)),
     Variant("a4 (reservation)", "a4-gemma4"),

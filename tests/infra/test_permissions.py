@@ -175,6 +175,16 @@ class TestTheProofCanFail:
         assert any(f"lacks iam.serviceAccounts.actAs on {Scope.SERVING_ACCOUNT}" in p for p in problems), problems
         assert any("gcp:cloudrunv2/service:Service" in p for p in problems), problems
 
+    def test_the_api_key_is_read_only_through_its_accessor_grant(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """The vLLM Service resolves VLLM_API_KEY as the serving account: the foundation's grant is what gives it."""
+        keyed = next(run for variant, run in user_variant_runs if "API key" in variant.label)
+        kept = [g for g in _all(keyed) if g.scope is not Scope.API_KEY_SECRET]
+        problems = missing(keyed, kept)
+        assert len(problems) == 1, problems
+        assert f"lacks secretmanager.versions.access on {Scope.API_KEY_SECRET}" in problems[0]
+
     def test_a_condition_that_does_not_name_the_granted_role_is_a_missing_permission(self, ray: StackRun) -> None:
         swapped = [
             replace(g, condition=g.condition.replace("container.defaultNodeServiceAccount", "run.invoker"))

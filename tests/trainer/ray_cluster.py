@@ -48,6 +48,11 @@ RAYJOB = "kubernetes:ray.io/v1:RayJob"
 RAY = str(Path(sys.executable).parent / "ray")
 # ray-project/kuberay ray-operator/controllers/ray/utils/constant.go
 KUBERAY_PROBE = "wget -T 2 -q -O- http://localhost:{port}/{path} | grep success"
+# KubeRay's readiness probe on Ray pods (ray-operator/controllers/ray/utils/constant.go):
+# DefaultReadinessProbePeriodSeconds = 3, DefaultReadinessProbeFailureThreshold = 20. A pod becomes
+# ready at the first success; it is marked not ready only after 20 failures in a row.
+KUBERAY_PROBE_PERIOD_S = 3
+KUBERAY_PROBE_FAILURE_THRESHOLD = 20
 RAYLET_HEALTH_PATH = "api/local_raylet_healthz"  # RayAgentRayletHealthPath, on the dashboard agent (52365)
 GCS_HEALTH_PATH = "api/gcs_healthz"  # RayDashboardGCSHealthPath, on the dashboard (8265)
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
@@ -171,6 +176,18 @@ class LocalRayCluster:
         """KubeRay's exec probe, as the kubelet runs it in the head container."""
         command = KUBERAY_PROBE.format(port=port, path=path)
         return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
+
+    def probe_as_kubelet(self, port: int, path: str) -> subprocess.CompletedProcess[str]:
+        """The probe repeated as the kubelet repeats it: the first success, or the last of
+        KUBERAY_PROBE_FAILURE_THRESHOLD failures `KUBERAY_PROBE_PERIOD_S` apart (a raylet still
+        registering on a loaded machine fails a few probes before it is ready, on a node as here)."""
+        for attempt in range(KUBERAY_PROBE_FAILURE_THRESHOLD):
+            done = self.probe(port, path)
+            if done.returncode == 0:
+                return done
+            if attempt + 1 < KUBERAY_PROBE_FAILURE_THRESHOLD:
+                time.sleep(KUBERAY_PROBE_PERIOD_S)
+        return done
 
     def logs(self, tail: int = 40) -> str:
         """The last lines of every Ray log, for a failure message."""

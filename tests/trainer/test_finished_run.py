@@ -6,8 +6,9 @@ provisions an A4 node, downloads 31B, resumes at the last step and exports again
 
 The run directory is a `file://` "bucket" holding the run marker the trainer writes last. The
 recipe names a model folder and a data file that do not exist: any attempt to load a model, a
-tokenizer, a model config or the data would fail, so exit code 0 shows nothing was loaded. The same
-commands without the marker fail, which shows they would have loaded them.
+tokenizer, a model config or the data would fail, and so would the recipe's run checks, which count
+the data file's rows. Exit code 0 shows none of them ran. The same commands without the marker fail
+at the run checks, which shows that an unfinished run is still checked against its data.
 """
 
 from __future__ import annotations
@@ -56,6 +57,28 @@ def finished_url(tmp_path: Path) -> str:
     )
     assert (tmp_path / "bucket" / "finished" / RUN_MARKER).is_file()
     return url
+
+
+@pytest.mark.parametrize("entry", ["trainer", "trainer.launch"])
+def test_the_marker_is_read_before_the_run_checks_read_the_data(
+    entry: str, tmp_path: Path, finished_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process (fast): the order of the two checks at both entry points; the data check stays for a run that is
+    not finished."""
+    import trainer.__main__
+    import trainer.launch
+
+    main = trainer.__main__.run if entry == "trainer" else trainer.launch.main
+    head = ["--recipe", RECIPE]
+    if entry == "trainer.launch":
+        head += ["--nproc-per-node", "8", "--config-out", str(tmp_path / "accelerate.yaml")]
+    assert main([*head, *nothing_to_load(tmp_path, finished_url)]) == 0, capsys.readouterr().err
+    said = "already holds a finished run" if entry == "trainer.launch" else f"adapter: {finished_url}/adapter"
+    assert said in capsys.readouterr().out
+
+    assert main([*head, *nothing_to_load(tmp_path, f"{finished_url}-not")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error:") and f"data.path='{tmp_path / 'no-rows.jsonl'}': no such file" in error, error
 
 
 @pytest.mark.slow

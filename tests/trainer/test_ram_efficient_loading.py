@@ -58,6 +58,9 @@ def overrides(model_dir: str, out_dir: str) -> list[str]:
         "data.path=trainer/data/text_to_sql.jsonl",
         "data.max_rows=16",
         "data.eval_rows=0",
+        # The ranks build the run (SFTConfig, model) but train no step. Bounded by max_steps, its length is chosen,
+        # not computed from 16 rows (3 updates), so the recipe's save_steps/eval_steps of 20 are not held to it.
+        "training.max_steps=1",
         "training.report_to=[]",
         f"output.dir={out_dir}",
     ]

@@ -78,10 +78,10 @@ def test_head_answers_kuberays_probes(ray_cluster):
         (ray_cluster.head_agent_port, RAYLET_HEALTH_PATH),
         (ray_cluster.dashboard_port, GCS_HEALTH_PATH),
     ):
-        done = ray_cluster.probe(port, path)
+        done = ray_cluster.probe_as_kubelet(port, path)
         assert done.returncode == 0 and "success" in done.stdout, (path, done.stdout, done.stderr)
-    done = ray_cluster.probe(ray_cluster.worker_agent_port, RAYLET_HEALTH_PATH)
-    assert done.returncode == 0, "the worker's raylet probe"
+    done = ray_cluster.probe_as_kubelet(ray_cluster.worker_agent_port, RAYLET_HEALTH_PATH)
+    assert done.returncode == 0, ("the worker's raylet probe", done.stdout, done.stderr, ray_cluster.logs())
 
 
 @pytest.mark.slow
