@@ -61,6 +61,7 @@ DEFAULT_OUTPUT_DIR = Path("outputs/demo")
 DEFAULT_PORT = 8000
 DEMO_SENTINEL = ".gemma-demo"
 DEMO_SUMMARY = "demo_summary.json"
+SCORE_CACHE = "scores"  # under the model cache: the base model's scores, one file per score_key
 # base model (fp32, ~1.1 GB) + GGUF (~0.25 GB) + staging while building; merged bf16 (~0.55 GB) + checkpoints
 NEED_GB_TO_BUILD = 3.0
 NEED_GB_TO_TRAIN = 1.5
@@ -224,16 +225,61 @@ def build_recipe(opts: DemoOptions) -> Recipe:
     return load_recipe(RECIPE_NAME, overrides)
 
 
-def score(model_dir: Path, recipe: Recipe, out: Path, reuse: bool = False) -> dict[str, Any]:
+def score_key(model_dir: Path, recipe: Recipe) -> str:
+    """What a model's scores depend on, hashed: its build, the held-out rows, the generation settings, the code.
+
+    The build is the local model's build marker (the GGUF package's name and sha256) where there is
+    one, else the folder; the rows are the conversations the evaluator will score; the settings are
+    the generation budget, the batch size and the chat template; the code is the evaluator and the
+    formatter (their source) and the torch / transformers versions.
+    """
+    import hashlib
+
+    import torch
+    import transformers
+
+    import trainer.evaluate
+    import trainer.formatting
+    from trainer.evaluate import held_out_rows
+    from trainer.local_model import BUILD_MARKER
+
+    marker = model_dir / BUILD_MARKER
+    material = {
+        "build": marker.read_text() if marker.is_file() else str(model_dir.resolve()),
+        "rows": [conversation for conversation, _ in held_out_rows(recipe, recipe.evaluation.max_samples)],
+        "task": recipe.data.task.value,
+        "max_new_tokens": recipe.max_new_tokens,
+        "batch_size": recipe.evaluation.batch_size,
+        "chat_template": recipe.model.chat_template,
+        "code": [Path(m.__file__ or "").read_text() for m in (trainer.evaluate, trainer.formatting)],
+        "libraries": [torch.__version__, transformers.__version__],
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def score(
+    model_dir: Path, recipe: Recipe, out: Path, reuse: bool = False, cache_dir: Path | None = None
+) -> dict[str, Any]:
     """emoji F1 and held-out loss on the recipe's eval split (the trainer's evaluator, the same rows every time).
 
     With `reuse`, results an interrupted run already wrote for the same model and sample count are
-    returned as they are (the base model's scores do not change between runs).
+    returned as they are. With `cache_dir` (the base model: its scores do not change between runs),
+    results are kept there under `score_key` and reused by every later run with the same key.
     """
     import gc
 
     from trainer.evaluate import evaluate
 
+    cached = cache_dir / f"{score_key(model_dir, recipe)}.json" if cache_dir else None
+    if cached is not None and cached.is_file():
+        try:
+            results = dict(json.loads(cached.read_text()))
+        except ValueError:
+            results = None
+        if results is not None:
+            print(f"      reusing {cached} (same model build, rows and generation settings)")
+            out.write_text(json.dumps(results, indent=2, ensure_ascii=False))
+            return results
     if reuse and out.is_file():
         try:
             previous = json.loads(out.read_text())
@@ -248,6 +294,11 @@ def score(model_dir: Path, recipe: Recipe, out: Path, reuse: bool = False) -> di
     results = evaluate(model_dir, recipe, recipe.evaluation.max_samples, out)
     results["requested_samples"] = recipe.evaluation.max_samples
     out.write_text(json.dumps(results, indent=2, ensure_ascii=False))
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = cached.with_name(f".{cached.name}.{os.getpid()}")
+        staging.write_text(json.dumps(results, indent=2, ensure_ascii=False))
+        os.replace(staging, cached)  # a reader never sees half a file
     gc.collect()
     return results
 
@@ -372,7 +423,8 @@ def run(opts: DemoOptions) -> DemoResult:
         2, total, f"Scoring the base model on {samples} held-out rows (before training)", timings, "score_before"
     ):
         before = _guard(
-            "scoring the base model", lambda: score(base_dir, recipe, output_dir / "eval_before.json", reuse=True)
+            "scoring the base model",
+            lambda: score(base_dir, recipe, output_dir / "eval_before.json", reuse=True, cache_dir=cache / SCORE_CACHE),
         )
         print(f"      {_scores(before)}")
 
