@@ -50,8 +50,9 @@ demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query 
 plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4
 	$(PY) -m infra.plan --stack $(STACK)
 
-bench: $(STAMP) ## training throughput, seed configuration vs ours (CPU)
-	$(PY) bench/train_throughput.py --device cpu
+bench: $(STAMP) ## training throughput, each shipped text recipe vs its seed (CPU)
+	$(PY) bench/train_throughput.py --device cpu --recipe text-to-sql-gemma4-31b --out build/bench/text-to-sql.json
+	$(PY) bench/train_throughput.py --device cpu --recipe emoji-gemma3-1b --out build/bench/emoji.json
 
 clean: ## remove build outputs (keeps .venv and the prepared local model)
 	rm -rf build outputs .pytest_cache .ruff_cache .mypy_cache
