@@ -12,6 +12,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Tests and the demo never reach the Hub; the Pulumi program never reaches the cloud here.
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
+# torch's OpenMP threads sleep instead of spinning while they wait: on a shared CPU spinning takes
+# the cores the working threads need (serving/demo.py `_yielding_cpu_threads` has the numbers)
+export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: help venv test test-fast lint demo plan bench clean
 
