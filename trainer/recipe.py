@@ -18,6 +18,8 @@ Beyond the schema (`parse_recipe`), `load_recipe` checks the run the recipe desc
   says why (packing ~19 emoji conversations into one 512-token row turned 500 updates into 27);
 - with packing, a micro-batch is one packed row unless the attention is flash_attention_2 (trl's
   padding-free collator flattens a micro-batch into one row, and sdpa/eager compute its full square);
+- a Gemma 4 model may not use flash_attention_2: its global-attention heads are 512 wide, flash-attn
+  2 takes at most 256 (sdpa is the shipped choice);
 - `constant` ignores warmup: a warmup needs `constant_with_warmup` (or another warming schedule).
 
 Where the processes are started (`trainer.launch`, `trainer.ray_entry`, `python -m trainer`, and the
@@ -547,6 +549,16 @@ def check_run(recipe: Recipe) -> list[str]:
             f"{t.per_device_train_batch_size} packed rows into one {t.per_device_train_batch_size * t.max_length}-token "
             f"row whose full attention square {recipe.model.attn_implementation} computes: use 1 and multiply "
             "training.gradient_accumulation_steps by the same factor (same tokens per update)"
+        )
+    name = recipe.model.name_or_path.lower()
+    if recipe.model.attn_implementation == "flash_attention_2" and ("gemma-4" in name or "gemma4" in name):
+        # Gemma 4's full-attention layers are 512 wide (transformers 5.23 models/gemma4/configuration_gemma4.py:
+        # global_head_dim defaults to 512) and flash-attn 2 supports head dimensions up to 256
+        # (github.com/Dao-AILab/flash-attention README; issue #2427 "Support head_dim=512 for Gemma 4").
+        problems.append(
+            f"model.attn_implementation=flash_attention_2 with {recipe.model.name_or_path}: Gemma 4's global-attention "
+            "layers have head_dim 512 and flash-attn 2 supports at most 256, so the first such layer fails. "
+            f"Use sdpa (`{fix} model.attn_implementation=sdpa`)"
         )
     ratio = plan.updates_per_epoch_unpacked / plan.updates_per_epoch
     if t.packing and ratio > 2 and not (t.packing_reason or "").strip():

@@ -19,6 +19,9 @@ Decisions:
   template has (or trl can patch in) `{% generation %}` markers; for templates trl cannot patch
   (Gemma 4's, in trl 1.16) the conversations become prompt/completion pairs and trl's
   `completion_only_loss` masks the prompt instead. Same loss, any template.
+- The LM head projects only the positions that carry a label, on the CPU as on a GPU
+  (trainer/lm_head.py; trl does it itself only on Triton devices): same loss, gradients and
+  metrics, a fraction of the head's work when prompts are long.
 - `training.packing` packs with trl's best-fit-decreasing strategy, which is padding-free;
   `training.padding_free` alone is honoured too.
 - A run resumes by itself from the latest complete checkpoint (trainer/checkpoints.py); with
@@ -247,11 +250,11 @@ def build_trainer(
     recipe: Recipe, location: OutputLocation, callbacks: Sequence[TrainerCallback] = ()
 ) -> tuple[SFTTrainer, Any]:
     """Load model, tokenizer and data for a recipe and wire them into an SFTTrainer (not yet trained)."""
-    from trl import SFTTrainer
+    from trainer.lm_head import new_sft_trainer
 
     inputs = training_inputs(recipe, location)
     with _tensorboard_dir(location.local / "logs"):
-        trainer = SFTTrainer(
+        trainer = new_sft_trainer(
             model=inputs.model,
             args=inputs.args,
             train_dataset=inputs.train_set,

@@ -2,7 +2,7 @@
 
 And the promise that matters on a laptop: whatever fails, nothing is left running.
 
-    .venv/bin/python -m pytest -q tests/e2e          # about 2-3 minutes on 2 CPU cores
+    .venv/bin/python -m pytest -q tests/e2e          # 3.5 min on 2 cores at load average ~2-3 (2026-11-30)
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_demo_pipeline(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "serving.demo", "--max-steps", "3", "--eval-samples", "2", "--port", "0",
          "--max-tokens", "8", "--output-dir", str(out)],
-        # a bound, not an expectation: about 2 min idle, but 3 LoRA steps took 486 s with 7 jobs on 2 cores
+        # a bound, not an expectation: 180 s at load average ~2-3, 450 s at 5-10 before the speed-ups
         cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

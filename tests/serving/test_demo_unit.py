@@ -7,6 +7,7 @@ import json
 import socket
 from collections import namedtuple
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,6 +139,46 @@ class TestOutputDir:
         assert calls == [3], "the second call reuses the file"
         demo.score(tmp_path / "other", recipe, out, reuse=True)
         assert calls == [3, 3], "another model is scored again"
+
+    def test_base_scores_are_cached_by_build_rows_and_generation_settings(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Why: a later demo run skips scoring the base model, but never reuses scores of other rows, settings or builds."""
+        import trainer.evaluate
+        from trainer.local_model import BUILD_MARKER
+
+        base, cache = tmp_path / "base", tmp_path / "cache"
+        base.mkdir()
+        (base / BUILD_MARKER).write_text(json.dumps({"source": "gguf", "sha256": "a" * 64}))
+        calls: list[tuple[int, int]] = []
+
+        def fake_evaluate(model_dir: Path, recipe: Any, samples: int, out: Path) -> dict[str, object]:
+            calls.append((samples, recipe.max_new_tokens))
+            return {"model": str(model_dir), "samples": samples, "emoji_f1": 0.25 * len(calls)}
+
+        monkeypatch.setattr(trainer.evaluate, "evaluate", fake_evaluate)
+
+        def run(samples: int, run_dir: str, max_new_tokens: int | None = None) -> dict[str, object]:
+            recipe = demo.build_recipe(DemoOptions(tmp_path / run_dir, 0, 2, samples))
+            if max_new_tokens is not None:
+                evaluation = recipe.evaluation.model_copy(update={"max_new_tokens": max_new_tokens})
+                recipe = recipe.model_copy(update={"evaluation": evaluation})
+            (tmp_path / run_dir).mkdir(exist_ok=True)
+            return demo.score(base, recipe, tmp_path / run_dir / "eval_before.json", reuse=True, cache_dir=cache)
+
+        first = run(3, "one")
+        again = run(3, "two")  # another output folder: a later demo run
+        assert calls == [(3, 16)] and again["emoji_f1"] == first["emoji_f1"], "the cached scores are reused"
+        assert json.loads((tmp_path / "two" / "eval_before.json").read_text())["emoji_f1"] == first["emoji_f1"]
+        run(4, "three")  # other held-out rows
+        assert calls[-1] == (4, 16)
+        run(3, "four", max_new_tokens=8)  # another generation budget
+        assert calls[-1] == (3, 8)
+        (base / BUILD_MARKER).write_text(json.dumps({"source": "gguf", "sha256": "b" * 64}))  # a rebuilt model
+        run(3, "five")
+        assert len(calls) == 4, calls
+        run(3, "six")
+        assert len(calls) == 4, "the rebuilt model's scores are cached in turn"
 
 
 class TestEarlyChecks:

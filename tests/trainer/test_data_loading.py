@@ -132,3 +132,33 @@ def test_parquet_is_read_too(tmp_path: Path) -> None:
     path = tmp_path / "rows.parquet"
     Dataset.from_list([{"text": "I ate pizza", "emoji": "🍕"}]).to_parquet(str(path))
     assert load_rows(_spec(path))[0] == {"text": "I ate pizza", "emoji": "🍕"}
+
+
+class TestTokenizerFingerprint:
+    @pytest.mark.slow
+    def test_map_fingerprint_digests_the_tokenizer_instead_of_pickling_it(self, tmp_path: Path) -> None:
+        """Why: datasets pickled Gemma's whole tokenizer (~28 MB) to name each map's cache, 12-15 s a map on a busy
+        machine; the digest must stay as discriminating (same files: same cache; changed tokenizer: new cache)."""
+        from datasets.fingerprint import Hasher
+        from datasets.utils._dill import dumps
+        from transformers import AutoTokenizer
+
+        from trainer.local_model import ensure_local_model
+
+        model_dir = ensure_local_model()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        rows = Dataset.from_list([{"text": "I ate a banana", "emoji": "🍌"}, {"text": "rain", "emoji": "🌧"}])
+        formatted, _ = format_rows(rows, Task.EMOJI, tokenizer, 128)
+        assert len(formatted) == 2
+        assert len(dumps(tokenizer)) < 100_000, "the fingerprint pickles the vocabulary"
+
+        reference = Hasher.hash(tokenizer)
+        again = AutoTokenizer.from_pretrained(model_dir)
+        assert Hasher.hash(again) == reference, "the same tokenizer files: the cache is reused"
+        again.backend_tokenizer.enable_truncation(16)  # runtime settings do not count, as in datasets
+        assert Hasher.hash(again) == reference
+        again.chat_template = "{{ messages[0]['content'] }}"
+        assert Hasher.hash(again) != reference, "another chat template, another cache"
+        again.chat_template = tokenizer.chat_template
+        again.add_tokens(["<not-in-gemma>"])
+        assert Hasher.hash(again) != reference, "an added token must give another cache"

@@ -70,8 +70,18 @@ class TestSeedOptimisation:
             load_recipe("text-to-sql-gemma4-31b", ["training.per_device_train_batch_size=2"])
         load_recipe(
             "text-to-sql-gemma4-31b",
-            ["training.per_device_train_batch_size=2", "model.attn_implementation=flash_attention_2"],
+            [
+                "training.per_device_train_batch_size=2",
+                "model.attn_implementation=flash_attention_2",
+                "model.name_or_path=google/gemma-3-27b-it",  # Gemma 4 cannot use flash-attn 2 (next test)
+            ],
         )
+
+    def test_flash_attention_2_is_rejected_for_gemma_4(self) -> None:
+        """Why: Gemma 4's 512-wide global heads exceed flash-attn 2's 256; the run would fail after the download."""
+        with pytest.raises(RecipeError, match=r"flash_attention_2 with google/gemma-4-31B-it.*head_dim 512"):
+            load_recipe("text-to-sql-gemma4-31b", ["model.attn_implementation=flash_attention_2"])
+        load_recipe("text-to-sql-gemma4-31b", ["model.attn_implementation=eager"])
 
 
 class TestCheckpointsInsideTheRun:

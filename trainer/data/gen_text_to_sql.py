@@ -1,11 +1,34 @@
-"""Generate trainer/data/text_to_sql.jsonl: a small, deterministic text-to-SQL sample.
+"""Generate trainer/data/text_to_sql.jsonl: a small, deterministic text-to-SQL sample with gretel's length spread.
 
 The rows follow the gretel-synthetic-text-to-sql schema (`sql_prompt`, `sql_context`, `sql`,
 `domain` plus the other gretel columns) but every value is made up here from templates: ten
-domains, each with an entity table and a lookup table, and ten question templates per domain
-(counts, aggregates, top-N, MySQL date filters, joins, subqueries, window functions and
+domains, each with an entity table and a lookup table, and thirteen question templates (counts,
+aggregates, top-N, MySQL date filters, joins, subqueries, window functions, HAVING, and
 INSERT/UPDATE/DELETE). The gold SQL is MySQL-flavoured, as in gretel, and
 tests/trainer/test_sql_eval.py checks that each gold query executes and matches itself.
+
+Lengths. Like gretel, every row carries its own `sql_context`: the CREATE TABLE and INSERT
+statements of the tables its query needs, holding only a few rows. What varies, and so spreads the
+lengths, is drawn per row with a fixed seed:
+- rows inserted into the entity table: 1 to 14, mostly 1-3 (`ROW_COUNTS` / `ROW_WEIGHTS`);
+- the entity table's columns: the ones the query reads, each other one kept with probability 1/5;
+- the lookup table: present when the query joins it (one row in 5), else as an unused table in
+  1 row of 10;
+- the query itself: from a 10-token COUNT to a 60-token join with GROUP BY and ORDER BY.
+
+No per-row length distribution of gretel-synthetic-text-to-sql is published that we could find. The
+dataset card (huggingface.co/datasets/gretelai/synthetic_text_to_sql, README) gives totals: 105,851
+records, ~23M tokens, ~12M of them SQL, i.e. ~217 tokens per record over its 11 fields and ~113 SQL
+tokens per record; reading "SQL tokens" as `sql_context` + `sql` is our interpretation (UNCONFIRMED),
+and the card does not name its tokenizer. A public analysis of a 1,000-row sample of the same data
+(github.com/hivellm/expert-sql, docs/DATASET_ANALYSIS.md) finds JOINs in 20% of queries and
+subqueries in 9.5%. With the Gemma 3 tokenizer, `sql_context` + `sql` here is 45-519 tokens, mean
+130, median 128, 10th/90th percentile 70/198 (seed 7): the same scale as the card's ~113 with a long
+right tail, where every conversation of the sample it replaces was 413-525 tokens. The conversation lengths
+are in trainer/data/token_lengths.json (trainer/data/measure_token_lengths.py).
+
+Not done: matching gretel's per-domain vocabulary or its 100 domains; 120 rows cannot show a
+distribution's far tail, so a recipe's step count on the real data can differ from the sample's.
 
     python trainer/data/gen_text_to_sql.py            # rewrites trainer/data/text_to_sql.jsonl
 """
@@ -102,164 +125,221 @@ TASK_TYPES = {
 }
 
 
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 14)
+ROW_WEIGHTS = (40, 35, 12, 5, 3, 2, 1, 1, 1)
+OPTIONAL_COLUMN_PROBABILITY = 0.2
+UNUSED_LOOKUP_PROBABILITY = 0.1
+JOIN_EVERY = 5  # one row in 5 joins the lookup table (gretel: ~20% of queries join)
+
+
 def _quote(value: object) -> str:
     if isinstance(value, str):
         return "'" + value.replace("'", "''") + "'"
     return str(value)
 
 
-def _context(d: Domain, rows: list[tuple[object, ...]]) -> str:
-    measure_type = "DECIMAL(10,2)" if d.decimal else "INT"
-    create_main = (
-        f"CREATE TABLE {d.table} ({d.id_col} INT PRIMARY KEY, {d.name_col} VARCHAR(50), "
-        f"{d.cat_col} VARCHAR(30), {d.measure_col} {measure_type}, {d.date_col} DATE);"
-    )
-    insert_main = (
-        f"INSERT INTO {d.table} ({d.id_col}, {d.name_col}, {d.cat_col}, {d.measure_col}, {d.date_col}) VALUES "
-        + (", ".join("(" + ", ".join(_quote(v) for v in row) + ")" for row in rows) + ";")
-    )
-    create_lookup = f"CREATE TABLE {d.lookup} ({d.cat_col} VARCHAR(30) PRIMARY KEY, {d.attr_col} VARCHAR(30));"
-    insert_lookup = f"INSERT INTO {d.lookup} ({d.cat_col}, {d.attr_col}) VALUES " + (
-        ", ".join(f"({_quote(c)}, {_quote(a)})" for c, a in zip(d.categories, d.attrs, strict=True)) + ";"
-    )
-    return " ".join([create_main, insert_main, create_lookup, insert_lookup])
+def _insert(table: str, columns: list[str], rows: list[tuple[object, ...]]) -> str:
+    values = ", ".join("(" + ", ".join(_quote(v) for v in row) + ")" for row in rows)
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {values};"
 
 
-def _rows(d: Domain, rng: random.Random) -> list[tuple[object, ...]]:
+def _entity_context(d: Domain, rows: list[dict[str, object]], columns: list[str]) -> str:
+    types = {
+        d.id_col: "INT PRIMARY KEY",
+        d.name_col: "VARCHAR(50)",
+        d.cat_col: "VARCHAR(30)",
+        d.measure_col: "DECIMAL(10,2)" if d.decimal else "INT",
+        d.date_col: "DATE",
+    }
+    create = f"CREATE TABLE {d.table} (" + ", ".join(f"{c} {types[c]}" for c in columns) + ");"
+    return create + " " + _insert(d.table, columns, [tuple(row[c] for c in columns) for row in rows])
+
+
+def _lookup_context(d: Domain) -> str:
+    create = f"CREATE TABLE {d.lookup} ({d.cat_col} VARCHAR(30) PRIMARY KEY, {d.attr_col} VARCHAR(30));"
+    return create + " " + _insert(d.lookup, [d.cat_col, d.attr_col], list(zip(d.categories, d.attrs, strict=True)))
+
+
+def _rows(d: Domain, count: int, rng: random.Random) -> list[dict[str, object]]:
     lo, hi = d.measure_range
-    measures = rng.sample(range(lo * 100, hi * 100), len(d.names))  # distinct: top-N has no ties
+    measures = rng.sample(range(lo * 100, hi * 100), count)  # distinct: top-N has no ties
     start = date(2021, 1, 1)
     rows = []
-    for i, name in enumerate(d.names, start=1):
+    for i in range(1, count + 1):
+        base = d.names[(i - 1) % len(d.names)]
+        name = base if i <= len(d.names) else f"{base} {(i - 1) // len(d.names) + 1}"
         measure: object = round(measures[i - 1] / 100, 2) if d.decimal else measures[i - 1] // 100
-        when = start + timedelta(days=rng.randrange(0, 5 * 365))
-        rows.append((i, name, d.categories[(i - 1) % len(d.categories)], measure, when.isoformat()))
+        rows.append(
+            {
+                d.id_col: i,
+                d.name_col: name,
+                d.cat_col: rng.choice(d.categories),
+                d.measure_col: measure,
+                d.date_col: (start + timedelta(days=rng.randrange(0, 5 * 365))).isoformat(),
+            }
+        )
     return rows
 
 
-def _questions(d: Domain, rows: list[tuple[object, ...]], rng: random.Random) -> list[dict[str, str]]:
-    cat = rng.choice(d.categories)
+@dataclass(frozen=True)
+class Question:
+    prompt: str
+    sql: str
+    complexity: str
+    task: str
+    explain: str
+    reads: tuple[str, ...]  # entity-table columns the query names (besides the id)
+    joins: bool = False
+
+
+def _questions(d: Domain, rows: list[dict[str, object]], rng: random.Random) -> list[Question]:
+    """The templates that make sense for these rows (top-N needs N rows, a join needs the category present, ...)."""
+    t, m, c, n = d.table, d.measure_col, d.cat_col, d.name_col
+    present = sorted({str(r[c]) for r in rows})
+    cat = rng.choice(present)
     attr = d.attrs[d.categories.index(cat)]
-    n_top = rng.choice((2, 3))
-    years = rng.choice((1, 2, 3))
-    cutoff_year = rng.choice((2022, 2023))
-    row_id, name = rows[rng.randrange(len(rows))][:2]
-    pct = rng.choice((5, 10, 15))
+    row = rng.choice(rows)
+    years, cutoff_year, pct = rng.choice((1, 2, 3)), rng.choice((2022, 2023)), rng.choice((5, 10, 15))
+    word, cat_word, measure_word = d.entity_word, c.replace("_", " "), d.measure_word
+    singular = word.split()[-1].rstrip("s")
     new_id = len(rows) + 1
-    t, m = d.table, d.measure_col
-    return [
-        dict(
-            prompt=f"How many {d.entity_word} are in the {cat} {d.cat_col.replace('_', ' ')}?",
-            sql=f"SELECT COUNT(*) FROM {t} WHERE {d.cat_col} = '{cat}';",
-            complexity="aggregation",
-            task="analytics and reporting",
-            explain=f"Counts the rows of {t} whose {d.cat_col} is {cat}.",
+    questions = [
+        Question(
+            f"How many {word} are in the {cat} {cat_word}?",
+            f"SELECT COUNT(*) FROM {t} WHERE {c} = '{cat}';",
+            "aggregation", "analytics and reporting", f"Counts the rows of {t} whose {c} is {cat}.", (c,),
         ),
-        dict(
-            prompt=f"What is the average {d.measure_word} per {d.cat_col.replace('_', ' ')}?",
-            sql=f"SELECT {d.cat_col}, AVG({m}) AS avg_{m} FROM {t} GROUP BY {d.cat_col};",
-            complexity="aggregation",
-            task="analytics and reporting",
-            explain=f"Groups {t} by {d.cat_col} and averages {m} in each group.",
+        Question(
+            f"What is the average {measure_word} per {cat_word}?",
+            f"SELECT {c}, AVG({m}) AS avg_{m} FROM {t} GROUP BY {c};",
+            "aggregation", "analytics and reporting", f"Groups {t} by {c} and averages {m} in each group.", (c, m),
         ),
-        dict(
-            prompt=f"List the {n_top} {d.entity_word} with the highest {d.measure_word}.",
-            sql=f"SELECT {d.name_col}, {m} FROM {t} ORDER BY {m} DESC LIMIT {n_top};",
-            complexity="basic SQL",
-            task="data retrieval",
-            explain=f"Sorts {t} by {m} from high to low and keeps the first {n_top} rows.",
+        Question(
+            f"What is the total {measure_word} of {word} dated within the last {years} year(s)?",
+            f"SELECT SUM({m}) FROM {t} WHERE {d.date_col} >= DATE_SUB(CURDATE(), INTERVAL {years} YEAR);",
+            "aggregation", "analytics and reporting",
+            f"Sums {m} over rows whose {d.date_col} is at most {years} year(s) before today.", (m, d.date_col),
         ),
-        dict(
-            prompt=f"What is the total {d.measure_word} of {d.entity_word} dated within the last {years} year(s)?",
-            sql=f"SELECT SUM({m}) FROM {t} WHERE {d.date_col} >= DATE_SUB(CURDATE(), INTERVAL {years} YEAR);",
-            complexity="aggregation",
-            task="analytics and reporting",
-            explain=f"Sums {m} over rows whose {d.date_col} is at most {years} year(s) before today.",
+        Question(
+            f"How many {word} are there per year of {d.date_col.replace('_', ' ')}, oldest year first?",
+            f"SELECT YEAR({d.date_col}) AS yr, COUNT(*) AS n FROM {t} GROUP BY YEAR({d.date_col}) ORDER BY yr;",
+            "aggregation", "analytics and reporting",
+            f"Extracts the year of {d.date_col}, counts rows per year and sorts by year.", (d.date_col,),
         ),
-        dict(
-            prompt=f"How many {d.entity_word} are there per year of {d.date_col.replace('_', ' ')}, oldest year first?",
-            sql=f"SELECT YEAR({d.date_col}) AS yr, COUNT(*) AS n FROM {t} GROUP BY YEAR({d.date_col}) ORDER BY yr;",
-            complexity="aggregation",
-            task="analytics and reporting",
-            explain=f"Extracts the year of {d.date_col}, counts rows per year and sorts by year.",
+        Question(
+            f"Which {word} belong to a {cat_word} whose {d.attr_col.replace('_', ' ')} is {attr}?",
+            f"SELECT {t}.{n} FROM {t} JOIN {d.lookup} ON {t}.{c} = {d.lookup}.{c} WHERE {d.lookup}.{d.attr_col} = '{attr}';",
+            "single join", "data retrieval", f"Joins {t} with {d.lookup} on {c} and filters on {d.attr_col}.", (n, c),
+            joins=True,
         ),
-        dict(
-            prompt=f"Which {d.entity_word} belong to a {d.cat_col.replace('_', ' ')} whose {d.attr_col.replace('_', ' ')} is {attr}?",
-            sql=(
-                f"SELECT {t}.{d.name_col} FROM {t} JOIN {d.lookup} ON {t}.{d.cat_col} = {d.lookup}.{d.cat_col} "
-                f"WHERE {d.lookup}.{d.attr_col} = '{attr}';"
+        Question(
+            f"For each {d.attr_col.replace('_', ' ')}, how many {word} are there and what is their total {measure_word}?",
+            f"SELECT {d.lookup}.{d.attr_col}, COUNT({t}.{d.id_col}) AS n, SUM({t}.{m}) AS total_{m} FROM {t} "
+            f"JOIN {d.lookup} ON {t}.{c} = {d.lookup}.{c} GROUP BY {d.lookup}.{d.attr_col} "
+            f"ORDER BY total_{m} DESC;",
+            "single join", "analytics and reporting",
+            f"Joins {t} with {d.lookup}, then counts rows and sums {m} per {d.attr_col}.", (c, m),
+            joins=True,
+        ),
+        Question(
+            f"Increase the {measure_word} of {row[n]} by {pct} percent.",
+            f"UPDATE {t} SET {m} = {m} * {1 + pct / 100:.2f} WHERE {d.id_col} = {row[d.id_col]};",
+            "basic SQL", "data manipulation",
+            f"Multiplies {m} by {1 + pct / 100:.2f} for the row with {d.id_col} {row[d.id_col]}.", (n, m),
+        ),
+        Question(
+            f"Delete the {word} dated before {cutoff_year}.",
+            f"DELETE FROM {t} WHERE {d.date_col} < '{cutoff_year}-01-01';",
+            "basic SQL", "data manipulation",
+            f"Removes rows whose {d.date_col} falls before January 1st, {cutoff_year}.", (d.date_col,),
+        ),
+        Question(
+            f"Add a new record {new_id} named 'New {singular}' in {cat}, with a {measure_word} of "
+            f"{d.measure_range[0]}, dated today.",
+            f"INSERT INTO {t} ({d.id_col}, {n}, {c}, {m}, {d.date_col}) VALUES "
+            f"({new_id}, 'New {singular}', '{cat}', {d.measure_range[0]}, CURDATE());",
+            "basic SQL", "data manipulation", f"Inserts one row into {t} with today's date.", (n, c, m, d.date_col),
+        ),
+    ]  # fmt: skip
+    if len(rows) >= 3:
+        n_top = rng.choice((2, 3))
+        questions.append(
+            Question(
+                f"List the {n_top} {word} with the highest {measure_word}.",
+                f"SELECT {n}, {m} FROM {t} ORDER BY {m} DESC LIMIT {n_top};",
+                "basic SQL", "data retrieval", f"Sorts {t} by {m} from high to low and keeps the first {n_top} rows.",
+                (n, m),
+            )
+        )  # fmt: skip
+    if len(rows) >= 2:
+        questions += [
+            Question(
+                f"Which {word} have a {measure_word} above the overall average?",
+                f"SELECT {n} FROM {t} WHERE {m} > (SELECT AVG({m}) FROM {t});",
+                "subqueries", "data retrieval", f"Compares each row's {m} with the average computed by a subquery.",
+                (n, m),
             ),
-            complexity="single join",
-            task="data retrieval",
-            explain=f"Joins {t} with {d.lookup} on {d.cat_col} and filters on {d.attr_col}.",
-        ),
-        dict(
-            prompt=f"Which {d.entity_word} have a {d.measure_word} above the overall average?",
-            sql=f"SELECT {d.name_col} FROM {t} WHERE {m} > (SELECT AVG({m}) FROM {t});",
-            complexity="subqueries",
-            task="data retrieval",
-            explain=f"Compares each row's {m} with the average computed by a subquery.",
-        ),
-        dict(
-            prompt=f"Rank the {d.entity_word} by {d.measure_word} within each {d.cat_col.replace('_', ' ')}.",
-            sql=(
-                f"SELECT {d.name_col}, {d.cat_col}, RANK() OVER (PARTITION BY {d.cat_col} ORDER BY {m} DESC) AS rnk "
-                f"FROM {t};"
+            Question(
+                f"Rank the {word} by {measure_word} within each {cat_word}.",
+                f"SELECT {n}, {c}, RANK() OVER (PARTITION BY {c} ORDER BY {m} DESC) AS rnk FROM {t};",
+                "window functions", "analytics and reporting", f"RANK over a partition per {c}, highest {m} first.",
+                (n, c, m),
             ),
-            complexity="window functions",
-            task="analytics and reporting",
-            explain=f"RANK over a partition per {d.cat_col}, highest {m} first.",
-        ),
-        dict(
-            prompt=f"Increase the {d.measure_word} of {name} by {pct} percent.",
-            sql=f"UPDATE {t} SET {m} = {m} * {1 + pct / 100:.2f} WHERE {d.id_col} = {row_id};",
-            complexity="basic SQL",
-            task="data manipulation",
-            explain=f"Multiplies {m} by {1 + pct / 100:.2f} for the row with {d.id_col} {row_id}.",
-        ),
-        dict(
-            prompt=f"Delete the {d.entity_word} dated before {cutoff_year}.",
-            sql=f"DELETE FROM {t} WHERE {d.date_col} < '{cutoff_year}-01-01';",
-            complexity="basic SQL",
-            task="data manipulation",
-            explain=f"Removes rows whose {d.date_col} falls before January 1st, {cutoff_year}.",
-        ),
-        dict(
-            prompt=f"Add a new record {new_id} named 'New {d.entity_word.split()[-1].rstrip('s')}' in {cat}, "
-            f"with a {d.measure_word} of {d.measure_range[0]}, dated today.",
-            sql=(
-                f"INSERT INTO {t} ({d.id_col}, {d.name_col}, {d.cat_col}, {m}, {d.date_col}) VALUES "
-                f"({new_id}, 'New {d.entity_word.split()[-1].rstrip('s')}', '{cat}', {d.measure_range[0]}, CURDATE());"
-            ),
-            complexity="basic SQL",
-            task="data manipulation",
-            explain=f"Inserts one row into {t} with today's date.",
-        ),
-    ]
+        ]  # fmt: skip
+    counts = {k: sum(1 for r in rows if r[c] == k) for k in present}
+    if max(counts.values()) >= 2:
+        questions.append(
+            Question(
+                f"Which {cat_word} values have more than one {singular.lower()}, and what is the highest "
+                f"{measure_word} in each?",
+                f"SELECT {c}, COUNT(*) AS n, MAX({m}) AS max_{m} FROM {t} GROUP BY {c} HAVING COUNT(*) > 1;",
+                "aggregation", "analytics and reporting",
+                f"Groups {t} by {c}, keeps groups of more than one row and reports their largest {m}.", (c, m),
+            )
+        )  # fmt: skip
+    return questions
+
+
+def _record(d: Domain, rng: random.Random, index: int) -> dict[str, object]:
+    """One gretel-like row: its own rows, the columns and tables its query needs, and its query."""
+    rows = _rows(d, rng.choices(ROW_COUNTS, weights=ROW_WEIGHTS)[0], rng)
+    candidates = _questions(d, rows, rng)
+    joins = [q for q in candidates if q.joins]
+    others = [q for q in candidates if not q.joins]
+    # every JOIN_EVERY-th row joins, the others cycle through what these rows allow
+    if index % JOIN_EVERY == JOIN_EVERY - 1:
+        q = joins[index // JOIN_EVERY % len(joins)]
+    else:
+        q = others[(index * 5 + rng.randrange(len(others))) % len(others)]
+    optional = [col for col in (d.name_col, d.cat_col, d.measure_col, d.date_col) if col not in q.reads]
+    kept = {col for col in optional if rng.random() < OPTIONAL_COLUMN_PROBABILITY} | set(q.reads)
+    columns = [d.id_col] + [col for col in (d.name_col, d.cat_col, d.measure_col, d.date_col) if col in kept]
+    context = _entity_context(d, rows, columns)
+    if q.joins or rng.random() < UNUSED_LOOKUP_PROBABILITY:
+        context += " " + _lookup_context(d)
+    return {
+        "domain": d.domain,
+        "domain_description": d.description,
+        "sql_complexity": q.complexity,
+        "sql_complexity_description": COMPLEXITY[q.complexity],
+        "sql_task_type": q.task,
+        "sql_task_type_description": TASK_TYPES[q.task],
+        "sql_prompt": q.prompt,
+        "sql_context": context,
+        "sql": q.sql,
+        "sql_explanation": q.explain,
+    }
+
+
+ROWS_PER_DOMAIN = 12
 
 
 def generate(seed: int = SEED) -> list[dict[str, object]]:
     rng = random.Random(seed)
     out: list[dict[str, object]] = []
     for d in DOMAINS:
-        rows = _rows(d, rng)
-        context = _context(d, rows)
-        for q in _questions(d, rows, rng):
-            out.append(
-                {
-                    "id": len(out) + 1,
-                    "domain": d.domain,
-                    "domain_description": d.description,
-                    "sql_complexity": q["complexity"],
-                    "sql_complexity_description": COMPLEXITY[q["complexity"]],
-                    "sql_task_type": q["task"],
-                    "sql_task_type_description": TASK_TYPES[q["task"]],
-                    "sql_prompt": q["prompt"],
-                    "sql_context": context,
-                    "sql": q["sql"],
-                    "sql_explanation": q["explain"],
-                }
-            )
+        for _ in range(ROWS_PER_DOMAIN):
+            out.append({"id": len(out) + 1, **_record(d, rng, len(out))})
     return out
 
 

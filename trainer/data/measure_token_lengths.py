@@ -16,7 +16,7 @@ chat template, exactly as the data loader measures them (`trainer.data.conversat
 
 Not measured: Gemma 4's tokenizer (W1 trains Gemma 4; both families share the 262k SentencePiece
 vocabulary, so lengths differ little), and the real Hub datasets (the samples stand in for them; the
-text-to-SQL sample is narrower than gretel, see bench/README.md).
+text-to-SQL sample is generated with gretel's length spread, see trainer/data/gen_text_to_sql.py).
 
     .venv/bin/python trainer/data/measure_token_lengths.py          # rewrites token_lengths.json
 """

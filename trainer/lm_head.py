@@ -1,0 +1,123 @@
+"""The LM head scores only the positions that carry a label, on every device.
+
+Decision: a Gemma model's LM head projects each position onto the 262,144-token vocabulary, the
+largest single cost of a 270M-1B model, and the prompt positions carry no loss. trl 1.16's
+SFTTrainer already patches every model with a chunked, fused LM head (`add_fused_lm_head`,
+trl/trainer/utils.py) and `compute_loss` calls `model(**inputs, fused_lm_head=True)`
+(trl/trainer/sft_trainer.py). That head decides per call whether to project only the positions
+whose next-token label is not -100 (`compact = _use_triton(hidden_states.device)`, then
+`hidden_states[mask]`) or every position and zero the unlabelled ones afterwards
+(`hidden_states.reshape(-1, …)`, then `masked_fill(~mask, 0)`). `_use_triton`
+(trl/kernels/chunked_logprob.py) is true only with Triton on a `cuda` or `xpu` device; trl's own
+comment gives the reason for the other branch: on Neuron (XLA) a changing number of labelled
+positions changes the tile shapes and recompiles every batch.
+
+On a CPU (and MPS) nothing is compiled, so the full branch only wastes work: with the text-to-SQL
+prompts ~6% of positions have a label, with the emoji demo about a third. `score_labelled_positions_only`
+makes the fused head of ONE model take trl's own compact branch on those eager devices too, through a
+context variable that is set only while that model's fused forward runs: trl's kernel, tiling and
+outputs are untouched, and another model in the same process (the benchmark's seed side) keeps trl's
+behaviour. The loss, the gradients and trl's metrics are the same numbers: the compact branch scatters
+per-token results back into the full shape with zeros where there is no label, exactly what the full
+branch's mask produces (tests/trainer/test_lm_head.py proves loss, LoRA gradients, entropy and top-1
+hits equal on padded, prompt-masked, unlabelled and padding-free packed batches).
+
+`new_sft_trainer` is the one constructor of SFTTrainer in this package (trainer/train.py for text
+recipes, trainer/ray_entry.py for vision ones), so every run gets it.
+
+Not done here: XLA/Neuron/HPU devices keep trl's full branch (recompilation, as trl says); the
+full logits that trl recomputes for `compute_loss_func`, label smoothing or `return_outputs` are
+trl's business; evaluation outside the trainer (trainer/evaluate.py) uses the model's ordinary head.
+If a trl upgrade removes `trl.trainer.utils._use_triton`, the patch logs a warning and does
+nothing (training stays correct, only slower).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+    from trl import SFTTrainer
+
+log = logging.getLogger(__name__)
+
+# Devices that run eagerly: a data-dependent number of rows costs nothing but the rows themselves.
+EAGER_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
+_LABELS_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("gemma_ft_labels_only_lm_head", default=False)
+_FULL_HEAD_FORWARD = "_gemma_ft_full_head_forward"
+_SWITCH_MARK = "_gemma_ft_labels_only_switch"
+
+
+def _install_switch() -> bool:
+    """Let trl's compact-branch test also answer yes on an eager device while `_LABELS_ONLY` is set."""
+    from trl.trainer import utils as trl_utils
+
+    current = getattr(trl_utils, "_use_triton", None)
+    if current is None:
+        log.warning(
+            "trl %s has no trl.trainer.utils._use_triton: the LM head scores every position on this device",
+            getattr(__import__("trl"), "__version__", "?"),
+        )
+        return False
+    if getattr(current, _SWITCH_MARK, False):
+        return True
+
+    @functools.wraps(current)
+    def use_compact_branch(device: torch.device) -> bool:
+        return bool(current(device)) or (_LABELS_ONLY.get() and device.type in EAGER_DEVICES)
+
+    setattr(use_compact_branch, _SWITCH_MARK, True)
+    trl_utils._use_triton = use_compact_branch  # type: ignore[attr-defined]
+    return True
+
+
+def _fused_head_owner(model: Any) -> PreTrainedModel:
+    """The model trl patched: the base model inside a PEFT wrapper, else the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def score_labelled_positions_only(model: Any) -> bool:
+    """Make `model`'s fused LM head (added by SFTTrainer) project only labelled positions; True when it does."""
+    owner = _fused_head_owner(model)
+    if getattr(owner, _FULL_HEAD_FORWARD, None) is not None:
+        return True
+    if not _install_switch():
+        return False
+    full_head_forward = owner.forward
+
+    @functools.wraps(full_head_forward)  # keeps the signature `generate` validates its kwargs against
+    def labels_only_forward(*args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        if not fused_lm_head:
+            return full_head_forward(*args, **kwargs)
+        token = _LABELS_ONLY.set(True)
+        try:
+            return full_head_forward(*args, fused_lm_head=True, **kwargs)
+        finally:
+            _LABELS_ONLY.reset(token)
+
+    setattr(owner, _FULL_HEAD_FORWARD, full_head_forward)
+    owner.forward = labels_only_forward  # type: ignore[method-assign]
+    return True
+
+
+def score_every_position(model: Any) -> None:
+    """Undo `score_labelled_positions_only`: trl's own choice again (the benchmark's ablation)."""
+    owner = _fused_head_owner(model)
+    full_head_forward = getattr(owner, _FULL_HEAD_FORWARD, None)
+    if full_head_forward is not None:
+        owner.forward = full_head_forward  # type: ignore[method-assign]
+        delattr(owner, _FULL_HEAD_FORWARD)
+
+
+def new_sft_trainer(**kwargs: Any) -> SFTTrainer:
+    """trl's SFTTrainer with the labels-only LM head: the one place this package builds a trainer."""
+    from trl import SFTTrainer
+
+    trainer = SFTTrainer(**kwargs)
+    score_labelled_positions_only(trainer.model)
+    return trainer
