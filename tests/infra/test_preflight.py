@@ -251,14 +251,31 @@ class TestGpuQuotaStops:
         rows = quota(
             COMPUTE,
             FAMILY,
-            0,
+            64,
             more=(
                 {"dimensions": {"gpu_family": "NVIDIA_H100"}, "details": [{"value": "64"}], "applicableLocations": []},
+                {"dimensions": {"gpu_family": "NVIDIA_B200"}, "details": [{"value": "0"}], "applicableLocations": []},
             ),
         )
         msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=rows)
         assert f"GPU quota {FAMILY} (compute.googleapis.com, region us-central1) is 0" in msg
         assert "--dimensions=region=us-central1,gpu_family=NVIDIA_B200" in msg
+
+    def test_a_family_no_row_names_is_not_read_from_the_default_row(self) -> None:
+        """Only the default row and H100's: the default's 64 says nothing about B200 (the family value may be
+        wrong), so the check reports that it could not check, with the listing command, instead of passing."""
+        rows = quota(
+            COMPUTE,
+            FAMILY,
+            64,
+            more=(
+                {"dimensions": {"gpu_family": "NVIDIA_H100"}, "details": [{"value": "64"}], "applicableLocations": []},
+            ),
+        )
+        msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=rows)
+        assert f"could not check GPU quota {FAMILY}" in msg and "names gpu_family=NVIDIA_B200" in msg
+        assert f"gcloud beta quotas info list --service=compute.googleapis.com --project={PROJECT}" in msg
+        assert "pulumi config set preflight warn" in msg and " is 0" not in msg
 
     def test_the_most_specific_row_wins(self) -> None:
         b200 = {
@@ -267,6 +284,23 @@ class TestGpuQuotaStops:
             "applicableLocations": ["us-central1"],
         }
         run_stack(A4, overrides=a4("on-demand"), remove=NO_RESERVATION, quotas=quota(COMPUTE, FAMILY, 0, more=(b200,)))
+
+    @pytest.mark.parametrize(
+        "empty", [{}, {"parent": f"projects/{PROJECT}", "service": COMPUTE, "quotaId": SPOT_B200}], ids=["bare", "echo"]
+    )
+    def test_a_quota_the_api_does_not_know_is_not_checked_not_zero(self, empty: dict[str, Any]) -> None:
+        """The data source answers an unknown quota id with an empty result, not an error (HandleNotFoundError)."""
+        msg = fails_with(A4, a4("spot"), NO_RESERVATION, quotas={SPOT_B200: empty})
+        assert f"could not check GPU quota {SPOT_B200} (compute.googleapis.com) in project {PROJECT}" in msg
+        assert f"gcloud beta quotas info list --service=compute.googleapis.com --project={PROJECT}" in msg
+        assert "pulumi config set preflight warn" in msg
+        assert " is 0" not in msg and "preferences create" not in msg
+
+    def test_an_unknown_quota_only_warns_with_warn(self) -> None:
+        overrides = a4("spot", preflight="warn")
+        stack_run = run_stack(A4, overrides=overrides, remove=NO_RESERVATION, quotas={SPOT_B200: {}})
+        assert stack_run.of_type("kubernetes:batch/v1:Job")
+        assert any(f"could not check GPU quota {SPOT_B200}" in w for w in stack_run.warnings), stack_run.warnings
 
     def test_a_row_for_another_region_does_not_count(self) -> None:
         rows = quota(COMPUTE, SPOT_B200, 64, dimensions={"region": "europe-west4"}, locations=("europe-west4",))
@@ -312,6 +346,17 @@ class TestPreflightSetting:
         )
         msg = fails_with(A4, a4("spot"), NO_RESERVATION, quotas={SPOT_B200: disabled})
         assert f"gcloud services enable cloudquotas.googleapis.com --project {PROJECT}" in msg
+
+    def test_user_credentials_without_a_quota_project_get_the_variable_that_fixes_it(self) -> None:
+        """User ADC: the API wants a quota project and says SERVICE_DISABLED; enabling the API would not help."""
+        no_quota_project = ProviderError(
+            "googleapi: Error 403: Your application is authenticating by using local Application Default "
+            "Credentials. The cloudquotas.googleapis.com API requires a quota project, which is not set by default. "
+            "Details: [{'reason': 'SERVICE_DISABLED'}]"
+        )
+        msg = fails_with("dev", dict(PREBUILT), quotas={L4_JOB: no_quota_project})
+        assert f"export GOOGLE_CLOUD_QUOTA_PROJECT={PROJECT}" in msg
+        assert "gcloud services enable" not in msg and "pulumi config set preflight warn" in msg
 
     def test_warn_declares_the_stack_and_reports_the_problem(self) -> None:
         stack_run = run_stack("dev", overrides={**PREBUILT, "preflight": "warn"}, quotas={L4_JOB: DENIED})
