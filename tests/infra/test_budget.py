@@ -77,6 +77,18 @@ class TestBudget:
 
     def test_the_output_says_what_is_watched(self, guarded: StackRun) -> None:
         assert "500 USD a month for resources labelled stack=a4-gemma4" in str(guarded.outputs["budget"])
+        assert "the billing account's admins and 2 address(es) in budgetEmails" in str(guarded.outputs["budget"])
+
+    def test_no_address_in_an_output_or_a_display_name(self, guarded: StackRun) -> None:
+        """The addresses live in the channels' required `email_address` label only, nowhere a log shows them."""
+        shown = [str(value) for value in guarded.outputs.values()]
+        for resource in guarded.resources:
+            inputs = resource.plain_inputs()
+            shown += [str(inputs.get("displayName", "")), str(inputs.get("description", ""))]
+            shown += [str(v) for k, v in (inputs.get("labels") or {}).items() if k != "email_address"]
+            shown += [str(v) for v in (inputs.get("userLabels") or {}).values()]
+        for address in ON["budgetEmails"]:
+            assert not [text for text in shown if address in text], address
 
 
 class TestBudgetConfig:
