@@ -395,10 +395,12 @@ class TestCostCeiling:
 
     def test_over_the_limit(self) -> None:
         msg = fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1})
-        assert "runCostCeilingUsd=1,210.38 exceeds maxRunCostUsd=1" in msg
-        assert "$148.21/h x 1 node(s) x 8.17 h (deadline 480 min + 10 min release) x 1 attempt(s)" in msg
+        assert "runCostCeilingUsd=1,211.20 exceeds maxRunCostUsd=1" in msg
+        assert (
+            "($148.21/h x 1 node(s) + $0.10/h cluster fee) x 8.17 h (deadline 480 min + 10 min release) x 1 attempt(s)"
+        ) in msg
         assert "trainingTimeoutMinutes, nodes, capacity (now reservation)" in msg
-        assert "pulumi config set maxRunCostUsd 1211" in msg
+        assert "pulumi config set maxRunCostUsd 1212" in msg
 
     def test_dev_over_the_limit_names_its_retries(self) -> None:
         msg = fails_with("dev", {**PREBUILT, "maxRunCostUsd": 1})
@@ -406,12 +408,12 @@ class TestCostCeiling:
         assert "trainingTimeoutMinutes, trainingRetries, gpuType" in msg
 
     def test_at_the_limit_passes_and_off_does_not_lift_it(self) -> None:
-        run_stack(A4, overrides={**PREBUILT, "maxRunCostUsd": 1211})
-        assert "exceeds maxRunCostUsd=1210" in fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1210, "preflight": "off"})
+        run_stack(A4, overrides={**PREBUILT, "maxRunCostUsd": 1212})
+        assert "exceeds maxRunCostUsd=1211" in fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1211, "preflight": "off"})
 
     def test_a_standing_ray_cluster_has_no_ceiling(self) -> None:
         msg = fails_with("ray-gemma3-vision", {**PREBUILT, "rayCluster": "standing", "maxRunCostUsd": 100000})
-        assert "cannot hold with rayCluster=standing" in msg and "296.42 USD/h" in msg
+        assert "cannot hold with rayCluster=standing" in msg and "296.52 USD/h" in msg  # 2 nodes + the cluster fee
 
     def test_hardware_without_a_price_asks_for_one(self) -> None:
         h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "maxRunCostUsd": 100, **SIZED_FOR_4}
