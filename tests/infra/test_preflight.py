@@ -166,6 +166,11 @@ def quota(service: str, quota_id: str, value: int, **kwargs: Any) -> dict[str, A
     return {quota_id: mock_quota_info(service, quota_id, value, **kwargs)}
 
 
+def family_row(family: str, value: int) -> dict[str, Any]:
+    """One row of the GPU family quota (the `gpu_family` dimension), in every region."""
+    return {"dimensions": {"gpu_family": family}, "details": [{"value": str(value)}], "applicableLocations": []}
+
+
 def asked(stack_run_or_exc: Any) -> dict[str, str]:
     """quota id -> service of every Cloud Quotas invoke the program made."""
     return {a["quotaId"]: a["service"] for t, a in stack_run_or_exc.invokes if t == GET_QUOTA}
@@ -253,8 +258,8 @@ class TestGpuQuotaStops:
             FAMILY,
             64,
             more=(
-                {"dimensions": {"gpu_family": "NVIDIA_H100"}, "details": [{"value": "64"}], "applicableLocations": []},
-                {"dimensions": {"gpu_family": "NVIDIA_B200"}, "details": [{"value": "0"}], "applicableLocations": []},
+                family_row("NVIDIA_H100", 64),
+                family_row("NVIDIA_B200", 0),
             ),
         )
         msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=rows)
@@ -268,9 +273,7 @@ class TestGpuQuotaStops:
             COMPUTE,
             FAMILY,
             64,
-            more=(
-                {"dimensions": {"gpu_family": "NVIDIA_H100"}, "details": [{"value": "64"}], "applicableLocations": []},
-            ),
+            more=(family_row("NVIDIA_H100", 64),),
         )
         msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=rows)
         assert f"could not check GPU quota {FAMILY}" in msg and "names gpu_family=NVIDIA_B200" in msg
