@@ -18,6 +18,12 @@ Decisions
 - Alerts at 50, 90 and 100 % of current spend (`thresholdRules`) go to the billing account's admins and
   users (the API's default recipients, kept) and to one Cloud Monitoring email channel per `budgetEmails`
   address (at most 5 channels per budget; `allUpdatesRule.monitoringNotificationChannels`).
+- An address appears only where the API needs it: the channel's `email_address` label (each channel type
+  requires its own labels, listed by projects.notificationChannelDescriptors.list: pulumi-gcp
+  NotificationChannel docs). Display names number the channels ("the display name and description focus
+  on the purpose/semantics of the channel rather than its destination", gcloud monitoring channels create
+  reference) and the stack's `budget` output counts the recipients, so the addresses stay out of outputs,
+  logs and PR preview comments (the stack configuration and the channel's label still hold them).
 - A budget alerts; it does not stop spending. The hard limits are the workload deadlines and
   `maxRunCostUsd` (`infra.cost`, `infra.preflight`).
 
@@ -68,7 +74,7 @@ class BudgetGuard(pulumi.ComponentResource):
             gcp.monitoring.NotificationChannel(
                 f"{name}-email-{index}",
                 project=cfg.project,
-                display_name=f"gemma-finetune {cfg.stack} budget: {email}",
+                display_name=f"gemma-finetune {cfg.stack} budget alert {index + 1}",
                 type="email",
                 labels={"email_address": email},
                 user_labels=cfg.resource_labels,

@@ -123,8 +123,11 @@ def _preemptible(model: str) -> GpuQuota:
 # - `GPUS-ALL-REGIONS-per-project`: Compute Engine's own error text ("Quota 'GPUS_ALL_REGIONS' exceeded ...
 #   limit name = GPUS-ALL-REGIONS-per-project").
 # UNCONFIRMED: the family tokens NVIDIA_H200 and NVIDIA_H100_MEGA (named by analogy with NVIDIA_B200 /
-# NVIDIA_H100), and PREEMPTIBLE-NVIDIA-RTX-PRO-6000 (by analogy). A wrong id answers 404, which preflight
-# reports as "could not check" with the listing command (`gcloud beta quotas info list`).
+# NVIDIA_H100), and PREEMPTIBLE-NVIDIA-RTX-PRO-6000 (by analogy); also that a real project's family quota names
+# every family in a row of its own (preflight relies on it). A wrong id comes back from the data source as an
+# EMPTY result, not a 404 error (the provider's HandleNotFoundError clears the id and returns no error), and a
+# wrong family token matches no row: preflight reports both as "could not check" with the listing command
+# (`gcloud beta quotas info list`), never as a quota of 0 (`infra.preflight.quota_limit`).
 GKE_GPU_QUOTAS: dict[tuple[str, bool], GpuQuota] = {
     ("nvidia-b200", False): _family("NVIDIA_B200"),
     ("nvidia-b200", True): _preemptible("B200"),

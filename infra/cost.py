@@ -1,6 +1,6 @@
 """What one training run can cost at most, and what serving costs per hour, from the one price table.
 
-    runCostCeilingUsd = hourly price x nodes x (deadline + tail) x attempts
+    runCostCeilingUsd = (hourly price x nodes + cluster fee) x (deadline + tail) x attempts
 
 Decisions
 - The ceiling is a true upper bound only where a deadline stops the GPUs, so it follows each workload's
@@ -16,6 +16,9 @@ Decisions
     attempts = `maxRetries` + 1; an instance ends with its task (no tail).
   - GKE nodes outlive their Pods until the autoscaler removes them: `NODE_RELEASE_S` per attempt (the cluster
     autoscaler's default scale-down-unneeded-time, 10 min; Autopilot's own value is UNCONFIRMED).
+- GKE runs also pay the cluster management fee (`infra.pricing.GKE_CLUSTER_HOUR`, per cluster-hour) for the
+  same window; the cluster lives on between runs, so only the run's window is counted here. Cloud Run has
+  no such fee.
 - A standing Ray cluster (`rayCluster: standing`) has no deadline: no ceiling (None), only a cost per hour;
   `maxRunCostUsd` refuses it (`infra.preflight.check_cost_ceiling`).
 - `servingCostPerHourUsd` is every instance `servingMaxInstances` allows, awake for an hour (the service
@@ -41,7 +44,7 @@ import pulumi_gcp as gcp
 
 from infra import cloud_run, ray_job
 from infra.config import RayClusterMode, StackConfig, Workload
-from infra.pricing import PRICES_AS_OF, HourlyPrice, cloud_run_instance_hour, gke_node_hour
+from infra.pricing import GKE_CLUSTER_FEE_CENTS, PRICES_AS_OF, HourlyPrice, cloud_run_instance_hour, gke_node_hour
 from trainer.cost_line import PRICE_FILE, SUMMARY_COST_KEY
 
 NODE_RELEASE_S = 600
@@ -60,22 +63,28 @@ class RunCeiling:
     """False for a standing Ray cluster: it bills until it is switched off."""
     unit: str = "node"
     """What the hourly price is for: a GKE node or a Cloud Run instance."""
+    fee_cents: int = 0
+    """Per hour on top of the nodes: the GKE cluster management fee (none on Cloud Run)."""
 
     @property
     def usd(self) -> float | None:
         if self.hourly is None or not self.bounded:
             return None
-        return round(self.hourly.cents * self.nodes * self.attempts * (self.deadline_s + self.tail_s) / 3600 / 100, 2)
+        cents_per_hour = self.hourly.cents * self.nodes + self.fee_cents
+        return round(cents_per_hour * self.attempts * (self.deadline_s + self.tail_s) / 3600 / 100, 2)
 
     @property
     def per_hour_usd(self) -> float | None:
-        return None if self.hourly is None else round(self.hourly.cents * self.nodes / 100, 2)
+        return None if self.hourly is None else round((self.hourly.cents * self.nodes + self.fee_cents) / 100, 2)
 
     def formula(self) -> str:
         price = f"${self.hourly.usd:,.2f}/h" if self.hourly else "unknown $/h"
         hours = (self.deadline_s + self.tail_s) / 3600
+        per_hour = f"{price} x {self.nodes} {self.unit}(s)"
+        if self.fee_cents:
+            per_hour = f"({per_hour} + ${self.fee_cents / 100:,.2f}/h cluster fee)"
         return (
-            f"{price} x {self.nodes} {self.unit}(s) x {hours:.2f} h (deadline {self.deadline_s // 60} min + "
+            f"{per_hour} x {hours:.2f} h (deadline {self.deadline_s // 60} min + "
             f"{self.tail_s // 60} min release) x {self.attempts} attempt(s)"
         )
 
@@ -98,11 +107,12 @@ def run_ceiling(cfg: StackConfig) -> RunCeiling:
     hourly = training_hour(cfg)
     if cfg.workload is Workload.CLOUD_RUN:
         return RunCeiling(hourly, 1, deadline, 0, cfg.training_retries + 1, unit="instance")
+    fee = GKE_CLUSTER_FEE_CENTS
     if cfg.workload is Workload.GKE_JOB:
-        return RunCeiling(hourly, cfg.nodes, deadline, NODE_RELEASE_S, 1)
+        return RunCeiling(hourly, cfg.nodes, deadline, NODE_RELEASE_S, 1, fee_cents=fee)
     standing = cfg.ray_cluster is RayClusterMode.STANDING
     tail = NODE_RELEASE_S + (0 if standing else ray_job.CLUSTER_TTL_AFTER_FINISHED_S)
-    return RunCeiling(hourly, cfg.nodes, deadline, tail, cfg.training_retries + 1, bounded=not standing)
+    return RunCeiling(hourly, cfg.nodes, deadline, tail, cfg.training_retries + 1, bounded=not standing, fee_cents=fee)
 
 
 def serving_per_hour_usd(cfg: StackConfig) -> float | None:

@@ -4,8 +4,9 @@ Decisions
 - Only the APIs the chosen workload needs are enabled, and none is disabled on destroy
   (other things in the project may use them). `cloudresourcemanager.googleapis.com` is one of
   them, but the program reads through it (every `projects.Service` read checks the project)
-  before it can enable it: README's cloud path enables it (and Service Usage and Cloud
-  Storage, which the bucket check below calls) once, before the first `pulumi up`.
+  before it can enable it: README's cloud path enables it (and Service Usage, Cloud
+  Storage, which the bucket check below calls, and Cloud Quotas, which `infra.preflight` reads
+  before anything is declared) once, before the first `pulumi up` (`BOOTSTRAP_APIS`).
 - One Google service account per identity (`Identity`): the trainer; the vLLM server when
   serving is on; the GKE nodes (a dedicated node account instead of the Compute Engine
   default one, which orgs often leave without grants); the Cloud Build builder with
@@ -99,8 +100,14 @@ _WORKLOAD_APIS = {
 }
 # What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
 ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
-# What must be enabled before the first `pulumi up` can read anything (README, "The cloud path").
-BOOTSTRAP_APIS = ("cloudresourcemanager.googleapis.com", "serviceusage.googleapis.com", "storage.googleapis.com")
+# What must be enabled before the first `pulumi up` can read anything (README, "The cloud path"): the preflight
+# reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists.
+BOOTSTRAP_APIS = (
+    "cloudresourcemanager.googleapis.com",
+    "serviceusage.googleapis.com",
+    "storage.googleapis.com",
+    "cloudquotas.googleapis.com",
+)
 
 
 class Identity(StrEnum):

@@ -17,8 +17,9 @@ Decisions
 - Invokes answer as the provider would for a project that is ready: the reservation a stack
   names exists as it must (`reservations` overrides it per `project/zone/name`; `None` there
   models "not found", a `ProviderError` an invoke that fails); every GPU quota the Cloud Quotas
-  API is asked for has `MOCK_QUOTA_LIMIT` in every region (`quotas` overrides it per quota id
-  with a `mock_quota_info` result or a `ProviderError`).
+  API is asked for has `MOCK_QUOTA_LIMIT` in every region, with a row for each GPU family the
+  catalog names (`quotas` overrides it per quota id with a `mock_quota_info` result, `{}` for the
+  data source's empty not-found answer, or a `ProviderError`).
 - Warnings the program logs (`pulumi.log.warn`, e.g. `preflight: warn`) are kept in
   `StackRun.warnings` (and on the exception of a failed run).
 - The mock state is reset before each run (`reset_options` then `set_mocks`), so several
@@ -46,6 +47,7 @@ from pulumi.runtime import rpc
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
+from infra.catalog import GKE_GPU_QUOTAS
 from infra.config import StackConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +201,17 @@ def mock_quota_info(
         "isFixed": False,
         "isPrecise": True,
     }
+
+
+def _default_quota(service: str, quota_id: str) -> dict[str, Any]:
+    """`MOCK_QUOTA_LIMIT` everywhere; a quota with more dimensions (the GPU family quota) also names each value the
+    catalog asks for in a row of its own, as the check requires (`infra.preflight.quota_limit`)."""
+    named = sorted({dims for q in GKE_GPU_QUOTAS.values() if q.quota_id == quota_id for dims in q.dimensions})
+    more = tuple(
+        {"dimensions": {key: value}, "details": [{"value": str(MOCK_QUOTA_LIMIT)}], "applicableLocations": []}
+        for key, value in named
+    )
+    return mock_quota_info(service, quota_id, more=more)
 
 
 def mock_zones(region: str) -> list[str]:
@@ -422,7 +435,9 @@ class Mocks(pulumi_mocks.Mocks):
             found = self.quotas.get(args.args["quotaId"])
             if isinstance(found, ProviderError):
                 raise found
-            return found or mock_quota_info(args.args["service"], args.args["quotaId"]), []
+            if found is not None:  # {} is the data source's answer for a quota it does not know
+                return found, []
+            return _default_quota(args.args["service"], args.args["quotaId"]), []
         if args.token == "gcp:storage/getBuckets:getBuckets":
             prefix = args.args.get("prefix") or ""
             names = sorted(b for b in self.existing_buckets if b.startswith(prefix))

@@ -38,6 +38,13 @@ Decisions
   all match (region, GPU family) and are the most specific wins (a row without a dimension applies to the
   values no other row names, Cloud Quotas DimensionsInfo reference); a value of -1 means unlimited
   (`gcloud quotas preferences create --preferred-value`: "-1 ... unlimited").
+- A quota the API does not know comes back as an empty result, not an error (the data source reads through
+  HandleNotFoundError), and a `gpu_family` no row names would fall to the quota's default row: both are
+  "could not check" (`QuotaNotFound`), reported like a quota the caller may not read (strict stops with the
+  `gcloud beta quotas info list` command and the warn switch), never as "the quota is 0".
+- With user credentials the API needs a quota project; the message then says `export
+  GOOGLE_CLOUD_QUOTA_PROJECT=PROJECT` (`QUOTA_PROJECT_MISSING`), not the `gcloud services enable` that the
+  error's SERVICE_DISABLED reason suggests.
 - The Cloud Quotas API returns limits, not usage: a quota that covers the run can still be in use by
   something else. The check catches the common failure (a limit of 0 or too small for the shape).
 
@@ -75,6 +82,16 @@ QUOTA_PERMISSION = "cloudquotas.quotas.get"
 QUOTA_ROLE = "roles/cloudquotas.viewer"
 QUOTA_API = "cloudquotas.googleapis.com"
 WARN_FIX = "pulumi config set preflight warn"
+# With user credentials (gcloud auth application-default login) the Cloud Quotas API answers 403 "The
+# cloudquotas.googleapis.com API requires a quota project, which is not set by default" (reason
+# SERVICE_DISABLED: cloud.google.com/docs/quotas/troubleshoot, "Set your quota project"): the provider's data
+# source sends no X-Goog-User-Project (magic-modules data_source_google_cloud_quotas_quota_info.go calls
+# SendRequest without a Project). Google's auth libraries take the quota project from this variable
+# (googleapis/google-auth-library-python#1163), and the Google provider honours it: it even wins over
+# `billing_project` (hashicorp/terraform-provider-google#17882); setting it "does seem to work" for pulumi-gcp
+# (pulumi/pulumi-gcp#2032). Enabling the API, which the SERVICE_DISABLED reason suggests, does not help.
+QUOTA_PROJECT_MISSING = "requires a quota project"
+QUOTA_PROJECT_ENV = "GOOGLE_CLOUD_QUOTA_PROJECT"
 
 
 class PreflightError(pulumi.RunError):
@@ -289,14 +306,33 @@ def _cloud_run_needs(cfg: StackConfig) -> list[QuotaNeed]:
     ]
 
 
+class QuotaNotFound(Exception):
+    """The Cloud Quotas API has no entry (or no row) for the quota the catalog names: nothing could be checked."""
+
+
 def quota_limit(result: Any, quota: GpuQuota, region: str) -> int | None:
     """The limit in effect for `region` (and the quota's other dimensions); None when unlimited, 0 when no row
-    of the quota applies there."""
+    of the quota applies there.
+
+    Raises `QuotaNotFound` when the answer is the data source's empty not-found result (no `name`, no
+    `dimensionsInfos`: data_source_google_cloud_quotas_quota_info.go reads through HandleNotFoundError, which
+    clears the id and returns no error), and when the quota selects a row by a dimension besides `region`
+    (`gpu_family`) and no row names our value: the default row would then be read for a family that may not
+    exist (catalog ids marked UNCONFIRMED), and a check against it would mean nothing."""
+    rows = list(result.dimensions_infos or [])
+    if not result.name and not rows:
+        raise QuotaNotFound(f"the Cloud Quotas API has no quota {quota.quota_id} for {quota.service}")
+    for key, value in quota.dimensions:
+        if not any(dict(info.dimensions or {}).get(key) == value for info in rows):
+            raise QuotaNotFound(
+                f"no row of quota {quota.quota_id} names {key}={value} (the catalog's value may not exist; the rows "
+                f"name {sorted({dict(i.dimensions or {}).get(key, '(default)') for i in rows})})"
+            )
     wanted = dict(quota.dimensions)
     if quota.regional:
         wanted["region"] = region
     best: tuple[int, int] | None = None
-    for info in result.dimensions_infos or []:
+    for info in rows:
         dims = dict(info.dimensions or {})
         if any(wanted.get(key) != value for key, value in dims.items()):
             continue
@@ -314,6 +350,10 @@ def quota_limit(result: Any, quota: GpuQuota, region: str) -> int | None:
     return None if best[1] < 0 else best[1]
 
 
+def _list_quotas(cfg: StackConfig, need: QuotaNeed) -> str:
+    return f"gcloud beta quotas info list --service={need.quota.service} --project={cfg.project} --filter='quotaId~GPU'"
+
+
 def _quota_fix(cfg: StackConfig, need: QuotaNeed) -> str:
     flags = f"--dimensions={need.quota.dimension_flag(cfg.region)} " if need.quota.dimension_flag(cfg.region) else ""
     return (
@@ -326,13 +366,15 @@ def _quota_fix(cfg: StackConfig, need: QuotaNeed) -> str:
 def _quota_unreadable(cfg: StackConfig, need: QuotaNeed, error: Exception) -> str:
     text = str(error)
     where = f"GPU quota {need.quota.quota_id} ({need.quota.service}) in project {cfg.project}"
-    if "SERVICE_DISABLED" in text or "has not been used" in text or "is disabled" in text:
+    if QUOTA_PROJECT_MISSING in text:  # user ADC: Cloud Quotas bills the call to a quota project (module docstring)
+        fix = (
+            f"the Cloud Quotas API needs a quota project with user credentials: export "
+            f"{QUOTA_PROJECT_ENV}={cfg.project} (then run pulumi again in that shell)"
+        )
+    elif "SERVICE_DISABLED" in text or "has not been used" in text or "is disabled" in text:
         fix = f"enable the Cloud Quotas API: gcloud services enable {QUOTA_API} --project {cfg.project}"
     elif _is_not_found(error):
-        fix = (
-            f"the quota id may not exist for this project; list the GPU quotas with `gcloud beta quotas info list "
-            f"--service={need.quota.service} --project={cfg.project} --filter='quotaId~GPU'`"
-        )
+        fix = f"the quota id may not exist for this project; list the GPU quotas with `{_list_quotas(cfg, need)}`"
     else:
         fix = (
             f"the identity running pulumi needs {QUOTA_PERMISSION} on the project ({QUOTA_ROLE} has it): gcloud "
@@ -352,7 +394,15 @@ def check_gpu_quota(cfg: StackConfig) -> list[str]:
         except Exception as error:  # the SDK raises a plain Exception for any failed invoke; report it with the fix
             problems.append(_quota_unreadable(cfg, need, error))
             continue
-        limit = quota_limit(result, need.quota, cfg.region)
+        try:
+            limit = quota_limit(result, need.quota, cfg.region)
+        except QuotaNotFound as missing:
+            problems.append(
+                f"preflight could not check GPU quota {need.quota.quota_id} ({need.quota.service}) in project "
+                f"{cfg.project}, which {need.because} needs {need.needed} of: {missing}. Find the quota that holds "
+                f"these GPUs with `{_list_quotas(cfg, need)}`; or report instead of stop: {WARN_FIX}"
+            )
+            continue
         if limit is not None and limit < need.needed:
             scope = f"region {cfg.region}" if need.quota.regional else "all regions"
             problems.append(

@@ -18,17 +18,21 @@ Decisions
   the policy pack reads it (`cost_labels`).
 - Figures are for us-central1, the stacks' region. Another region uses the us-central1 figure and says so
   (status UNCONFIRMED for that region).
-- Capacity: spot is at most 40 % of on-demand (Google's Spot pricing pages: "discounts of 60-91% off of the
-  corresponding on-demand price for machine types and GPUs"; the current page says "up to 91%", so the 60 %
-  floor is from the older wording: BOUND). Flex-start (DWS) is priced at or below on-demand ("better
-  economics", Google Cloud blog introducing Dynamic Workload Scheduler); its own rate was not found, so the
-  on-demand figure is its bound. A reservation bills its VMs whether used or not; the run is priced at the
-  on-demand rate of the machines it holds.
+- Capacity: Spot uses its own figure where the table has one; without one, the on-demand figure, the only
+  safe upper bound: Spot is a discount off on-demand ("up to 91%" today, cloud.google.com/spot-vms/pricing),
+  but the discount's floor is not fixed: the table's own a3-ultragpu-8g rows (50.09 Spot, 83.49 on-demand)
+  are 60 % of on-demand, above the 40 % an older "60-91% off" wording implied. Flex-start (DWS) is priced
+  at or below on-demand ("better economics", Google Cloud blog introducing Dynamic Workload Scheduler); its
+  own rate was not found, so the on-demand figure is its bound. A reservation bills its VMs whether used or
+  not; the run is priced at the on-demand rate of the machines it holds.
+- The GKE cluster management fee (`GKE_CLUSTER_HOUR`, $0.10 per cluster-hour in every mode, Autopilot
+  included) is a row of its own: `infra.cost` adds it once per cluster to a GKE run's ceiling. The free
+  tier's monthly credit ($74.40 per billing account) is not subtracted, so the ceiling stays a bound.
 
 Not here: the ceiling of a run (deadlines, retries: `infra.cost`), the Autopilot premium on accelerator
 nodes (node-based billing "at Compute Engine prices, with a small added premium", wdenniss.com, 2024:
-size UNCONFIRMED), the cluster fee ($0.10 per cluster-hour, cloud.google.com/kubernetes-engine/pricing),
-the Ray head's CPU Pod, storage, egress and image builds.
+size UNCONFIRMED, so the GKE ceiling is compute + cluster fee, without it), the Ray head's CPU Pod,
+storage, egress and image builds.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from infra.config import Capacity, StackConfig
 
 PRICES_AS_OF = "2026-11-30"
 PRICE_REGION = "us-central1"
-SPOT_BOUND_OF_ON_DEMAND = 0.40
 
 
 class Status(StrEnum):
@@ -68,8 +71,8 @@ class Price:
 
 
 _SPOT_RULE = (
-    "cloud.google.com/spot-vms/pricing (earlier wording: Spot prices 'always provide discounts of 60-91% off of the "
-    "corresponding on-demand price for machine types and GPUs')"
+    "Spot is priced below on-demand, at a discount that moves (cloud.google.com/spot-vms/pricing: 'up to 91%'); "
+    "a3-ultragpu-8g Spot is 60 % of on-demand in this table, so no fixed fraction bounds it"
 )
 _BILLING_TRANSCRIPT = (
     "Cloud Billing Catalog SKUs for us-central1 (Cloud Run, instance-based), transcribed in a public deployment "
@@ -113,6 +116,18 @@ _A3_ULTRA_SPOT = Price(
     Status.SECONDARY,
     "Spot prices may change daily",
 )
+
+GKE_CLUSTER_HOUR = Price(
+    0.10,
+    "USD per cluster-hour (GKE cluster management fee, Autopilot included)",
+    "cloud.google.com/kubernetes-engine/pricing: 'A flat cluster management fee of $0.10 per cluster per hour "
+    "(charged in 1 second increments) applies to all GKE clusters irrespective of the mode of operation'",
+    "2026",
+    Status.PUBLISHED,
+    "the free tier's $74.40 monthly credit per billing account is not subtracted",
+)
+# What the policy pack adds per GKE cluster-hour (infra/policy/policies.py GKE_CLUSTER_FEE_CENTS, kept equal).
+GKE_CLUSTER_FEE_CENTS = round(GKE_CLUSTER_HOUR.usd * 100)
 
 # On-demand and (where known) Spot node-hour by (accelerator, GPUs per node). Missing: no figure was found.
 GKE_NODE_HOUR: dict[tuple[str, int], dict[str, Price]] = {
@@ -202,17 +217,10 @@ def gke_node_hour(cfg: StackConfig) -> HourlyPrice | None:
     on_demand = rates["on-demand"]
     basis: list[Price] = [on_demand]
     usd = on_demand.usd
-    if cfg.capacity is Capacity.SPOT:
-        spot = rates.get("spot")
-        if spot is None:
-            bound = Price(
-                SPOT_BOUND_OF_ON_DEMAND, "fraction of on-demand", _SPOT_RULE, "2025", Status.BOUND, "Spot <= 40 %"
-            )
-            basis.append(bound)
-            usd = on_demand.usd * SPOT_BOUND_OF_ON_DEMAND
-        else:
-            basis = [spot]
-            usd = spot.usd
+    spot = rates.get("spot") if cfg.capacity is Capacity.SPOT else None
+    if spot is not None:  # without a Spot figure, the on-demand one bounds it (module docstring)
+        basis = [spot]
+        usd = spot.usd
     return HourlyPrice(_cents(usd), what, tuple(basis), _weakest(basis, cfg.region))
 
 
@@ -263,19 +271,22 @@ def all_prices() -> list[tuple[str, Price]]:
         (f"Cloud Run {gpu} GPU{' (zonal redundancy)' if zr else ''}", p)
         for (gpu, zr), p in CLOUD_RUN_GPU_SECOND.items()
     ]
+    rows.append(("GKE cluster management fee", GKE_CLUSTER_HOUR))
     rows += [("Cloud Run vCPU", CLOUD_RUN_CPU_SECOND), ("Cloud Run memory", CLOUD_RUN_MEMORY_SECOND)]
     return rows
 
 
 # How a capacity without its own figure is priced (rendered under the README table).
 RULES = (
-    f"Spot without a figure: at most {SPOT_BOUND_OF_ON_DEMAND:.0%} of on-demand (bound; {_SPOT_RULE}).",
+    f"Spot without a figure: the on-demand figure, an upper bound ({_SPOT_RULE}).",
     "Flex-start (DWS): the on-demand figure, an upper bound (its own rate was not found; Google describes it as "
     "cheaper than on-demand).",
     "Reservation: the on-demand figure of the reserved machines (a reservation bills whether used or not).",
     "Another region: the us-central1 figure, reported as UNCONFIRMED for that region.",
-    "Not included: the Autopilot premium on accelerator nodes (size UNCONFIRMED), the GKE cluster fee "
-    "($0.10/h, cloud.google.com/kubernetes-engine/pricing), the Ray head's CPU Pod, storage, egress, builds.",
+    "GKE: the cluster management fee is added once per cluster for the whole run window (deadline + node "
+    "release, each attempt).",
+    "Not included: the Autopilot premium on accelerator nodes (size UNCONFIRMED), the Ray head's CPU Pod, "
+    "storage, egress, builds.",
 )
 
 

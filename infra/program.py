@@ -71,7 +71,9 @@ def run() -> dict[str, Any]:
             name,
             BudgetGuardArgs(cfg=cfg, project_number=foundation.bucket.project_number, after=list(foundation.apis)),
         )
-        recipients = ", ".join(cfg.budget_emails) or "the billing account's admins"
+        # A count, not the addresses: outputs are printed by `pulumi up` and in PR preview comments (infra/budget.py).
+        extra = len(cfg.budget_emails)
+        recipients = "the billing account's admins" + (f" and {extra} address(es) in budgetEmails" if extra else "")
         outputs["budget"] = (
             f"{cfg.budget_usd} USD a month for resources labelled stack={cfg.stack} in {cfg.project} (billing "
             f"account {cfg.billing_account}); alerts at 50, 90 and 100 % to {recipients}"

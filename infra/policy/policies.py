@@ -43,8 +43,10 @@ Decisions
   itself: nodes (Job `parallelism`, RayJob worker `replicas`, Cloud Run `taskCount`), the deadline
   (`activeDeadlineSeconds`, Cloud Run `timeout`) and the retries that restart it (RayJob `backoffLimit`,
   Cloud Run `maxRetries`; a Kubernetes Job's deadline covers its retries). A code change that raises a
-  deadline, a node count or a retry count is caught in the PR preview. `NODE_RELEASE_S` and the formula are
-  the program's (`infra.cost`); a test computes both over every stack and keeps them equal. A standing
+  deadline, a node count or a retry count is caught in the PR preview. A GKE workload (Job, RayJob) also pays
+  the cluster management fee for its window (`GKE_CLUSTER_FEE_CENTS`). `NODE_RELEASE_S`, the fee and the
+  formula are the program's (`infra.cost`, `infra.pricing`); a test computes them over every stack and keeps
+  them equal. A standing
   RayCluster has no deadline, so one labelled with a limit is a violation.
 
 Not here: regions, quotas (the stack configuration and preflight check those), Kubernetes RBAC.
@@ -512,6 +514,8 @@ def required_labels(resource_type: str, props: Mapping[str, Any]) -> list[str]:
 
 # Kept equal to infra/cost.py NODE_RELEASE_S (GKE nodes outlive their Pods until scale-down); tests/policy checks it.
 NODE_RELEASE_S = 600
+# Kept equal to infra/pricing.py GKE_CLUSTER_FEE_CENTS (the GKE cluster management fee per hour); tests/policy checks it.
+GKE_CLUSTER_FEE_CENTS = 10
 NODE_HOUR_CENTS = "node-hour-cents"
 MAX_RUN_COST = "max-run-cost-usd"
 K8S_COST_PREFIX = "gemma-finetune/"
@@ -528,14 +532,21 @@ class CeilingParts:
     deadline_s: float
     tail_s: float
     attempts: int
+    fee_cents: int = 0
+    """Per hour on top of the nodes: the GKE cluster management fee (none on Cloud Run)."""
 
     def usd(self, cents: int) -> float:
-        return round(cents * self.nodes * self.attempts * (self.deadline_s + self.tail_s) / 3600 / 100, 2)
+        return round(
+            (cents * self.nodes + self.fee_cents) * self.attempts * (self.deadline_s + self.tail_s) / 3600 / 100, 2
+        )
 
     def explain(self, cents: int) -> str:
+        per_hour = f"${cents / 100:,.2f}/h x {self.nodes}"
+        if self.fee_cents:
+            per_hour = f"({per_hour} + ${self.fee_cents / 100:,.2f}/h cluster fee)"
         return (
-            f"${cents / 100:,.2f}/h x {self.nodes} x ({self.deadline_s:.0f} s deadline + {self.tail_s:.0f} s release) "
-            f"x {self.attempts} attempt(s)"
+            f"{per_hour} x ({self.deadline_s:.0f} s deadline + {self.tail_s:.0f} s release) x {self.attempts} "
+            "attempt(s)"
         )
 
 
@@ -557,7 +568,9 @@ def ceiling_parts(resource_type: str, props: Mapping[str, Any]) -> CeilingParts 
     if resource_type == K8S_JOB:
         deadline = _seconds(_dig(props, "spec", "activeDeadlineSeconds"))
         nodes = _int(_dig(props, "spec", "parallelism"), 1)
-        return CeilingParts(nodes, deadline, NODE_RELEASE_S, 1) if deadline else "spec.activeDeadlineSeconds is not set"
+        if not deadline:
+            return "spec.activeDeadlineSeconds is not set"
+        return CeilingParts(nodes, deadline, NODE_RELEASE_S, 1, GKE_CLUSTER_FEE_CENTS)
     if resource_type == RAY_JOB:
         spec = props.get("spec") or {}
         if "rayClusterSpec" not in spec:
@@ -572,7 +585,8 @@ def ceiling_parts(resource_type: str, props: Mapping[str, Any]) -> CeilingParts 
             if isinstance(g, Mapping) and requests_gpu(g)
         )
         ttl = _int(spec.get("ttlSecondsAfterFinished"), 0) if spec.get("shutdownAfterJobFinishes") is True else 0
-        return CeilingParts(nodes, deadline, NODE_RELEASE_S + ttl, _int(spec.get("backoffLimit"), 0) + 1)
+        attempts = _int(spec.get("backoffLimit"), 0) + 1
+        return CeilingParts(nodes, deadline, NODE_RELEASE_S + ttl, attempts, GKE_CLUSTER_FEE_CENTS)
     if resource_type == CLOUD_RUN_JOB:
         template = props.get("template") or {}
         task = template.get("template") or {}

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from infra.config import ConfigError
-from infra.offline import MOCK_PROJECT_NUMBER, StackRun, run_stack
+from infra.offline import MOCK_PROJECT_NUMBER, REPO_ROOT, StackRun, run_stack
 from tests.infra.conftest import PREBUILT
 from tests.infra.test_ordering import ancestors, dependency_graph
 
@@ -77,6 +77,35 @@ class TestBudget:
 
     def test_the_output_says_what_is_watched(self, guarded: StackRun) -> None:
         assert "500 USD a month for resources labelled stack=a4-gemma4" in str(guarded.outputs["budget"])
+        assert "the billing account's admins and 2 address(es) in budgetEmails" in str(guarded.outputs["budget"])
+
+    def test_no_address_in_an_output_or_a_display_name(self, guarded: StackRun) -> None:
+        """The addresses live in the channels' required `email_address` label only, nowhere a log shows them."""
+        shown = [str(value) for value in guarded.outputs.values()]
+        for resource in guarded.resources:
+            inputs = resource.plain_inputs()
+            shown += [str(inputs.get("displayName", "")), str(inputs.get("description", ""))]
+            shown += [str(v) for k, v in (inputs.get("labels") or {}).items() if k != "email_address"]
+            shown += [str(v) for v in (inputs.get("userLabels") or {}).values()]
+        for address in ON["budgetEmails"]:
+            assert not [text for text in shown if address in text], address
+
+
+class TestBudgetReadme:
+    """`gcp:userProjectOverride` bills every call to the billing project, which needs `serviceusage.services.use`
+    there (cloud.google.com/apis/docs/system-parameters): the budget setup says so, and the cloud path links it."""
+
+    def test_the_override_comes_with_the_permission_it_needs(self) -> None:
+        readme = (REPO_ROOT / "README.md").read_text()
+        costs = readme.split("## What it costs", 1)[1].split("\n## ", 1)[0]
+        budget = costs[costs.index("- A budget:") :].split("\n- ", 1)[0]
+        assert "gcp:userProjectOverride" in budget
+        assert "serviceusage.services.use" in budget and "roles/serviceusage.serviceUsageConsumer" in budget
+
+    def test_the_cloud_path_links_there(self) -> None:
+        readme = (REPO_ROOT / "README.md").read_text()
+        cloud_path = readme.split("## The cloud path", 1)[1].split("\n### ", 1)[0]
+        assert "serviceusage.services.use" in cloud_path and "(#what-it-costs)" in cloud_path
 
 
 class TestBudgetConfig:

@@ -98,10 +98,10 @@ class TestCeilingFollowsTheWorkload:
     def test_a_kubernetes_job_deadline_covers_its_retries(self) -> None:
         assert ceiling(A4 := "a4-gemma4", trainingRetries=0) == ceiling(A4, trainingRetries=5)
         hours = (480 * 60 + NODE_RELEASE_S) / 3600
-        assert ceiling(A4) == pytest.approx(148.21 * hours, abs=0.01)
+        assert ceiling(A4) == pytest.approx((148.21 + 0.10) * hours, abs=0.01)  # one node + the cluster fee
         assert ceiling(A4, nodes=2, recipeOverrides=["distributed.world_size=16"]) == pytest.approx(
-            2 * ceiling(A4), abs=0.02
-        )
+            (2 * 148.21 + 0.10) * hours, abs=0.02
+        ), "the fee is per cluster, not per node"
         assert ceiling(A4, trainingTimeoutMinutes=120) < ceiling(A4)
 
     def test_each_ray_retry_gets_a_fresh_deadline(self) -> None:
@@ -112,14 +112,33 @@ class TestCeilingFollowsTheWorkload:
         assert ceiling("dev", trainingRetries=0) * 3 == pytest.approx(ceiling("dev", trainingRetries=2), abs=0.02)
 
     def test_capacity_moves_the_price(self) -> None:
+        """A4 has no Spot figure: Spot is priced at on-demand, its only safe bound; H200 has one and is cheaper."""
         spot = ceiling("a4-gemma4", NO_RESERVATION, capacity="spot")
         on_demand = ceiling("a4-gemma4", NO_RESERVATION, capacity="on-demand")
         flex = ceiling("a4-gemma4", NO_RESERVATION, capacity="flex-start")
-        assert spot < flex == on_demand == ceiling("a4-gemma4")
+        assert spot == flex == on_demand == ceiling("a4-gemma4")
+        h200 = {"gpuType": "nvidia-h200-141gb"}
+        assert ceiling("a4-gemma4", NO_RESERVATION, capacity="spot", **h200) < ceiling(
+            "a4-gemma4", NO_RESERVATION, capacity="on-demand", **h200
+        )
+
+    def test_a_missing_spot_figure_is_never_priced_below_a_real_one(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Hide the table's own H200 Spot figure: the price used instead must still bound the real Spot price."""
+        key = ("nvidia-h200-141gb", 8)
+        real_spot = pricing.GKE_NODE_HOUR[key]["spot"].usd
+        monkeypatch.setitem(pricing.GKE_NODE_HOUR, key, {"on-demand": pricing.GKE_NODE_HOUR[key]["on-demand"]})
+        cfg = run_stack(
+            "a4-gemma4",
+            overrides={**PREBUILT, "capacity": "spot", "gpuType": "nvidia-h200-141gb"},
+            remove=NO_RESERVATION,
+        ).cfg
+        hourly = pricing.gke_node_hour(cfg)
+        assert hourly is not None and hourly.usd >= real_spot
 
     def test_an_override_replaces_the_table(self) -> None:
         outputs = run_stack("a4-gemma4", overrides={**PREBUILT, "trainingHourPriceUsd": "100"}).outputs
-        assert outputs["runCostCeilingUsd"] == pytest.approx(100 * (480 * 60 + NODE_RELEASE_S) / 3600, abs=0.01)
+        hours = (480 * 60 + NODE_RELEASE_S) / 3600
+        assert outputs["runCostCeilingUsd"] == pytest.approx((100 + 0.10) * hours, abs=0.01)
         assert "stack override" in str(outputs["runCostCeiling"])
 
     def test_a_standing_ray_cluster_has_no_ceiling(self) -> None:

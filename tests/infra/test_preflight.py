@@ -166,6 +166,11 @@ def quota(service: str, quota_id: str, value: int, **kwargs: Any) -> dict[str, A
     return {quota_id: mock_quota_info(service, quota_id, value, **kwargs)}
 
 
+def family_row(family: str, value: int) -> dict[str, Any]:
+    """One row of the GPU family quota (the `gpu_family` dimension), in every region."""
+    return {"dimensions": {"gpu_family": family}, "details": [{"value": str(value)}], "applicableLocations": []}
+
+
 def asked(stack_run_or_exc: Any) -> dict[str, str]:
     """quota id -> service of every Cloud Quotas invoke the program made."""
     return {a["quotaId"]: a["service"] for t, a in stack_run_or_exc.invokes if t == GET_QUOTA}
@@ -251,14 +256,29 @@ class TestGpuQuotaStops:
         rows = quota(
             COMPUTE,
             FAMILY,
-            0,
+            64,
             more=(
-                {"dimensions": {"gpu_family": "NVIDIA_H100"}, "details": [{"value": "64"}], "applicableLocations": []},
+                family_row("NVIDIA_H100", 64),
+                family_row("NVIDIA_B200", 0),
             ),
         )
         msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=rows)
         assert f"GPU quota {FAMILY} (compute.googleapis.com, region us-central1) is 0" in msg
         assert "--dimensions=region=us-central1,gpu_family=NVIDIA_B200" in msg
+
+    def test_a_family_no_row_names_is_not_read_from_the_default_row(self) -> None:
+        """Only the default row and H100's: the default's 64 says nothing about B200 (the family value may be
+        wrong), so the check reports that it could not check, with the listing command, instead of passing."""
+        rows = quota(
+            COMPUTE,
+            FAMILY,
+            64,
+            more=(family_row("NVIDIA_H100", 64),),
+        )
+        msg = fails_with(A4, a4("on-demand"), NO_RESERVATION, quotas=rows)
+        assert f"could not check GPU quota {FAMILY}" in msg and "names gpu_family=NVIDIA_B200" in msg
+        assert f"gcloud beta quotas info list --service=compute.googleapis.com --project={PROJECT}" in msg
+        assert "pulumi config set preflight warn" in msg and " is 0" not in msg
 
     def test_the_most_specific_row_wins(self) -> None:
         b200 = {
@@ -267,6 +287,23 @@ class TestGpuQuotaStops:
             "applicableLocations": ["us-central1"],
         }
         run_stack(A4, overrides=a4("on-demand"), remove=NO_RESERVATION, quotas=quota(COMPUTE, FAMILY, 0, more=(b200,)))
+
+    @pytest.mark.parametrize(
+        "empty", [{}, {"parent": f"projects/{PROJECT}", "service": COMPUTE, "quotaId": SPOT_B200}], ids=["bare", "echo"]
+    )
+    def test_a_quota_the_api_does_not_know_is_not_checked_not_zero(self, empty: dict[str, Any]) -> None:
+        """The data source answers an unknown quota id with an empty result, not an error (HandleNotFoundError)."""
+        msg = fails_with(A4, a4("spot"), NO_RESERVATION, quotas={SPOT_B200: empty})
+        assert f"could not check GPU quota {SPOT_B200} (compute.googleapis.com) in project {PROJECT}" in msg
+        assert f"gcloud beta quotas info list --service=compute.googleapis.com --project={PROJECT}" in msg
+        assert "pulumi config set preflight warn" in msg
+        assert " is 0" not in msg and "preferences create" not in msg
+
+    def test_an_unknown_quota_only_warns_with_warn(self) -> None:
+        overrides = a4("spot", preflight="warn")
+        stack_run = run_stack(A4, overrides=overrides, remove=NO_RESERVATION, quotas={SPOT_B200: {}})
+        assert stack_run.of_type("kubernetes:batch/v1:Job")
+        assert any(f"could not check GPU quota {SPOT_B200}" in w for w in stack_run.warnings), stack_run.warnings
 
     def test_a_row_for_another_region_does_not_count(self) -> None:
         rows = quota(COMPUTE, SPOT_B200, 64, dimensions={"region": "europe-west4"}, locations=("europe-west4",))
@@ -313,6 +350,17 @@ class TestPreflightSetting:
         msg = fails_with(A4, a4("spot"), NO_RESERVATION, quotas={SPOT_B200: disabled})
         assert f"gcloud services enable cloudquotas.googleapis.com --project {PROJECT}" in msg
 
+    def test_user_credentials_without_a_quota_project_get_the_variable_that_fixes_it(self) -> None:
+        """User ADC: the API wants a quota project and says SERVICE_DISABLED; enabling the API would not help."""
+        no_quota_project = ProviderError(
+            "googleapi: Error 403: Your application is authenticating by using local Application Default "
+            "Credentials. The cloudquotas.googleapis.com API requires a quota project, which is not set by default. "
+            "Details: [{'reason': 'SERVICE_DISABLED'}]"
+        )
+        msg = fails_with("dev", dict(PREBUILT), quotas={L4_JOB: no_quota_project})
+        assert f"export GOOGLE_CLOUD_QUOTA_PROJECT={PROJECT}" in msg
+        assert "gcloud services enable" not in msg and "pulumi config set preflight warn" in msg
+
     def test_warn_declares_the_stack_and_reports_the_problem(self) -> None:
         stack_run = run_stack("dev", overrides={**PREBUILT, "preflight": "warn"}, quotas={L4_JOB: DENIED})
         assert stack_run.of_type("gcp:cloudrunv2/job:Job")
@@ -350,10 +398,12 @@ class TestCostCeiling:
 
     def test_over_the_limit(self) -> None:
         msg = fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1})
-        assert "runCostCeilingUsd=1,210.38 exceeds maxRunCostUsd=1" in msg
-        assert "$148.21/h x 1 node(s) x 8.17 h (deadline 480 min + 10 min release) x 1 attempt(s)" in msg
+        assert "runCostCeilingUsd=1,211.20 exceeds maxRunCostUsd=1" in msg
+        assert (
+            "($148.21/h x 1 node(s) + $0.10/h cluster fee) x 8.17 h (deadline 480 min + 10 min release) x 1 attempt(s)"
+        ) in msg
         assert "trainingTimeoutMinutes, nodes, capacity (now reservation)" in msg
-        assert "pulumi config set maxRunCostUsd 1211" in msg
+        assert "pulumi config set maxRunCostUsd 1212" in msg
 
     def test_dev_over_the_limit_names_its_retries(self) -> None:
         msg = fails_with("dev", {**PREBUILT, "maxRunCostUsd": 1})
@@ -361,12 +411,12 @@ class TestCostCeiling:
         assert "trainingTimeoutMinutes, trainingRetries, gpuType" in msg
 
     def test_at_the_limit_passes_and_off_does_not_lift_it(self) -> None:
-        run_stack(A4, overrides={**PREBUILT, "maxRunCostUsd": 1211})
-        assert "exceeds maxRunCostUsd=1210" in fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1210, "preflight": "off"})
+        run_stack(A4, overrides={**PREBUILT, "maxRunCostUsd": 1212})
+        assert "exceeds maxRunCostUsd=1211" in fails_with(A4, {**PREBUILT, "maxRunCostUsd": 1211, "preflight": "off"})
 
     def test_a_standing_ray_cluster_has_no_ceiling(self) -> None:
         msg = fails_with("ray-gemma3-vision", {**PREBUILT, "rayCluster": "standing", "maxRunCostUsd": 100000})
-        assert "cannot hold with rayCluster=standing" in msg and "296.42 USD/h" in msg
+        assert "cannot hold with rayCluster=standing" in msg and "296.52 USD/h" in msg  # 2 nodes + the cluster fee
 
     def test_hardware_without_a_price_asks_for_one(self) -> None:
         h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "maxRunCostUsd": 100, **SIZED_FOR_4}

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from infra import cost
+from infra import cost, pricing
 from infra.offline import Recorded, StackRun, run_stack
 from infra.policy import policies
 from infra.policy.policies import CLOUD_RUN_JOB, K8S_JOB, RAY_CLUSTER, RAY_JOB, violations
@@ -87,6 +87,9 @@ class TestThePackAgreesWithTheProgram:
     def test_the_node_release_tail_is_the_programs(self) -> None:
         assert policies.NODE_RELEASE_S == cost.NODE_RELEASE_S
 
+    def test_the_cluster_fee_is_the_programs(self) -> None:
+        assert policies.GKE_CLUSTER_FEE_CENTS == pricing.GKE_CLUSTER_FEE_CENTS
+
     def test_a_preview_plan_is_judged_too(self) -> None:
         """PR previews run before images exist: the labels and the spec the rule reads are known then."""
         stack_run = _run("a4-gemma4", {}, (), preview=True)
@@ -105,7 +108,7 @@ def _scale_ray_workers(props: dict[str, Any]) -> None:
 # (case, how the workload is changed, phrase of the violation)
 BREAKS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     ("job-longer-deadline", "a4", _set(("spec", "activeDeadlineSeconds"), 12 * 3600), "43200 s deadline"),
-    ("job-more-nodes", "a4", _set(("spec", "parallelism"), 2), "x 2 x"),
+    ("job-more-nodes", "a4", _set(("spec", "parallelism"), 2), "x 2 + $0.10/h cluster fee) x"),
     (
         "job-lower-limit",
         "a4",
@@ -113,7 +116,7 @@ BREAKS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         "above max-run-cost-usd=1000",
     ),
     ("rayjob-more-retries", "ray", _set(("spec", "backoffLimit"), 3), "x 4 attempt(s)"),
-    ("rayjob-more-workers", "ray", _scale_ray_workers, "x 3 x"),
+    ("rayjob-more-workers", "ray", _scale_ray_workers, "x 3 + $0.10/h cluster fee) x"),
     ("rayjob-longer-deadline", "ray", _set(("spec", "activeDeadlineSeconds"), 8 * 3600), "28800 s deadline"),
     ("cloud-run-more-retries", "dev", _set(("template", "template", "maxRetries"), 5), "x 6 attempt(s)"),
     ("cloud-run-longer-timeout", "dev", _set(("template", "template", "timeout"), "7200s"), "7200 s deadline"),
