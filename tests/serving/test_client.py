@@ -23,6 +23,7 @@ from serving.client import (
     base_url,
     chat,
     chat_completion,
+    cold_start_deadline_s,
     cold_start_policy,
     list_models,
     resolve_credentials,
@@ -387,6 +388,22 @@ class TestGcloud:
         _trust_the_stack_url(monkeypatch)
         creds = resolve_credentials(RUN_URL)
         assert creds.token is None and "gcloud is not installed" in creds.missing_because
+
+
+class TestStartupWindowDocs:
+    def test_readme_states_the_window_and_the_client_default_timeout(self) -> None:
+        """The README's "Startup window" paragraph gives the probe's numbers and the client's cold-start deadline.
+
+        It said 480 s after the window changed; the client's deadline is the window plus one default --timeout.
+        """
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+        text = " ".join(readme[readme.index("**Startup window.**") :].split("\n\n", 1)[0].split())
+        default_timeout = client._parse_args(["--url", "http://127.0.0.1:8000", "hi"]).timeout
+        assert default_timeout == client.DEFAULT_TIMEOUT_S
+        assert f"first startup probe {STARTUP_WINDOW.initial_delay_s} s after the container starts" in text
+        assert f"every {STARTUP_WINDOW.period_s} s, up to {STARTUP_WINDOW.failure_threshold} failures" in text
+        assert f"the window is {STARTUP_WINDOW.total_s} s" in text
+        assert f"`--timeout` (default {default_timeout:g} s): {cold_start_deadline_s(default_timeout):g} s" in text
 
 
 class TestColdStart:
