@@ -501,6 +501,32 @@ class TestApiKey:
         ):
             chat(srv.url, USER, model="gemma", retry=FAST, creds=Credentials(api_key="wrong"))
 
+    @pytest.mark.parametrize("api_key", [None, "wrong"])
+    def test_api_key_refusal_behind_a_valid_identity_token_names_the_key(self, api_key: str | None) -> None:
+        """vLLM's and the guard's 401 `{"error": "Unauthorized"}` is about the API key: Cloud Run let the token in.
+
+        It was reported as a rejected identity token, with an --audience hint naming the request URL.
+        """
+        creds = Credentials(token=SECRET, source="gcloud", api_key=api_key)
+        with fake_server(Reply(401, {"error": "Unauthorized"})) as srv, pytest.raises(AuthError) as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=creds)
+        message = str(info.value)
+        assert "identity token (from gcloud) was accepted" in message, message
+        assert ("API key was rejected" if api_key else "no API key was sent") in message, message
+        assert "--api-key" in message and "audience" not in message and "rejected: it expires" not in message
+        assert SECRET not in message and (api_key is None or api_key not in message)
+        sent = srv.requests[0].headers
+        assert sent.get("X-Serverless-Authorization" if api_key else "Authorization") == f"Bearer {SECRET}"
+
+    def test_rejected_identity_token_suggests_the_service_origin_as_audience(self) -> None:
+        """A 401 that is not the API-key body is about the token; the audience is scheme + host, not the request URL."""
+        with fake_server(Reply(401, "<html>401 Unauthorized</html>")) as srv, pytest.raises(AuthError) as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=Credentials(token=SECRET, source="gcloud"))
+        message = str(info.value)
+        assert "identity token (from gcloud) was rejected" in message, message
+        audience = message.split("--audience ", 1)[1].split(")", 1)[0]
+        assert audience == srv.url and "/v1" not in audience, message
+
     def test_cli_never_prints_the_key(self, capsys: pytest.CaptureFixture[str]) -> None:
         with fake_server(Reply(401, {"error": "Unauthorized"})) as srv:
             assert client.main(["--url", srv.url, "--api-key", SECRET, "--no-retry", "--model", "gemma", "hi"]) == 1
