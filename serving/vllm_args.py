@@ -16,7 +16,9 @@ Decisions:
 - A server with an API key also gets `--middleware serving.api_key_guard.ApiKeyGuard`
   (`api_key_guard`): vLLM's own check covers only /v1, /v2, /inference and /cohere, and
   /invocations serves completions without the key (vllm-project/vllm#58144); the guard asks
-  for the key on every route but /health. `--middleware` is therefore refused in `extra_args`.
+  for the key on every route but /health. `--middleware` is therefore refused in `extra_args`:
+  vLLM adds each one (`action="append"`), and Starlette makes the last one added the outermost,
+  so a middleware after the guard would see (and could answer) every request before the guard.
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
@@ -171,8 +173,10 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_lora_rank": ("--max-lora-rank",),
     "max_loras": ("--max-loras",),
     "max_num_seqs": ("--max-num-seqs",),
-    # vLLM parses `--middleware` with nargs="+" and no append (`collection_to_kwargs` in vllm/engine/arg_utils.py),
-    # so a second `--middleware` in extra_args would replace the API key guard, not add to it.
+    # vLLM appends every `--middleware` (make_arg_parser in vllm/entrypoints/openai/cli_args.py:
+    # frontend_kwargs["middleware"]["action"] = "append") and build_app calls app.add_middleware for each in
+    # order; Starlette's add_middleware inserts at the front, so the last one added is the outermost and sees
+    # every request before the API key guard (it could answer without the key). Hence refused, not replaced.
     "api_key_guard": ("--middleware",),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
@@ -338,8 +342,9 @@ class VllmServerConfig(BaseModel):
             field = _FLAG_TO_FIELD.get(_flag_name(arg))
             if field == "api_key_guard":
                 raise ValueError(
-                    f"extra_args contains {arg!r}: vLLM keeps only the last --middleware, so it would replace the API key "
-                    f"guard ({API_KEY_GUARD_MIDDLEWARE}); other middleware is not supported, remove it"
+                    f"extra_args contains {arg!r}: vLLM adds every --middleware and the one added last is the "
+                    f"outermost, so it would see every request before the API key guard ({API_KEY_GUARD_MIDDLEWARE}) "
+                    "and could answer without the key; other middleware is not supported, remove it"
                 )
             if field is not None:
                 raise ValueError(

@@ -6,6 +6,8 @@ service that never becomes ready; a bad value must fail at `pulumi preview` with
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -248,7 +250,19 @@ class TestApiKeyGuard:
         [["--middleware", "my.Mw"], ["--middleware=my.Mw"], ["--middleware", "serving.api_key_guard.ApiKeyGuard"]],
     )
     def test_middleware_in_extra_args_is_refused(self, extra: list[str]) -> None:
-        """vLLM parses --middleware with nargs="+" and no append: a later one would replace the guard."""
+        """vLLM appends every --middleware; one added after the guard is outermost and sees requests first.
+
+        The refusal used to give a false reason (that vLLM keeps only the last --middleware).
+        """
         for guard in (True, False):
-            with pytest.raises(VllmConfigError, match="would replace the API key guard"):
+            with pytest.raises(VllmConfigError, match="see every request before the API key guard") as info:
                 load_config({"api_key_guard": guard, "extra_args": extra})
+            assert "keeps only the last" not in str(info.value) and "replace" not in str(info.value)
+
+    def test_no_doc_gives_the_false_reason_for_refusing_middleware(self) -> None:
+        """vLLM does not keep only the last --middleware (FrontendArgs.middleware is action="append")."""
+        root = Path(__file__).resolve().parents[2]
+        for doc in ("README.md", "serving/README.md", "Pulumi.yaml", "serving/vllm_args.py", "infra/config.py"):
+            text = " ".join((root / doc).read_text(encoding="utf-8").split())
+            for false in ("keeps only the last", "would replace the API key guard", "replace the guard"):
+                assert false not in text, f"{doc}: {false!r}"
