@@ -357,6 +357,26 @@ class TestServingSettings:
     @pytest.mark.parametrize(
         ("extra", "flag", "index"),
         [
+            (["--api-k", "sk-not-a-real-key-123"], "--api-key", 0),
+            (["--disable-log-requests", "--hf-t=hf_notarealtoken123"], "--hf-token", 1),
+            (["--middle", "not.a.RealMiddleware"], "--middleware", 0),
+            (["--po", "9"], "--port", 0),
+        ],
+    )
+    def test_abbreviated_refused_flags_in_extra_args_are_refused_at_config(
+        self, extra: list[str], flag: str, index: int
+    ) -> None:
+        """vLLM's argparse expands a unique prefix (allow_abbrev): `--api-k KEY` would start vLLM with --api-key KEY."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingExtraArgs": extra})
+        message = str(info.value)
+        assert f"servingExtraArgs[{index}]" in message and f"vLLM's {flag}" in message, message
+        assert f"pulumi config rm --path 'servingExtraArgs[{index}]'" in message
+        assert "not-a-real" not in message and "notarealtoken" not in message and "RealMiddleware" not in message
+
+    @pytest.mark.parametrize(
+        ("extra", "flag", "index"),
+        [
             (["--api-key", "sk-not-a-real-key-123"], "--api-key", 0),
             (["--disable-log-requests", "--api_key=sk-not-a-real-key-123"], "--api-key", 1),
             (["--hf-token", "hf_notarealtoken123"], "--hf-token", 0),

@@ -142,6 +142,37 @@ class TestExtraArgs:
             load_config({"extra_args": args})
         assert "plain text" in str(info.value) and "sk-secret-1" not in str(info.value)
 
+    @pytest.mark.parametrize(
+        ("args", "refused", "reason"),
+        [
+            (["--api-k", "sk-secret-1"], "--api-key", "plain text"),
+            (["--api_k=sk-secret-1"], "--api-key", "plain text"),
+            (["--hf-t=sk-secret-1"], "--hf-token", "plain text"),
+            (["--h", "sk-secret-1"], "--hf-token", "plain text"),  # ambiguous (--hf-token, --host): still refused
+            (["--middle", "evil.Mw"], "--middleware", "before the API key guard"),
+            (["--po=9000"], "--port", "duplicates the typed field `port`"),
+            (["--max-lo", "4"], "--max-lora-rank", "duplicates the typed field"),  # ambiguous with --max-loras
+        ],
+    )
+    def test_abbreviations_are_refused_like_the_flag(self, args: list[str], refused: str, reason: str) -> None:
+        """vLLM's parser keeps argparse's allow_abbrev: `--api-k KEY` is `--api-key KEY`, `--po 9` is `--port 9`."""
+        for guard in (True, False):
+            with pytest.raises(VllmConfigError) as info:
+                load_config({"api_key_guard": guard, "extra_args": args})
+            message = str(info.value)
+            assert refused in message and reason in message, message
+            assert "sk-secret-1" not in message and "9000" not in message and "evil" not in message
+
+    def test_flags_that_are_no_prefix_of_a_refused_one_pass(self) -> None:
+        extra = [
+            "--no-enable-prefix-caching",
+            "--max-lora-rank-x",
+            "--disable-log-requests",
+            "--pipeline-parallel-size",
+            "1",
+        ]
+        assert load_config({"extra_args": extra}).extra_args == extra
+
 
 class TestBadValues:
     """Each message names the field, the value and what is allowed."""
