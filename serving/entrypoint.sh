@@ -29,6 +29,8 @@
 # Every `--middleware` is imported with python3 before vLLM starts: vLLM imports it only in
 # build_app, after the engine has loaded the model (minutes on a GPU), so an image without the
 # guard would otherwise fail late, or on Cloud Run after the startup window was spent.
+# `python3` (or $PYTHON) must be the interpreter `vllm` runs on; in the vllm/vllm-openai base image vLLM is
+# installed into the system python3 (UNCONFIRMED for every tag; a wrong one fails here, loudly, not silently).
 set -euo pipefail
 
 # Must equal trainer.export.COMPLETION_MARKER (tests/serving/test_marker_contract.py).
