@@ -31,7 +31,14 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
-from serving.vllm_args import SECRET_FLAGS, VLLM_IMAGE, cuda12_variant, image_cuda_major, secret_flag
+from serving.vllm_args import (
+    SECRET_FLAGS,
+    VLLM_IMAGE,
+    cuda12_variant,
+    image_cuda_major,
+    secret_flag,
+    typed_flag,
+)
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe, world_size_problem
 
@@ -297,6 +304,20 @@ class StackConfig(BaseModel):
                     f"Allowed there: flags without credentials. Use {SECRET_FLAGS[flag]}. "
                     f"Fix: pulumi config rm --path 'servingExtraArgs[{i}]' (and its value, if it is the next entry)"
                 )
+            typed = typed_flag(arg)  # `--po` is `--port` to vLLM's argparse (allow_abbrev): refused like it
+            if typed is not None:
+                field, flag = typed
+                written = arg.split("=", 1)[0]  # never the value
+                why = (
+                    "a middleware added after the API key guard is the outermost and sees every request before it"
+                    if field == "api_key_guard"
+                    else f"the stack renders {flag} itself (vLLM setting `{field}`), so it would be set twice"
+                )
+                raise ValueError(
+                    f"servingExtraArgs[{i}] {written!r} is vLLM's {flag}: {why}. Allowed there: flags the stack "
+                    f"does not set (a prefix of one counts as that flag). "
+                    f"Fix: pulumi config rm --path 'servingExtraArgs[{i}]' (and its value, if it is the next entry)"
+                )
         return v
 
     @field_validator("serving_env")
@@ -483,6 +504,32 @@ _LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "servi
 _SECRET_KEYS = {"hfToken": "hf_token", "servingApiKey": "serving_api_key"}
 
 
+# servingApiKey: what every client can send in `Authorization: Bearer KEY` and vLLM compares exactly. HTTP
+# header values are bytes that Starlette decodes as latin-1 (starlette/datastructures.py Headers), so a
+# non-ASCII key sent as UTF-8 never equals vLLM's str: the guard may match it while vLLM's own /v1 check
+# answers 401. Whitespace is trimmed from header values by the HTTP parser (h11, RFC 9110 5.5). Hence visible
+# ASCII only; at least 16 characters (the key guards a GPU endpoint), at most 256 (well inside header limits).
+API_KEY_MIN_LEN, API_KEY_MAX_LEN = 16, 256
+_API_KEY_CHARS = re.compile(r"[\x21-\x7e]+")
+
+
+def _serving_api_key_problem(key: object) -> str | None:
+    """Why servingApiKey cannot work as a vLLM API key, or None; the message never contains the key."""
+    if key in (None, ""):
+        return None
+    fix = 'Fix: pulumi config set --secret servingApiKey "$(openssl rand -hex 32)" (and give clients the new key)'
+    if not isinstance(key, str):
+        return f"servingApiKey must be a string of visible ASCII characters. {fix}"
+    bad = sum(1 for c in key if not _API_KEY_CHARS.fullmatch(c))
+    if bad or not API_KEY_MIN_LEN <= len(key) <= API_KEY_MAX_LEN:
+        return (
+            f"servingApiKey (value not shown) has {len(key)} characters, {bad} of them not visible ASCII: allowed "
+            f"are {API_KEY_MIN_LEN} to {API_KEY_MAX_LEN} characters from '!' to '~' (no spaces, no non-ASCII: "
+            f"clients send it in an HTTP header and vLLM compares it byte for byte). {fix}"
+        )
+    return None
+
+
 def config_keys() -> dict[str, str]:
     """Stack-file key -> field name, for every key a user may set (hfToken included)."""
     keys = {
@@ -512,6 +559,9 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(f"unknown key {PROJECT_NAMESPACE}:{key}{hint} (allowed keys are declared in Pulumi.yaml)")
+    key_problem = _serving_api_key_problem(raw.get("servingApiKey"))
+    if key_problem:
+        problems.append(key_problem)
     values = {k: v for k, v in raw.items() if k in known and k not in _SECRET_KEYS}
     for key in _LIST_FIELDS & values.keys():
         if isinstance(values[key], str):

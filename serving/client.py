@@ -24,6 +24,9 @@ Decisions:
   text, a URL not on the allowlist) and the command that fixes it. A 401/403 from a Cloud Run URL
   answered to a request without a token says that first, instead of suggesting an IAM grant or
   blaming an API key (Cloud Run reads a key in `Authorization` as an invalid identity token).
+- A 401 whose body is vLLM's (and the guard's) `{"error": "Unauthorized"}` got past Cloud Run's
+  identity check, so it names the API key (missing or wrong), never the identity token; a 401 about
+  the token suggests `--audience` as the service's scheme and host.
 - gcloud runs with stdin closed (it must never wait on a prompt) and a timeout; its stderr is
   kept for the message. `--audience` and `--impersonate-service-account` are passed through
   (gcloud accepts a custom audience for service accounts; for a user account it mints its own).
@@ -305,12 +308,16 @@ def _opener(url: str) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(*handlers)
 
 
-def _error_detail(exc: urllib.error.HTTPError) -> str:
-    """The server's own error message (OpenAI shape `{"error": {"message": …}}`), shortened."""
+def _error_body(exc: urllib.error.HTTPError) -> str:
+    """The first 2 kB of an error response's body ("" if it cannot be read); an HTTPError can be read once."""
     try:
-        raw = exc.read(2000).decode("utf-8", "replace")
+        return exc.read(2000).decode("utf-8", "replace")
     except Exception:
         return ""
+
+
+def _detail(raw: str) -> str:
+    """The server's own error message (OpenAI shape `{"error": {"message": …}}`), shortened."""
     try:
         body = json.loads(raw)
         err = body.get("error", body) if isinstance(body, dict) else body
@@ -321,8 +328,27 @@ def _error_detail(exc: urllib.error.HTTPError) -> str:
         return raw.strip()[:300]
 
 
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    return _detail(_error_body(exc))
+
+
+def _api_key_refusal(raw: str) -> bool:
+    """Whether a 401 body is the API-key refusal of vLLM or serving/api_key_guard.py: `{"error": "Unauthorized"}`.
+
+    vLLM's AuthenticationMiddleware (vllm/entrypoints/openai/api_server.py) and the guard answer exactly this
+    JSON; a request that reached them has passed Cloud Run's identity check, so the key is what is missing or
+    wrong. Cloud Run's own refusal of an identity token is not this JSON (Google's front end answers with
+    its own error page; its exact body is UNCONFIRMED, which is why only this exact body counts).
+    """
+    try:
+        return json.loads(raw) == {"error": "Unauthorized"}
+    except ValueError:
+        return False
+
+
 def _http_error(exc: urllib.error.HTTPError, url: str, creds: Credentials) -> ClientError:
-    detail = _error_detail(exc)
+    raw = _error_body(exc)
+    detail = _detail(raw)
     suffix = f" (server said: {detail})" if detail else ""
     if exc.code in (401, 403) and creds.token is None and is_cloud_run(url):
         # A private Cloud Run service refuses a request without an identity token before vLLM sees it; an API key
@@ -337,11 +363,15 @@ def _http_error(exc: urllib.error.HTTPError, url: str, creds: Credentials) -> Cl
             f"HTTP {exc.code} from {url}: no identity token was sent, and a private Cloud Run service refuses "
             f"requests without one: {creds.missing_because or LOGIN_HELP}{key}{suffix}"
         )
-    if exc.code == 401 and creds.api_key and not creds.token:
-        return AuthError(
-            f"HTTP 401 from {url}: the API key was rejected: check --api-key / ${API_KEY_ENV} against the stack's "
-            f"servingApiKey{suffix}"
+    if exc.code == 401 and (_api_key_refusal(raw) or (creds.api_key and not creds.token)):
+        passed = f"the identity token (from {creds.source or 'the caller'}) was accepted, but " if creds.token else ""
+        what = (
+            f"the API key was rejected: check --api-key / ${API_KEY_ENV} against the stack's servingApiKey"
+            if creds.api_key
+            else f"no API key was sent and the server asks for one: pass the stack's servingApiKey as --api-key "
+            f"or ${API_KEY_ENV}"
         )
+        return AuthError(f"HTTP 401 from {url}: {passed}{what}{suffix}")
     if exc.code in (401, 403) and creds.token is None:
         why = creds.missing_because or (
             "tokens are never sent to local or plain-http URLs"
@@ -350,9 +380,12 @@ def _http_error(exc: urllib.error.HTTPError, url: str, creds: Credentials) -> Cl
         )
         return AuthError(f"HTTP {exc.code} from {url}: no identity token was sent: {why}{suffix}")
     if exc.code == 401:
+        # the audience Cloud Run expects is the service URL: scheme and host, not the path of this request
+        parts = urllib.parse.urlsplit(url)
+        audience = f"{parts.scheme}://{parts.netloc}"
         how = (
             f"the identity token (from {creds.source or 'the caller'}) was rejected: it expires after an hour "
-            f"(get a new one), or its audience is not this service (--audience {base_url(url)}); {LOGIN_HELP}"
+            f"(get a new one), or its audience is not this service (--audience {audience}); {LOGIN_HELP}"
         )
         return AuthError(f"HTTP 401 from {url}: {how}{suffix}")
     if exc.code == 403:

@@ -20,6 +20,17 @@
 #                               service sets both from serving/startup.py, the one place the rule lives;
 #                               a longer wait is refused here instead of timing out later.
 #   GEMMA_FT_SKIP_MODEL_CHECK   set to 1 to serve a folder without the check (not recommended).
+#   VLLM_API_KEY                when non-empty, the args must load the API key guard
+#                               (`--middleware serving.api_key_guard.ApiKeyGuard`): vLLM alone checks the
+#                               key only under /v1, /v2, /inference and /cohere, so a hand `docker run`
+#                               without it would serve /invocations unguarded. It is refused, not added,
+#                               so the command that starts the server says what it runs.
+#
+# Every `--middleware` is imported with python3 before vLLM starts: vLLM imports it only in
+# build_app, after the engine has loaded the model (minutes on a GPU), so an image without the
+# guard would otherwise fail late, or on Cloud Run after the startup window was spent.
+# `python3` (or $PYTHON) must be the interpreter `vllm` runs on; in the vllm/vllm-openai base image vLLM is
+# installed into the system python3 (UNCONFIRMED for every tag; a wrong one fails here, loudly, not silently).
 set -euo pipefail
 
 # Must equal trainer.export.COMPLETION_MARKER (tests/serving/test_marker_contract.py).
@@ -62,5 +73,35 @@ else
   fi
   "${PYTHON:-python3}" "$CHECK" --wait-s "$WAIT_S" --vllm-args "$@" || exit 3
 fi
+
+# Must equal serving.vllm_args.API_KEY_GUARD_MIDDLEWARE (tests/serving/test_entrypoint.py runs both).
+GUARD="serving.api_key_guard.ApiKeyGuard"
+middlewares=()
+prev=""
+for arg in "$@"; do
+  if [[ "$prev" == "--middleware" ]]; then
+    middlewares+=("$arg")
+  elif [[ "$arg" == --middleware=* ]]; then
+    middlewares+=("${arg#--middleware=}")
+  fi
+  prev="$arg"
+done
+if [[ -n "${VLLM_API_KEY:-}" ]]; then
+  guarded=0
+  for mw in "${middlewares[@]}"; do
+    [[ "$mw" == "$GUARD" ]] && guarded=1
+  done
+  if ((guarded == 0)); then
+    die "VLLM_API_KEY is set but the args do not load the API key guard: vLLM alone checks the key only under /v1, /v2, /inference and /cohere and would serve /invocations without it. Add: --middleware $GUARD"
+  fi
+fi
+for mw in "${middlewares[@]}"; do
+  # the import vLLM's build_app does: module path, then the attribute (vllm/entrypoints/openai/api_server.py)
+  if ! why="$("${PYTHON:-python3}" -c 'import importlib, sys
+module, _, name = sys.argv[1].rpartition(".")
+getattr(importlib.import_module(module), name)' "$mw" 2>&1)"; then
+    die "--middleware $mw cannot be imported (${why##*$'\n'}); vLLM would fail only after loading the model. Build the image from serving/Dockerfile, which copies serving/api_key_guard.py under /opt/gemma-serving and puts it on PYTHONPATH"
+  fi
+done
 
 exec vllm serve "$@"

@@ -1,28 +1,42 @@
 """The vLLM service's startup window: the one place that says how long an instance may take to start.
 
     from serving.startup import STARTUP_WINDOW
-    STARTUP_WINDOW.total_s            # 480: what the Cloud Run startup probe allows
-    STARTUP_WINDOW.vllm_budget_s      # 480: minus the entrypoint's marker wait (0 on Cloud Run)
-    STARTUP_WINDOW.max_marker_wait_s  # 360: the longest marker wait the window allows (vLLM keeps 120 s)
+    STARTUP_WINDOW.initial_delay_s    # 30: Cloud Run sends the first startup probe 30 s after start
+    STARTUP_WINDOW.total_s            # 270: what the Cloud Run startup probe allows (30 + 24 x 10)
+    STARTUP_WINDOW.vllm_budget_s      # 270: minus the entrypoint's marker wait (0 on Cloud Run)
+    STARTUP_WINDOW.max_marker_wait_s  # 150: the longest marker wait the window allows (vLLM keeps 120 s)
 
-Why 480 s. A cold instance must, before its first answer: start the container (about 5 s for
-Cloud Run GPU instances, plus the image pull), import vLLM and torch, read the weights lazily
-over the Cloud Storage mount (about 2 GB for Gemma 3 1B in bf16), profile memory for the KV
-cache, compile and capture CUDA graphs, and, if the entrypoint is told to, wait for the
-trainer's completion marker. Those steps are not measured on Cloud Run L4 for this model
-(UNCONFIRMED); the previous 240 s window (30 s + 21 x 10 s) left no margin for them.
+The decision: probe early and often, and spend the platform's allowance on failures, not on a
+wait. The initial delay is a wait during which Cloud Run sends no probe at all, so an instance
+that is ready before it ends sits idle on a billed L4 until it does; every second of it delays
+every cold start that is faster. A failed probe costs nothing (the request is not routed yet).
+So the window is a short initial delay (30 s: a vLLM start that imports torch, reads the weights,
+profiles the KV cache and captures CUDA graphs is not expected to be ready sooner; not measured
+on Cloud Run L4, UNCONFIRMED) followed by `failureThreshold x periodSeconds`, probing every 10 s.
 
-The limits, from the sources:
-- Cloud Run API v2 `Probe`: `initialDelaySeconds` and `periodSeconds` are each at most 240 for a
-  startup probe (googleapis run/v2 `GoogleCloudRunV2Probe`; also pulumi-gcp's
-  `ServiceTemplateContainerStartupProbeArgs` docs).
-- Cloud Run docs: the startup probe's `failureThreshold x periodSeconds` may not exceed 240 s
-  (services page, older snapshot; worker pools page); the current jobs page says 600 s, and
-  1800 s for GPU (docs.cloud.google.com/run/docs/configuring/jobs/healthchecks). Whether the
-  GPU allowance applies to services is UNCONFIRMED, so this window stays within 240 s for
-  `failureThreshold x periodSeconds`.
-- The initial delay counts separately from `failureThreshold x periodSeconds`, so the window is
-  `initialDelaySeconds + failureThreshold x periodSeconds` = 240 + 24 x 10 = 480 s.
+What a cold instance must do before its first answer: start the container (about 5 s for Cloud
+Run GPU instances, plus the image pull), import vLLM and torch, read the weights lazily over the
+Cloud Storage mount (about 2 GB for Gemma 3 1B in bf16), profile memory for the KV cache, compile
+and capture CUDA graphs, and, if the entrypoint is told to, wait for the trainer's completion
+marker. Those steps are not measured on Cloud Run L4 for this model (UNCONFIRMED).
+
+The limits (`PROBE_LIMITS`, each with its source):
+- Cloud Run API v2 `Probe`: `initialDelaySeconds`, `periodSeconds` and `timeoutSeconds` are each at
+  most 240 for a startup probe, and `periodSeconds >= timeoutSeconds` (googleapis run/v2
+  `GoogleCloudRunV2Probe`; also pulumi-gcp's `ServiceTemplateContainerStartupProbeArgs` docs).
+- `failureThreshold x periodSeconds`: at most 240 s in the Cloud Run worker-pools health-check page
+  and the older jobs page; the current jobs page says 600 s, and 1800 s for GPU
+  (docs.cloud.google.com/run/docs/configuring/jobs/healthchecks). For services we found no page
+  that states a larger allowance, so whether the GPU allowance applies to services is
+  UNCONFIRMED and the window keeps `failureThreshold x periodSeconds` within 240 s.
+- The initial delay counts separately from `failureThreshold x periodSeconds`.
+
+The trade-off. A 480 s window (240 s initial delay + 240 s of probes) is allowed, but only by
+an initial delay of 240 s, which makes every cold start take at least 240 s. This module keeps
+the delay short instead: the window is 270 s, the largest the confirmed limits allow with a 30 s
+delay. A start slower than 270 s is shut down by Cloud Run (the revision's logs say so). If the
+services allowance for GPU is confirmed larger, raise `MAX_PROBE_SPAN_S` and `failure_threshold`
+here; nothing else changes.
 
 The entrypoint's wait for the marker (`GEMMA_FT_WAIT_FOR_MODEL_S`) runs inside this window, so
 `marker_wait_s` is subtracted from what vLLM gets, and vLLM keeps at least `MIN_VLLM_BUDGET_S`.
@@ -32,7 +46,8 @@ This module is the one place that rule lives: the Cloud Run service passes the w
 of applying a rule of its own. The wait is 0 on Cloud Run and not a stack setting: `pulumi up`
 declares the service only for a run whose completion marker it has listed, so there is nothing to
 wait for; the wait is for serving a folder by hand (`docker run`) while the trainer finishes it.
-The client allows a scaled-to-zero service this long to answer its first request.
+The client allows a scaled-to-zero service this long, plus one `--timeout`, to answer its first
+request.
 
 Standard library only (the client imports it). It does not measure anything.
 """
@@ -41,11 +56,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Cloud Run API v2 Probe: initial_delay_seconds and period_seconds are at most 240 for startup probes.
-MAX_INITIAL_DELAY_S = 240
-MAX_PERIOD_S = 240
-# failureThreshold x periodSeconds: 240 s in the services documentation we could confirm (see above).
-MAX_PROBE_SPAN_S = 240
+API_PROBE_SOURCE = (
+    "Cloud Run API v2 GoogleCloudRunV2Probe (https://googleapis.deno.dev/v1/run:v2.ts, GoogleCloudRunV2Probe); "
+    "pulumi-gcp cloudrunv2 ServiceTemplateContainerStartupProbe; the services page's default TCP startup probe "
+    "uses timeoutSeconds 240 (https://cloud.google.com/run/docs/configuring/healthchecks)"
+)
+SPAN_SOURCE = (
+    "https://cloud.google.com/run/docs/configuring/workerpools/healthchecks (failureThreshold x periodSeconds "
+    "at most 240 s); jobs: https://docs.cloud.google.com/run/docs/configuring/jobs/healthchecks (600 s, 1800 s GPU)"
+)
+# The Cloud Run startup probe's limits: field -> (smallest, largest, where it is stated).
+PROBE_LIMITS: dict[str, tuple[int, int, str]] = {
+    "initialDelaySeconds": (0, 240, API_PROBE_SOURCE),
+    "periodSeconds": (1, 240, API_PROBE_SOURCE),
+    "timeoutSeconds": (1, 240, API_PROBE_SOURCE),
+    "failureThresholdTimesPeriodSeconds": (1, 240, SPAN_SOURCE),
+}
+MAX_INITIAL_DELAY_S = PROBE_LIMITS["initialDelaySeconds"][1]
+MAX_PERIOD_S = PROBE_LIMITS["periodSeconds"][1]
+MAX_PROBE_SPAN_S = PROBE_LIMITS["failureThresholdTimesPeriodSeconds"][1]
+# Cloud Run sends the first probe at most this long after the container starts (a ready vLLM waits no longer).
+FIRST_PROBE_WITHIN_S = 30
 # vLLM needs at least this long after any marker wait (imports alone take tens of seconds).
 MIN_VLLM_BUDGET_S = 120
 
@@ -58,7 +89,7 @@ class StartupWindowError(ValueError):
 class StartupWindow:
     """A startup probe (`initial_delay_s`, then up to `failure_threshold` failures `period_s` apart) and the marker wait inside it."""
 
-    initial_delay_s: int = 240
+    initial_delay_s: int = FIRST_PROBE_WITHIN_S
     period_s: int = 10
     failure_threshold: int = 24
     timeout_s: int = 5
@@ -70,7 +101,7 @@ class StartupWindow:
             problems.append(f"initial_delay_s={self.initial_delay_s}: Cloud Run allows 0..{MAX_INITIAL_DELAY_S}")
         if not 1 <= self.period_s <= MAX_PERIOD_S:
             problems.append(f"period_s={self.period_s}: Cloud Run allows 1..{MAX_PERIOD_S}")
-        if not 1 <= self.timeout_s <= self.period_s:
+        if not 1 <= self.timeout_s <= min(self.period_s, PROBE_LIMITS["timeoutSeconds"][1]):
             problems.append(f"timeout_s={self.timeout_s}: must be 1..period_s ({self.period_s})")
         if self.failure_threshold < 1 or self.failure_threshold * self.period_s > MAX_PROBE_SPAN_S:
             problems.append(

@@ -13,10 +13,14 @@ Decisions:
   field (two sources of truth for one setting is how a stack silently serves the wrong thing).
   It also refuses a flag that carries a credential (`--api-key`, `--hf-token`): container args
   are plain text in the Pulumi state and the revision; the API key comes from Secret Manager.
+  vLLM's parser keeps argparse's `allow_abbrev`, so a prefix of a refused flag (`--api-k`, `--po`)
+  is refused as that flag, ambiguous prefixes included, and the value is never echoed.
 - A server with an API key also gets `--middleware serving.api_key_guard.ApiKeyGuard`
   (`api_key_guard`): vLLM's own check covers only /v1, /v2, /inference and /cohere, and
   /invocations serves completions without the key (vllm-project/vllm#58144); the guard asks
-  for the key on every route but /health. `--middleware` is therefore refused in `extra_args`.
+  for the key on every route but /health. `--middleware` is therefore refused in `extra_args`:
+  vLLM adds each one (`action="append"`), and Starlette makes the last one added the outermost,
+  so a middleware after the guard would see (and could answer) every request before the guard.
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
@@ -40,6 +44,7 @@ and `pulumi up` does not install torch or vLLM. It does not know where the model
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
@@ -171,8 +176,10 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_lora_rank": ("--max-lora-rank",),
     "max_loras": ("--max-loras",),
     "max_num_seqs": ("--max-num-seqs",),
-    # vLLM parses `--middleware` with nargs="+" and no append (`collection_to_kwargs` in vllm/engine/arg_utils.py),
-    # so a second `--middleware` in extra_args would replace the API key guard, not add to it.
+    # vLLM appends every `--middleware` (make_arg_parser in vllm/entrypoints/openai/cli_args.py:
+    # frontend_kwargs["middleware"]["action"] = "append") and build_app calls app.add_middleware for each in
+    # order; Starlette's add_middleware inserts at the front, so the last one added is the outermost and sees
+    # every request before the API key guard (it could answer without the key). Hence refused, not replaced.
     "api_key_guard": ("--middleware",),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
@@ -187,10 +194,55 @@ SECRET_FLAGS: dict[str, str] = {
 }
 
 
+def _expansions(name: str, flags: Iterable[str]) -> list[str]:
+    """The flags among `flags` that `name` stands for: itself, or every flag it is a prefix of.
+
+    vLLM's FlexibleArgumentParser keeps argparse's `allow_abbrev=True` (vllm/utils/argparse_utils.py does
+    not turn it off), so `--api-k SECRET` is `--api-key SECRET` and `--po 9` is `--port 9`; an ambiguous prefix
+    is an argparse error at startup. Either way it must be refused like the flag it abbreviates. Only
+    long options (`--x`) are expanded here; argparse's prefix matching of single-dash options is not.
+    """
+    flags = list(flags)
+    if name in flags:
+        return [name]
+    if not name.startswith("--") or len(name) <= 2:
+        return []
+    return sorted(flag for flag in flags if flag.startswith(name))
+
+
 def secret_flag(arg: str) -> str | None:
-    """The secret-bearing vLLM flag `arg` sets (`--api-key`, `--api_key=…`, `--hf-token`), or None."""
-    name = _flag_name(arg)
-    return name if name in SECRET_FLAGS else None
+    """The secret-bearing vLLM flag `arg` sets (`--api-key`, `--api_key=…`, `--api-k`, `--hf-t`), or None."""
+    matches = _expansions(_flag_name(arg), SECRET_FLAGS)
+    return matches[0] if matches else None
+
+
+def typed_flag(arg: str) -> tuple[str, str] | None:
+    """(`field`, flag) when `arg` sets, or abbreviates, a flag a typed field (or the API key guard) renders."""
+    matches = _expansions(_flag_name(arg), _FLAG_TO_FIELD)
+    return (_FLAG_TO_FIELD[matches[0]], matches[0]) if matches else None
+
+
+def extra_arg_problem(arg: str) -> str | None:
+    """Why `arg` may not be an extra vLLM arg (a credential, `--middleware`, a typed field's flag), or None.
+
+    The message names the flag as written (before any `=`), never the value: it may be a secret.
+    """
+    written = arg.split("=", 1)[0]
+    flag = secret_flag(arg)
+    if flag is not None:
+        return f"{flag}, whose value would be plain text in the container's arguments; use {SECRET_FLAGS[flag]}"
+    typed = typed_flag(arg)
+    if typed is None:
+        return None
+    field, flag = typed
+    as_written = repr(written) if written == flag else f"{written!r} (argparse expands it to {flag})"
+    if field == "api_key_guard":
+        return (
+            f"{as_written}: vLLM adds every --middleware and the one added last is the outermost, so it would see "
+            f"every request before the API key guard ({API_KEY_GUARD_MIDDLEWARE}) and could answer without the key; "
+            "other middleware is not supported, remove it"
+        )
+    return f"{as_written}, which duplicates the typed field `{field}`: set `{field}` instead"
 
 
 def _flag_name(arg: str) -> str:
@@ -329,22 +381,9 @@ class VllmServerConfig(BaseModel):
         if v and v[0] == "serve":
             raise ValueError("extra_args starts with 'serve': the image's entrypoint is already `vllm serve`; drop it")
         for arg in v:
-            flag = secret_flag(arg)
-            if flag is not None:  # never echo `arg`: its value may be the secret
-                raise ValueError(
-                    f"extra_args contains {flag}, whose value would be plain text in the container's arguments; "
-                    f"use {SECRET_FLAGS[flag]}"
-                )
-            field = _FLAG_TO_FIELD.get(_flag_name(arg))
-            if field == "api_key_guard":
-                raise ValueError(
-                    f"extra_args contains {arg!r}: vLLM keeps only the last --middleware, so it would replace the API key "
-                    f"guard ({API_KEY_GUARD_MIDDLEWARE}); other middleware is not supported, remove it"
-                )
-            if field is not None:
-                raise ValueError(
-                    f"extra_args contains {arg!r}, which duplicates the typed field `{field}`: set `{field}` instead"
-                )
+            problem = extra_arg_problem(arg)  # never echoes `arg`'s value: it may be a secret
+            if problem is not None:
+                raise ValueError(f"extra_args contains {problem}")
         return v
 
     @field_validator("max_num_seqs")

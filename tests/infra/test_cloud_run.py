@@ -9,7 +9,7 @@ import pytest
 
 from infra.config import ConfigError
 from infra.offline import MOCK_TRAINED_RUN, is_secret, redact_secrets, run_stack
-from serving.startup import MAX_INITIAL_DELAY_S, MAX_PERIOD_S, MAX_PROBE_SPAN_S, STARTUP_WINDOW
+from serving.startup import FIRST_PROBE_WITHIN_S, PROBE_LIMITS, STARTUP_WINDOW
 from tests.infra.conftest import PREBUILT, plain_paths
 
 JOB = "gcp:cloudrunv2/job:Job"
@@ -165,7 +165,9 @@ class TestServing:
         assert template["gpuZonalRedundancyDisabled"] is True
         assert template["scaling"] == {"minInstanceCount": 0, "maxInstanceCount": 1}
         probe = container["startupProbe"]
-        assert probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"] == 480
+        assert (
+            probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"] == STARTUP_WINDOW.total_s
+        )
         assert template["volumes"][0]["gcs"]["readOnly"] is True
         assert container["ports"] == {"containerPort": 8000}
 
@@ -281,14 +283,33 @@ class TestPinnedRun:
 
 
 class TestStartupWindow:
-    def test_probe_is_the_stated_window_within_cloud_run_limits(self) -> None:
+    def test_probe_starts_early_and_spans_the_stated_window_within_cloud_run_limits(self) -> None:
+        """A ready vLLM must not sit idle on a billed L4: the first probe comes within FIRST_PROBE_WITHIN_S.
+
+        The probe used to wait 240 s (initial_delay_seconds) before its first request, so every cold start
+        took at least 240 s. The rest of the window is failures x period, checked against the limits table
+        (PROBE_LIMITS, each limit with the page that states it).
+        """
         run = run_stack("dev", overrides=SERVING, assume_trained=True)
         container = run.one(SERVICE).plain_inputs()["template"]["containers"][0]
         probe = container["startupProbe"]
-        assert probe["initialDelaySeconds"] <= MAX_INITIAL_DELAY_S and probe["periodSeconds"] <= MAX_PERIOD_S
-        assert probe["periodSeconds"] * probe["failureThreshold"] <= MAX_PROBE_SPAN_S
+        assert probe["initialDelaySeconds"] <= FIRST_PROBE_WITHIN_S <= 30
+        rendered = {
+            "initialDelaySeconds": probe["initialDelaySeconds"],
+            "periodSeconds": probe["periodSeconds"],
+            "timeoutSeconds": probe["timeoutSeconds"],
+            "failureThresholdTimesPeriodSeconds": probe["periodSeconds"] * probe["failureThreshold"],
+        }
+        assert set(rendered) == set(PROBE_LIMITS)
+        for field, value in rendered.items():
+            low, high, source = PROBE_LIMITS[field]
+            assert low <= value <= high, f"{field}={value} outside {low}..{high} ({source})"
+            assert "https://" in source, f"{field}'s limit names no source"
+        assert probe["timeoutSeconds"] <= probe["periodSeconds"]
         window = int(probe["initialDelaySeconds"] + probe["periodSeconds"] * probe["failureThreshold"])
-        assert window == STARTUP_WINDOW.total_s == 480
+        assert window == STARTUP_WINDOW.total_s
+        # the probe's share is as large as the limit allows: the window is not shortened for nothing
+        assert rendered["failureThresholdTimesPeriodSeconds"] == PROBE_LIMITS["failureThresholdTimesPeriodSeconds"][1]
         env = {e["name"]: e.get("value") for e in container["envs"]}
         assert env["GEMMA_FT_STARTUP_WINDOW_S"] == str(window)
         # the entrypoint's marker wait is spent inside the window, never on top of it, and is capped by startup.py
@@ -332,6 +353,26 @@ class TestServingSettings:
     def test_extra_env_refusals(self, entry: str, message: str) -> None:
         with pytest.raises(ConfigError, match=message):
             run_stack("dev", overrides={**SERVING, "servingEnv": [entry]})
+
+    @pytest.mark.parametrize(
+        ("extra", "flag", "index"),
+        [
+            (["--api-k", "sk-not-a-real-key-123"], "--api-key", 0),
+            (["--disable-log-requests", "--hf-t=hf_notarealtoken123"], "--hf-token", 1),
+            (["--middle", "not.a.RealMiddleware"], "--middleware", 0),
+            (["--po", "9"], "--port", 0),
+        ],
+    )
+    def test_abbreviated_refused_flags_in_extra_args_are_refused_at_config(
+        self, extra: list[str], flag: str, index: int
+    ) -> None:
+        """vLLM's argparse expands a unique prefix (allow_abbrev): `--api-k KEY` would start vLLM with --api-key KEY."""
+        with pytest.raises(ConfigError) as info:
+            run_stack("dev", overrides={**SERVING, "servingExtraArgs": extra})
+        message = str(info.value)
+        assert f"servingExtraArgs[{index}]" in message and f"vLLM's {flag}" in message, message
+        assert f"pulumi config rm --path 'servingExtraArgs[{index}]'" in message
+        assert "not-a-real" not in message and "notarealtoken" not in message and "RealMiddleware" not in message
 
     @pytest.mark.parametrize(
         ("extra", "flag", "index"),

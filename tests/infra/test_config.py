@@ -172,3 +172,30 @@ class TestNothingDeclaredOnBadConfig:
             run_stack("dev", hf_token=None)
         assert "hfToken is missing" in str(info.value)
         assert info.value.declared_resources == []  # type: ignore[attr-defined]
+
+
+class TestServingApiKey:
+    """A key vLLM cannot compare (non-ASCII, spaces, too short or long) is refused at config, never echoed."""
+
+    @pytest.mark.parametrize(
+        "key",
+        [
+            "clé-zqv-du-service-0001",  # non-ASCII: the guard matched it, vLLM's /v1 check did not
+            "zqv key with spaces 0001",
+            "tab\there-zqv-key-0001",
+            "short-zqv",
+            "zqv" * 86,  # 258 characters
+        ],
+    )
+    def test_unusable_key_is_refused_without_echo(self, key: str) -> None:
+        with pytest.raises(ConfigError) as info:
+            validate({**CLOUD_RUN, "servingApiKey": key}, "dev", hf_token_set=True)
+        message = str(info.value)
+        assert "servingApiKey" in message and "visible ASCII" in message, message
+        assert "pulumi config set --secret servingApiKey" in message
+        assert key not in message and "zqv" not in message, "the key is never repeated"
+
+    @pytest.mark.parametrize("key", ["k" * 16, "A1b2-C3d4_E5f6.G7h8~!@#$%^&*()", "z" * 256])
+    def test_visible_ascii_keys_pass(self, key: str) -> None:
+        cfg = validate({**CLOUD_RUN, "servingApiKey": key}, "dev", hf_token_set=True)
+        assert cfg.serving_api_key_set

@@ -312,6 +312,8 @@ class TestInTheImageLayout:
         self._stub_vllm(bin_dir)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", GEMMA_FT_SKIP_MODEL_CHECK="1")
+        # the entrypoint's import check runs the interpreter vLLM runs on (python3 in the image; here the stub's)
+        env["PYTHON"] = sys.executable
         if with_image_env:
             assert image_env.get("PYTHONPATH"), "serving/Dockerfile sets no PYTHONPATH: vLLM cannot import the guard"
             env["PYTHONPATH"] = os.pathsep.join(str(root / p.lstrip("/")) for p in image_env["PYTHONPATH"].split(":"))

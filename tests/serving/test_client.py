@@ -23,6 +23,7 @@ from serving.client import (
     base_url,
     chat,
     chat_completion,
+    cold_start_deadline_s,
     cold_start_policy,
     list_models,
     resolve_credentials,
@@ -389,6 +390,22 @@ class TestGcloud:
         assert creds.token is None and "gcloud is not installed" in creds.missing_because
 
 
+class TestStartupWindowDocs:
+    def test_readme_states_the_window_and_the_client_default_timeout(self) -> None:
+        """The README's "Startup window" paragraph gives the probe's numbers and the client's cold-start deadline.
+
+        It said 480 s after the window changed; the client's deadline is the window plus one default --timeout.
+        """
+        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+        text = " ".join(readme[readme.index("**Startup window.**") :].split("\n\n", 1)[0].split())
+        default_timeout = client._parse_args(["--url", "http://127.0.0.1:8000", "hi"]).timeout
+        assert default_timeout == client.DEFAULT_TIMEOUT_S
+        assert f"first startup probe {STARTUP_WINDOW.initial_delay_s} s after the container starts" in text
+        assert f"every {STARTUP_WINDOW.period_s} s, up to {STARTUP_WINDOW.failure_threshold} failures" in text
+        assert f"the window is {STARTUP_WINDOW.total_s} s" in text
+        assert f"`--timeout` (default {default_timeout:g} s): {cold_start_deadline_s(default_timeout):g} s" in text
+
+
 class TestColdStart:
     def test_cloud_run_urls_retry_timeouts_across_the_startup_window(self) -> None:
         policy = cold_start_policy(RUN_URL, client.DEFAULT_RETRY, 120)
@@ -483,6 +500,32 @@ class TestApiKey:
             pytest.raises(AuthError, match="API key was rejected"),
         ):
             chat(srv.url, USER, model="gemma", retry=FAST, creds=Credentials(api_key="wrong"))
+
+    @pytest.mark.parametrize("api_key", [None, "wrong"])
+    def test_api_key_refusal_behind_a_valid_identity_token_names_the_key(self, api_key: str | None) -> None:
+        """vLLM's and the guard's 401 `{"error": "Unauthorized"}` is about the API key: Cloud Run let the token in.
+
+        It was reported as a rejected identity token, with an --audience hint naming the request URL.
+        """
+        creds = Credentials(token=SECRET, source="gcloud", api_key=api_key)
+        with fake_server(Reply(401, {"error": "Unauthorized"})) as srv, pytest.raises(AuthError) as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=creds)
+        message = str(info.value)
+        assert "identity token (from gcloud) was accepted" in message, message
+        assert ("API key was rejected" if api_key else "no API key was sent") in message, message
+        assert "--api-key" in message and "audience" not in message and "rejected: it expires" not in message
+        assert SECRET not in message and (api_key is None or api_key not in message)
+        sent = srv.requests[0].headers
+        assert sent.get("X-Serverless-Authorization" if api_key else "Authorization") == f"Bearer {SECRET}"
+
+    def test_rejected_identity_token_suggests_the_service_origin_as_audience(self) -> None:
+        """A 401 that is not the API-key body is about the token; the audience is scheme + host, not the request URL."""
+        with fake_server(Reply(401, "<html>401 Unauthorized</html>")) as srv, pytest.raises(AuthError) as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=Credentials(token=SECRET, source="gcloud"))
+        message = str(info.value)
+        assert "identity token (from gcloud) was rejected" in message, message
+        audience = message.split("--audience ", 1)[1].split(")", 1)[0]
+        assert audience == srv.url and "/v1" not in audience, message
 
     def test_cli_never_prints_the_key(self, capsys: pytest.CaptureFixture[str]) -> None:
         with fake_server(Reply(401, {"error": "Unauthorized"})) as srv:

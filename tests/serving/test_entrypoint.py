@@ -11,11 +11,12 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from serving.vllm_args import COMPLETION_MARKER, VllmServerConfig, render_args
+from serving.vllm_args import API_KEY_GUARD_MIDDLEWARE, COMPLETION_MARKER, VllmServerConfig, render_args
 from tests.serving.privileges import in_child_as_nobody
 from trainer.export import write_completion_marker
 
@@ -314,3 +315,75 @@ class TestStartupWindow:
         )
         assert done.returncode == 0, done.stderr
         assert "startup window 480 s: up to 60 s waiting" in done.stderr
+
+
+class TestMiddlewareAndKey:
+    """The guard is imported before vLLM starts, and a key without the guard is refused (a hand `docker run`)."""
+
+    REPO = Path(__file__).resolve().parents[2]
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        # the interpreter of this test run (it has starlette, as the vLLM image does); the repo root stands for
+        # /opt/gemma-serving, where serving/Dockerfile copies the guard
+        return {"PYTHON": sys.executable, "PYTHONPATH": str(self.REPO), **extra}
+
+    def test_the_rendered_guard_is_imported_and_vllm_starts(self, stub_bin: Path, tmp_path: Path) -> None:
+        model = _model(tmp_path / "merged")
+        args = render_args(VllmServerConfig(model=str(model), api_key_guard=True))
+        assert API_KEY_GUARD_MIDDLEWARE in args
+        done, recorded = _run(args, stub_bin, tmp_path, **self._env(VLLM_API_KEY="sk-not-a-real-key"))
+        assert done.returncode == 0, done.stderr
+        assert recorded == ["serve", *args]
+
+    @pytest.mark.parametrize("form", ["split", "equals"])
+    def test_a_middleware_that_cannot_be_imported_stops_before_vllm(
+        self, form: str, stub_bin: Path, tmp_path: Path
+    ) -> None:
+        """vLLM imports --middleware only after the engine loaded the model; the entrypoint fails first."""
+        model = _model(tmp_path / "merged")
+        missing = "serving.not_in_this_image.Guard"
+        mw = ["--middleware", missing] if form == "split" else [f"--middleware={missing}"]
+        done, recorded = _run([str(model), *mw], stub_bin, tmp_path, **self._env())
+        assert done.returncode == 3 and recorded is None, done.stderr
+        assert f"--middleware {missing} cannot be imported" in done.stderr
+        assert "No module named 'serving.not_in_this_image'" in done.stderr and "serving/Dockerfile" in done.stderr
+
+    def test_a_guard_missing_from_the_image_stops_before_vllm(self, stub_bin: Path, tmp_path: Path) -> None:
+        """An image built without serving/api_key_guard.py on PYTHONPATH (here: an empty PYTHONPATH elsewhere)."""
+        model = _model(tmp_path / "merged")
+        args = render_args(VllmServerConfig(model=str(model), api_key_guard=True))
+        empty = tmp_path / "site"
+        empty.mkdir()
+        env = {"PYTHON": sys.executable, "PYTHONPATH": str(empty), "VLLM_API_KEY": "sk-not-a-real-key"}
+        done, recorded = (
+            subprocess.run(
+                ["bash", str(ENTRYPOINT), *args],
+                capture_output=True,
+                text=True,
+                cwd=empty,  # the repository is not the working directory either
+                env={
+                    **os.environ,
+                    "PATH": f"{stub_bin}{os.pathsep}{os.environ['PATH']}",
+                    "VLLM_ARGS_FILE": str(tmp_path / "rec.txt"),
+                    **env,
+                },
+                timeout=30,
+                check=False,
+            ),
+            (tmp_path / "rec.txt").exists(),
+        )
+        assert done.returncode == 3 and recorded is False, done.stderr
+        assert f"--middleware {API_KEY_GUARD_MIDDLEWARE} cannot be imported" in done.stderr
+
+    @pytest.mark.parametrize("extra", [[], ["--middleware", "some.Other"]])
+    def test_a_key_without_the_guard_is_refused(self, extra: list[str], stub_bin: Path, tmp_path: Path) -> None:
+        model = _model(tmp_path / "merged")
+        done, recorded = _run([str(model), *extra], stub_bin, tmp_path, **self._env(VLLM_API_KEY="sk-not-a-real-key"))
+        assert done.returncode == 3 and recorded is None, done.stderr
+        assert f"Add: --middleware {API_KEY_GUARD_MIDDLEWARE}" in done.stderr
+        assert "sk-not-a-real-key" not in done.stderr + done.stdout, "the key is never printed"
+
+    def test_no_key_and_no_middleware_starts_as_before(self, stub_bin: Path, tmp_path: Path) -> None:
+        model = _model(tmp_path / "merged")
+        done, recorded = _run([str(model)], stub_bin, tmp_path, **self._env(VLLM_API_KEY=""))
+        assert done.returncode == 0 and recorded == ["serve", str(model)], done.stderr

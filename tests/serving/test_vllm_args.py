@@ -6,6 +6,8 @@ service that never becomes ready; a bad value must fail at `pulumi preview` with
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -140,6 +142,37 @@ class TestExtraArgs:
             load_config({"extra_args": args})
         assert "plain text" in str(info.value) and "sk-secret-1" not in str(info.value)
 
+    @pytest.mark.parametrize(
+        ("args", "refused", "reason"),
+        [
+            (["--api-k", "sk-secret-1"], "--api-key", "plain text"),
+            (["--api_k=sk-secret-1"], "--api-key", "plain text"),
+            (["--hf-t=sk-secret-1"], "--hf-token", "plain text"),
+            (["--h", "sk-secret-1"], "--hf-token", "plain text"),  # ambiguous (--hf-token, --host): still refused
+            (["--middle", "evil.Mw"], "--middleware", "before the API key guard"),
+            (["--po=9000"], "--port", "duplicates the typed field `port`"),
+            (["--max-lo", "4"], "--max-lora-rank", "duplicates the typed field"),  # ambiguous with --max-loras
+        ],
+    )
+    def test_abbreviations_are_refused_like_the_flag(self, args: list[str], refused: str, reason: str) -> None:
+        """vLLM's parser keeps argparse's allow_abbrev: `--api-k KEY` is `--api-key KEY`, `--po 9` is `--port 9`."""
+        for guard in (True, False):
+            with pytest.raises(VllmConfigError) as info:
+                load_config({"api_key_guard": guard, "extra_args": args})
+            message = str(info.value)
+            assert refused in message and reason in message, message
+            assert "sk-secret-1" not in message and "9000" not in message and "evil" not in message
+
+    def test_flags_that_are_no_prefix_of_a_refused_one_pass(self) -> None:
+        extra = [
+            "--no-enable-prefix-caching",
+            "--max-lora-rank-x",
+            "--disable-log-requests",
+            "--pipeline-parallel-size",
+            "1",
+        ]
+        assert load_config({"extra_args": extra}).extra_args == extra
+
 
 class TestBadValues:
     """Each message names the field, the value and what is allowed."""
@@ -248,7 +281,19 @@ class TestApiKeyGuard:
         [["--middleware", "my.Mw"], ["--middleware=my.Mw"], ["--middleware", "serving.api_key_guard.ApiKeyGuard"]],
     )
     def test_middleware_in_extra_args_is_refused(self, extra: list[str]) -> None:
-        """vLLM parses --middleware with nargs="+" and no append: a later one would replace the guard."""
+        """vLLM appends every --middleware; one added after the guard is outermost and sees requests first.
+
+        The refusal used to give a false reason (that vLLM keeps only the last --middleware).
+        """
         for guard in (True, False):
-            with pytest.raises(VllmConfigError, match="would replace the API key guard"):
+            with pytest.raises(VllmConfigError, match="see every request before the API key guard") as info:
                 load_config({"api_key_guard": guard, "extra_args": extra})
+            assert "keeps only the last" not in str(info.value) and "replace" not in str(info.value)
+
+    def test_no_doc_gives_the_false_reason_for_refusing_middleware(self) -> None:
+        """vLLM does not keep only the last --middleware (FrontendArgs.middleware is action="append")."""
+        root = Path(__file__).resolve().parents[2]
+        for doc in ("README.md", "serving/README.md", "Pulumi.yaml", "serving/vllm_args.py", "infra/config.py"):
+            text = " ".join((root / doc).read_text(encoding="utf-8").split())
+            for false in ("keeps only the last", "would replace the API key guard", "replace the guard"):
+                assert false not in text, f"{doc}: {false!r}"
