@@ -405,7 +405,7 @@ class VllmService(pulumi.ComponentResource):
                             cpu_idle=False,
                             startup_cpu_boost=True,
                         ),
-                        # serving/startup.py states the window and why (first probe at 30 s, 270 s in all, marker wait included)
+                        # serving/startup.py states the window and why (first probe at 120 s, 360 s in all, marker wait included)
                         startup_probe=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeArgs(
                             initial_delay_seconds=STARTUP_WINDOW.initial_delay_s,
                             period_seconds=STARTUP_WINDOW.period_s,

@@ -1,18 +1,18 @@
 """The vLLM service's startup window: the one place that says how long an instance may take to start.
 
     from serving.startup import STARTUP_WINDOW
-    STARTUP_WINDOW.initial_delay_s    # 30: Cloud Run sends the first startup probe 30 s after start
-    STARTUP_WINDOW.total_s            # 270: what the Cloud Run startup probe allows (30 + 24 x 10)
-    STARTUP_WINDOW.vllm_budget_s      # 270: minus the entrypoint's marker wait (0 on Cloud Run)
-    STARTUP_WINDOW.max_marker_wait_s  # 150: the longest marker wait the window allows (vLLM keeps 120 s)
+    STARTUP_WINDOW.initial_delay_s    # 120: Cloud Run sends the first startup probe 120 s after start
+    STARTUP_WINDOW.total_s            # 360: what the Cloud Run startup probe allows (120 + 24 x 10)
+    STARTUP_WINDOW.vllm_budget_s      # 360: minus the entrypoint's marker wait (0 on Cloud Run)
+    STARTUP_WINDOW.max_marker_wait_s  # 240: the longest marker wait the window allows (vLLM keeps 120 s)
 
-The decision: probe early and often, and spend the platform's allowance on failures, not on a
-wait. The initial delay is a wait during which Cloud Run sends no probe at all, so an instance
+The decision: a window long enough for a slow first start, with an initial delay no longer than a
+start takes anyway. The initial delay is a wait during which Cloud Run sends no probe at all, so an instance
 that is ready before it ends sits idle on a billed L4 until it does; every second of it delays
 every cold start that is faster. A failed probe costs nothing (the request is not routed yet).
-So the window is a short initial delay (30 s: a vLLM start that imports torch, reads the weights,
-profiles the KV cache and captures CUDA graphs is not expected to be ready sooner; not measured
-on Cloud Run L4, UNCONFIRMED) followed by `failureThreshold x periodSeconds`, probing every 10 s.
+So the window is an initial delay of 120 s (a vLLM start that imports torch, reads the weights,
+compiles, profiles the KV cache and captures CUDA graphs is not expected to be ready sooner; not
+measured on Cloud Run L4, UNCONFIRMED) followed by `failureThreshold x periodSeconds`, probing every 10 s.
 
 What a cold instance must do before its first answer: start the container (about 5 s for Cloud
 Run GPU instances, plus the image pull), import vLLM and torch, read the weights lazily over the
@@ -33,8 +33,10 @@ The limits (`PROBE_LIMITS`, each with its source):
 
 The trade-off. A 480 s window (240 s initial delay + 240 s of probes) is allowed, but only by
 an initial delay of 240 s, which makes every cold start take at least 240 s. This module keeps
-the delay short instead: the window is 270 s, the largest the confirmed limits allow with a 30 s
-delay. A start slower than 270 s is shut down by Cloud Run (the revision's logs say so). If the
+the delay to 120 s instead: a vLLM start on an L4 (imports, weights over the mount, torch.compile,
+CUDA-graph capture) is not expected to be ready sooner, so the delay costs a cold start little, and
+the window is 360 s, half again the 240 s that left no margin. A start slower than 360 s is shut down
+by Cloud Run (the revision's logs say so). If the
 services allowance for GPU is confirmed larger, raise `MAX_PROBE_SPAN_S` and `failure_threshold`
 here; nothing else changes.
 
@@ -76,7 +78,7 @@ MAX_INITIAL_DELAY_S = PROBE_LIMITS["initialDelaySeconds"][1]
 MAX_PERIOD_S = PROBE_LIMITS["periodSeconds"][1]
 MAX_PROBE_SPAN_S = PROBE_LIMITS["failureThresholdTimesPeriodSeconds"][1]
 # Cloud Run sends the first probe at most this long after the container starts (a ready vLLM waits no longer).
-FIRST_PROBE_WITHIN_S = 30
+FIRST_PROBE_WITHIN_S = 120
 # vLLM needs at least this long after any marker wait (imports alone take tens of seconds).
 MIN_VLLM_BUDGET_S = 120
 
