@@ -30,7 +30,7 @@ Decisions
   object-content read errors with. The chosen marker is then read and its inventory checked
   against a listing of the run's folder (serving/completion.py, names only: a listing has no
   sizes); the entrypoint checks sizes and readability when the revision starts.
-- The startup probe is serving/startup.py's window (240 s initial delay + 24 x 10 s = 480 s);
+- The startup probe is serving/startup.py's window (120 s initial delay + 24 x 10 s = 360 s);
   the container gets the window, the marker wait (0: the served run's marker is already listed,
   so it is not a stack setting) and the longest wait startup.py allows as env, and the
   entrypoint refuses a longer one.
