@@ -84,7 +84,9 @@ class TestPlan:
     def test_cli_rank_and_master_env(self, gemma4_model_dir, tmp_path):
         env = {"JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "23456"}
         p = make_plan(gemma4_model_dir, tmp_path, "--num-processes", "32", "--nnodes", "4", "--node-rank", "3",
-                      "--set", "distributed.world_size=32", env=env)  # fmt: skip
+                      # sized for 32 ranks as the world-size check says: GA 16 x 8 / 32 keeps the sequences per update
+                      "--set", "distributed.world_size=32", "--set", "training.gradient_accumulation_steps=4",
+                      env=env)  # fmt: skip
         c = p.config
         assert (c["num_processes"], c["machine_rank"], c["main_process_ip"], c["main_process_port"]) == (
             32,
