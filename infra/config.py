@@ -31,14 +31,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
-from serving.vllm_args import (
-    SECRET_FLAGS,
-    VLLM_IMAGE,
-    cuda12_variant,
-    image_cuda_major,
-    secret_flag,
-    typed_flag,
-)
+from serving.vllm_args import VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda_major
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe, world_size_problem
 
@@ -296,26 +289,12 @@ class StackConfig(BaseModel):
     @classmethod
     def _serving_extra_args(cls, v: list[str]) -> list[str]:
         for i, arg in enumerate(v):
-            flag = secret_flag(arg)
-            if flag is not None:  # the message never repeats `arg`: its value may be the secret
+            problem = extra_arg_problem(arg)  # the one rule serving/vllm_args.py applies; never repeats a value
+            if problem is not None:
                 raise ValueError(
-                    f"servingExtraArgs[{i}] is vLLM's {flag}: its value would be plain text in the Pulumi state and "
-                    f"the Cloud Run revision (and is already plain text in this stack's config file: rotate it). "
-                    f"Allowed there: flags without credentials. Use {SECRET_FLAGS[flag]}. "
-                    f"Fix: pulumi config rm --path 'servingExtraArgs[{i}]' (and its value, if it is the next entry)"
-                )
-            typed = typed_flag(arg)  # `--po` is `--port` to vLLM's argparse (allow_abbrev): refused like it
-            if typed is not None:
-                field, flag = typed
-                written = arg.split("=", 1)[0]  # never the value
-                why = (
-                    "a middleware added after the API key guard is the outermost and sees every request before it"
-                    if field == "api_key_guard"
-                    else f"the stack renders {flag} itself (vLLM setting `{field}`), so it would be set twice"
-                )
-                raise ValueError(
-                    f"servingExtraArgs[{i}] {written!r} is vLLM's {flag}: {why}. Allowed there: flags the stack "
-                    f"does not set (a prefix of one counts as that flag). "
+                    f"servingExtraArgs[{i}] is vLLM's {problem}. Allowed there: flags without credentials that the "
+                    f"stack does not set (a prefix of one counts as that flag); a credential already in this stack's "
+                    f"config file is plain text there: rotate it. "
                     f"Fix: pulumi config rm --path 'servingExtraArgs[{i}]' (and its value, if it is the next entry)"
                 )
         return v
