@@ -22,6 +22,11 @@ per-token results back into the full shape with zeros where there is no label, e
 branch's mask produces (tests/trainer/test_lm_head.py proves loss, LoRA gradients, entropy and top-1
 hits equal on padded, prompt-masked, unlabelled and padding-free packed batches).
 
+On a CPU the labelled rows then go through trainer/cpu_logprob.py's kernel instead of trl's: trl's
+is built for thousands of GPU rows (it projects each row twice, forward and backward, so as never to
+hold the logits); a CPU step's few dozen labelled rows fit, so ours projects once and keeps them (same
+contract and outputs; tests/trainer/test_cpu_logprob.py compares every output and gradient with trl's).
+
 `new_sft_trainer` is the one constructor of SFTTrainer in this package (trainer/train.py for text
 recipes, trainer/ray_entry.py for vision ones), so every run gets it.
 
@@ -76,6 +81,34 @@ def _install_switch() -> bool:
     return True
 
 
+_KERNEL_MARK = "_gemma_ft_cpu_kernel_switch"
+
+
+def _install_cpu_kernel() -> None:
+    """While `_LABELS_ONLY` is set on a CPU, trl's fused head calls trainer/cpu_logprob.py's kernel instead of its own.
+
+    trl's `_fused_forward` looks `_ChunkedLogProbFunction` up in trl.trainer.utils at every call; the
+    replacement forwards every other call (another model, another device) to what was there.
+    """
+    from trl.trainer import utils as trl_utils
+
+    current = trl_utils._ChunkedLogProbFunction
+    if getattr(current, _KERNEL_MARK, False):
+        return
+
+    class CpuLabelledRowsOrTrl:
+        @staticmethod
+        def apply(hidden: torch.Tensor, *args: Any) -> Any:
+            if _LABELS_ONLY.get() and hidden.device.type == "cpu":
+                from trainer.cpu_logprob import LabelledRowsLogProb
+
+                return LabelledRowsLogProb.apply(hidden, *args)
+            return current.apply(hidden, *args)
+
+    setattr(CpuLabelledRowsOrTrl, _KERNEL_MARK, True)
+    trl_utils._ChunkedLogProbFunction = CpuLabelledRowsOrTrl  # type: ignore[attr-defined, assignment, misc]
+
+
 def _fused_head_owner(model: Any) -> PreTrainedModel:
     """The model trl patched: the base model inside a PEFT wrapper, else the model itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -83,11 +116,12 @@ def _fused_head_owner(model: Any) -> PreTrainedModel:
 
 def score_labelled_positions_only(model: Any) -> bool:
     """Make `model`'s fused LM head (added by SFTTrainer) project only labelled positions; True when it does."""
+    if not _install_switch():
+        return False
+    _install_cpu_kernel()
     owner = _fused_head_owner(model)
     if getattr(owner, _FULL_HEAD_FORWARD, None) is not None:
         return True
-    if not _install_switch():
-        return False
     full_head_forward = owner.forward
 
     @functools.wraps(full_head_forward)  # keeps the signature `generate` validates its kwargs against

@@ -35,21 +35,28 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def projected_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Rows of hidden states each call of trl's chunked head kernel projects onto the vocabulary."""
-    from trl.trainer import utils as trl_utils
+def projected_rows(monkeypatch: pytest.MonkeyPatch, head_kernels: list[str]) -> Iterator[list[int]]:
+    """Rows of hidden states each call of a fused-head kernel projects onto the vocabulary (`head_kernels`: which)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from trainer.cpu_logprob import LabelledRowsLogProb
 
     rows: list[int] = []
-    kernel = trl_utils._ChunkedLogProbFunction
+    for name, kernel in (("trl", ChunkedLogProbFunction), ("cpu", LabelledRowsLogProb)):
 
-    class Spy(kernel):  # type: ignore[misc, valid-type]
-        @staticmethod
-        def forward(ctx: Any, hidden: torch.Tensor, *args: Any) -> Any:
+        def spy(ctx: Any, hidden: torch.Tensor, *args: Any, _name: str = name, _forward: Any = kernel.forward) -> Any:
             rows.append(int(hidden.shape[0]))
-            return kernel.forward(ctx, hidden, *args)
+            head_kernels.append(_name)
+            return _forward(ctx, hidden, *args)
 
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+        monkeypatch.setattr(kernel, "forward", staticmethod(spy))
     yield rows
+
+
+@pytest.fixture
+def head_kernels() -> list[str]:
+    """Which kernel each projection of `projected_rows` ran: trl's ("trl") or trainer/cpu_logprob.py's ("cpu")."""
+    return []
 
 
 def _peft_model(tokenizer: Any, family: str, labels_only: bool) -> Any:
@@ -150,7 +157,7 @@ def models(tiny_tokenizer_session: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_gradients_and_metrics_equal_the_full_head(
-    models: dict[str, Any], family: str, kind: str, projected_rows: list[int]
+    models: dict[str, Any], family: str, kind: str, projected_rows: list[int], head_kernels: list[str]
 ) -> None:
     batch, model = _batch(kind), models[family]
     score_every_position(model)
@@ -158,8 +165,9 @@ def test_loss_gradients_and_metrics_equal_the_full_head(
     assert score_labelled_positions_only(model)
     ours_out, ours_grads = _run(model, batch)
 
-    # trl scores every position on the CPU; ours only the labelled ones
+    # trl scores every position on the CPU; ours only the labelled ones, with the CPU kernel
     assert projected_rows == [batch.positions, batch.labelled]
+    assert head_kernels == ["trl", "cpu"]
 
     torch.testing.assert_close(ours_out.loss, full_out.loss, rtol=1e-6, atol=1e-7)
     for field in ("log_probs", "entropy", "is_top1", "label_mask"):
@@ -228,7 +236,7 @@ def _train_two_steps(recipe_for: Callable[[str], Any], tmp_path: Path, labels_on
 
 
 def test_the_trainer_uses_it_and_trains_the_same(
-    tiny_gemma3_dir: Path, tmp_path: Path, projected_rows: list[int]
+    tiny_gemma3_dir: Path, tmp_path: Path, projected_rows: list[int], head_kernels: list[str]
 ) -> None:
     """Through build_trainer (the path of `python -m trainer` and of Ray's text recipes): same updates, same metrics."""
     from trainer.recipe import load_recipe
@@ -258,6 +266,7 @@ def test_the_trainer_uses_it_and_trains_the_same(
     ours = _train_two_steps(recipe_for, tmp_path, labels_only=True)
 
     assert len(projected_rows) == len(trl_rows) == 2
+    assert head_kernels == ["trl", "trl", "cpu", "cpu"]
     assert all(o < t for o, t in zip(projected_rows, trl_rows, strict=True)), (projected_rows, trl_rows)
     for key in ("loss", "entropy", "mean_token_accuracy", "grad_norm"):
         got, want = [e[key] for e in ours["logs"]], [e[key] for e in trl_run["logs"]]
