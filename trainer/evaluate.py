@@ -27,6 +27,10 @@ Decisions:
 - Generation is greedy, up to the recipe's budget (`evaluation.max_new_tokens`, by task: SQL and
   descriptions 512, emoji 32), in left-padded batches of `evaluation.batch_size`: the same outputs as
   one prompt at a time (tests/trainer/test_evaluate.py checks it), fewer forward passes.
+- The held-out loss of a batch is one forward over its left-padded rows, positions counted from each
+  row's first token as for the row alone, with logits only for the answers' positions
+  (`logits_to_keep`): the same numbers as a forward per row (tests/trainer/test_evaluate.py), one
+  pass over the weights instead of one per row, and a fraction of the 262,144-word LM head.
 - The held-out rows are exactly the recipe's eval split (seeded shuffle, first `eval_rows`), so a
   model is never scored on rows it trained on. Returns a dict and writes it as JSON (`--out`, default
   `<model>/eval_results.json`).
@@ -192,23 +196,46 @@ def generate(model: PreTrainedModel, processing_class: Any, messages: list[dict]
     return generate_batch(model, processing_class, [{"messages": messages}], max_new_tokens)[0]
 
 
-def answer_loss(model: PreTrainedModel, processing_class: Any, conversation: dict) -> tuple[float, int]:
-    """(summed cross-entropy, token count) of the reference answer given the prompt (and its images)."""
+def answer_losses(model: PreTrainedModel, processing_class: Any, conversations: list[dict]) -> list[tuple[float, int]]:
+    """(summed cross-entropy, token count) of each reference answer given its prompt (and images): one forward.
+
+    The conversations are left-padded together, so every answer ends at the last position; positions
+    count from each row's first real token, as for the row alone, and only the last positions' logits
+    are computed (`logits_to_keep`): the LM head projects onto the whole vocabulary, so one batched
+    forward with the answer positions only replaces a forward with full logits per row.
+    """
     import torch
 
-    prompt = processing_class.apply_chat_template(
-        prompt_messages(conversation), add_generation_prompt=True, tokenize=False
-    )
-    full = processing_class.apply_chat_template(conversation["messages"], tokenize=False)
-    images = [list(conversation["images"])] if "images" in conversation else None
-    prompt_ids = _encode(processing_class, [prompt], images, model.device)["input_ids"]
-    inputs = _encode(processing_class, [full], images, model.device)
-    labels = inputs["input_ids"].clone()
-    labels[:, : prompt_ids.shape[1]] = -100
-    answer_tokens = int((labels[:, 1:] != -100).sum())
+    if not conversations:
+        return []
+    images = [list(c["images"]) for c in conversations] if "images" in conversations[0] else None
+    prompts, fulls = [], []
+    for conversation in conversations:
+        prompt_text = processing_class.apply_chat_template(
+            prompt_messages(conversation), add_generation_prompt=True, tokenize=False
+        )
+        prompts.append(prompt_text)
+        fulls.append(processing_class.apply_chat_template(conversation["messages"], tokenize=False))
+    prompt_lengths = [
+        int(_encode(processing_class, [text], [images[i]] if images else None, model.device)["input_ids"].shape[1])
+        for i, text in enumerate(prompts)
+    ]
+    inputs = _encode(processing_class, fulls, images, model.device)
+    real = inputs["attention_mask"].sum(dim=1)
+    answers = [max(0, int(n) - p) for n, p in zip(real, prompt_lengths, strict=True)]
+    widest = max(answers)
+    if widest == 0:
+        return [(0.0, 0) for _ in conversations]
+    inputs["position_ids"] = (inputs["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
     with torch.no_grad():
-        loss = model(**inputs, labels=labels).loss
-    return float(loss) * answer_tokens, answer_tokens
+        logits = model(**inputs, logits_to_keep=widest + 1).logits[:, -(widest + 1) : -1].float()
+    targets = inputs["input_ids"][:, -widest:]
+    token_loss = -torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    in_answer = torch.arange(widest, device=targets.device) >= torch.tensor(
+        [widest - a for a in answers], device=targets.device
+    ).unsqueeze(1)
+    sums = (token_loss * in_answer).sum(dim=1)
+    return [(float(total), count) for total, count in zip(sums, answers, strict=True)]
 
 
 def held_out_rows(recipe: Recipe, max_samples: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -270,10 +297,10 @@ def evaluate(
         chunk = rows[first : first + size]
         prompts = [{**conversation, "messages": prompt_messages(conversation)} for conversation, _ in chunk]
         generated = generate_batch(model, processing_class, prompts, recipe.max_new_tokens)
-        for (conversation, row), prediction in zip(chunk, generated, strict=True):
+        losses = answer_losses(model, processing_class, [conversation for conversation, _ in chunk])
+        for (conversation, row), prediction, (summed, tokens) in zip(chunk, generated, losses, strict=True):
             reference = reference_text(conversation)
             scores.append(_score(recipe.data.task, prediction, reference, row))
-            summed, tokens = answer_loss(model, processing_class, conversation)
             loss_sum, loss_tokens = loss_sum + summed, loss_tokens + tokens
             predictions.append({"prompt": _prompt_text(conversation), "reference": reference, "prediction": prediction})
     results: dict[str, Any] = {

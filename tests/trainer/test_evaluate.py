@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from trainer.evaluate import (
+    _encode,
     _score,
+    answer_losses,
     emoji_f1,
     evaluate,
     extract_emoji,
@@ -143,6 +145,43 @@ def test_batched_generation_equals_one_at_a_time(tiny_merged: Path, tmp_path: Pa
     assert batched == alone and any(batched)
 
 
+def _one_row_loss(model, processing_class, conversation: dict) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """The reference: the row alone, unpadded, through the model's own loss (mean over the answer's tokens)."""
+    import torch
+
+    from trainer.formatting import prompt_messages
+
+    images = [list(conversation["images"])] if "images" in conversation else None
+    prompt = processing_class.apply_chat_template(
+        prompt_messages(conversation), add_generation_prompt=True, tokenize=False
+    )
+    full = processing_class.apply_chat_template(conversation["messages"], tokenize=False)
+    prompt_ids = _encode(processing_class, [prompt], images, model.device)["input_ids"]
+    inputs = _encode(processing_class, [full], images, model.device)
+    labels = inputs["input_ids"].clone()
+    labels[:, : prompt_ids.shape[1]] = -100
+    tokens = int((labels[:, 1:] != -100).sum())
+    with torch.no_grad():
+        return float(model(**inputs, labels=labels).loss) * tokens, tokens
+
+
+def _assert_losses_match_one_row_at_a_time(model, processing_class, conversations: list[dict]) -> None:  # type: ignore[no-untyped-def]
+    batched = answer_losses(model, processing_class, conversations)
+    alone = [_one_row_loss(model, processing_class, c) for c in conversations]
+    assert [tokens for _, tokens in batched] == [tokens for _, tokens in alone]
+    assert len({tokens for _, tokens in alone}) > 1, "answers of several lengths, so the padding matters"
+    for (got, _), (want, _) in zip(batched, alone, strict=True):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("recipe_name", ["emoji-local", pytest.param("text-to-sql", marks=pytest.mark.slow)])
+def test_batched_answer_losses_equal_each_row_alone(tiny_merged: Path, tmp_path: Path, recipe_name: str) -> None:
+    """One left-padded forward with the answers' logits only gives each row's own held-out loss."""
+    recipe = load_recipe("emoji-local") if recipe_name == "emoji-local" else _sql_recipe(tmp_path)
+    model, tokenizer = load_for_eval(tiny_merged, recipe, device="cpu")
+    _assert_losses_match_one_row_at_a_time(model, tokenizer, [c for c, _ in held_out_rows(recipe, 5)])
+
+
 def _sql_recipe(tmp_path: Path):  # type: ignore[no-untyped-def]
     recipe_file = tmp_path / "sql-batch.yaml"
     recipe_file.write_text(
@@ -190,6 +229,8 @@ def test_evaluate_product_descriptions_on_held_out_rows(tiny_vision_adapter: Pat
         "evaluation.max_new_tokens=6",
     ]
     recipe = load_recipe("product-descriptions-gemma3-4b", overrides)
+    model, processor = load_for_eval(tiny_vision_adapter / "adapter", recipe, device="cpu")
+    _assert_losses_match_one_row_at_a_time(model, processor, [c for c, _ in held_out_rows(recipe, 3)])
     results = evaluate(tiny_vision_adapter / "adapter", recipe, max_samples=3, out=tmp_path / "eval.json")
     assert results["samples"] == 3 and results["max_new_tokens"] == 6
     assert 0.0 <= results["rouge_l_f1"] <= 1.0
