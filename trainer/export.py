@@ -77,8 +77,14 @@ def write_completion_marker(directory: Path, **details: Any) -> Path:
     return marker
 
 
-def merge_and_export(base_model: str, adapter_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Merge `adapter_dir` into `base_model` (reloaded in `dtype`) and save a complete, marked model folder."""
+def merge_and_export(
+    base_model: str, adapter_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16", tokenizer: Any = None
+) -> Path:
+    """Merge `adapter_dir` into `base_model` (reloaded in `dtype`) and save a complete, marked model folder.
+
+    `tokenizer`: the run's tokenizer, already in memory (the trainer passes its own); else it is loaded
+    from the adapter folder (or the base). Gemma's 262k-token tokenizer takes seconds to load.
+    """
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,9 +97,10 @@ def merge_and_export(base_model: str, adapter_dir: str | Path, out_dir: str | Pa
     base_path = resolve_model_path(base_model)
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    tokenizer = AutoTokenizer.from_pretrained(
-        adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_path
-    )
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(
+            adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_path
+        )
     set_stop_tokens(merged, tokenizer)
     merged.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

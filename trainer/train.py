@@ -319,11 +319,11 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
 
     adapter_dir = location.local / "adapter"
     save_adapter(trainer, adapter_dir)
-    if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(adapter_dir)
     merged_dir = None
     if recipe.output.merge and trainer.is_world_process_zero():
-        merged_dir = merge_and_export(recipe.model.name_or_path, adapter_dir, location.local / "merged")
+        merged_dir = merge_and_export(
+            recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=tokenizer
+        )
 
     summary = run_summary(recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started)
     result = RunResult(
@@ -351,16 +351,19 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
 
 
 def save_adapter(trainer: SFTTrainer, adapter_dir: Path) -> None:
-    """Save the LoRA adapter; under FSDP every shard is gathered first (all ranks call this).
+    """Save the LoRA adapter and the tokenizer; under FSDP every shard is gathered first (all ranks call this).
 
     FSDP2 with adapter-only saving has been seen to write only rank 0's shard of each
     matrix; `save_adapter_fsdp_safe` gathers full tensors on every rank and writes on rank 0
-    (tests/trainer/test_fsdp_save.py proves it equals an unsharded run).
+    (tests/trainer/test_fsdp_save.py proves it equals an unsharded run). `Trainer.save_model`
+    writes the tokenizer (its `processing_class`) itself; the FSDP path writes it here, once.
     """
     if getattr(trainer, "is_fsdp_enabled", False):
         from trainer.fsdp import save_adapter_fsdp_safe
 
         save_adapter_fsdp_safe(trainer.model, adapter_dir)
+        if trainer.is_world_process_zero() and trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(adapter_dir)
     else:
         trainer.save_model(str(adapter_dir))
 

@@ -91,6 +91,9 @@ def test_gemma3_lora_run_trains_saves_merges(tiny_gemma3_dir: Path, tmp_path: Pa
     # merged (bf16 by default) is complete and stops at <end_of_turn>
     merged = Path(result.merged_dir or "")
     assert is_complete(merged)
+    # the run's tokenizer is saved with the adapter and exported from memory: the same files in both
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / "adapter" / name).read_bytes() == (merged / name).read_bytes(), name
     tokenizer = AutoTokenizer.from_pretrained(merged)
     generation = json.loads((merged / "generation_config.json").read_text())
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in generation["eos_token_id"]
