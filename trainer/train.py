@@ -23,7 +23,9 @@ Decisions:
   (trainer/lm_head.py; trl does it itself only on Triton devices): same loss, gradients and
   metrics, a fraction of the head's work when prompts are long.
 - `training.packing` packs with trl's best-fit-decreasing strategy, which is padding-free;
-  `training.padding_free` alone is honoured too.
+  `training.padding_free` alone is honoured too: each batch's conversations go into one row without
+  pad tokens (positions restart at each conversation, so each sees only itself), the same examples,
+  updates and loss as padded batches, without the pad positions' work.
 - A run resumes by itself from the latest complete checkpoint (trainer/checkpoints.py); with
   several ranks on a machine only local rank 0 downloads it, the others wait for it.
 - A run whose `output.dir` already holds `_RUN_COMPLETE.json` (written last, after everything
@@ -142,7 +144,9 @@ def sft_config(recipe: Recipe, location: OutputLocation, has_eval: bool, loss: L
         "weight_decay": t.weight_decay,
         "optim": t.optim,
         "max_grad_norm": t.max_grad_norm,
-        "max_length": t.max_length,
+        # trl refuses padding_free without packing while max_length is set, since it would not truncate
+        # (trl sft_trainer.py); the rows are bounded already: trainer/data.py drops longer conversations
+        "max_length": None if t.padding_free and not t.packing else t.max_length,
         "packing": t.packing,
         "padding_free": t.padding_free,
         "assistant_only_loss": loss is LossMode.ASSISTANT,

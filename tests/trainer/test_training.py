@@ -145,6 +145,45 @@ def test_gemma4_template_falls_back_to_completion_only_loss(tiny_gemma4_dir: Pat
 
 
 @pytest.mark.slow
+def test_padding_free_batches_train_like_padded_ones(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    """`training.padding_free` without packing (the demo recipe's setting): no pad positions, and the same
+    conversations per update, losses and adapter weights as padded batches."""
+    from transformers import set_seed
+
+    runs: dict[bool, dict[str, object]] = {}
+    for padding_free in (False, True):
+        out = tmp_path / f"padding-free-{padding_free}"
+        recipe = tiny_recipe(
+            tiny_gemma3_dir,
+            out,
+            f"training.padding_free={str(padding_free).lower()}",
+            "training.max_steps=2",
+            "lora.dropout=0",
+            "data.eval_rows=0",
+            "output.merge=false",
+        )
+        trainer, _ = build_trainer(recipe, _location(out))
+        batch = next(iter(trainer.get_train_dataloader()))
+        set_seed(0)
+        trainer.train()
+        runs[padding_free] = {
+            "batch": batch,
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad},
+        }
+    padded, free = runs[False]["batch"], runs[True]["batch"]
+    assert isinstance(padded, dict) and isinstance(free, dict)
+    assert "attention_mask" not in free and free["input_ids"].shape[0] == 1, "one row, no padding"
+    assert int(padded["attention_mask"].sum()) < padded["input_ids"].numel(), "the padded batch has pad positions"
+    real = padded["input_ids"][padded["attention_mask"].bool()]
+    assert torch.equal(free["input_ids"][0], real), "the same conversations, in the same order, without pads"
+    assert runs[True]["losses"] == pytest.approx(runs[False]["losses"], rel=1e-5)
+    weights_free, weights_padded = runs[True]["weights"], runs[False]["weights"]
+    assert isinstance(weights_free, dict) and isinstance(weights_padded, dict)
+    for name, weight in weights_padded.items():
+        torch.testing.assert_close(weights_free[name], weight, rtol=1e-5, atol=1e-6)
+
+
 def test_packed_conversations_do_not_attend_across_boundaries(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
     """Packing puts several conversations in one row; each must still see only itself.
 
