@@ -22,6 +22,7 @@ logits are computed in float32 from the rows' dtype (autocast's dtype when autoc
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
@@ -29,9 +30,31 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 # One projection holds at most this much float32 logits: 256 rows of Gemma's 262,144-token vocabulary
 TILE_BYTES = 256 * 2**20
-# The logits of every row are kept for the backward up to this size; above it the backward projects again
+# The logits of every row are kept for the backward up to this size per machine (divided among its ranks),
+# and only when a backward can follow (grad mode on); above it the backward projects again, as trl does
 KEEP_LOGITS_BYTES = 2**30
 OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")  # trl's OPTIONAL_OUTPUTS, in its order
+
+
+# Whether a backward can follow this call: grad mode as the caller had it (inside `forward` autograd
+# turns grad mode off, and `ctx.needs_input_grad` reads True even under no_grad), set by `project`
+_BACKWARD_FOLLOWS: contextvars.ContextVar[bool] = contextvars.ContextVar("gemma_ft_backward_follows", default=True)
+
+
+def project(hidden: torch.Tensor, *args: Any) -> Any:
+    """`LabelledRowsLogProb.apply`, keeping no logits when no backward can follow (evaluation under no_grad)."""
+    token = _BACKWARD_FOLLOWS.set(torch.is_grad_enabled())
+    try:
+        return LabelledRowsLogProb.apply(hidden, *args)
+    finally:
+        _BACKWARD_FOLLOWS.reset(token)
+
+
+def keep_logits_bytes() -> int:
+    """KEEP_LOGITS_BYTES for this process: the budget is the machine's, shared by its ranks (LOCAL_WORLD_SIZE)."""
+    import os
+
+    return KEEP_LOGITS_BYTES // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
 def _rows_per_tile(vocab: int) -> int:
@@ -95,7 +118,7 @@ class LabelledRowsLogProb(torch.autograd.Function):
             "HAS_SOFTCAP": final_logit_softcapping is not None,
         }
         head = _Head(weight, bias, compute_dtype, kernel)
-        keep = n * vocab * 4 <= KEEP_LOGITS_BYTES
+        keep = _BACKWARD_FOLLOWS.get() and n * vocab * 4 <= keep_logits_bytes()
         f32 = torch.float32
         logprobs, row_max, log_sum = (hidden.new_empty(n, dtype=f32) for _ in range(3))
         entropy = hidden.new_empty(n, dtype=f32) if "entropy" in outputs else None
@@ -130,23 +153,24 @@ class LabelledRowsLogProb(torch.autograd.Function):
             hidden, weight, bias, targets, row_max, log_sum, entropy if entropy is not None else log_sum
         )
         ctx.kept, ctx.kernel, ctx.compute_dtype, ctx.has_entropy = kept, kernel, compute_dtype, entropy is not None
+        ctx.step = step
         ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
         return logprobs, entropy, log_sum_sq, mean_logits, is_top1
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no graph of the backward: a second derivative is an error
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: Any) -> Any:  # type: ignore[override]
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        n, vocab = hidden.shape[0], weight.shape[0]
-        f32 = torch.float32
-        grad_hidden = hidden.new_zeros(hidden.shape, dtype=f32) if needs_hidden else None
-        grad_weight = hidden.new_zeros(weight.shape, dtype=f32) if needs_weight else None
-        grad_bias = hidden.new_zeros(vocab, dtype=f32) if needs_bias and bias is not None else None
+        n, f32, step = hidden.shape[0], torch.float32, ctx.step  # the forward's tiles, whatever the weight reads as now
         if grad_entropy is not None and not ctx.has_entropy:
             grad_entropy = None
-        with maybe_gather_lm_head_ctx(weight, bias):
+        with maybe_gather_lm_head_ctx(weight, bias):  # shapes only inside: a ZeRO-3 weight is gathered here
+            vocab = weight.shape[0]
+            grad_hidden = hidden.new_zeros(hidden.shape, dtype=f32) if needs_hidden else None
+            grad_weight = hidden.new_zeros(weight.shape, dtype=f32) if needs_weight else None
+            grad_bias = hidden.new_zeros(vocab, dtype=f32) if needs_bias and bias is not None else None
             head = _Head(weight, bias, ctx.compute_dtype, ctx.kernel)
-            step = _rows_per_tile(vocab)
             for index, start in enumerate(range(0, n, step)):
                 rows = slice(start, min(start + step, n))
                 if ctx.kept:

@@ -228,13 +228,13 @@ def answer_losses(model: PreTrainedModel, processing_class: Any, conversations: 
         return [(0.0, 0) for _ in conversations]
     inputs["position_ids"] = (inputs["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(**inputs, logits_to_keep=widest + 1).logits[:, -(widest + 1) : -1].float()
+        logits = model(**inputs, logits_to_keep=widest + 1, use_cache=False).logits[:, -(widest + 1) : -1].float()
     targets = inputs["input_ids"][:, -widest:]
     token_loss = -torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     in_answer = torch.arange(widest, device=targets.device) >= torch.tensor(
         [widest - a for a in answers], device=targets.device
     ).unsqueeze(1)
-    sums = (token_loss * in_answer).sum(dim=1)
+    sums = torch.where(in_answer, token_loss, 0.0).sum(dim=1)  # a pad position's value never reaches a sum
     return [(float(total), count) for total, count in zip(sums, answers, strict=True)]
 
 

@@ -100,9 +100,9 @@ def _install_cpu_kernel() -> None:
         @staticmethod
         def apply(hidden: torch.Tensor, *args: Any) -> Any:
             if _LABELS_ONLY.get() and hidden.device.type == "cpu":
-                from trainer.cpu_logprob import LabelledRowsLogProb
+                from trainer.cpu_logprob import project
 
-                return LabelledRowsLogProb.apply(hidden, *args)
+                return project(hidden, *args)
             return current.apply(hidden, *args)
 
     setattr(CpuLabelledRowsOrTrl, _KERNEL_MARK, True)

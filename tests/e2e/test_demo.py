@@ -157,7 +157,7 @@ def test_failure_after_the_server_started_leaves_nothing_running(
     _wait_port_free(seen["port"])
 
 
-@pytest.mark.parametrize("scoring_fails", [False, True])
+@pytest.mark.parametrize("scoring_fails", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_server_loads_while_the_fine_tuned_model_is_scored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scoring_fails: bool
 ) -> None:

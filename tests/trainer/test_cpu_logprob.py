@@ -16,7 +16,7 @@ import torch
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
 import trainer.cpu_logprob as cpu_logprob
-from trainer.cpu_logprob import LabelledRowsLogProb
+from trainer.cpu_logprob import LabelledRowsLogProb, keep_logits_bytes, project
 
 ALL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -149,3 +149,49 @@ def test_autocast_bfloat16_matches_trl() -> None:
         trls = _run(ChunkedLogProbFunction, inputs, {}, 0.0)
     torch.testing.assert_close(ours["outputs"][0], trls["outputs"][0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(ours["grads"]["hidden"], trls["grads"]["hidden"], rtol=5e-2, atol=5e-2)
+
+
+def test_the_backward_uses_the_forwards_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiles are the forward's even if the tile size reads differently by the backward (a ZeRO-3 weight
+    reads as empty outside its gather)."""
+    inputs = _inputs(12)
+
+    def hidden_grad(retile: bool) -> torch.Tensor:
+        hidden = inputs["hidden"].clone().requires_grad_(True)
+        logprobs, *_ = LabelledRowsLogProb.apply(hidden, inputs["weight"], None, inputs["targets"], 1.0, 1024)
+        if retile:
+            monkeypatch.setattr(cpu_logprob, "TILE_BYTES", 7 * 3000 * 4)  # other tiles after the forward
+        (-logprobs.sum()).backward()
+        assert hidden.grad is not None
+        return hidden.grad
+
+    reference = hidden_grad(retile=False)
+    torch.testing.assert_close(hidden_grad(retile=True), reference, rtol=0, atol=0)
+
+
+def test_no_second_derivative() -> None:
+    """trl's kernel cannot be differentiated twice either; ours says so instead of returning a graph-less gradient."""
+    inputs = _inputs(3)
+    hidden = inputs["hidden"].clone().requires_grad_(True)
+    logprobs, *_ = LabelledRowsLogProb.apply(hidden, inputs["weight"], None, inputs["targets"], 1.0, 1024)
+    (grad,) = torch.autograd.grad(logprobs.sum(), hidden, create_graph=True)
+    with pytest.raises(RuntimeError):
+        grad.sum().backward()
+
+
+def test_project_under_no_grad_gives_the_same_outputs() -> None:
+    """Evaluation calls it under no_grad (no logits kept then); training with grad: the same numbers."""
+    inputs = _inputs(9)
+    args = (inputs["weight"], None, inputs["targets"], 1.0, 1024, None, 1.0, ALL)
+    with torch.no_grad():
+        quiet = project(inputs["hidden"], *args)
+    loud = project(inputs["hidden"].clone().requires_grad_(True), *args)
+    for got, want in zip(quiet, loud, strict=True):
+        assert torch.equal(got, want.detach())
+
+
+def test_the_kept_logits_budget_is_shared_by_the_machines_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = keep_logits_bytes()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert keep_logits_bytes() == alone // 8

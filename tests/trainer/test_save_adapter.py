@@ -24,16 +24,31 @@ def _peft_model() -> torch.nn.Module:
     return peft_model
 
 
+def _fsdp_trainer(model: torch.nn.Module, process_zero: bool) -> SimpleNamespace:
+    return SimpleNamespace(
+        is_fsdp_enabled=True,
+        model=model,
+        processing_class=tiny.tiny_tokenizer(),
+        is_world_process_zero=lambda: process_zero,
+    )
+
+
 def test_fsdp_trainer_saves_every_adapter_tensor_in_full(tmp_path: Path) -> None:
     model = _peft_model()
-    fsdp_trainer = SimpleNamespace(is_fsdp_enabled=True, model=model)
-    save_adapter(fsdp_trainer, tmp_path / "fsdp")  # type: ignore[arg-type]
+    save_adapter(_fsdp_trainer(model, process_zero=True), tmp_path / "fsdp")  # type: ignore[arg-type]
     model.save_pretrained(tmp_path / "reference")
     saved = load_file(tmp_path / "fsdp" / "adapter_model.safetensors")
     reference = load_file(tmp_path / "reference" / "adapter_model.safetensors")
     assert saved.keys() == reference.keys() and len(saved) > 0
     for key, tensor in reference.items():
         assert torch.equal(saved[key], tensor), key
+    # the tokenizer goes with the adapter (Trainer.save_model does it on the unsharded path)
+    assert (tmp_path / "fsdp" / "tokenizer.json").is_file() and (tmp_path / "fsdp" / "tokenizer_config.json").is_file()
+
+
+def test_only_the_main_process_writes_the_fsdp_adapters_tokenizer(tmp_path: Path) -> None:
+    save_adapter(_fsdp_trainer(_peft_model(), process_zero=False), tmp_path / "fsdp")  # type: ignore[arg-type]
+    assert not (tmp_path / "fsdp" / "tokenizer.json").exists()
 
 
 @pytest.mark.slow
