@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STACK  ?= dev
+# `make test` runs the tests on 2 worker processes (tests/conftest.py says what they keep apart)
+TEST_WORKERS ?= 2
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -42,7 +44,8 @@ lint: $(STAMP) ## ruff, mypy on infra/, workflow/shell/Dockerfile linters
 	$(PY) -m infra.validate_manifests
 
 test: lint ## lint + every test (slow ones too: CI runs them)
-	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests; \
+	  rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP) ## the tests not marked slow
 	$(PY) -m pytest -q -m "not slow" tests

@@ -52,6 +52,7 @@ def _tensor(folder: Path, suffix: str) -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.gemma3_270m
 def test_demo_pipeline(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     done = subprocess.run(

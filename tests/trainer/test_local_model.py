@@ -14,7 +14,11 @@ from trainer.local_model import BUILD_MARKER, ensure_local_model
 from trainer.recipe import load_recipe
 from trainer.train import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.gemma3_270m,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+]
 
 
 def test_local_model_is_built_once_with_chat_template_and_stop_token() -> None:
