@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STACK  ?= dev
+UV_VERSION := 0.13.9
 # `make test` runs the tests on 2 worker processes (tests/conftest.py says what they keep apart)
 TEST_WORKERS ?= 2
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
@@ -23,10 +24,20 @@ export OMP_WAIT_POLICY := PASSIVE
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
+# uv installs the pinned set in well under a minute where pip takes minutes (README "Development"); pip
+# installs torch first, by its own configuration (a machine's CPU build lies in pip's find-links), and does
+# everything itself when uv cannot be had. uv is removed again afterwards: the venv holds what pip's would.
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	@if $(PY) -m pip install -q --no-compile uv==$(UV_VERSION) && $(VENV)/bin/uv --version >/dev/null; then \
+	  set -x; \
+	  $(PY) -m pip install -q --no-compile "$$(grep -oE '^torch==[^[:space:]#]+' requirements-dev.txt)" && \
+	  $(PY) .ci/uv_install.py -q -r requirements-dev.txt && \
+	  $(PY) -m pip uninstall -q -y uv; \
+	else \
+	  echo "uv $(UV_VERSION) could not be installed: installing with pip (several minutes)"; set -x; \
+	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -r requirements-dev.txt; \
+	fi
 	@rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP) ## create .venv and install the pinned CPU requirements (once)
