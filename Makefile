@@ -24,16 +24,13 @@ export OMP_WAIT_POLICY := PASSIVE
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-# uv installs the pinned set in well under a minute where pip takes minutes (README "Development"); pip
-# installs torch first, by its own configuration (a machine's CPU build lies in pip's find-links), and does
-# everything itself when uv cannot be had. uv is removed again afterwards: the venv holds what pip's would.
+# uv installs the pinned set in a fraction of pip's time (README "Development"), from the sources pip is
+# configured with (.ci/uv_install.py: a machine's CPU build of torch lies in pip's find-links); pip does it
+# all when uv cannot be had. uv is removed again afterwards: the venv holds what pip's would.
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -m pip install -q --no-compile uv==$(UV_VERSION) && $(VENV)/bin/uv --version >/dev/null; then \
-	  set -x; \
-	  $(PY) -m pip install -q --no-compile "$$(grep -oE '^torch==[^[:space:]#]+' requirements-dev.txt)" && \
-	  $(PY) .ci/uv_install.py -q -r requirements-dev.txt && \
-	  $(PY) -m pip uninstall -q -y uv; \
+	  set -x; $(PY) .ci/uv_install.py -q -r requirements-dev.txt && $(PY) -m pip uninstall -q -y uv; \
 	else \
 	  echo "uv $(UV_VERSION) could not be installed: installing with pip (several minutes)"; set -x; \
 	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -r requirements-dev.txt; \
@@ -45,7 +42,7 @@ venv: $(STAMP) ## create .venv and install the pinned CPU requirements (once)
 lint: $(STAMP) ## ruff, mypy on infra/, workflow/shell/Dockerfile linters
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy infra trainer/recipe.py
+	$(PY) -m mypy -n 2 infra trainer/recipe.py  # 2 workers: a cold cache (CI) checks ~6,000 library modules
 	$(VENV)/bin/actionlint -no-color -pyflakes= -shellcheck=$(VENV)/bin/shellcheck
 	$(VENV)/bin/shellcheck .ci/run .ci/pulumi-run.sh infra/bootstrap/ci-setup.sh
 	@files=$$(find . \( -name .git -o -name .venv -o -name venv -o -name build -o -name outputs -o -name .cache \

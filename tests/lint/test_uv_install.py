@@ -1,9 +1,9 @@
 """.ci/uv_install.py: `make venv` hands uv the package sources pip is configured with, as pip applies them.
 
 uv reads neither pip.conf nor PIP_* variables; a machine whose CPU build of torch and extra indexes are
-known only to pip would otherwise get another resolution from uv. Here real pip reads real configuration
-files (a site-wide one under XDG_CONFIG_DIRS, a user one under HOME) and PIP_* variables, and the script's
-uv command must carry each source with pip's precedence: a variable over a file, [install] over [global].
+known only to pip would otherwise get another resolution from uv. Here real pip reads a real configuration
+file (the user's, under HOME) and PIP_* variables, and the script's uv command must carry each source with
+pip's precedence: a variable over a file, [install] over [global].
 """
 
 from __future__ import annotations
@@ -24,22 +24,19 @@ def values(words: list[str], flag: str) -> list[str]:
 
 
 def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
-    site = tmp_path / "xdg" / "pip"
-    site.mkdir(parents=True)
-    (site / "pip.conf").write_text(
-        "[global]\nfind-links = /site/wheels\nindex-url = https://site.example/simple\ncert = /site/ca.pem\n"
-    )
+    # the user's file: read after the machine's (/etc/pip.conf and the like), so its values are the ones in force
     user = tmp_path / "home" / ".config" / "pip"
     user.mkdir(parents=True)
     (user / "pip.conf").write_text(
-        "[global]\nextra-index-url =\n    file:///user/a\n    file:///user/b\n"
+        "[global]\nfind-links = /user/wheels\nindex-url = https://user.example/simple\ncert = /user/ca.pem\n"
+        "extra-index-url =\n    file:///user/a\n    file:///user/b\n"
         "[install]\nindex-url = https://install.example/simple\n"
     )
     constraints = tmp_path / "constraints.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "XDG_")) and k != "SSL_CERT_FILE"}
     env |= {
         "HOME": str(tmp_path / "home"),
-        "XDG_CONFIG_DIRS": str(tmp_path / "xdg"),
+        "XDG_CONFIG_DIRS": str(tmp_path / "no-site-config"),
         "PIP_FIND_LINKS": "/env/wheels",
         "PIP_CONSTRAINT": str(constraints),
     }
@@ -54,10 +51,10 @@ def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     words = shlex.split(done.stdout)
 
-    assert words[0] == "SSL_CERT_FILE=/site/ca.pem", "pip's cert, where uv looks for one"
+    assert words[0] == "SSL_CERT_FILE=/user/ca.pem", "pip's cert, where uv looks for one"
     assert words[1:4] == [str(Path(sys.executable).parent / "uv"), "pip", "install"]
     assert values(words, "--python") == [sys.executable], "into the interpreter that runs the script (the venv)"
-    assert values(words, "--find-links") == ["/env/wheels"], "PIP_FIND_LINKS wins over the site-wide file"
+    assert values(words, "--find-links") == ["/env/wheels"], "PIP_FIND_LINKS wins over the file"
     assert values(words, "--index-url") == ["https://install.example/simple"], "[install] wins over [global]"
     assert values(words, "--extra-index-url") == ["file:///user/a", "file:///user/b"], "a list: one flag each"
     assert values(words, "--constraint") == [str(constraints)]
