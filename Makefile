@@ -6,6 +6,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STACK  ?= dev
+UV_VERSION := 0.13.9
+# `make test` runs the tests on 2 worker processes (tests/conftest.py says what they keep apart)
+TEST_WORKERS ?= 2
+MYPY   := $(PY) -m mypy infra trainer/recipe.py
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 tests
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -16,23 +21,32 @@ export TOKENIZERS_PARALLELISM := false
 # the cores the working threads need (serving/demo.py `_yielding_cpu_threads` has the numbers)
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: help venv test test-fast lint demo plan bench clean
+.PHONY: help venv test test-fast lint lint-files demo plan bench clean
 
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
+# uv installs the pinned set in a fraction of pip's time (README "Development"), from the sources pip is
+# configured with (.ci/uv_install.py: a machine's CPU build of torch lies in pip's find-links); pip does it
+# all when uv cannot be had. uv is removed again afterwards: the venv holds what pip's would.
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	@if $(PY) -m pip install -q --no-compile uv==$(UV_VERSION) && $(VENV)/bin/uv --version >/dev/null; then \
+	  set -x; $(PY) .ci/uv_install.py -q -r requirements-dev.txt && $(PY) -m pip uninstall -q -y uv; \
+	else \
+	  echo "uv $(UV_VERSION) could not be installed: installing with pip (several minutes)"; set -x; \
+	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -r requirements-dev.txt; \
+	fi
 	@rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP) ## create .venv and install the pinned CPU requirements (once)
 
-lint: $(STAMP) ## ruff, mypy on infra/, workflow/shell/Dockerfile linters
+lint: lint-files ## ruff, mypy on infra/, workflow/shell/Dockerfile linters
+	$(MYPY) -n 2  # 2 workers: a cold cache checks ~6,000 library modules (over 3 min on one core)
+
+lint-files: $(STAMP) # every linter but mypy (seconds)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy infra trainer/recipe.py
 	$(VENV)/bin/actionlint -no-color -pyflakes= -shellcheck=$(VENV)/bin/shellcheck
 	$(VENV)/bin/shellcheck .ci/run .ci/pulumi-run.sh infra/bootstrap/ci-setup.sh
 	@files=$$(find . \( -name .git -o -name .venv -o -name venv -o -name build -o -name outputs -o -name .cache \
@@ -41,8 +55,14 @@ lint: $(STAMP) ## ruff, mypy on infra/, workflow/shell/Dockerfile linters
 	  echo "hadolint $$files"; [ -z "$$files" ] || $(VENV)/bin/hadolint $$files
 	$(PY) -m infra.validate_manifests
 
-test: lint ## lint + every test (slow ones too: CI runs them)
-	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+# mypy (minutes of one core on a cold cache, reading sources only) runs beside the tests, which leave
+# part of the 2 cores idle while they wait on servers, ranks and Ray; its report follows theirs
+test: lint-files ## lint + every test (slow ones too: CI runs them)
+	@mkdir -p build; echo "$(MYPY) > build/mypy.log &"; $(MYPY) > build/mypy.log 2>&1 & mypy=$$!; \
+	  echo "$(PYTEST)"; $(PYTEST); rc=$$?; \
+	  wait $$mypy; mypy_rc=$$?; echo "$(MYPY):"; cat build/mypy.log; \
+	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=1; fi; \
+	  if [ $$mypy_rc -ne 0 ] && [ $$rc -eq 0 ]; then rc=$$mypy_rc; fi; exit $$rc
 
 test-fast: $(STAMP) ## the tests not marked slow
 	$(PY) -m pytest -q -m "not slow" tests

