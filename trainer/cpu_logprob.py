@@ -91,6 +91,21 @@ class _Head:
         return grad.mul_(self.scale)
 
 
+def _first_maximum_is(z: torch.Tensor, row_max: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`z.argmax(0) == targets` (argmax's first maximum, as trl counts a tie) without argmax over a [V, rows] tile.
+
+    argmax along the vocabulary of this layout took ~110 ms for 40 rows of Gemma's 262k words on 2 cores (4% of
+    a demo step); the target's own logit against the row's maximum is one gather, and only a row whose target
+    reaches the maximum is scanned for an earlier word with the same logit.
+    """
+    top = z.gather(0, targets.unsqueeze(0)).squeeze(0) == row_max
+    for column in top.nonzero().flatten().tolist():
+        target = int(targets[column])
+        if target and bool((z[:target, column] == row_max[column]).any()):
+            top[column] = False
+    return top
+
+
 class LabelledRowsLogProb(torch.autograd.Function):
     """trl's `ChunkedLogProbFunction` contract for a CPU: per-token log p(target) and the requested extras."""
 
@@ -131,11 +146,11 @@ class LabelledRowsLogProb(torch.autograd.Function):
             rows = slice(start, min(start + step, n))
             z = head.logits(hidden[rows])  # [V, rows]
             target = targets[rows].unsqueeze(0)
-            if is_top1 is not None:
-                is_top1[rows] = z.argmax(0) == targets[rows]  # the first maximum, as trl counts a tie
             if mean_logits is not None:
                 mean_logits[rows] = z.mean(0)
             m = z.amax(0)
+            if is_top1 is not None:
+                is_top1[rows] = _first_maximum_is(z, m, targets[rows])
             z.sub_(m)  # shifted: every exp below is <= 1
             e = torch.exp(z)
             s = e.sum(0)
