@@ -222,8 +222,6 @@ def build_recipe(opts: DemoOptions) -> Recipe:
         f"training.save_steps={max(1, min(30, steps // 2))}",
         # about fifteen points on the loss curve, whatever the length
         f"training.logging_steps={max(1, steps // 15)}",
-        # the trainer's held-out loss in 5 batches instead of 40 single rows
-        "training.per_device_eval_batch_size=8",
         # a progress bar (with the logged losses) instead of bare log lines
         "training.extra.disable_tqdm=false",
     ]
@@ -265,13 +263,20 @@ def score_key(model_dir: Path, recipe: Recipe) -> str:
 
 
 def score(
-    model_dir: Path, recipe: Recipe, out: Path, reuse: bool = False, cache_dir: Path | None = None
+    model_dir: Path,
+    recipe: Recipe,
+    out: Path,
+    reuse: bool = False,
+    cache_dir: Path | None = None,
+    processing_class: Any = None,
 ) -> dict[str, Any]:
     """emoji F1 and held-out loss on the recipe's eval split (the trainer's evaluator, the same rows every time).
 
     With `reuse`, results an interrupted run already wrote for the same model and sample count are
     returned as they are. With `cache_dir` (the base model: its scores do not change between runs),
     results are kept there under `score_key` and reused by every later run with the same key.
+    `processing_class`: the tokenizer `model_dir` was saved with, still in memory (the training run's):
+    scoring then loads only the weights from the folder.
     """
     import gc
 
@@ -298,7 +303,7 @@ def score(
                 return dict(previous)
         except ValueError:
             pass
-    results = evaluate(model_dir, recipe, recipe.evaluation.max_samples, out)
+    results = evaluate(model_dir, recipe, recipe.evaluation.max_samples, out, processing_class=processing_class)
     results["requested_samples"] = recipe.evaluation.max_samples
     out.write_text(json.dumps(results, indent=2, ensure_ascii=False))
     if cached is not None:
@@ -468,7 +473,10 @@ def run(opts: DemoOptions) -> DemoResult:
             raise DemoError(str(exc)) from None
         with _step(5, total, "Scoring the fine-tuned model on the same rows (after training)", timings, "score_after"):
             after = _guard(
-                "scoring the fine-tuned model", lambda: score(merged_dir, recipe, output_dir / "eval_after.json")
+                "scoring the fine-tuned model",
+                lambda: score(
+                    merged_dir, recipe, output_dir / "eval_after.json", processing_class=result.processing_class
+                ),
             )
             print(f"      {_scores(after)}")
         with _step(

@@ -113,10 +113,14 @@ def emoji_f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def load_for_eval(model_dir: str | Path, recipe: Recipe, device: str | None = None) -> tuple[PreTrainedModel, Any]:
+def load_for_eval(
+    model_dir: str | Path, recipe: Recipe, device: str | None = None, processing_class: Any = None
+) -> tuple[PreTrainedModel, Any]:
     """A merged model folder or an adapter folder, and its tokenizer (text) or processor (vision).
 
-    `device`: "cuda" or "cpu"; default the GPU when there is one.
+    `device`: "cuda" or "cpu"; default the GPU when there is one. `processing_class`: the tokenizer or
+    processor the folder was saved with, already in memory (the run that wrote it): used instead of
+    loading the folder's copy again.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
@@ -141,7 +145,8 @@ def load_for_eval(model_dir: str | Path, recipe: Recipe, device: str | None = No
         source = model_dir if has_tokenizer else Path(resolve_model_path(base))
     else:
         model, source = loader.from_pretrained(model_dir, **kwargs), model_dir
-    processing_class = (AutoTokenizer if recipe.model.text_only else AutoProcessor).from_pretrained(source)
+    if processing_class is None:
+        processing_class = (AutoTokenizer if recipe.model.text_only else AutoProcessor).from_pretrained(source)
     ensure_chat_template(processing_class, recipe.model.chat_template)
     model.eval()
     return model, processing_class
@@ -285,10 +290,17 @@ _METRIC = {Task.EMOJI: "emoji_f1", Task.TEXT_TO_SQL: "execution_match", Task.PRO
 
 
 def evaluate(
-    model_dir: str | Path, recipe: Recipe, max_samples: int | None = None, out: str | Path | None = None
+    model_dir: str | Path,
+    recipe: Recipe,
+    max_samples: int | None = None,
+    out: str | Path | None = None,
+    processing_class: Any = None,
 ) -> dict[str, Any]:
-    """Score `model_dir` on the recipe's held-out rows; returns the results and writes them as JSON."""
-    model, processing_class = load_for_eval(model_dir, recipe)
+    """Score `model_dir` on the recipe's held-out rows; returns the results and writes them as JSON.
+
+    `processing_class`: the folder's tokenizer or processor already in memory (`load_for_eval`).
+    """
+    model, processing_class = load_for_eval(model_dir, recipe, processing_class=processing_class)
     samples = max_samples or recipe.evaluation.max_samples
     rows = held_out_rows(recipe, samples)
     size = recipe.evaluation.batch_size

@@ -92,6 +92,10 @@ class RunResult:
     adapter_dir: str
     merged_dir: str | None
     summary: dict[str, Any] = field(default_factory=dict)
+    # the tokenizer (or processor) the run trained with and exported, for an in-process caller that scores
+    # the export next (serving/demo.py): the files in adapter/ and merged/ are this object saved, and
+    # loading Gemma's 262k-word tokenizer again costs seconds. None for a run found finished.
+    processing_class: Any = field(default=None, repr=False, compare=False)
 
 
 def choose_loss_mode(tokenizer: PreTrainedTokenizerBase, assistant_only: bool) -> LossMode:
@@ -335,6 +339,7 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         adapter_dir=location.remote_path("adapter") or str(adapter_dir),
         merged_dir=(location.remote_path("merged") or str(merged_dir)) if merged_dir else None,
         summary=summary,
+        processing_class=tokenizer,
     )
     if trainer.is_world_process_zero():
         (location.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))

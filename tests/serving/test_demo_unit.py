@@ -129,7 +129,9 @@ class TestOutputDir:
         out = tmp_path / "eval_before.json"
         calls: list[int] = []
 
-        def fake_evaluate(model_dir: Path, recipe: object, samples: int, out: Path) -> dict[str, object]:
+        def fake_evaluate(
+            model_dir: Path, recipe: object, samples: int, out: Path, processing_class: object = None
+        ) -> dict[str, object]:
             calls.append(samples)
             return {"model": str(model_dir), "samples": samples, "emoji_f1": 0.5}
 
@@ -152,7 +154,9 @@ class TestOutputDir:
         (base / BUILD_MARKER).write_text(json.dumps({"source": "gguf", "sha256": "a" * 64}))
         calls: list[tuple[int, int]] = []
 
-        def fake_evaluate(model_dir: Path, recipe: Any, samples: int, out: Path) -> dict[str, object]:
+        def fake_evaluate(
+            model_dir: Path, recipe: Any, samples: int, out: Path, processing_class: object = None
+        ) -> dict[str, object]:
             calls.append((samples, recipe.max_new_tokens))
             return {"model": str(model_dir), "samples": samples, "emoji_f1": 0.25 * len(calls)}
 

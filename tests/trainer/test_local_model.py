@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+import transformers
 
 from trainer import local_model
+from trainer.evaluate import evaluate
 from trainer.export import is_complete
 from trainer.local_model import BUILD_MARKER, ensure_local_model
 from trainer.recipe import load_recipe
@@ -71,3 +73,19 @@ def test_short_lora_run_on_gemma3_270m(tmp_path: Path) -> None:
     assert summary["steps"] == 2 and summary["model"] == "local:gemma3-270m"
     assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["eval_loss"])
     assert result.merged_dir is not None and is_complete(result.merged_dir)
+
+    # serving/demo.py scores the export with the run's tokenizer still in memory: what the folder's own copy gives
+    assert result.processing_class is not None
+
+    def load_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the tokenizer in memory must be used, not loaded again")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.AutoTokenizer, "from_pretrained", load_again)
+        in_memory = evaluate(
+            result.merged_dir, recipe, 1, tmp_path / "a.json", processing_class=result.processing_class
+        )
+    from_files = evaluate(result.merged_dir, recipe, 1, tmp_path / "b.json")
+    assert in_memory["samples"] == 1
+    for key in ("predictions", "held_out_loss", "emoji_f1"):
+        assert in_memory[key] == from_files[key], key
