@@ -31,10 +31,12 @@ help: ## list the commands
 # all when uv cannot be had. uv is removed again afterwards: the venv holds what pip's would.
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if $(PY) -m pip install -q --no-compile uv==$(UV_VERSION) && $(VENV)/bin/uv --version >/dev/null; then \
-	  set -x; $(PY) .ci/uv_install.py -q -r requirements-dev.txt && $(PY) -m pip uninstall -q -y uv; \
+	@if $(PY) -m pip install -q --no-compile uv==$(UV_VERSION) && $(VENV)/bin/uv --version >/dev/null \
+	    && (set -x; $(PY) .ci/uv_install.py -q -r requirements-dev.txt); then \
+	  $(PY) -m pip uninstall -q -y uv; \
 	else \
-	  echo "uv $(UV_VERSION) could not be installed: installing with pip (several minutes)"; set -x; \
+	  echo "uv $(UV_VERSION) could not be installed or failed: installing with pip (several minutes)"; \
+	  $(PY) -m pip uninstall -q -y uv 2>/dev/null; set -x; \
 	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -r requirements-dev.txt; \
 	fi
 	@rm -f $(VENV)/.installed-* && touch $@
