@@ -23,6 +23,7 @@ logits are computed in float32 from the rows' dtype (autocast's dtype when autoc
 from __future__ import annotations
 
 import contextvars
+import os
 from typing import Any
 
 import torch
@@ -52,8 +53,6 @@ def project(hidden: torch.Tensor, *args: Any) -> Any:
 
 def keep_logits_bytes() -> int:
     """KEEP_LOGITS_BYTES for this process: the budget is the machine's, shared by its ranks (LOCAL_WORLD_SIZE)."""
-    import os
-
     return KEEP_LOGITS_BYTES // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
@@ -193,19 +192,19 @@ class LabelledRowsLogProb(torch.autograd.Function):
                 else:
                     z = head.logits(hidden[rows])
                     z.sub_(row_max[rows])
-                log_s = log_sum[rows]
-                p = torch.exp(z - log_s)  # probabilities, [V, rows]
-                grad = torch.zeros_like(p)
+                log_p = z - log_sum[rows]  # [V, rows]
+                p = torch.exp(log_p)
                 if grad_logprobs is not None:
                     # d log p_target / dz_j = 1[j = target] - p_j
                     g = grad_logprobs[rows].float()
-                    grad.sub_(p * g)
+                    grad = p * g.neg()
                     grad.scatter_add_(0, targets[rows].unsqueeze(0), g.unsqueeze(0))
+                else:
+                    grad = torch.zeros_like(p)
                 if grad_entropy is not None:
                     # d entropy / dz_j = -p_j (log p_j + entropy)
-                    log_p = z - log_s
                     grad.sub_(p.mul_(log_p.add_(entropy[rows])).mul_(grad_entropy[rows].float()))
-                del p
+                del p, log_p
                 head.transform_grad_(grad, z, row_max[rows])
                 grad_c = grad.to(ctx.compute_dtype)
                 if grad_hidden is not None:

@@ -221,13 +221,10 @@ def answer_losses(model: PreTrainedModel, processing_class: Any, conversations: 
         )
         prompts.append(prompt_text)
         fulls.append(processing_class.apply_chat_template(conversation["messages"], tokenize=False))
-    prompt_lengths = [
-        int(_encode(processing_class, [text], [images[i]] if images else None, model.device)["input_ids"].shape[1])
-        for i, text in enumerate(prompts)
-    ]
+    prompt_lengths = _encode(processing_class, prompts, images, model.device)["attention_mask"].sum(dim=1)
     inputs = _encode(processing_class, fulls, images, model.device)
     real = inputs["attention_mask"].sum(dim=1)
-    answers = [max(0, int(n) - p) for n, p in zip(real, prompt_lengths, strict=True)]
+    answers = [max(0, int(n) - int(p)) for n, p in zip(real, prompt_lengths, strict=True)]
     widest = max(answers)
     if widest == 0:
         return [(0.0, 0) for _ in conversations]
