@@ -20,6 +20,11 @@
 #   after PULUMI_GRACE is it killed, and then `pulumi cancel` removes the lock it left (the diy
 #   backend's CancelCurrentUpdate deletes the stack's lock files; Pulumi Cloud cancels the update).
 #   GitHub never has to kill Pulumi mid-operation, which would leave the lock for the next deploy.
+#   `--foreground` makes that SIGINT the only one: without it `timeout` signals the command and then
+#   its whole process group (coreutils timeout.c, cleanup()), so Pulumi could see two, and Pulumi takes
+#   a second ^C as "terminate immediately" (pkg/cmd/pulumi cancellationScopeSource), the very kill
+#   the budget is there to avoid. Only Pulumi is signalled: it shuts its plugins down as it cancels
+#   (after a kill, the runner ends what is left with the job).
 # - Every command runs with the policy pack except `cancel`, and without colour so the report can
 #   quote the policy violations verbatim.
 # Not here: installing Pulumi or credentials (the workflow's steps before this one).
@@ -88,7 +93,7 @@ esac
 
 set +e
 if [[ "$command" == "up" || "$command" == "destroy" ]]; then
-  timeout --signal=INT --kill-after="$grace" "$budget" pulumi "${args[@]}" 2>&1 | tee -a "$log"
+  timeout --foreground --signal=INT --kill-after="$grace" "$budget" pulumi "${args[@]}" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   if [[ "$rc" == 124 || "$rc" == 137 ]]; then
     {

@@ -20,7 +20,19 @@ from tests.lint.conftest import fake_command
 SCRIPT = REPO_ROOT / ".ci" / "pulumi-run.sh"
 
 FAKE_PULUMI = r"""#!{python}
+import json, os, signal, subprocess, sys, time
+
+WATCHER = '''
 import json, os, signal, sys, time
+log, parent = sys.argv[1], int(sys.argv[2])
+def on_int(signum, frame):
+    with open(log, "a") as f:
+        f.write(json.dumps(["SIGINT to pulumi's process group"]) + "\\n")
+signal.signal(signal.SIGINT, on_int)
+print("ready", flush=True)
+while os.getppid() == parent:
+    time.sleep(0.05)
+'''
 
 args = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as log:
@@ -40,9 +52,24 @@ if args[0] == "preview":
     print("Previewing update (dev):\n    + gcp:storage/bucket:Bucket gft-dev-bucket create")
     sys.exit(0)
 if args[0] in ("up", "destroy") and mode in ("graceful", "stubborn"):
+    # A process that shares pulumi's process group, as a CLI's own helpers do (Pulumi starts its
+    # plugins in groups of their own): a SIGINT sent to the group reaches pulumi too, a second time,
+    # and Pulumi takes a second ^C as "terminate immediately". Signals that arrive together merge, so
+    # pulumi alone cannot tell reliably; this process can.
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", WATCHER, os.environ["FAKE_LOG"], str(os.getpid())], stdout=subprocess.PIPE
+    )
+    watcher.stdout.readline()
+    interrupts = []
+
     def on_int(signum, frame):
+        interrupts.append(signum)
         note("SIGINT")
+        if len(interrupts) > 1:
+            print("^C received; terminating")  # Pulumi's second ^C: no safe point, the state is not written
+            sys.exit(1)
         if mode == "graceful":
+            time.sleep(0.3)  # waiting for a safe point
             print("cancelled at a safe point; state written, lock released")
             sys.exit(255)
     signal.signal(signal.SIGINT, on_int)
@@ -74,6 +101,7 @@ def run(
         text=True,
         timeout=60,
         check=False,
+        start_new_session=True,
     )
     calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
     outputs = dict(line.split("=", 1) for line in output.read_text().splitlines())
