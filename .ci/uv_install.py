@@ -5,11 +5,11 @@
 time (pip spends most of its minutes resolving; README "Development" has the numbers). uv reads neither
 pip's configuration files nor its PIP_* variables (docs.astral.sh/uv/pip/compatibility/, "Configuration
 files and environment variables"), and a machine may point pip at local wheels (a CPU build of torch in
-`find-links`) or extra indexes; an install that saw only PyPI could resolve differently. So pip's
-effective settings for `pip install` are read with `pip config list` (the [global] section, then
-[install], then PIP_* variables, each later one winning, as pip applies them: pip/_internal/cli/parser.py
-`_get_ordered_configuration_items`) and handed to uv:
-index-url, extra-index-url, find-links, constraint, and cert (uv's SSL_CERT_FILE). uv chooses among all
+`find-links`) or extra indexes; an install that saw only PyPI could resolve differently. So the options
+`pip install` would run with are read from pip's own parser (`create_command("install").parse_args([])`:
+every configuration file in pip's order, site over user over global, [install] over [global], then PIP_*
+variables; pip/_internal/configuration.py and cli/parser.py) and handed to uv:
+index-url, extra-index-url, find-links, no-index, constraint, and cert (uv's SSL_CERT_FILE). uv chooses among all
 indexes as pip does (`--index-strategy unsafe-best-match`; uv's default takes the first index that has a
 package at all: same page, "Packages that exist on multiple indexes") and compiles every module to
 bytecode as pip does (`--compile-bytecode`; uv compiles lazily by default: same page, "Bytecode
@@ -22,54 +22,56 @@ pip takes (`torch==2.13.0` matches `2.13.0+cpu`, the highest such version among 
     .venv/bin/python .ci/uv_install.py -r requirements-dev.txt        # what `make venv` runs
     .venv/bin/python .ci/uv_install.py --print -r requirements-dev.txt  # print the uv command (and its env) instead
 
+pip's parser is pip's internal API: if it moves, this script fails and `make venv` installs with pip.
 Not done: other pip settings (trusted hosts, proxies, timeouts) are not translated; uv has its own
 (UV_* variables).
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-# pip option -> uv flag; each value may be a whitespace-separated list, as in pip.conf
-SOURCES = {
-    "index-url": "--index-url",
-    "extra-index-url": "--extra-index-url",
-    "find-links": "--find-links",
-    "constraint": "--constraint",
-}
-# pip applies its configuration in this order, a later section overriding an earlier one
-SECTIONS = ("global", "install", ":env:")
+
+@dataclass(frozen=True)
+class PipSources:
+    """Where `pip install` would look for packages, and the certificate bundle it would trust."""
+
+    index_url: str
+    extra_index_urls: list[str]
+    find_links: list[str]
+    constraints: list[str]
+    no_index: bool
+    cert: str | None
 
 
-def pip_settings(listing: str) -> dict[str, str]:
-    """The effective value of each pip option for `pip install`, from `pip config list` output."""
-    by_section: dict[str, dict[str, str]] = {section: {} for section in SECTIONS}
-    for line in listing.splitlines():
-        key, sep, quoted = line.partition("=")
-        section, dot, option = key.rpartition(".")
-        if not sep or not dot or section not in by_section:
-            continue
-        try:
-            value = ast.literal_eval(quoted)  # pip prints each value with %r (commands/configuration.py list_values)
-        except (ValueError, SyntaxError):
-            continue
-        by_section[section][option] = str(value)
-    settings: dict[str, str] = {}
-    for section in SECTIONS:
-        settings.update(by_section[section])
-    return settings
+def pip_sources() -> PipSources:
+    """The options `pip install` runs with here: pip's own parser applies its files and variables."""
+    from pip._internal.commands import create_command
+
+    options, _ = create_command("install").parse_args([])
+    return PipSources(
+        index_url=options.index_url,
+        extra_index_urls=list(options.extra_index_urls),
+        find_links=list(options.find_links),
+        constraints=list(options.constraints),
+        no_index=bool(options.no_index),
+        cert=options.cert or None,
+    )
 
 
-def uv_arguments(settings: Mapping[str, str]) -> list[str]:
-    arguments: list[str] = []
-    for option, flag in SOURCES.items():
-        for value in settings.get(option, "").split():
+def uv_arguments(sources: PipSources) -> list[str]:
+    arguments = ["--no-index"] if sources.no_index else ["--index-url", sources.index_url]
+    for flag, values in (
+        ("--extra-index-url", [] if sources.no_index else sources.extra_index_urls),
+        ("--find-links", sources.find_links),
+        ("--constraint", sources.constraints),
+    ):
+        for value in values:
             arguments += [flag, value]
     return arguments
 
@@ -77,16 +79,13 @@ def uv_arguments(settings: Mapping[str, str]) -> list[str]:
 def main(argv: list[str]) -> int:
     show = "--print" in argv
     argv = [a for a in argv if a != "--print"]
-    listing = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
-    ).stdout
-    settings = pip_settings(listing)
+    sources = pip_sources()
     uv = Path(sys.executable).parent / "uv"
     command = [str(uv), "pip", "install", "--python", sys.executable, "--index-strategy", "unsafe-best-match"]
-    command += ["--compile-bytecode", *uv_arguments(settings), *argv]
+    command += ["--compile-bytecode", *uv_arguments(sources), *argv]
     extra_env = {}
-    if settings.get("cert") and "SSL_CERT_FILE" not in os.environ:
-        extra_env["SSL_CERT_FILE"] = settings["cert"]
+    if sources.cert and "SSL_CERT_FILE" not in os.environ:
+        extra_env["SSL_CERT_FILE"] = sources.cert
     if show:
         print(shlex.join([f"{k}={v}" for k, v in extra_env.items()] + command))
         return 0

@@ -23,23 +23,10 @@ def values(words: list[str], flag: str) -> list[str]:
     return [words[i + 1] for i, word in enumerate(words[:-1]) if word == flag]
 
 
-def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
-    # the user's file: read after the machine's (/etc/pip.conf and the like), so its values are the ones in force
-    user = tmp_path / "home" / ".config" / "pip"
-    user.mkdir(parents=True)
-    (user / "pip.conf").write_text(
-        "[global]\nfind-links = /user/wheels\nindex-url = https://user.example/simple\ncert = /user/ca.pem\n"
-        "extra-index-url =\n    file:///user/a\n    file:///user/b\n"
-        "[install]\nindex-url = https://install.example/simple\n"
-    )
-    constraints = tmp_path / "constraints.txt"
+def printed_command(tmp_path: Path, **variables: str) -> list[str]:
+    """The uv command the script prints, run with HOME under tmp_path and only the PIP_* variables given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "XDG_")) and k != "SSL_CERT_FILE"}
-    env |= {
-        "HOME": str(tmp_path / "home"),
-        "XDG_CONFIG_DIRS": str(tmp_path / "no-site-config"),
-        "PIP_FIND_LINKS": "/env/wheels",
-        "PIP_CONSTRAINT": str(constraints),
-    }
+    env |= {"HOME": str(tmp_path / "home"), "XDG_CONFIG_DIRS": str(tmp_path / "no-machine-config"), **variables}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--print", "-q", "-r", "requirements-dev.txt"],
         env=env,
@@ -49,7 +36,32 @@ def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    words = shlex.split(done.stdout)
+    return shlex.split(done.stdout)
+
+
+def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
+    # the user's file: read after the machine's (/etc/pip.conf and the like), so its values are the ones in force
+    user = tmp_path / "home" / ".config" / "pip"
+    user.mkdir(parents=True)
+    (user / "pip.conf").write_text(
+        "[global]\nfind-links = /user/wheels\nindex-url = https://user.example/simple\ncert = /user/ca.pem\n"
+        "extra-index-url =\n    file:///user/a\n    file:///user/b\n"
+        "[install]\nindex-url = https://install.example/simple\n"
+    )
+    # the machine's file (XDG_CONFIG_DIRS): every key it shares with the user's file is overridden
+    machine = tmp_path / "machine" / "pip"
+    machine.mkdir(parents=True)
+    (machine / "pip.conf").write_text(
+        "[global]\ncert = /machine/ca.pem\nindex-url = https://machine.example/simple\n"
+        "extra-index-url = file:///machine/x\nfind-links = /machine/wheels\n"
+    )
+    constraints = tmp_path / "constraints.txt"
+    words = printed_command(
+        tmp_path,
+        XDG_CONFIG_DIRS=str(tmp_path / "machine"),
+        PIP_FIND_LINKS="/env/wheels",
+        PIP_CONSTRAINT=str(constraints),
+    )
 
     assert words[0] == "SSL_CERT_FILE=/user/ca.pem", "pip's cert, where uv looks for one"
     assert words[1:4] == [str(Path(sys.executable).parent / "uv"), "pip", "install"]
@@ -61,3 +73,18 @@ def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
     # pip's choice among indexes (the best version anywhere), and bytecode as pip writes it
     assert values(words, "--index-strategy") == ["unsafe-best-match"] and "--compile-bytecode" in words
     assert words[-3:] == ["-q", "-r", "requirements-dev.txt"], "the rest of the arguments go to uv unchanged"
+
+
+def test_no_index_reaches_uv_and_no_index_url_does(tmp_path: Path) -> None:
+    """PIP_NO_INDEX=1 (wheels from find-links only, an offline machine): uv must not fall back to PyPI."""
+    words = printed_command(tmp_path, PIP_NO_INDEX="1", PIP_FIND_LINKS="/env/wheels")
+    assert "--no-index" in words
+    assert values(words, "--index-url") == [] and values(words, "--extra-index-url") == []
+    assert values(words, "--find-links") == ["/env/wheels"]
+
+
+def test_without_configuration_uv_uses_pips_default_index(tmp_path: Path) -> None:
+    words = printed_command(tmp_path, PIP_CONFIG_FILE=os.devnull)  # pip then reads no file at all
+    assert values(words, "--index-url") == ["https://pypi.org/simple"]
+    assert not words[0].startswith("SSL_CERT_FILE=") and "--no-index" not in words
+    assert values(words, "--find-links") == [] and values(words, "--constraint") == []
