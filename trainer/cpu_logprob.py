@@ -105,6 +105,21 @@ def _first_maximum_is(z: torch.Tensor, row_max: torch.Tensor, targets: torch.Ten
     return top
 
 
+# Below this many rows `grad.T @ weight` is the fast orientation of the hidden states' gradient; from it up,
+# `(weight.T @ grad).T`. Measured on the 2 AMD EPYC cores (MKL, fp32, 262,144 x 640): 2-8 rows took
+# 1.3-1.9 s as `(weight.T @ grad).T` and 0.16 s as `grad.T @ weight`; 12-128 rows 0.11-0.36 s as
+# `(weight.T @ grad).T`, the faster one there (up to 1.7x at 48 rows). A batch of one short
+# conversation (the emoji recipe's micro-batch) has ~10 labelled rows.
+SMALL_ROWS = 12
+
+
+def _hidden_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """`[rows, H]` gradient of the hidden rows from the `[V, rows]` gradient of their logits."""
+    if grad.shape[1] < SMALL_ROWS:
+        return torch.mm(grad.t(), weight)
+    return torch.mm(weight.t(), grad).t()
+
+
 class LabelledRowsLogProb(torch.autograd.Function):
     """trl's `ChunkedLogProbFunction` contract for a CPU: per-token log p(target) and the requested extras."""
 
@@ -208,7 +223,7 @@ class LabelledRowsLogProb(torch.autograd.Function):
                 head.transform_grad_(grad, z, row_max[rows])
                 grad_c = grad.to(ctx.compute_dtype)
                 if grad_hidden is not None:
-                    grad_hidden[rows] = torch.mm(weight.to(ctx.compute_dtype).t(), grad_c).t().float()
+                    grad_hidden[rows] = _hidden_grad(weight.to(ctx.compute_dtype), grad_c).float()
                 if grad_weight is not None:
                     grad_weight.addmm_(grad, hidden[rows].float())
                 if grad_bias is not None:

@@ -104,6 +104,24 @@ def test_outputs_and_gradients_equal_trls(case: str, entropy_weight: float, rows
     )
 
 
+@pytest.mark.parametrize("rows", [3, cpu_logprob.SMALL_ROWS, 30])
+def test_both_orientations_of_the_hidden_gradient_equal_trls(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """One tile of all the rows: fewer than SMALL_ROWS take `grad.T @ weight`, the others `(weight.T @ grad).T`."""
+    monkeypatch.setattr(cpu_logprob, "TILE_BYTES", 30 * 3000 * 4)
+    seen: list[int] = []
+    original = cpu_logprob._hidden_grad
+
+    def spy(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        seen.append(grad.shape[1])
+        return original(weight, grad)
+
+    monkeypatch.setattr(cpu_logprob, "_hidden_grad", spy)
+    inputs = _inputs(rows, bias=True)
+    settings = {"softcap": 30.0}
+    _assert_same(_run(LabelledRowsLogProb, inputs, settings, 0.3), _run(ChunkedLogProbFunction, inputs, settings, 0.3))
+    assert seen == [rows], "one tile, one gradient product"
+
+
 def test_bias_and_a_trained_head_get_their_gradients() -> None:
     inputs = _inputs(7, bias=True)
     settings = {"softcap": 15.0}
