@@ -24,7 +24,11 @@
 #   its whole process group (coreutils timeout.c, cleanup()), so Pulumi could see two, and Pulumi takes
 #   a second ^C as "terminate immediately" (pkg/cmd/pulumi cancellationScopeSource), the very kill
 #   the budget is there to avoid. Only Pulumi is signalled: it shuts its plugins down as it cancels
-#   (after a kill, the runner ends what is left with the job).
+#   (after a kill, the runner ends what is left with the job). For the same reason `timeout` runs in a
+#   session of its own (setsid), away from the signals a terminal's Ctrl-C or the runner sends the
+#   script's process group, which would reach Pulumi besides the one `timeout` forwards; the script
+#   traps SIGINT/SIGTERM and hands one SIGINT to `timeout`, so a cancelled job starts Pulumi's
+#   cancellation at once instead of leaving it running (the runner signals only the step's shell).
 # - Every command runs with the policy pack except `cancel`, and without colour so the report can
 #   quote the policy violations verbatim.
 # Not here: installing Pulumi or credentials (the workflow's steps before this one).
@@ -93,8 +97,22 @@ esac
 
 set +e
 if [[ "$command" == "up" || "$command" == "destroy" ]]; then
-  timeout --foreground --signal=INT --kill-after="$grace" "$budget" pulumi "${args[@]}" 2>&1 | tee -a "$log"
-  rc=${PIPESTATUS[0]}
+  # in a session of its own (no Ctrl-C or runner signal reaches it directly); its output goes to the log,
+  # which `tail` follows onto the console until it exits
+  start=$(($(stat -c %s "$log") + 1))
+  setsid timeout --foreground --signal=INT --kill-after="$grace" "$budget" pulumi "${args[@]}" >>"$log" 2>&1 &
+  bounded=$!
+  tail -c "+$start" -f --pid="$bounded" "$log" &
+  follower=$!
+  # a cancelled job or Ctrl-C: one SIGINT, through timeout, which hands Pulumi exactly that one
+  trap 'kill -INT "$bounded" 2>/dev/null || true' INT TERM
+  while true; do
+    wait "$bounded"
+    rc=$?
+    kill -0 "$bounded" 2>/dev/null || break # a trapped signal ended `wait`, not the command
+  done
+  trap - INT TERM
+  wait "$follower"
   if [[ "$rc" == 124 || "$rc" == 137 ]]; then
     {
       echo "error: pulumi $command ran past its budget of $budget and was interrupted (exit $rc)."

@@ -9,7 +9,7 @@ files and environment variables"), and a machine may point pip at local wheels (
 `pip install` would run with are read from pip's own parser (`create_command("install").parse_args([])`:
 every configuration file in pip's order, site over user over global, [install] over [global], then PIP_*
 variables; pip/_internal/configuration.py and cli/parser.py) and handed to uv:
-index-url, extra-index-url, find-links, no-index, constraint, and cert (uv's SSL_CERT_FILE). uv chooses among all
+index-url, extra-index-url, find-links, no-index, constraint, and cert (uv's SSL_CERT_FILE, SSL_CERT_DIR for a folder). uv chooses among all
 indexes as pip does (`--index-strategy unsafe-best-match`; uv's default takes the first index that has a
 package at all: same page, "Packages that exist on multiple indexes") and compiles every module to
 bytecode as pip does (`--compile-bytecode`; uv compiles lazily by default: same page, "Bytecode
@@ -22,7 +22,9 @@ pip takes (`torch==2.13.0` matches `2.13.0+cpu`, the highest such version among 
     .venv/bin/python .ci/uv_install.py -r requirements-dev.txt        # what `make venv` runs
     .venv/bin/python .ci/uv_install.py --print -r requirements-dev.txt  # print the uv command (and its env) instead
 
-pip's parser is pip's internal API: if it moves, this script fails and `make venv` installs with pip.
+pip's parser is pip's internal API: if it moves, this script fails and `make venv` installs with pip. So
+does a pip configured with settings that change what is resolved and that are not translated (pre,
+prefer-binary, only-/no-binary, build constraints, uploaded-prior-to, require-hashes): exit 3, pip installs.
 Not done: other pip settings (trusted hosts, proxies, timeouts) are not translated; uv has its own
 (UV_* variables).
 """
@@ -47,6 +49,18 @@ class PipSources:
     constraints: list[str]
     no_index: bool
     cert: str | None
+    untranslated: list[str]  # pip settings that change the resolution and that this script does not hand to uv
+
+
+# pip install options (attribute, what a set value means) that pick other versions or files than the
+# defaults, which uv would not know about: the install is then left to pip (`make venv` falls back to it)
+UNTRANSLATED = {
+    "pre": "pre-releases allowed (pre)",
+    "prefer_binary": "older wheels preferred over newer sources (prefer-binary)",
+    "build_constraints": "build constraints (build-constraint)",
+    "uploaded_prior_to": "files uploaded before a date only (uploaded-prior-to)",
+    "require_hashes": "hash-checking mode (require-hashes)",
+}
 
 
 def pip_sources() -> PipSources:
@@ -54,13 +68,18 @@ def pip_sources() -> PipSources:
     from pip._internal.commands import create_command
 
     options, _ = create_command("install").parse_args([])
+    untranslated = [meaning for name, meaning in UNTRANSLATED.items() if getattr(options, name, None)]
+    control = getattr(options, "format_control", None)
+    if control is not None and (control.no_binary or control.only_binary):
+        untranslated.append("wheel or source restrictions (only-binary / no-binary)")
     return PipSources(
         index_url=options.index_url,
         extra_index_urls=list(options.extra_index_urls),
-        find_links=list(options.find_links),
+        find_links=[os.path.expanduser(link) for link in options.find_links],  # pip expands ~, uv does not
         constraints=list(options.constraints),
         no_index=bool(options.no_index),
         cert=options.cert or None,
+        untranslated=untranslated,
     )
 
 
@@ -76,16 +95,29 @@ def uv_arguments(sources: PipSources) -> list[str]:
     return arguments
 
 
+def certificate_env(cert: str | None) -> dict[str, str]:
+    """pip's `cert` (a bundle file or a folder of certificates) where uv reads it, unless already set."""
+    if not cert or "SSL_CERT_FILE" in os.environ or "SSL_CERT_DIR" in os.environ:
+        return {}
+    return {"SSL_CERT_DIR": cert} if os.path.isdir(cert) else {"SSL_CERT_FILE": cert}
+
+
 def main(argv: list[str]) -> int:
     show = "--print" in argv
     argv = [a for a in argv if a != "--print"]
     sources = pip_sources()
+    if sources.untranslated:
+        print(
+            "uv_install: pip is configured with settings uv would not be given: "
+            + "; ".join(sources.untranslated)
+            + " (install with pip instead)",
+            file=sys.stderr,
+        )
+        return 3
     uv = Path(sys.executable).parent / "uv"
     command = [str(uv), "pip", "install", "--python", sys.executable, "--index-strategy", "unsafe-best-match"]
     command += ["--compile-bytecode", *uv_arguments(sources), *argv]
-    extra_env = {}
-    if sources.cert and "SSL_CERT_FILE" not in os.environ:
-        extra_env["SSL_CERT_FILE"] = sources.cert
+    extra_env = certificate_env(sources.cert)
     if show:
         print(shlex.join([f"{k}={v}" for k, v in extra_env.items()] + command))
         return 0

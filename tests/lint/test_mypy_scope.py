@@ -34,19 +34,42 @@ def follow_mode(module: str, overrides: list[dict]) -> str:
     return "normal" if best is None else best[1]
 
 
-def sdk_modules_infra_names() -> dict[str, set[str]]:
-    """`pulumi_gcp.storage`, `pulumi_kubernetes.core.v1`, ...: each SDK module infra reaches through an alias."""
-    used: dict[str, set[str]] = {}
-    for path in sorted((REPO_ROOT / "infra").rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        aliases = {
-            alias.asname or alias.name: alias.name
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import)
-            for alias in node.names
-            if alias.name in SDKS
-        }
-        for node in ast.walk(tree):
+def _sdk(name: str) -> bool:
+    return name.split(".", 1)[0] in SDKS
+
+
+def _is_module(part: str) -> bool:
+    """SDK modules are lower-case names (`storage`, `v1`); classes and `get_*` functions end a chain."""
+    return part.islower() and not part.startswith(("get_", "_"))
+
+
+def sdk_modules_in(source: str) -> set[str]:
+    """Every SDK module a Python source reaches: imported in any form, or named through an alias,
+    in code or in a string annotation (`"gcp.dns.ManagedZone"`)."""
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}  # a name bound in the module -> the SDK module it stands for
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _sdk(alias.name):
+                    used.add(alias.name)
+                    bound = alias.asname or alias.name.split(".", 1)[0]
+                    aliases[bound] = alias.name if alias.asname else bound
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _sdk(node.module):
+            used.add(node.module)
+            for alias in node.names:
+                if _is_module(alias.name):
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    expressions: list[ast.AST] = [tree]
+    for node in ast.walk(tree):  # string annotations are expressions too
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                expressions.append(ast.parse(node.value, mode="eval"))
+            except SyntaxError:
+                continue
+    for expression in expressions:
+        for node in ast.walk(expression):
             if not isinstance(node, ast.Attribute):
                 continue
             chain: list[str] = []
@@ -56,12 +79,47 @@ def sdk_modules_infra_names() -> dict[str, set[str]]:
                 current = current.value
             if isinstance(current, ast.Name) and current.id in aliases:
                 module = aliases[current.id]
-                for part in chain:  # lower-case parts are modules, a class or function ends the chain
-                    if not part.islower() or part.startswith("get_"):
+                for part in chain:
+                    if not _is_module(part):
                         break
                     module = f"{module}.{part}"
-                used.setdefault(module, set()).add(f"{path.relative_to(REPO_ROOT)}")
+                used.add(module)
+    for name in list(aliases.values()):
+        used.add(name)
     return used
+
+
+def sdk_modules_infra_names() -> dict[str, set[str]]:
+    """`pulumi_gcp.storage`, `pulumi_kubernetes.core.v1`, ...: each SDK module infra reaches, with its files."""
+    used: dict[str, set[str]] = {}
+    for path in sorted((REPO_ROOT / "infra").rglob("*.py")):
+        for module in sdk_modules_in(path.read_text()):
+            used.setdefault(module, set()).add(str(path.relative_to(REPO_ROOT)))
+    return used
+
+
+def test_the_scan_finds_every_way_of_naming_a_module() -> None:
+    source = """
+import pulumi_gcp as gcp
+import pulumi_gcp.pubsub
+import pulumi_kubernetes.apps.v1 as apps
+from pulumi_gcp import bigquery
+from pulumi_gcp.dns import ManagedZone
+from pulumi_kubernetes.core import v1 as core
+
+def f(zone: "gcp.dns.ManagedZone") -> None:
+    gcp.storage.Bucket("b")
+    gcp.get_project()
+    pulumi_gcp.pubsub.Topic("t")
+    apps.Deployment("d")
+    bigquery.Dataset("d")
+    core.Pod("p")
+    gcp.Provider("p")
+"""
+    assert sdk_modules_in(source) == {
+        "pulumi_gcp", "pulumi_gcp.pubsub", "pulumi_kubernetes.apps.v1", "pulumi_gcp.bigquery", "pulumi_gcp.dns",
+        "pulumi_kubernetes.core", "pulumi_kubernetes.core.v1", "pulumi_gcp.storage",
+    }  # fmt: skip
 
 
 def test_every_sdk_module_infra_uses_is_followed() -> None:
@@ -78,6 +136,7 @@ def test_the_other_services_are_skipped() -> None:
     assert follow_mode("pulumi_gcp.bigquery.dataset", overrides) == "skip"
     assert follow_mode("pulumi_kubernetes.apps.v1", overrides) == "skip"
     assert follow_mode("pulumi_gcp", overrides) == "normal"
+    assert follow_mode("pulumi_gcp.provider", overrides) == "normal", "gcp.Provider: __init__ re-exports it"
     assert follow_mode("pulumi_gcp.storage.bucket", overrides) == "normal"
     assert follow_mode("transformers.trainer", overrides) == "skip"
     assert follow_mode("pulumi", overrides) == "normal"

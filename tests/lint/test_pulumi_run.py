@@ -8,8 +8,11 @@ cancellation) or ignores it.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +179,47 @@ class TestUpWithinItsBudget:
         log = Path(outputs["log"]).read_text()
         assert "ran past its budget of 1s" in log and "pulumi refresh --stack dev" in log
         assert outputs["exit-code"] == str(code)
+
+
+class TestCancelledWhileRunning:
+    @pytest.mark.parametrize(
+        ("target", "signum"),
+        [("group", signal.SIGINT), ("shell", signal.SIGTERM), ("shell", signal.SIGINT)],
+        ids=["ctrl-c-at-a-terminal", "runner-sigterm-to-the-shell", "runner-sigint-to-the-shell"],
+    )
+    def test_pulumi_gets_one_sigint_and_cancels_at_a_safe_point(
+        self, tmp_path: Path, target: str, signum: signal.Signals
+    ) -> None:
+        """A Ctrl-C reaches the script's whole process group; a cancelled GitHub job signals only the step's shell."""
+        base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
+        log = tmp_path / "pulumi.log"
+        env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": "graceful"}
+        script = subprocess.Popen(
+            ["bash", str(SCRIPT), "up", "dev"],
+            cwd=REPO_ROOT,
+            env={**env, "PULUMI_LOG": str(log), "PULUMI_BUDGET": "120s"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while "Updating (dev):" not in (log.read_text() if log.exists() else ""):
+                assert time.monotonic() < deadline and script.poll() is None, "pulumi up never started"
+                time.sleep(0.05)
+            if target == "group":
+                os.killpg(script.pid, signum)
+            else:
+                os.kill(script.pid, signum)
+            console, _ = script.communicate(timeout=60)
+        finally:
+            if script.poll() is None:
+                os.killpg(script.pid, signal.SIGKILL)
+        calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
+        assert commands(calls) == ["login", "stack select", "up", "SIGINT"], "exactly one SIGINT, and no cancel"
+        assert script.returncode == 255, "Pulumi's own exit code after its cancellation"
+        assert "Updating (dev):" in console and "cancelled at a safe point" in console, "the output reached the console"
 
 
 class TestCancel:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from infra.offline import REPO_ROOT
 
 SCRIPT = REPO_ROOT / ".ci" / "uv_install.py"
@@ -23,11 +25,15 @@ def values(words: list[str], flag: str) -> list[str]:
     return [words[i + 1] for i, word in enumerate(words[:-1]) if word == flag]
 
 
-def printed_command(tmp_path: Path, **variables: str) -> list[str]:
-    """The uv command the script prints, run with HOME under tmp_path and only the PIP_* variables given."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "XDG_")) and k != "SSL_CERT_FILE"}
+def run_script(tmp_path: Path, **variables: str) -> subprocess.CompletedProcess[str]:
+    """The script with --print, HOME under tmp_path and only the PIP_* variables given."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIP_", "XDG_")) and k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")
+    }
     env |= {"HOME": str(tmp_path / "home"), "XDG_CONFIG_DIRS": str(tmp_path / "no-machine-config"), **variables}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(SCRIPT), "--print", "-q", "-r", "requirements-dev.txt"],
         env=env,
         capture_output=True,
@@ -35,6 +41,11 @@ def printed_command(tmp_path: Path, **variables: str) -> list[str]:
         timeout=120,
         check=False,
     )
+
+
+def printed_command(tmp_path: Path, **variables: str) -> list[str]:
+    """The uv command the script prints."""
+    done = run_script(tmp_path, **variables)
     assert done.returncode == 0, done.stderr
     return shlex.split(done.stdout)
 
@@ -88,3 +99,29 @@ def test_without_configuration_uv_uses_pips_default_index(tmp_path: Path) -> Non
     assert values(words, "--index-url") == ["https://pypi.org/simple"]
     assert not words[0].startswith("SSL_CERT_FILE=") and "--no-index" not in words
     assert values(words, "--find-links") == [] and values(words, "--constraint") == []
+
+
+def test_a_home_relative_find_links_and_a_certificate_folder_reach_uv_as_pip_reads_them(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    words = printed_command(tmp_path, PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="~/wheels", PIP_CERT=str(certs))
+    assert values(words, "--find-links") == [str(tmp_path / "home" / "wheels")], "pip expands ~; uv would not"
+    assert words[0] == f"SSL_CERT_DIR={certs}", "a folder of certificates is uv's SSL_CERT_DIR, not a bundle file"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("PIP_PRE", "1", "pre-releases"),
+        ("PIP_ONLY_BINARY", ":all:", "only-binary"),
+        ("PIP_PREFER_BINARY", "1", "prefer-binary"),
+        ("PIP_REQUIRE_HASHES", "1", "require-hashes"),
+    ],
+)
+def test_settings_uv_would_not_get_leave_the_install_to_pip(
+    tmp_path: Path, variable: str, value: str, named: str
+) -> None:
+    """uv would resolve differently without them and without an error: the script fails and make installs with pip."""
+    done = run_script(tmp_path, PIP_CONFIG_FILE=os.devnull, **{variable: value})
+    assert done.returncode == 3 and done.stdout == ""
+    assert named in done.stderr and "install with pip instead" in done.stderr
