@@ -7,7 +7,8 @@
 #
 # Environment: PULUMI_BACKEND_URL (gs://… bucket backend) or PULUMI_ACCESS_TOKEN (Pulumi Cloud, then
 # PULUMI_ORG names the organisation); PULUMI_BUDGET / PULUMI_GRACE bound `up` and `destroy`
-# (defaults 240m / 60m); PULUMI_LOG is where the output goes (default $RUNNER_TEMP/pulumi.log).
+# (defaults 240m / 60m); PULUMI_CANCEL_WAIT (seconds, default 180) bounds how long `cancel` waits for an
+# interrupted run; PULUMI_LOG is where the output goes (default $RUNNER_TEMP/pulumi.log).
 # Writes `exit-code=N` and `log=PATH` to $GITHUB_OUTPUT for the report step (.ci/preview_report.py).
 #
 # Decisions
@@ -27,8 +28,9 @@
 #   (after a kill, the runner ends what is left with the job). For the same reason `timeout` runs in a
 #   session of its own (setsid), away from the signals a terminal's Ctrl-C or the runner sends the
 #   script's process group, which would reach Pulumi besides the one `timeout` forwards; the script
-#   traps SIGINT/SIGTERM and hands one SIGINT to `timeout`, so a cancelled job starts Pulumi's
-#   cancellation at once instead of leaving it running (the runner signals only the step's shell).
+#   traps SIGINT/SIGTERM and hands the first one to `timeout` as one SIGINT, so a cancelled job starts
+#   Pulumi's cancellation at once (the runner signals only the step's process: the workflow `exec`s this
+#   script), and `cancel` waits for that cancellation (PULUMI_CANCEL_WAIT) before it releases the lock.
 # - Every command runs with the policy pack except `cancel`, and without colour so the report can
 #   quote the policy violations verbatim.
 # Not here: installing Pulumi or credentials (the workflow's steps before this one).
@@ -44,6 +46,8 @@ fi
 budget="${PULUMI_BUDGET:-240m}"
 grace="${PULUMI_GRACE:-60m}"
 log="${PULUMI_LOG:-${RUNNER_TEMP:-/tmp}/pulumi.log}"
+pidfile="${RUNNER_TEMP:-/tmp}/pulumi-run.pid" # a running `up`/`destroy` (its timeout), for `cancel`
+cancel_wait="${PULUMI_CANCEL_WAIT:-180}"       # seconds `cancel` waits for it (the job's cancel time is 5 min)
 qualified="$stack"
 if [[ -n "${PULUMI_ORG:-}" ]]; then
   qualified="${PULUMI_ORG}/gemma-finetune/${stack}"
@@ -69,6 +73,20 @@ fi
 
 if [[ "$command" == "cancel" ]]; then
   set +e
+  # an interrupted `up`/`destroy` of this job may still be cancelling at a safe point: releasing the
+  # lock under it would let the next deploy run beside it, so wait for it, and kill it past the wait
+  if [[ -s "$pidfile" ]]; then
+    pid=$(<"$pidfile")
+    if [[ "$pid" =~ ^[0-9]+$ && "$(cat "/proc/$pid/comm" 2>/dev/null)" == timeout ]]; then
+      echo "pulumi (under timeout, pid $pid) is still finishing: waiting up to ${cancel_wait}s for it" | tee -a "$log"
+      timeout "$cancel_wait" tail --pid="$pid" -f /dev/null
+      if kill -0 "$pid" 2>/dev/null; then
+        echo "error: still running after ${cancel_wait}s: killing it; run \`pulumi refresh --stack $qualified\`" | tee -a "$log"
+        kill -KILL -- "-$pid" # its session's process group: timeout and pulumi
+      fi
+    fi
+    rm -f "$pidfile"
+  fi
   pulumi cancel --yes "${common[@]}" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   exit "$rc"
@@ -105,13 +123,19 @@ if [[ "$command" == "up" || "$command" == "destroy" ]]; then
   tail -c "+$start" -f --pid="$bounded" "$log" &
   follower=$!
   # a cancelled job or Ctrl-C: one SIGINT, through timeout, which hands Pulumi exactly that one
-  trap 'kill -INT "$bounded" 2>/dev/null || true' INT TERM
+  # (the first signal only: the runner sends SIGINT, then SIGTERM 7.5 s later); the cancel step finds it
+  # through the pid file and waits for it before it releases the lock
+  echo "$bounded" >"$pidfile"
+  signals=0
+  trap 'signals=$((signals + 1)); if ((signals == 1)); then kill -INT "$bounded" 2>/dev/null; fi' INT TERM
   while true; do
+    seen=$signals
     wait "$bounded"
     rc=$?
-    kill -0 "$bounded" 2>/dev/null || break # a trapped signal ended `wait`, not the command
+    [[ "$signals" == "$seen" ]] && break # else a trapped signal ended `wait`, not the command: wait again
   done
   trap - INT TERM
+  rm -f "$pidfile"
   wait "$follower"
   if [[ "$rc" == 124 || "$rc" == 137 ]]; then
     {

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from infra.offline import REPO_ROOT
@@ -54,7 +55,10 @@ if args[0] == "stack" and args[1] == "select" and mode == "missing-stack":
 if args[0] == "preview":
     print("Previewing update (dev):\n    + gcp:storage/bucket:Bucket gft-dev-bucket create")
     sys.exit(0)
-if args[0] in ("up", "destroy") and mode in ("graceful", "stubborn"):
+if args[0] in ("up", "destroy") and mode in ("graceful", "slow-graceful", "stubborn"):
+    if os.environ.get("FAKE_PID_FILE"):
+        with open(os.environ["FAKE_PID_FILE"], "w") as f:
+            f.write(str(os.getpid()))
     # A process that shares pulumi's process group, as a CLI's own helpers do (Pulumi starts its
     # plugins in groups of their own): a SIGINT sent to the group reaches pulumi too, a second time,
     # and Pulumi takes a second ^C as "terminate immediately". Signals that arrive together merge, so
@@ -71,9 +75,11 @@ if args[0] in ("up", "destroy") and mode in ("graceful", "stubborn"):
         if len(interrupts) > 1:
             print("^C received; terminating")  # Pulumi's second ^C: no safe point, the state is not written
             sys.exit(1)
-        if mode == "graceful":
-            time.sleep(0.3)  # waiting for a safe point
+        if mode in ("graceful", "slow-graceful"):
+            time.sleep(0.3 if mode == "graceful" else 3.0)  # waiting for a safe point
             print("cancelled at a safe point; state written, lock released")
+            if mode == "slow-graceful":
+                note("cancelled at a safe point")
             sys.exit(255)
     signal.signal(signal.SIGINT, on_int)
     print("Updating (dev):", flush=True)
@@ -220,6 +226,98 @@ class TestCancelledWhileRunning:
         assert commands(calls) == ["login", "stack select", "up", "SIGINT"], "exactly one SIGINT, and no cancel"
         assert script.returncode == 255, "Pulumi's own exit code after its cancellation"
         assert "Updating (dev):" in console and "cancelled at a safe point" in console, "the output reached the console"
+
+
+def start_up(tmp_path: Path, mode: str, **extra: str) -> tuple[subprocess.Popen[str], Path, dict[str, str]]:
+    """`pulumi-run.sh up dev` started as the workflow step runs it; returns once pulumi up is running."""
+    base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
+    env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": mode, **extra}
+    log = tmp_path / "pulumi.log"
+    with (tmp_path / "console.txt").open("w") as console:  # a file: a killed script's followers keep a pipe open
+        script = subprocess.Popen(
+            ["bash", str(SCRIPT), "up", "dev"],
+            cwd=REPO_ROOT,
+            env={**env, "PULUMI_LOG": str(log), "PULUMI_BUDGET": "120s"},
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while "Updating (dev):" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline and script.poll() is None, "pulumi up never started"
+        time.sleep(0.05)
+    return script, calls_log, env
+
+
+class TestRunnerCancellation:
+    """A cancelled GitHub job: SIGINT to the step's process, SIGTERM 7.5 s later, then a kill; then the
+    `if: cancelled()` step runs `pulumi-run.sh cancel`."""
+
+    def test_sigint_then_sigterm_reach_pulumi_as_one_sigint(self, tmp_path: Path) -> None:
+        script, calls_log, _ = start_up(tmp_path, "slow-graceful")
+        try:
+            os.kill(script.pid, signal.SIGINT)
+            time.sleep(1.0)
+            os.kill(script.pid, signal.SIGTERM)
+            script.wait(timeout=60)
+        finally:
+            if script.poll() is None:
+                os.killpg(script.pid, signal.SIGKILL)
+        calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
+        assert commands(calls) == ["login", "stack select", "up", "SIGINT", "cancelled at a safe point"]
+        assert script.returncode == 255
+
+    def test_cancel_waits_for_the_interrupted_run_before_releasing_the_lock(self, tmp_path: Path) -> None:
+        script, calls_log, env = start_up(tmp_path, "slow-graceful")
+        os.kill(script.pid, signal.SIGINT)
+        time.sleep(0.5)
+        script.kill()  # the runner's last word: the step's process only; pulumi is still cancelling
+        script.wait(timeout=60)
+        cancel = subprocess.run(
+            ["bash", str(SCRIPT), "cancel", "dev"],
+            cwd=REPO_ROOT,
+            env={**env, "PULUMI_LOG": str(tmp_path / "cancel.log")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
+        names = commands(calls)
+        assert names[:4] == ["login", "stack select", "up", "SIGINT"] and names.count("SIGINT") == 1
+        assert names[-1] == "cancel" and names.index("cancelled at a safe point") < names.index("cancel"), (
+            f"the lock is released only after pulumi finished its cancellation: {names}"
+        )
+        assert "still finishing" in (tmp_path / "cancel.log").read_text()
+        assert not (tmp_path / "pulumi-run.pid").exists()
+
+    def test_cancel_kills_a_run_that_does_not_finish_within_its_wait(self, tmp_path: Path) -> None:
+        pid_file = tmp_path / "fake.pid"
+        script, calls_log, env = start_up(tmp_path, "stubborn", FAKE_PID_FILE=str(pid_file))
+        os.kill(script.pid, signal.SIGINT)
+        time.sleep(0.5)
+        script.kill()
+        script.wait(timeout=60)
+        cancel = subprocess.run(
+            ["bash", str(SCRIPT), "cancel", "dev"],
+            cwd=REPO_ROOT,
+            env={**env, "PULUMI_LOG": str(tmp_path / "cancel.log"), "PULUMI_CANCEL_WAIT": "1"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        assert "killing it" in (tmp_path / "cancel.log").read_text()
+        pulumi = int(pid_file.read_text())
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pulumi) and psutil.Process(pulumi).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the interrupted pulumi is still running"
+            time.sleep(0.05)
+        calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
+        assert commands(calls)[-2:] == ["login", "cancel"] and commands(calls).count("SIGINT") == 1
 
 
 class TestCancel:
