@@ -159,9 +159,12 @@ def test_no_rows() -> None:
     assert ours["outputs"][0].shape == (0,)
 
 
-def test_autocast_bfloat16_matches_trl() -> None:
-    """Under CPU autocast both project in bfloat16 and do the softmax in float32."""
-    inputs = _inputs(9)
+@pytest.mark.parametrize("rows", [9, 30])
+def test_autocast_bfloat16_matches_trl(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """Under CPU autocast both project in bfloat16 and do the softmax in float32 (one tile of all the rows:
+    both orientations of the hidden-state gradient)."""
+    monkeypatch.setattr(cpu_logprob, "TILE_BYTES", 30 * 3000 * 4)
+    inputs = _inputs(rows)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours = _run(LabelledRowsLogProb, inputs, {}, 0.0)
         trls = _run(ChunkedLogProbFunction, inputs, {}, 0.0)
