@@ -43,9 +43,12 @@ from serving.local_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "text-to-sql-gemma4-31b"
-# ~25 M parameters: about 100 MB in float32 on disk, 50 MB in bfloat16 once loaded
+# ~41 M parameters: about 157 MB in float32 on disk, 79 MB in bfloat16 once loaded. Large enough that a
+# rank that loads no weights stays clearly below a quarter of the checkpoint: the run's other allocations
+# (tokenizer, data) grew rank 1's peak RSS by up to ~24 MB (23.6 MB against a 23.3 MB bound with a 93 MB
+# checkpoint failed once in a fresh-clone CI run)
 TEXT_DIMS = {
-    "vocab_size": 32768,
+    "vocab_size": 65536,
     "hidden_size": 512,
     "intermediate_size": 2048,
     "num_attention_heads": 4,
