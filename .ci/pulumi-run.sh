@@ -8,7 +8,7 @@
 # Environment: PULUMI_BACKEND_URL (gs://… bucket backend) or PULUMI_ACCESS_TOKEN (Pulumi Cloud, then
 # PULUMI_ORG names the organisation); PULUMI_BUDGET / PULUMI_GRACE bound `up` and `destroy`
 # (defaults 240m / 60m); PULUMI_CANCEL_WAIT (seconds, default 180) bounds how long `cancel` waits for an
-# interrupted run; PULUMI_LOG is where the output goes (default $RUNNER_TEMP/pulumi.log).
+# interrupted run (at most 200); PULUMI_LOG is where the output goes (default $RUNNER_TEMP/pulumi.log).
 # Writes `exit-code=N` and `log=PATH` to $GITHUB_OUTPUT for the report step (.ci/preview_report.py).
 #
 # Decisions
@@ -47,7 +47,19 @@ budget="${PULUMI_BUDGET:-240m}"
 grace="${PULUMI_GRACE:-60m}"
 log="${PULUMI_LOG:-${RUNNER_TEMP:-/tmp}/pulumi.log}"
 pidfile="${RUNNER_TEMP:-/tmp}/pulumi-run.pid" # a running `up`/`destroy` (its timeout), for `cancel`
-cancel_wait="${PULUMI_CANCEL_WAIT:-180}"       # seconds `cancel` waits for it (the job's cancel time is 5 min)
+# Seconds `cancel` waits for it, at most 200: the runner kills a cancelled job's worker 285 s after the
+# cancel (5 min less 15 s), and the apply step's end, login and `pulumi cancel` take ~25 s of that
+cancel_wait="${PULUMI_CANCEL_WAIT:-180}"
+if ! [[ "$cancel_wait" =~ ^[0-9]+$ ]] || ((cancel_wait > 200)); then
+  cancel_wait=200
+fi
+
+# whether any process of session $1 is alive (a zombie is not: pgrep matches zombies unless told the
+# states, and its --runstates is missing from older procps)
+# shellcheck disable=SC2009
+session_alive() {
+  ps -o stat= -s "$1" 2>/dev/null | grep -qv '^Z'
+}
 qualified="$stack"
 if [[ -n "${PULUMI_ORG:-}" ]]; then
   qualified="${PULUMI_ORG}/gemma-finetune/${stack}"
@@ -75,14 +87,24 @@ if [[ "$command" == "cancel" ]]; then
   set +e
   # an interrupted `up`/`destroy` of this job may still be cancelling at a safe point: releasing the
   # lock under it would let the next deploy run beside it, so wait for it, and kill it past the wait
+  # Pulumi starts its plugins in process groups of their own, all in timeout's session: the session is
+  # what is waited for and killed
   if [[ -s "$pidfile" ]]; then
-    pid=$(<"$pidfile")
-    if [[ "$pid" =~ ^[0-9]+$ && "$(cat "/proc/$pid/comm" 2>/dev/null)" == timeout ]]; then
-      echo "pulumi (under timeout, pid $pid) is still finishing: waiting up to ${cancel_wait}s for it" | tee -a "$log"
-      timeout "$cancel_wait" tail --pid="$pid" -f /dev/null
-      if kill -0 "$pid" 2>/dev/null; then
+    read -r sid run_log <"$pidfile"
+    if [[ "$sid" =~ ^[0-9]+$ ]] && session_alive "$sid"; then
+      echo "pulumi (session $sid) is still finishing: waiting up to ${cancel_wait}s for it" | tee -a "$log"
+      waited=0
+      while session_alive "$sid" && ((waited < cancel_wait)); do
+        sleep 1
+        waited=$((waited + 1))
+      done
+      if session_alive "$sid"; then
         echo "error: still running after ${cancel_wait}s: killing it; run \`pulumi refresh --stack $qualified\`" | tee -a "$log"
-        kill -KILL -- "-$pid" # its session's process group: timeout and pulumi
+        pkill -KILL -s "$sid"
+      fi
+      if [[ -f "${run_log:-}" ]]; then
+        echo "--- the end of the interrupted run's output ($run_log):" | tee -a "$log"
+        tail -n 40 "$run_log" | tee -a "$log"
       fi
     fi
     rm -f "$pidfile"
@@ -117,17 +139,22 @@ set +e
 if [[ "$command" == "up" || "$command" == "destroy" ]]; then
   # in a session of its own (no Ctrl-C or runner signal reaches it directly); its output goes to the log,
   # which `tail` follows onto the console until it exits
+  # A cancelled job or Ctrl-C: one SIGINT, through timeout, which hands Pulumi exactly that one (the
+  # first signal only: the runner sends SIGINT, then SIGTERM 7.5 s later; one that comes before timeout
+  # has started is handed on as soon as it has); the cancel step finds the run through the pid file and
+  # waits for it before it releases the lock
+  bounded="" signals=0 forwarded=0
+  trap 'signals=$((signals + 1)); if ((signals == 1)) && [[ -n "$bounded" ]]; then kill -INT "$bounded" 2>/dev/null; forwarded=1; fi' INT TERM
   start=$(($(stat -c %s "$log") + 1))
   setsid timeout --foreground --signal=INT --kill-after="$grace" "$budget" pulumi "${args[@]}" >>"$log" 2>&1 &
   bounded=$!
+  echo "$bounded $log" >"$pidfile"
+  if ((signals > 0 && forwarded == 0)); then
+    kill -INT "$bounded" 2>/dev/null
+    forwarded=1
+  fi
   tail -c "+$start" -f --pid="$bounded" "$log" &
   follower=$!
-  # a cancelled job or Ctrl-C: one SIGINT, through timeout, which hands Pulumi exactly that one
-  # (the first signal only: the runner sends SIGINT, then SIGTERM 7.5 s later); the cancel step finds it
-  # through the pid file and waits for it before it releases the lock
-  echo "$bounded" >"$pidfile"
-  signals=0
-  trap 'signals=$((signals + 1)); if ((signals == 1)); then kill -INT "$bounded" 2>/dev/null; fi' INT TERM
   while true; do
     seen=$signals
     wait "$bounded"

@@ -57,8 +57,10 @@ if args[0] == "preview":
     sys.exit(0)
 if args[0] in ("up", "destroy") and mode in ("graceful", "slow-graceful", "stubborn"):
     if os.environ.get("FAKE_PID_FILE"):
+        # a plugin as Pulumi starts one: a process group of its own, in pulumi's session
+        plugin = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], process_group=0)
         with open(os.environ["FAKE_PID_FILE"], "w") as f:
-            f.write(str(os.getpid()))
+            f.write(f"{os.getpid()} {plugin.pid}")
     # A process that shares pulumi's process group, as a CLI's own helpers do (Pulumi starts its
     # plugins in groups of their own): a SIGINT sent to the group reaches pulumi too, a second time,
     # and Pulumi takes a second ^C as "terminate immediately". Signals that arrive together merge, so
@@ -310,12 +312,14 @@ class TestRunnerCancellation:
             check=False,
         )
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-        assert "killing it" in (tmp_path / "cancel.log").read_text()
-        pulumi = int(pid_file.read_text())
-        deadline = time.monotonic() + 10
-        while psutil.pid_exists(pulumi) and psutil.Process(pulumi).status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, "the interrupted pulumi is still running"
-            time.sleep(0.05)
+        cancel_log = (tmp_path / "cancel.log").read_text()
+        assert "killing it" in cancel_log
+        assert "Updating (dev):" in cancel_log, "the interrupted run's last output is in the cancel step's log"
+        for pid in map(int, pid_file.read_text().split()):  # pulumi and its plugin (another process group)
+            deadline = time.monotonic() + 10
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, f"process {pid} of the interrupted run is still running"
+                time.sleep(0.05)
         calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
         assert commands(calls)[-2:] == ["login", "cancel"] and commands(calls).count("SIGINT") == 1
 
