@@ -31,10 +31,17 @@
 #   traps SIGINT/SIGTERM and hands the first one to `timeout` as one SIGINT, so a cancelled job starts
 #   Pulumi's cancellation at once (the runner signals only the step's process: the workflow `exec`s this
 #   script), and `cancel` waits for that cancellation (PULUMI_CANCEL_WAIT) before it releases the lock.
+#   A signal during login or stack select ends the script (130) before Pulumi starts; one that comes
+#   before `timeout` has started Pulumi is handed on once it has. When the budget's grace runs out,
+#   what is left of the run (Pulumi's plugins) is killed with it.
 # - Every command runs with the policy pack except `cancel`, and without colour so the report can
 #   quote the policy violations verbatim.
 # Not here: installing Pulumi or credentials (the workflow's steps before this one).
 set -euo pipefail
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 501)); then
+  echo "error: $0 needs bash 5.1 or newer (wait -n -p); this is bash $BASH_VERSION" >&2
+  exit 2
+fi
 
 usage="usage: $0 preview|preview-destroy|up|destroy|cancel STACK"
 command="${1:?$usage}"
@@ -50,16 +57,44 @@ pidfile="${RUNNER_TEMP:-/tmp}/pulumi-run.pid" # a running `up`/`destroy` (its ti
 # Seconds `cancel` waits for it, at most 200: the runner kills a cancelled job's worker 285 s after the
 # cancel (5 min less 15 s), and the apply step's end, login and `pulumi cancel` take ~25 s of that
 cancel_wait="${PULUMI_CANCEL_WAIT:-180}"
-if ! [[ "$cancel_wait" =~ ^[0-9]+$ ]] || ((cancel_wait > 200)); then
+if [[ "$cancel_wait" =~ ^[0-9]{1,6}$ ]]; then
+  cancel_wait=$((10#$cancel_wait)) # "09" is nine seconds, not an octal error
+else
+  cancel_wait=200
+fi
+if ((cancel_wait > 200)); then
   cancel_wait=200
 fi
 
 # whether any process of session $1 is alive (a zombie is not: pgrep matches zombies unless told the
-# states, and its --runstates is missing from older procps)
-# shellcheck disable=SC2009
+# states, and its --runstates is missing from older procps); awk reads all of ps's output, so ps
+# never dies of SIGPIPE under pipefail and makes a live session look gone
 session_alive() {
-  ps -o stat= -s "$1" 2>/dev/null | grep -qv '^Z'
+  ps -o stat= -s "$1" 2>/dev/null | awk '$1 !~ /^Z/ { alive = 1 } END { exit !alive }'
 }
+
+# `up`/`destroy`: a SIGINT or SIGTERM (a cancelled job; Ctrl-C) is counted from the start, so one that
+# comes during login or stack select stops the script before Pulumi starts (the runner signals only
+# this shell, and bash runs a trap once the foreground command has finished)
+signals=0 forwarded=0 bounded=""
+# hands the first signal to `timeout` as one SIGINT, once timeout has started Pulumi: bash starts a
+# background command with SIGINT ignored, and until timeout has installed its handlers (it does so
+# before it forks the command: coreutils timeout.c) a SIGINT to it would be lost
+# shellcheck disable=SC2329  # called by the INT/TERM trap and the wait loop
+forward_signal() {
+  if ((signals > 0 && forwarded == 0)) && [[ -n "$bounded" ]] && pgrep -P "$bounded" >/dev/null; then
+    kill -INT "$bounded" 2>/dev/null
+    forwarded=1
+  fi
+}
+# whether process $1 runs (a child that has exited stays a zombie until `wait` collects it)
+running() {
+  local stat
+  stat=$(ps -o stat= -p "$1" 2>/dev/null) && [[ "$stat" != Z* ]]
+}
+if [[ "$command" == "up" || "$command" == "destroy" ]]; then
+  trap 'signals=$((signals + 1)); forward_signal' INT TERM
+fi
 qualified="$stack"
 if [[ -n "${PULUMI_ORG:-}" ]]; then
   qualified="${PULUMI_ORG}/gemma-finetune/${stack}"
@@ -137,33 +172,48 @@ esac
 
 set +e
 if [[ "$command" == "up" || "$command" == "destroy" ]]; then
+  if ((signals > 0)); then
+    echo "cancelled before pulumi $command started: nothing was changed" | tee -a "$log"
+    rc=130
+    exit "$rc"
+  fi
   # in a session of its own (no Ctrl-C or runner signal reaches it directly); its output goes to the log,
   # which `tail` follows onto the console until it exits
   # A cancelled job or Ctrl-C: one SIGINT, through timeout, which hands Pulumi exactly that one (the
-  # first signal only: the runner sends SIGINT, then SIGTERM 7.5 s later; one that comes before timeout
-  # has started is handed on as soon as it has); the cancel step finds the run through the pid file and
-  # waits for it before it releases the lock
-  bounded="" signals=0 forwarded=0
-  trap 'signals=$((signals + 1)); if ((signals == 1)) && [[ -n "$bounded" ]]; then kill -INT "$bounded" 2>/dev/null; forwarded=1; fi' INT TERM
+  # first signal only: the runner sends SIGINT, then SIGTERM 7.5 s later); the cancel step finds the run
+  # through the pid file and waits for it before it releases the lock
   start=$(($(stat -c %s "$log") + 1))
   setsid timeout --foreground --signal=INT --kill-after="$grace" "$budget" pulumi "${args[@]}" >>"$log" 2>&1 &
   bounded=$!
   echo "$bounded $log" >"$pidfile"
-  if ((signals > 0 && forwarded == 0)); then
-    kill -INT "$bounded" 2>/dev/null
-    forwarded=1
-  fi
   tail -c "+$start" -f --pid="$bounded" "$log" &
   follower=$!
+  # A trapped signal ends `wait` at once; one that comes just before `wait` starts is only trapped, so
+  # `wait` also ends with a tick (every 5 s), after which a signal not yet handed on is
   while true; do
-    seen=$signals
-    wait "$bounded"
-    rc=$?
-    [[ "$signals" == "$seen" ]] && break # else a trapped signal ended `wait`, not the command: wait again
+    forward_signal
+    if ((signals > 0 && forwarded == 0)) && running "$bounded"; then
+      sleep 0.1 # a signal came before timeout had started Pulumi: hand it on once it has
+      continue
+    fi
+    sleep 5 &
+    tick=$!
+    finished=""
+    wait -n -p finished "$bounded" "$tick" # bash >= 5.1
+    status=$?
+    kill "$tick" 2>/dev/null
+    if [[ "${finished:-}" == "$bounded" ]]; then # -p unsets it when a signal ends wait
+      rc=$status
+      break
+    fi # else the tick, or a trapped signal ended `wait`, not the command: wait again
   done
   trap - INT TERM
   rm -f "$pidfile"
   wait "$follower"
+  if [[ "$rc" == 137 ]]; then
+    # killed past its grace: Pulumi's plugins run in process groups of their own, in timeout's session
+    pkill -KILL -s "$bounded" 2>/dev/null
+  fi
   if [[ "$rc" == 124 || "$rc" == 137 ]]; then
     {
       echo "error: pulumi $command ran past its budget of $budget and was interrupted (exit $rc)."

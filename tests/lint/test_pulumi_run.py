@@ -49,6 +49,9 @@ def note(event):
         log.write(json.dumps([event]) + "\n")
 
 
+if args[0] == "login" and os.environ.get("FAKE_LOGIN_MARKER"):
+    open(os.environ["FAKE_LOGIN_MARKER"], "w").close()
+    time.sleep(2.0)  # a slow login: the job is cancelled meanwhile
 if args[0] == "stack" and args[1] == "select" and mode == "missing-stack":
     print("error: no stack named 'dev' found", file=sys.stderr)
     sys.exit(255)
@@ -178,10 +181,15 @@ class TestUpWithinItsBudget:
     def test_past_its_budget_pulumi_gets_sigint_then_the_lock_is_released(
         self, tmp_path: Path, command: str, mode: str, grace: str, code: int
     ) -> None:
+        pid_file = tmp_path / "fake.pid"
+        plugin = {"FAKE_PID_FILE": str(pid_file)} if mode == "stubborn" else {}
         result, calls, outputs = run(
-            tmp_path, command, "dev", FAKE_PULUMI_MODE=mode, PULUMI_BUDGET="1s", PULUMI_GRACE=grace
+            tmp_path, command, "dev", FAKE_PULUMI_MODE=mode, PULUMI_BUDGET="1s", PULUMI_GRACE=grace, **plugin
         )
         assert result.returncode == code
+        if plugin:  # killed past its grace: its plugin (a process group of its own) goes with it
+            plugin_pid = int(pid_file.read_text().split()[1])
+            assert not psutil.pid_exists(plugin_pid) or psutil.Process(plugin_pid).status() == psutil.STATUS_ZOMBIE
         assert commands(calls) == ["login", "stack select", command, "SIGINT", "cancel"]
         assert calls[-1][:2] == ["cancel", "--yes"] and calls[-1][calls[-1].index("--stack") + 1] == "dev"
         log = Path(outputs["log"]).read_text()
@@ -322,6 +330,127 @@ class TestRunnerCancellation:
                 time.sleep(0.05)
         calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
         assert commands(calls)[-2:] == ["login", "cancel"] and commands(calls).count("SIGINT") == 1
+
+
+# `timeout` slow to start Pulumi, as on a loaded runner: a Python program that SIGINT does not stop (it
+# inherits bash's ignored SIGINT, as timeout does until it has installed its handlers)
+SLOW_TIMEOUT = r"""#!{python}
+import os, sys, time
+open(os.environ["FAKE_TIMEOUT_MARKER"], "w").close()
+time.sleep(1.5)
+os.execv("/usr/bin/timeout", ["timeout", *sys.argv[1:]])
+"""
+
+
+class TestCancelledBeforePulumiStarts:
+    def test_a_cancel_during_login_never_starts_up(self, tmp_path: Path) -> None:
+        marker = tmp_path / "login-started"
+        base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
+        env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": "graceful"}
+        script = subprocess.Popen(
+            ["bash", str(SCRIPT), "up", "dev"],
+            cwd=REPO_ROOT,
+            env={**env, "PULUMI_LOG": str(tmp_path / "pulumi.log"), "FAKE_LOGIN_MARKER": str(marker)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not marker.exists():
+                assert time.monotonic() < deadline and script.poll() is None, "login never started"
+                time.sleep(0.02)
+            os.kill(script.pid, signal.SIGINT)  # the runner: the step's shell only; login goes on
+            console, _ = script.communicate(timeout=60)
+        finally:
+            if script.poll() is None:
+                os.killpg(script.pid, signal.SIGKILL)
+        calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
+        assert commands(calls) == ["login", "stack select"], "a cancelled job must not start `up`"
+        assert script.returncode == 130 and "cancelled before pulumi up started" in console
+
+    def test_a_signal_before_timeout_has_started_pulumi_reaches_pulumi(self, tmp_path: Path) -> None:
+        marker = tmp_path / "timeout-started"
+        (tmp_path / "bin").mkdir()
+        slow = tmp_path / "bin" / "timeout"
+        slow.write_text(SLOW_TIMEOUT.replace("{python}", sys.executable))
+        slow.chmod(0o755)
+        base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
+        env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": "graceful"}
+        script = subprocess.Popen(
+            ["bash", str(SCRIPT), "up", "dev"],
+            cwd=REPO_ROOT,
+            env={**env, "PULUMI_LOG": str(tmp_path / "pulumi.log"), "FAKE_TIMEOUT_MARKER": str(marker)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not marker.exists():
+                assert time.monotonic() < deadline and script.poll() is None, "timeout never started"
+                time.sleep(0.02)
+            os.kill(script.pid, signal.SIGINT)
+            console, _ = script.communicate(timeout=60)
+        finally:
+            if script.poll() is None:
+                os.killpg(script.pid, signal.SIGKILL)
+        # the fake `up` runs until a SIGINT: that the script ended at all means the signal was not lost.
+        # It reaches Pulumi either once its handler is in place (a cancellation at a safe point, 255) or
+        # while it is still starting, which ends it before it has done anything (130)
+        calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
+        names = commands(calls)
+        assert names[:2] == ["login", "stack select"] and names.count("SIGINT") <= 1
+        if "SIGINT" in names:
+            assert names == ["login", "stack select", "up", "SIGINT"]
+            assert script.returncode == 255 and "cancelled at a safe point" in console
+        else:
+            assert script.returncode == 130, console
+
+
+class TestCancelWait:
+    @pytest.mark.parametrize(("setting", "shown"), [("09", "9s"), ("999", "200s")])
+    def test_the_wait_ends_when_the_run_has_exited_and_is_capped(
+        self, tmp_path: Path, setting: str, shown: str
+    ) -> None:
+        """The run's last process exits and stays a zombie (its parent has not collected it): the wait ends."""
+        run_log = tmp_path / "run.log"
+        run_log.write_text("Updating (dev):\n")
+        last = subprocess.Popen(["sleep", "3"], start_new_session=True)  # its session id is its pid
+        try:
+            (tmp_path / "pulumi-run.pid").write_text(f"{last.pid} {run_log}\n")
+            result, calls = run_cancel(tmp_path, PULUMI_CANCEL_WAIT=setting)
+            assert psutil.Process(last.pid).status() == psutil.STATUS_ZOMBIE, "not collected until the end"
+        finally:
+            last.wait()
+        assert result.returncode == 0, result.stdout + result.stderr
+        cancel_log = (tmp_path / "cancel.log").read_text()
+        assert f"waiting up to {shown} for it" in cancel_log
+        assert "killing it" not in cancel_log, "a zombie is not a running Pulumi"
+        assert commands(calls) == ["login", "cancel"]
+
+
+def run_cancel(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[list[str]]]:
+    base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
+    environment = {
+        **base,
+        "RUNNER_TEMP": str(tmp_path),
+        "PULUMI_BACKEND_URL": "gs://p",
+        "PULUMI_LOG": str(tmp_path / "cancel.log"),
+        **env,
+    }
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "cancel", "dev"],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return result, [json.loads(line) for line in calls_log.read_text().splitlines()]
 
 
 class TestCancel:
