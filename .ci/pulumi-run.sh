@@ -81,11 +81,12 @@ signals=0 forwarded=0 bounded=""
 # background command with SIGINT ignored, and until timeout has installed its handlers (it does so
 # before it forks the command: coreutils timeout.c) a SIGINT to it would be lost
 # shellcheck disable=SC2329  # called by the INT/TERM trap and the wait loop
+# A trap can run between any two commands, this function's too: the test and the set are one
+# arithmetic command, so a second signal that comes meanwhile cannot forward a second SIGINT
 forward_signal() {
-  if ((signals > 0 && forwarded == 0)) && [[ -n "$bounded" ]] && pgrep -P "$bounded" >/dev/null; then
-    kill -INT "$bounded" 2>/dev/null
-    forwarded=1
-  fi
+  ((signals > 0 && forwarded == 0)) && [[ -n "$bounded" ]] && pgrep -P "$bounded" >/dev/null || return 0
+  ((forwarded++ == 0)) || return 0
+  kill -INT "$bounded" 2>/dev/null
 }
 # whether process $1 runs (a child that has exited stays a zombie until `wait` collects it)
 running() {
@@ -207,9 +208,14 @@ if [[ "$command" == "up" || "$command" == "destroy" ]]; then
       break
     fi # else the tick, or a trapped signal ended `wait`, not the command: wait again
   done
-  trap - INT TERM
+  # counted, no longer handed on: the runner's SIGTERM can come while the follower drains (tail --pid
+  # looks once a second) or `pulumi cancel` runs, and must not turn Pulumi's exit code into 143
+  trap 'signals=$((signals + 1))' INT TERM
   rm -f "$pidfile"
   wait "$follower"
+  while kill -0 "$follower" 2>/dev/null; do # a signal ended `wait`: the follower is still draining
+    wait "$follower"
+  done
   if [[ "$rc" == 137 ]]; then
     # killed past its grace: Pulumi's plugins run in process groups of their own, in timeout's session
     pkill -KILL -s "$bounded" 2>/dev/null

@@ -278,6 +278,26 @@ class TestRunnerCancellation:
         assert commands(calls) == ["login", "stack select", "up", "SIGINT", "cancelled at a safe point"]
         assert script.returncode == 255
 
+    def test_a_sigterm_as_pulumi_finishes_keeps_pulumis_exit_code(self, tmp_path: Path) -> None:
+        """The runner's SIGTERM (7.5 s after its SIGINT) lands as Pulumi ends its cancellation, while the
+        script collects the follower that copies the log to the console."""
+        script, calls_log, _ = start_up(tmp_path, "slow-graceful")
+        try:
+            os.kill(script.pid, signal.SIGINT)
+            deadline = time.monotonic() + 60
+            while "cancelled at a safe point" not in calls_log.read_text():
+                assert time.monotonic() < deadline, "pulumi never cancelled"
+                time.sleep(0.01)
+            time.sleep(0.2)  # pulumi has exited; tail --pid notices within a second
+            os.kill(script.pid, signal.SIGTERM)
+            script.wait(timeout=60)
+        finally:
+            if script.poll() is None:
+                os.killpg(script.pid, signal.SIGKILL)
+        assert script.returncode == 255, "Pulumi's exit code, not the shell's death by SIGTERM (143)"
+        console = (tmp_path / "console.txt").read_text()
+        assert "cancelled at a safe point" in console, "the follower copied the log to the end"
+
     def test_cancel_waits_for_the_interrupted_run_before_releasing_the_lock(self, tmp_path: Path) -> None:
         script, calls_log, env = start_up(tmp_path, "slow-graceful")
         os.kill(script.pid, signal.SIGINT)
