@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -207,57 +208,58 @@ class TestCancelledWhileRunning:
         self, tmp_path: Path, target: str, signum: signal.Signals
     ) -> None:
         """A Ctrl-C reaches the script's whole process group; a cancelled GitHub job signals only the step's shell."""
-        base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
-        log = tmp_path / "pulumi.log"
-        env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": "graceful"}
-        script = subprocess.Popen(
-            ["bash", str(SCRIPT), "up", "dev"],
-            cwd=REPO_ROOT,
-            env={**env, "PULUMI_LOG": str(log), "PULUMI_BUDGET": "120s"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while "Updating (dev):" not in (log.read_text() if log.exists() else ""):
-                assert time.monotonic() < deadline and script.poll() is None, "pulumi up never started"
-                time.sleep(0.05)
-            if target == "group":
-                os.killpg(script.pid, signum)
-            else:
-                os.kill(script.pid, signum)
-            console, _ = script.communicate(timeout=60)
-        finally:
-            if script.poll() is None:
-                os.killpg(script.pid, signal.SIGKILL)
+        script, calls_log, _ = start_up(tmp_path, "graceful")
+        if target == "group":
+            os.killpg(script.pid, signum)
+        else:
+            os.kill(script.pid, signum)
+        assert ended(script) == 255, "Pulumi's own exit code after its cancellation"
         calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
         assert commands(calls) == ["login", "stack select", "up", "SIGINT"], "exactly one SIGINT, and no cancel"
-        assert script.returncode == 255, "Pulumi's own exit code after its cancellation"
+        console = (tmp_path / "console.txt").read_text()
         assert "Updating (dev):" in console and "cancelled at a safe point" in console, "the output reached the console"
 
 
-def start_up(tmp_path: Path, mode: str, **extra: str) -> tuple[subprocess.Popen[str], Path, dict[str, str]]:
-    """`pulumi-run.sh up dev` started as the workflow step runs it; returns once pulumi up is running."""
+def launch(
+    tmp_path: Path, mode: str, ready: Callable[[], bool], what: str, **extra: str
+) -> tuple[subprocess.Popen[str], Path, dict[str, str]]:
+    """`pulumi-run.sh up dev` started as the workflow step runs it; returns once `ready()` holds.
+
+    The console goes to console.txt (a file: a killed script's followers would keep a pipe open)."""
     base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
     env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": mode, **extra}
-    log = tmp_path / "pulumi.log"
-    with (tmp_path / "console.txt").open("w") as console:  # a file: a killed script's followers keep a pipe open
+    with (tmp_path / "console.txt").open("w") as console:
         script = subprocess.Popen(
             ["bash", str(SCRIPT), "up", "dev"],
             cwd=REPO_ROOT,
-            env={**env, "PULUMI_LOG": str(log), "PULUMI_BUDGET": "120s"},
+            env={**env, "PULUMI_LOG": str(tmp_path / "pulumi.log"), "PULUMI_BUDGET": "120s"},
             stdout=console,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
     deadline = time.monotonic() + 60
-    while "Updating (dev):" not in (log.read_text() if log.exists() else ""):
-        assert time.monotonic() < deadline and script.poll() is None, "pulumi up never started"
-        time.sleep(0.05)
+    while not ready():
+        if time.monotonic() > deadline or script.poll() is not None:
+            os.killpg(script.pid, signal.SIGKILL)
+            pytest.fail(f"{what} never started")
+        time.sleep(0.02)
     return script, calls_log, env
+
+
+def start_up(tmp_path: Path, mode: str, **extra: str) -> tuple[subprocess.Popen[str], Path, dict[str, str]]:
+    """Returns once pulumi up is running."""
+    log = tmp_path / "pulumi.log"
+    return launch(tmp_path, mode, lambda: log.exists() and "Updating (dev):" in log.read_text(), "pulumi up", **extra)
+
+
+def ended(script: subprocess.Popen[str]) -> int:
+    """The script's exit code; killed with all it started if it has not ended within a minute."""
+    try:
+        return script.wait(timeout=60)
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
 
 
 class TestRunnerCancellation:
@@ -266,35 +268,24 @@ class TestRunnerCancellation:
 
     def test_sigint_then_sigterm_reach_pulumi_as_one_sigint(self, tmp_path: Path) -> None:
         script, calls_log, _ = start_up(tmp_path, "slow-graceful")
-        try:
-            os.kill(script.pid, signal.SIGINT)
-            time.sleep(1.0)
-            os.kill(script.pid, signal.SIGTERM)
-            script.wait(timeout=60)
-        finally:
-            if script.poll() is None:
-                os.killpg(script.pid, signal.SIGKILL)
+        os.kill(script.pid, signal.SIGINT)
+        time.sleep(1.0)
+        os.kill(script.pid, signal.SIGTERM)
+        assert ended(script) == 255
         calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
         assert commands(calls) == ["login", "stack select", "up", "SIGINT", "cancelled at a safe point"]
-        assert script.returncode == 255
 
     def test_a_sigterm_as_pulumi_finishes_keeps_pulumis_exit_code(self, tmp_path: Path) -> None:
         """The runner's SIGTERM (7.5 s after its SIGINT) lands as Pulumi ends its cancellation, while the
         script collects the follower that copies the log to the console."""
         script, calls_log, _ = start_up(tmp_path, "slow-graceful")
-        try:
-            os.kill(script.pid, signal.SIGINT)
-            deadline = time.monotonic() + 60
-            while "cancelled at a safe point" not in calls_log.read_text():
-                assert time.monotonic() < deadline, "pulumi never cancelled"
-                time.sleep(0.01)
-            time.sleep(0.2)  # pulumi has exited; tail --pid notices within a second
-            os.kill(script.pid, signal.SIGTERM)
-            script.wait(timeout=60)
-        finally:
-            if script.poll() is None:
-                os.killpg(script.pid, signal.SIGKILL)
-        assert script.returncode == 255, "Pulumi's exit code, not the shell's death by SIGTERM (143)"
+        os.kill(script.pid, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while "cancelled at a safe point" not in calls_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # pulumi has exited; tail --pid notices within a second
+        os.kill(script.pid, signal.SIGTERM)
+        assert ended(script) == 255, "Pulumi's exit code, not the shell's death by SIGTERM (143)"
         console = (tmp_path / "console.txt").read_text()
         assert "cancelled at a safe point" in console, "the follower copied the log to the end"
 
@@ -365,69 +356,30 @@ os.execv("/usr/bin/timeout", ["timeout", *sys.argv[1:]])
 class TestCancelledBeforePulumiStarts:
     def test_a_cancel_during_login_never_starts_up(self, tmp_path: Path) -> None:
         marker = tmp_path / "login-started"
-        base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
-        env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": "graceful"}
-        script = subprocess.Popen(
-            ["bash", str(SCRIPT), "up", "dev"],
-            cwd=REPO_ROOT,
-            env={**env, "PULUMI_LOG": str(tmp_path / "pulumi.log"), "FAKE_LOGIN_MARKER": str(marker)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while not marker.exists():
-                assert time.monotonic() < deadline and script.poll() is None, "login never started"
-                time.sleep(0.02)
-            os.kill(script.pid, signal.SIGINT)  # the runner: the step's shell only; login goes on
-            console, _ = script.communicate(timeout=60)
-        finally:
-            if script.poll() is None:
-                os.killpg(script.pid, signal.SIGKILL)
+        script, calls_log, _ = launch(tmp_path, "graceful", marker.exists, "login", FAKE_LOGIN_MARKER=str(marker))
+        os.kill(script.pid, signal.SIGINT)  # the runner: the step's shell only; login goes on
+        assert ended(script) == 130
         calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
         assert commands(calls) == ["login", "stack select"], "a cancelled job must not start `up`"
-        assert script.returncode == 130 and "cancelled before pulumi up started" in console
+        assert "cancelled before pulumi up started" in (tmp_path / "console.txt").read_text()
 
     def test_a_signal_before_timeout_has_started_pulumi_reaches_pulumi(self, tmp_path: Path) -> None:
         marker = tmp_path / "timeout-started"
-        (tmp_path / "bin").mkdir()
-        slow = tmp_path / "bin" / "timeout"
-        slow.write_text(SLOW_TIMEOUT.replace("{python}", sys.executable))
-        slow.chmod(0o755)
-        base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
-        env = {**base, "RUNNER_TEMP": str(tmp_path), "PULUMI_BACKEND_URL": "gs://p", "FAKE_PULUMI_MODE": "graceful"}
-        script = subprocess.Popen(
-            ["bash", str(SCRIPT), "up", "dev"],
-            cwd=REPO_ROOT,
-            env={**env, "PULUMI_LOG": str(tmp_path / "pulumi.log"), "FAKE_TIMEOUT_MARKER": str(marker)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while not marker.exists():
-                assert time.monotonic() < deadline and script.poll() is None, "timeout never started"
-                time.sleep(0.02)
-            os.kill(script.pid, signal.SIGINT)
-            console, _ = script.communicate(timeout=60)
-        finally:
-            if script.poll() is None:
-                os.killpg(script.pid, signal.SIGKILL)
-        # the fake `up` runs until a SIGINT: that the script ended at all means the signal was not lost.
-        # It reaches Pulumi either once its handler is in place (a cancellation at a safe point, 255) or
-        # while it is still starting, which ends it before it has done anything (130)
-        calls = [json.loads(line) for line in calls_log.read_text().splitlines()]
-        names = commands(calls)
+        fake_command(tmp_path, "timeout", SLOW_TIMEOUT)
+        script, calls_log, _ = launch(tmp_path, "graceful", marker.exists, "timeout", FAKE_TIMEOUT_MARKER=str(marker))
+        os.kill(script.pid, signal.SIGINT)
+        code = ended(script)
+        # the fake `up` runs until a SIGINT: that the script ended at all means the signal was not lost
+        # (the script before this check hung here). It reaches Pulumi either once its handler is in place
+        # (a cancellation at a safe point, 255) or while it is still starting, which ends it before it
+        # has done anything (130)
+        names = commands([json.loads(line) for line in calls_log.read_text().splitlines()])
         assert names[:2] == ["login", "stack select"] and names.count("SIGINT") <= 1
         if "SIGINT" in names:
-            assert names == ["login", "stack select", "up", "SIGINT"]
-            assert script.returncode == 255 and "cancelled at a safe point" in console
+            assert names == ["login", "stack select", "up", "SIGINT"] and code == 255
+            assert "cancelled at a safe point" in (tmp_path / "console.txt").read_text()
         else:
-            assert script.returncode == 130, console
+            assert code == 130
 
 
 class TestCancelWait:
@@ -441,36 +393,15 @@ class TestCancelWait:
         last = subprocess.Popen(["sleep", "3"], start_new_session=True)  # its session id is its pid
         try:
             (tmp_path / "pulumi-run.pid").write_text(f"{last.pid} {run_log}\n")
-            result, calls = run_cancel(tmp_path, PULUMI_CANCEL_WAIT=setting)
+            result, calls, outputs = run(tmp_path, "cancel", "dev", PULUMI_CANCEL_WAIT=setting)
             assert psutil.Process(last.pid).status() == psutil.STATUS_ZOMBIE, "not collected until the end"
         finally:
             last.wait()
         assert result.returncode == 0, result.stdout + result.stderr
-        cancel_log = (tmp_path / "cancel.log").read_text()
+        cancel_log = Path(outputs["log"]).read_text()
         assert f"waiting up to {shown} for it" in cancel_log
         assert "killing it" not in cancel_log, "a zombie is not a running Pulumi"
         assert commands(calls) == ["login", "cancel"]
-
-
-def run_cancel(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[list[str]]]:
-    base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
-    environment = {
-        **base,
-        "RUNNER_TEMP": str(tmp_path),
-        "PULUMI_BACKEND_URL": "gs://p",
-        "PULUMI_LOG": str(tmp_path / "cancel.log"),
-        **env,
-    }
-    result = subprocess.run(
-        ["bash", str(SCRIPT), "cancel", "dev"],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return result, [json.loads(line) for line in calls_log.read_text().splitlines()]
 
 
 class TestCancel:
