@@ -77,21 +77,16 @@ session_alive() {
 # comes during login or stack select stops the script before Pulumi starts (the runner signals only
 # this shell, and bash runs a trap once the foreground command has finished)
 signals=0 forwarded=0 bounded=""
-# hands the first signal to `timeout` as one SIGINT, once timeout has started Pulumi: bash starts a
+# Hands the first signal to `timeout` as one SIGINT, once timeout has started Pulumi: bash starts a
 # background command with SIGINT ignored, and until timeout has installed its handlers (it does so
-# before it forks the command: coreutils timeout.c) a SIGINT to it would be lost
+# before it forks the command: coreutils timeout.c) a SIGINT to it would be lost. A trap can run
+# between any two commands, this function's too: the test and the set are one arithmetic command, so
+# a second signal that comes meanwhile cannot forward a second SIGINT.
 # shellcheck disable=SC2329  # called by the INT/TERM trap and the wait loop
-# A trap can run between any two commands, this function's too: the test and the set are one
-# arithmetic command, so a second signal that comes meanwhile cannot forward a second SIGINT
 forward_signal() {
   ((signals > 0 && forwarded == 0)) && [[ -n "$bounded" ]] && pgrep -P "$bounded" >/dev/null || return 0
   ((forwarded++ == 0)) || return 0
   kill -INT "$bounded" 2>/dev/null
-}
-# whether process $1 runs (a child that has exited stays a zombie until `wait` collects it)
-running() {
-  local stat
-  stat=$(ps -o stat= -p "$1" 2>/dev/null) && [[ "$stat" != Z* ]]
 }
 if [[ "$command" == "up" || "$command" == "destroy" ]]; then
   trap 'signals=$((signals + 1)); forward_signal' INT TERM
@@ -190,14 +185,15 @@ if [[ "$command" == "up" || "$command" == "destroy" ]]; then
   tail -c "+$start" -f --pid="$bounded" "$log" &
   follower=$!
   # A trapped signal ends `wait` at once; one that comes just before `wait` starts is only trapped, so
-  # `wait` also ends with a tick (every 5 s), after which a signal not yet handed on is
+  # `wait` also ends with a tick, after which a signal not yet handed on is: every 5 s, or every 0.1 s
+  # while one waits for timeout to start Pulumi
   while true; do
     forward_signal
-    if ((signals > 0 && forwarded == 0)) && running "$bounded"; then
-      sleep 0.1 # a signal came before timeout had started Pulumi: hand it on once it has
-      continue
+    tick_s=5
+    if ((signals > 0 && forwarded == 0)); then
+      tick_s=0.1
     fi
-    sleep 5 &
+    sleep "$tick_s" &
     tick=$!
     finished=""
     wait -n -p finished "$bounded" "$tick" # bash >= 5.1
