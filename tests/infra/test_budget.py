@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from infra.config import ConfigError
 from infra.offline import MOCK_PROJECT_NUMBER, REPO_ROOT, StackRun, run_stack
 from tests.infra.conftest import PREBUILT
 from tests.infra.test_ordering import ancestors, dependency_graph
+from tests.test_docs import slug
 
 BUDGET = "gcp:billing/budget:Budget"
 CHANNEL = "gcp:monitoring/notificationChannel:NotificationChannel"
@@ -91,21 +93,39 @@ class TestBudget:
             assert not [text for text in shown if address in text], address
 
 
-class TestBudgetReadme:
+class TestBudgetDocs:
     """`gcp:userProjectOverride` bills every call to the billing project, which needs `serviceusage.services.use`
     there (cloud.google.com/apis/docs/system-parameters): the budget setup says so, and the cloud path links it."""
 
     def test_the_override_comes_with_the_permission_it_needs(self) -> None:
-        readme = (REPO_ROOT / "README.md").read_text()
-        costs = readme.split("## What it costs", 1)[1].split("\n## ", 1)[0]
-        budget = costs[costs.index("- A budget:") :].split("\n- ", 1)[0]
-        assert "gcp:userProjectOverride" in budget
-        assert "serviceusage.services.use" in budget and "roles/serviceusage.serviceUsageConsumer" in budget
+        assert "gcp:userProjectOverride" in _budget_guard()
+        assert "serviceusage.services.use" in _budget_guard()
+        assert "roles/serviceusage.serviceUsageConsumer" in _budget_guard()
 
     def test_the_cloud_path_links_there(self) -> None:
-        readme = (REPO_ROOT / "README.md").read_text()
-        cloud_path = readme.split("## The cloud path", 1)[1].split("\n### ", 1)[0]
-        assert "serviceusage.services.use" in cloud_path and "(#what-it-costs)" in cloud_path
+        """The one-time enable line's explanation names the permission and links the section with the budget."""
+        cloud_path = (REPO_ROOT / "docs" / "cloud-path.md").read_text()
+        enable = cloud_path.split("\n## The one-time enable line\n", 1)[1].split("\n## ", 1)[0]
+        assert "serviceusage.services.use" in enable
+        anchors = set(re.findall(r"\]\(costs\.md#([\w-]+)\)", enable))
+        assert anchors, "no link to docs/costs.md"
+        for anchor in anchors:
+            assert "- A budget:" in _costs_section(anchor), f"costs.md#{anchor} is not the budget guard's section"
+
+
+def _costs_section(anchor: str) -> str:
+    """The section of docs/costs.md whose heading GitHub gives `anchor` (tests/test_docs.py checks it exists)."""
+    costs = (REPO_ROOT / "docs" / "costs.md").read_text()
+    for section in costs.split("\n## ")[1:]:
+        heading = section.split("\n", 1)[0]
+        if slug(heading) == anchor:
+            return section
+    return ""
+
+
+def _budget_guard() -> str:
+    guards = _costs_section("guards")
+    return guards[guards.index("- A budget:") :].split("\n- ", 1)[0]
 
 
 class TestBudgetConfig:

@@ -468,11 +468,11 @@ class TestApiKey:
 
         root = Path(__file__).resolve().parents[2]
         config = yaml.safe_load((root / "Pulumi.yaml").read_text())["config"]
-        readme = (root / "README.md").read_text()
+        serving = (root / "docs" / "serving.md").read_text()
         docs = {
             "Pulumi.yaml servingApiKey": config["servingApiKey"]["description"],
             "Pulumi.yaml servingPublic": config["servingPublic"]["description"],
-            "README.md": readme[readme.index("**`servingPublic: true`") :][:1800],
+            "docs/serving.md": serving[serving.index("**`servingPublic: true`") :][:1800],
             "infra/cloud_run.py": cloud_run.__doc__ or "",
         }
         for where, text in docs.items():

@@ -34,7 +34,7 @@ def ceiling(stack: str, remove: tuple[str, ...] = (), **overrides: Any) -> float
 
 
 class TestPriceTable:
-    """Every figure says where it comes from and when; the README shows the table and its date."""
+    """Every figure says where it comes from and when; docs/costs.md shows the table and its date."""
 
     def test_every_figure_has_a_source_a_date_and_a_status(self) -> None:
         assert DATE.match(PRICES_AS_OF)
@@ -55,11 +55,16 @@ class TestPriceTable:
             True,
         ) in pricing.CLOUD_RUN_GPU_SECOND
 
-    def test_readme_shows_the_table_and_its_date(self) -> None:
-        readme = (REPO_ROOT / "README.md").read_text()
-        section = readme.split("## What it costs", 1)[1].split("\n## ", 1)[0]
+    def test_docs_show_the_table_and_its_date(self) -> None:
+        section = _costs_doc().split("\n## The price table\n", 1)[1].split("\n## ", 1)[0]
         assert PRICES_AS_OF in section
-        assert pricing.markdown() in section, "README's table is `python -m infra.pricing`; paste it again"
+        assert pricing.markdown() in section, (
+            "docs/costs.md's table is `python -m infra.pricing`: paste its output in place of the old table"
+        )
+
+
+def _costs_doc() -> str:
+    return (REPO_ROOT / "docs" / "costs.md").read_text()
 
 
 class TestCeilingPerStack:

@@ -264,7 +264,7 @@ RUN_URL = "https://gft-dev-vllm-abc123-uc.a.run.app"
 
 
 def _trust_the_stack_url(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the README's `export GEMMA_FT_URL="$(pulumi stack output servingUrl)"` does."""
+    """What docs/serving.md's `export GEMMA_FT_URL="$(pulumi stack output servingUrl)"` does."""
     monkeypatch.setenv(client.URL_ENV, RUN_URL)
 
 
@@ -391,13 +391,13 @@ class TestGcloud:
 
 
 class TestStartupWindowDocs:
-    def test_readme_states_the_window_and_the_client_default_timeout(self) -> None:
-        """The README's "Startup window" paragraph gives the probe's numbers and the client's cold-start deadline.
+    def test_docs_state_the_window_and_the_client_default_timeout(self) -> None:
+        """docs/serving.md's "Startup window" gives the probe's numbers and the client's cold-start deadline.
 
         It said 480 s after the window changed; the client's deadline is the window plus one default --timeout.
         """
-        readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-        text = " ".join(readme[readme.index("**Startup window.**") :].split("\n\n", 1)[0].split())
+        serving = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text(encoding="utf-8")
+        text = " ".join(serving.split("\n## Startup window\n\n", 1)[1].split("\n\n", 1)[0].split())
         default_timeout = client._parse_args(["--url", "http://127.0.0.1:8000", "hi"]).timeout
         assert default_timeout == client.DEFAULT_TIMEOUT_S
         assert f"first startup probe {STARTUP_WINDOW.initial_delay_s} s after the container starts" in text

@@ -293,7 +293,9 @@ class TestApiKeyGuard:
     def test_no_doc_gives_the_false_reason_for_refusing_middleware(self) -> None:
         """vLLM does not keep only the last --middleware (FrontendArgs.middleware is action="append")."""
         root = Path(__file__).resolve().parents[2]
-        for doc in ("README.md", "serving/README.md", "Pulumi.yaml", "serving/vllm_args.py", "infra/config.py"):
+        docs = ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs").rglob("*.md"))]
+        assert "docs/serving.md" in docs
+        for doc in (*docs, "serving/README.md", "Pulumi.yaml", "serving/vllm_args.py", "infra/config.py"):
             text = " ".join((root / doc).read_text(encoding="utf-8").split())
             for false in ("keeps only the last", "would replace the API key guard", "replace the guard"):
                 assert false not in text, f"{doc}: {false!r}"

@@ -1,0 +1,116 @@
+"""The README stays a two-minute read that indexes docs/, and no link in them points nowhere.
+
+Links are checked as GitHub renders them: a relative target is a path from the file's own folder, and an
+`#anchor` must be the slug GitHub gives one of the target's headings (lower case, punctuation dropped,
+spaces to hyphens, `-1`, `-2` … for repeats: github/cmark-gfm's anchor filter, as github.com applies it).
+Links inside code blocks and code spans are text, not links.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 160
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.DOTALL)
+_LINK = re.compile(r"\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+
+
+def doc_files() -> list[Path]:
+    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+
+
+def _prose(markdown: str) -> str:
+    return _CODE_SPAN.sub("", _FENCE.sub("", markdown))
+
+
+def slug(heading: str) -> str:
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in _HEADING.findall(_FENCE.sub("", markdown)):
+        base = slug(heading)
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def broken_links(source: Path, markdown: str) -> list[str]:
+    """Every relative link of `markdown` (read from `source`) whose file or anchor does not exist."""
+    broken = []
+    for target in _LINK.findall(_prose(markdown)):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (source.parent / path).resolve() if path else source
+        if not resolved.exists() or not resolved.is_relative_to(REPO_ROOT):
+            broken.append(f"{target}: no file {resolved}")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text(encoding="utf-8")):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {resolved.relative_to(REPO_ROOT)}")
+    return broken
+
+
+class TestReadme:
+    def test_readme_is_short(self) -> None:
+        lines = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+        assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move the depth to docs/"
+
+    def test_readme_shows_the_quick_start_and_indexes_every_docs_page(self) -> None:
+        readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+        assert "make demo" in readme and "make test" in readme and "make plan" in readme
+        linked = {(REPO_ROOT / target.partition("#")[0]).resolve() for target in _LINK.findall(_prose(readme))}
+        pages = [p for p in (REPO_ROOT / "docs").glob("*.md") if p.name != "README.md"]
+        assert pages, "docs/ has no pages"
+        assert not [p.name for p in pages if p.resolve() not in linked], "a docs page the README does not link"
+
+    def test_measurements_live_in_bench_results(self) -> None:
+        """No dated timing in the README or docs/: those are bench/RESULTS.md's (they go stale with the machine)."""
+        for doc in doc_files():
+            for line in _prose(doc.read_text(encoding="utf-8")).splitlines():
+                timed = re.search(r"\d+ ?(s|min)\b.*\b20\d\d-\d\d-\d\d|\b20\d\d-\d\d-\d\d\b.*\d+ ?(s|min)\b", line)
+                assert not timed, f"{doc.relative_to(REPO_ROOT)}: {line.strip()}"
+
+
+class TestLinks:
+    @pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+    def test_every_relative_link_resolves(self, doc: Path) -> None:
+        assert broken_links(doc, doc.read_text(encoding="utf-8")) == []
+
+    @pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+    def test_nothing_points_outside_the_repository(self, doc: Path) -> None:
+        text = doc.read_text(encoding="utf-8")
+        for outside in ("../shared", "CLOUD-FACTS", "SEEDS.md"):
+            assert outside not in text, f"{doc.relative_to(REPO_ROOT)} refers to {outside}"
+
+
+class TestTheCheckCanFail:
+    """The link check reports what is broken, and leaves code and external URLs alone."""
+
+    def test_a_missing_file_a_missing_anchor_and_a_link_out_of_the_repo_are_reported(self) -> None:
+        source = REPO_ROOT / "docs" / "costs.md"
+        text = (
+            "See [gone](gone.md), [no such heading](ci.md#no-such-heading),\n"
+            "[outside](../../etc/hosts) and [fine](ci.md#one-time-setup), [web](https://example.com/x.md)."
+        )
+        broken = broken_links(source, text)
+        assert len(broken) == 3, broken
+        assert broken[0].startswith("gone.md:") and "#no-such-heading" in broken[1] and "hosts" in broken[2]
+
+    def test_links_in_code_are_not_links(self) -> None:
+        text = "`[a](gone.md)`\n\n```markdown\n[b](gone.md)\n```\n"
+        assert broken_links(REPO_ROOT / "README.md", text) == []
+
+    def test_github_slugs(self) -> None:
+        text = "# What `pulumi destroy` keeps, and `pulumi up` again\n## Guards\n## Guards\n"
+        assert anchors(text) == {"what-pulumi-destroy-keeps-and-pulumi-up-again", "guards", "guards-1"}
