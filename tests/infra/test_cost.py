@@ -62,6 +62,15 @@ class TestPriceTable:
             "docs/costs.md's table is `python -m infra.pricing`: paste its output in place of the old table"
         )
 
+    def test_docs_give_each_stacks_ceiling_as_committed(self) -> None:
+        """The worked figures under "The ceiling of one run" are what the committed stack files plan to."""
+        section = _costs_doc().split("\n## The ceiling of one run\n", 1)[1].split("\n## ", 1)[0]
+        flat = " ".join(section.split())
+        assert f"(table of {PRICES_AS_OF})" in flat
+        for stack in stack_names():
+            figure = f"`{stack}` {ceiling(stack):,.2f} USD"
+            assert figure in flat, f"docs/costs.md should say {figure}"
+
 
 def _costs_doc() -> str:
     return (REPO_ROOT / "docs" / "costs.md").read_text()
