@@ -61,7 +61,7 @@ from types import TracebackType
 from typing import Any
 
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
-from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME
+from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME, served_sampling_defaults
 
 log = logging.getLogger("serving.local_server")
 
@@ -178,6 +178,7 @@ class GenerationRequest:
     max_tokens: int
     temperature: float
     top_p: float
+    top_k: int = 0  # 0: off, as in vLLM
     stream: bool = False
     include_usage: bool = False
 
@@ -221,11 +222,7 @@ class _Engine:
 
         inputs = self._inputs(request)
         prompt_len = int(inputs["input_ids"].shape[1])
-        sampling = (
-            {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
-            if request.temperature > 0
-            else {"do_sample": False}
-        )
+        sampling = _sampling_kwargs(request)
         with self._lock, torch.inference_mode():
             output = self.model.generate(
                 **inputs,
@@ -329,6 +326,14 @@ class _Engine:
             }
 
 
+def _sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
+    """`generate` settings for the request alone: every one is passed, so the model's generation_config.json
+    (the base's do_sample, top_k 64, top_p 0.95) never adds its own, as vLLM's `--generation-config vllm` does not."""
+    if request.temperature <= 0:  # vLLM: temperature 0 is greedy, top_k/top_p ignored (SamplingParams)
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k}
+
+
 class _BadRequest(ValueError):
     def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error") -> None:
         super().__init__(message)
@@ -360,12 +365,17 @@ def _common(body: Any, served_model_name: str, default_max_tokens: int) -> dict[
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT:
         raise _BadRequest(f"max_tokens={max_tokens!r}: must be an integer between 1 and {MAX_NEW_TOKENS_LIMIT}")
-    temperature = 0.0 if body.get("temperature") is None else body["temperature"]
-    top_p = 1.0 if body.get("top_p") is None else body["top_p"]
+    # what the service does for a parameter the request omits (serving/vllm_args.py decides it, once)
+    defaults = served_sampling_defaults()
+    temperature = defaults["temperature"] if body.get("temperature") is None else body["temperature"]
+    top_p = defaults["top_p"] if body.get("top_p") is None else body["top_p"]
+    top_k = defaults["top_k"] if body.get("top_k") is None else body["top_k"]
     if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
         raise _BadRequest(f"temperature={temperature!r}: must be between 0 and 2")
     if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
         raise _BadRequest(f"top_p={top_p!r}: must be in (0, 1]")
+    if not isinstance(top_k, int) or top_k < -1:
+        raise _BadRequest(f"top_k must be 0 (disable), or at least 1, got {top_k!r}.")
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -374,6 +384,7 @@ def _common(body: Any, served_model_name: str, default_max_tokens: int) -> dict[
         "max_tokens": max_tokens,
         "temperature": float(temperature),
         "top_p": float(top_p),
+        "top_k": max(top_k, 0),
         "stream": stream,
         "include_usage": stream and bool(options.get("include_usage")),
     }

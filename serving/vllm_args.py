@@ -24,6 +24,16 @@ Decisions:
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
+- Served sampling defaults are greedy, decided here once: `--generation-config vllm` (vLLM's neutral
+  defaults, not the export's `generation_config.json`, which keeps the base's `do_sample`, `top_k: 64`,
+  `top_p: 0.95`) with `--override-generation-config {"temperature": 0.0}` (vLLM's own neutral default is
+  temperature 1.0). A request that omits `temperature` then gets the same answer every time, in the
+  cloud as from serving/local_server.py, which takes its defaults from `served_sampling_defaults()`.
+  The export's stop tokens still apply: vLLM reads `eos_token_id` from generation_config.json for "vllm" too
+  (`InputProcessor.generation_config_fields`, vllm/v1/engine/input_processor.py).
+  vLLM: `ModelConfig.get_diff_sampling_param` (vllm/config/model.py) and
+  `ChatCompletionRequest.to_sampling_params` (`_DEFAULT_SAMPLING_PARAMS`,
+  vllm/entrypoints/openai/chat_completion/protocol.py), v0.28.0.
 - Settings vLLM itself would refuse at start-up fail here, at `pulumi preview`: `float16` for
   Gemma 2/3 (vLLM's `_FLOAT16_NOT_SUPPORTED_MODELS` in vllm/config/model.py: "Numerical
   instability. Please use bfloat16 or float32 instead."), known from `model_type` or the model's name.
@@ -43,6 +53,7 @@ and `pulumi up` does not install torch or vLLM. It does not know where the model
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from enum import StrEnum
@@ -156,6 +167,26 @@ VLLM_HEALTH_PATH = "/health"
 API_KEY_GUARD_MIDDLEWARE = "serving.api_key_guard.ApiKeyGuard"
 
 
+# vLLM's neutral sampling defaults for a parameter a request omits, when the generation config adds none
+# (`_DEFAULT_SAMPLING_PARAMS` of ChatCompletionRequest and CompletionRequest in vLLM v0.28.0).
+VLLM_NEUTRAL_SAMPLING: dict[str, float] = {
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+# What the service overrides: greedy unless the request asks otherwise (rendered as --override-generation-config).
+SERVED_SAMPLING_OVERRIDE: dict[str, float] = {"temperature": 0.0}
+# Where vLLM takes its defaults from: "vllm" = its neutral defaults, never the model's generation_config.json.
+SERVED_GENERATION_CONFIG = "vllm"
+
+
+def served_sampling_defaults() -> dict[str, float]:
+    """The sampling a request gets for each parameter it omits, on the service and on the local server."""
+    return {**VLLM_NEUTRAL_SAMPLING, **SERVED_SAMPLING_OVERRIDE}
+
+
 def vllm_api_key_guards(path: str) -> bool:
     """Whether vLLM's own check asks for the API key on `path` (its test: `path.startswith(GUARDED_PREFIX)`)."""
     return path.startswith(VLLM_API_KEY_GUARDED_PREFIXES)
@@ -181,6 +212,8 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     # order; Starlette's add_middleware inserts at the front, so the last one added is the outermost and sees
     # every request before the API key guard (it could answer without the key). Hence refused, not replaced.
     "api_key_guard": ("--middleware",),
+    # the served sampling defaults (SERVED_GENERATION_CONFIG, SERVED_SAMPLING_OVERRIDE): one decision, not a knob
+    "sampling_defaults": ("--generation-config", "--override-generation-config"),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
 
@@ -241,6 +274,12 @@ def extra_arg_problem(arg: str) -> str | None:
             f"{as_written}: vLLM adds every --middleware and the one added last is the outermost, so it would see "
             f"every request before the API key guard ({API_KEY_GUARD_MIDDLEWARE}) and could answer without the key; "
             "other middleware is not supported, remove it"
+        )
+    if field == "sampling_defaults":
+        return (
+            f"{as_written}: the served sampling defaults are fixed (greedy, `served_sampling_defaults()` in "
+            "serving/vllm_args.py) so the service and the local server answer a request alike; pass `temperature` "
+            "and `top_p` in the request instead"
         )
     return f"{as_written}, which duplicates the typed field `{field}`: set `{field}` instead"
 
@@ -454,6 +493,12 @@ def render_args(cfg: VllmServerConfig) -> list[str]:
         cfg.host,
         "--port",
         str(cfg.port),
+    ]
+    args += [
+        "--generation-config",
+        SERVED_GENERATION_CONFIG,
+        "--override-generation-config",
+        json.dumps(SERVED_SAMPLING_OVERRIDE, separators=(",", ":")),
     ]
     if cfg.max_num_seqs is not None:
         args += ["--max-num-seqs", str(cfg.max_num_seqs)]
