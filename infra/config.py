@@ -104,6 +104,9 @@ RESERVED_SERVING_ENV: dict[str, str] = {
     "GEMMA_FT_STARTUP_WINDOW_S": _STARTUP_ENV,
     "GEMMA_FT_MAX_MARKER_WAIT_S": _STARTUP_ENV,
     "GEMMA_FT_SKIP_MODEL_CHECK": "nobody: the served model is always checked",
+    "LD_LIBRARY_PATH": "the image (vLLM's Dockerfile sets LD_LIBRARY_PATH=/usr/local/cuda/lib64:…, which a value here "
+    "would replace). For CUDA forward compatibility set VLLM_ENABLE_CUDA_COMPATIBILITY=1 instead: from v0.28 vLLM "
+    "puts the image's compat libraries first itself, before torch loads (vllm/env_override.py, vllm PR #33992)",
 }
 # vLLM switches that add routes every caller of the service could use (vLLM v0.28.0): refused in servingEnv.
 UNSAFE_SERVING_ENV: dict[str, str] = {

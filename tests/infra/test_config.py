@@ -216,3 +216,12 @@ class TestServingEnvOpensNoDevelopmentRoutes:
     def test_other_vllm_settings_pass(self) -> None:
         cfg = validate({**CLOUD_RUN, "servingEnv": ["VLLM_LOGGING_LEVEL=DEBUG"]}, "dev", True)
         assert cfg.serving_env == ["VLLM_LOGGING_LEVEL=DEBUG"]
+
+
+def test_serving_env_leaves_ld_library_path_to_the_image_and_names_the_cuda_switch() -> None:
+    """The old 803/804 advice (`LD_LIBRARY_PATH=…` in servingEnv) would replace the image's own path; in v0.28 the
+    compat libraries are vLLM's opt-in VLLM_ENABLE_CUDA_COMPATIBILITY=1 (vllm/env_override.py)."""
+    msg = fails({**CLOUD_RUN, "servingEnv": ["LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]})
+    assert "servingEnv sets LD_LIBRARY_PATH" in msg and "VLLM_ENABLE_CUDA_COMPATIBILITY=1" in msg, msg
+    cfg = validate({**CLOUD_RUN, "servingEnv": ["VLLM_ENABLE_CUDA_COMPATIBILITY=1"]}, "dev", True)
+    assert cfg.serving_env == ["VLLM_ENABLE_CUDA_COMPATIBILITY=1"]
