@@ -135,3 +135,37 @@ class StartupWindow:
 
 
 STARTUP_WINDOW = StartupWindow()
+
+
+# --------------------------------------------------------------------------- the official openai client on a cold service
+
+# While no instance is ready, Cloud Run holds a request for up to 60 s, then answers 429 ("Incoming requests queue
+# for up to 60 seconds ... the request fails with a 429 error code": cloud.google.com/run/docs/configuring/max-instances).
+CLOUD_RUN_QUEUE_S = 60
+# openai-python's retry backoff (openai/_constants.py and `_calculate_retry_timeout` in openai/_base_client.py,
+# openai 3.57.0): 0.5 s doubling up to 8 s, minus up to 25 % jitter; 429 is retried; DEFAULT_MAX_RETRIES is 2.
+OPENAI_INITIAL_RETRY_DELAY_S = 0.5
+OPENAI_MAX_RETRY_DELAY_S = 8.0
+OPENAI_DEFAULT_MAX_RETRIES = 2
+# Per try: longer than Cloud Run's hold, plus an answer of a few dozen tokens.
+OPENAI_TIMEOUT_S = 120.0
+
+
+def openai_covers_s(max_retries: int, queue_s: float = CLOUD_RUN_QUEUE_S, scale: float = 1.0) -> float:
+    """The shortest time the openai client keeps trying with `max_retries` while every try is held `queue_s`, then
+    429: one hold per try plus the smallest backoffs (the most jitter)."""
+    backoff = sum(
+        0.75 * min(OPENAI_INITIAL_RETRY_DELAY_S * 2.0**i, OPENAI_MAX_RETRY_DELAY_S) for i in range(max_retries)
+    )
+    return (max_retries + 1) * queue_s * scale + backoff * scale
+
+
+def openai_cold_start_settings(window: StartupWindow = STARTUP_WINDOW) -> dict[str, float | int]:
+    """`max_retries` and `timeout` for `openai.OpenAI(...)` that outlast a cold start: tries for the whole startup
+    window plus one more hold (the instance is scheduled and its image pulled before the window's clock starts)."""
+    needed = window.total_s + CLOUD_RUN_QUEUE_S
+    retries = next(n for n in range(100) if openai_covers_s(n) >= needed)
+    return {"max_retries": retries, "timeout": OPENAI_TIMEOUT_S}
+
+
+OPENAI_COLD_START = openai_cold_start_settings()
