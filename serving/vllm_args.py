@@ -42,9 +42,8 @@ Decisions:
   Run concurrency can be set to the same number and the two never disagree.
 - Prefix caching is not a setting: vLLM's V1 engine enables it by default (ms-swift#6165 switched
   to "follow vLLM's default"; `--no-enable-prefix-caching` turns it off through `extra_args`).
-  Eager/prefetch safetensors loading and a persistent compile cache are not set either: no source
-  we found measures them on a Cloud Storage FUSE mount on Cloud Run (UNCONFIRMED that they pay);
-  `extra_args` can pass them for a trial.
+  `enforce_eager` and `safetensors_load_strategy` are typed fields; the Cloud Run service sets both for a
+  short cold start (serving/startup.py, `COLD_START_VLLM`, says why and what a start is expected to take).
 
 This module imports only pydantic and the standard library: the Pulumi program imports it
 and `pulumi up` does not install torch or vLLM. It does not know where the model comes from
@@ -57,7 +56,7 @@ import json
 import re
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -77,6 +76,10 @@ ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# vLLM v0.28.0 `SafetensorsLoadStrategy` (vllm/config/load.py), without "torchao" (a quantised-checkpoint path).
+SafetensorsLoadStrategy = Literal["lazy", "eager", "prefetch"]
 
 
 class VllmConfigError(ValueError):
@@ -203,6 +206,7 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "host": ("--host",),
     "port": ("--port",),
     "enforce_eager": ("--enforce-eager", "--no-enforce-eager"),
+    "safetensors_load_strategy": ("--safetensors-load-strategy",),
     "lora_modules": ("--enable-lora", "--no-enable-lora", "--lora-modules"),
     "max_lora_rank": ("--max-lora-rank",),
     "max_loras": ("--max-loras",),
@@ -315,7 +319,14 @@ class VllmServerConfig(BaseModel):
     tensor_parallel_size: int = Field(1, description="GPUs per model replica (Cloud Run has one)")
     host: str = Field("0.0.0.0", description="listen address inside the container")
     port: int = Field(DEFAULT_PORT, description="listen port; Cloud Run's container port must match")
-    enforce_eager: bool = Field(False, description="skip CUDA-graph capture: faster cold start, slower decode")
+    enforce_eager: bool = Field(
+        False, description="skip torch.compile and CUDA-graph capture: faster cold start, slower decode"
+    )
+    safetensors_load_strategy: SafetensorsLoadStrategy | None = Field(
+        None,
+        description="lazy | eager | prefetch (vLLM's LoadConfig.safetensors_load_strategy): eager reads each file "
+        "whole before loading, for network mounts; null keeps vLLM's default (lazy mmap, prefetch only on NFS)",
+    )
     lora_modules: dict[str, str] = Field(
         default_factory=dict, description="adapter name -> folder, served on the base `model` instead of a merge"
     )
@@ -504,6 +515,8 @@ def render_args(cfg: VllmServerConfig) -> list[str]:
         args += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.enforce_eager:
         args.append("--enforce-eager")
+    if cfg.safetensors_load_strategy is not None:
+        args += ["--safetensors-load-strategy", cfg.safetensors_load_strategy]
     if cfg.api_key_guard:
         args += ["--middleware", API_KEY_GUARD_MIDDLEWARE]
     if cfg.lora_modules:
