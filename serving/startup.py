@@ -12,7 +12,10 @@ The decision: cut the start, then fit the probe to it. vLLM on the Cloud Run L4 
 capture of vLLM's 51 CUDA-graph sizes; decoding is slower, which an answer of at most 32 tokens barely
 notices) and `--safetensors-load-strategy eager` (each weights file read whole, in order, instead of
 vLLM's default lazy mmap, whose random page reads over the Cloud Storage FUSE mount are slow; vLLM
-prefetches by itself only on NFS/Lustre: vllm/config/load.py, v0.28.0). `EXPECTED_START` lists the
+prefetches by itself only on NFS/Lustre: vllm/config/load.py and `safetensors_weights_iterator` in
+vllm/model_executor/model_loader/weight_utils.py, v0.28.0; "eager" holds one file in the instance's
+32 GiB at a time; "prefetch", parallel reads into the page cache, is the alternative, and which is faster on
+the mount is UNCONFIRMED). `EXPECTED_START` lists the
 remaining steps with the time each is expected to take; none is measured on Cloud Run L4 (UNCONFIRMED,
 no run yet), they are estimates to be replaced by a measurement in bench/RESULTS.md.
 
