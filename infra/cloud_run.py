@@ -77,7 +77,7 @@ from infra.foundation import Foundation, Identity
 from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
-from serving.startup import STARTUP_WINDOW
+from serving.startup import COLD_START_VLLM, STARTUP_WINDOW
 from serving.vllm_args import VLLM_HEALTH_PATH, Dtype, VllmServerConfig, model_type_of, render_args
 from trainer.recipe import load_recipe, recipe_sha256
 
@@ -167,6 +167,8 @@ def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
         # the key (VLLM_API_KEY, see VllmService._envs) on every route but /health, not only vLLM's /v1 prefixes
         api_key_guard=cfg.serving_api_key_set,
         extra_args=cfg.serving_extra_args,
+        # --enforce-eager and whole-file weight reads: the cold start serving/startup.py expects (EXPECTED_START)
+        **COLD_START_VLLM,
     )
 
 

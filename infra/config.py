@@ -104,6 +104,18 @@ RESERVED_SERVING_ENV: dict[str, str] = {
     "GEMMA_FT_STARTUP_WINDOW_S": _STARTUP_ENV,
     "GEMMA_FT_MAX_MARKER_WAIT_S": _STARTUP_ENV,
     "GEMMA_FT_SKIP_MODEL_CHECK": "nobody: the served model is always checked",
+    "LD_LIBRARY_PATH": "the image (vLLM's Dockerfile sets LD_LIBRARY_PATH=/usr/local/cuda/lib64:…, which a value here "
+    "would replace). For CUDA forward compatibility set VLLM_ENABLE_CUDA_COMPATIBILITY=1 instead: from v0.28 vLLM "
+    "puts the image's compat libraries first itself, before torch loads (vllm/env_override.py, vllm PR #33992)",
+}
+# vLLM switches that add routes every caller of the service could use (vLLM v0.28.0): refused in servingEnv.
+UNSAFE_SERVING_ENV: dict[str, str] = {
+    "VLLM_SERVER_DEV_MODE": "it adds vLLM's development routes (register_vllm_dev_api_routers in "
+    "vllm/entrypoints/serve/__init__.py: /collective_rpc, which calls any method on the engine's workers, "
+    "/sleep, /wake_up, /pause, /reset_prefix_cache, /server_info; vLLM logs 'This should NOT be used in production')",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "it adds /v1/load_lora_adapter and /v1/unload_lora_adapter "
+    "(vllm/entrypoints/serve/lora/api_router.py: 'This should ONLY be used for local development'), with which a "
+    "caller loads weights from any path the container can read and serves them under a name of its choosing",
 }
 _SECRET_LIKE = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL", re.IGNORECASE)
 # vLLM's default max_num_seqs for the OpenAI server: 256 on GPUs under 70 GiB, 1024 above
@@ -311,6 +323,11 @@ class StackConfig(BaseModel):
                 raise ValueError(
                     f"servingEnv sets {name}, which the program or Cloud Run sets itself; it comes from "
                     f"{RESERVED_SERVING_ENV[name]}. Fix: remove it from servingEnv"
+                )
+            if name in UNSAFE_SERVING_ENV:
+                raise ValueError(
+                    f"servingEnv sets {name}: {UNSAFE_SERVING_ENV[name]}; every invoker of the service could call "
+                    f"them. Fix: pulumi config rm --path 'servingEnv[{v.index(item)}]' (try it on a local vLLM instead)"
                 )
             if _SECRET_LIKE.search(name):
                 raise ValueError(

@@ -30,7 +30,10 @@ Decisions:
 - gcloud runs with stdin closed (it must never wait on a prompt) and a timeout; its stderr is
   kept for the message. `--audience` and `--impersonate-service-account` are passed through
   (gcloud accepts a custom audience for service accounts; for a user account it mints its own).
-- An API key (`--api-key`, `$GEMMA_FT_API_KEY`; vLLM's `--api-key`) travels as
+- An API key given with `--api-key` goes to the URL given (https, or this machine); one the client
+  finds in `$GEMMA_FT_API_KEY` follows the tokens' allowlist: only to this machine or an origin in
+  `$GEMMA_FT_URL`/`$GEMMA_FT_TRUSTED_URLS`, since a key left in a shell works against the service from
+  wherever it is sent. The key (vLLM's `--api-key`) travels as
   `Authorization: Bearer KEY`; the identity token then moves to `X-Serverless-Authorization`,
   which Cloud Run's IAM check reads instead (GoogleCloudPlatform/cloud-run-proxy#25), so both fit.
 - Retries: connection refused, 429 and 502/503/504 are retried with a bounded exponential
@@ -201,6 +204,7 @@ class Credentials:
     source: str = ""
     missing_because: str = ""
     api_key: str | None = None
+    key_withheld_because: str = ""
 
     def headers(self) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -255,13 +259,38 @@ def resolve_credentials(
     """The credentials to send to `url`.
 
     Nothing goes to local URLs except an API key, and nothing travels over plain http to another
-    host. An explicit `token` goes to any https host; `$GEMMA_FT_ID_TOKEN` and gcloud only to a
-    Cloud Run URL whose origin is in `trusted_urls` (default `trusted_token_urls()`).
+    host. An explicit `token` or `api_key` goes to any https host; `$GEMMA_FT_ID_TOKEN` and gcloud only to a
+    Cloud Run URL whose origin is in `trusted_urls` (default `trusted_token_urls()`), and `$GEMMA_FT_API_KEY`
+    only to such an origin or to this machine (`key_withheld_because` then says why it was not sent).
     """
     scheme = urllib.parse.urlsplit(url).scheme
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    trusted = trusted_token_urls() if trusted_urls is None else frozenset(map(url_origin, trusted_urls))
+    key, key_note = api_key, ""
+    if key is None and os.environ.get(API_KEY_ENV):
+        # a key found in the environment follows the tokens' rule: only to this machine or an allow-listed origin
+        if is_local(url) or url_origin(url) in trusted:
+            key = os.environ[API_KEY_ENV]
+        else:
+            key_note = (
+                f"${API_KEY_ENV} is set but was not sent: {url_origin(url) or url} is not the stack's servingUrl "
+                f'(${URL_ENV}) nor in ${TRUSTED_URLS_ENV}. Fix: export {URL_ENV}="$(pulumi stack output servingUrl)" '
+                f"if this is your stack's service, or add the URL to ${TRUSTED_URLS_ENV}, or pass --api-key"
+            )
     if key and scheme != "https" and not is_local(url):
         raise ClientError(f"refusing to send the API key to {url} over plain http: use https")
+    creds = _credentials(url, token, key, trusted, audience, impersonate)
+    return dataclasses.replace(creds, key_withheld_because=key_note) if key_note else creds
+
+
+def _credentials(
+    url: str,
+    token: str | None,
+    key: str | None,
+    trusted: frozenset[str],
+    audience: str | None,
+    impersonate: str | None,
+) -> Credentials:
+    scheme = urllib.parse.urlsplit(url).scheme
     if is_local(url) or scheme != "https":
         return Credentials(api_key=key)
     if token:
@@ -272,7 +301,6 @@ def resolve_credentials(
             "sent there; pass --token explicitly if this host should get one",
             api_key=key,
         )
-    trusted = trusted_token_urls() if trusted_urls is None else frozenset(map(url_origin, trusted_urls))
     if url_origin(url) not in trusted:
         return Credentials(
             missing_because=f"{url_origin(url)} is not the stack's servingUrl (${URL_ENV}) nor in ${TRUSTED_URLS_ENV}, "
@@ -368,7 +396,8 @@ def _http_error(exc: urllib.error.HTTPError, url: str, creds: Credentials) -> Cl
         what = (
             f"the API key was rejected: check --api-key / ${API_KEY_ENV} against the stack's servingApiKey"
             if creds.api_key
-            else f"no API key was sent and the server asks for one: pass the stack's servingApiKey as --api-key "
+            else creds.key_withheld_because
+            or f"no API key was sent and the server asks for one: pass the stack's servingApiKey as --api-key "
             f"or ${API_KEY_ENV}"
         )
         return AuthError(f"HTTP 401 from {url}: {passed}{what}{suffix}")

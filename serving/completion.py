@@ -147,7 +147,7 @@ def verify(directory: str | Path, kind: str = MODEL) -> Inventory:
     if unreadable:
         raise IncompleteModelError(
             f"{LABEL[kind]} at {where}: {', '.join(sorted(unreadable)[:5])} not readable by uid {os.getuid()} "
-            f"(the serving image runs as uid 10001): {_readable_fix(directory)}"
+            f"(the serving image runs as uid 2000, gid 0): {_readable_fix(directory)}"
         )
     return inventory
 

@@ -7,7 +7,7 @@
 #
 # "Complete" has one definition, serving/completion.py (copied next to this script in the
 # image): the trainer's marker, its inventory of file names and sizes, and every listed file
-# readable by this user (the image runs as uid 10001). Starting vLLM on anything less would
+# readable by this user (the image runs as the base image's vllm user, uid 2000, gid 0). Starting vLLM on anything less would
 # serve, or crash minutes later on, half-written or unreadable weights; exiting non-zero makes
 # Cloud Run keep the previous revision and show the reason in the revision's logs.
 #

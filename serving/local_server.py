@@ -31,6 +31,16 @@ Decisions:
   (exceptions, Ctrl-C, SIGTERM turned into an exception by the caller); the child also exits
   by itself when its parent dies, so an abrupt kill of the parent leaves nothing behind.
 
+- Where a client notices, it follows vLLM v0.28.0: the served sampling defaults (greedy; serving/vllm_args.py);
+  `stop` (the text is cut before it, `finish_reason` "stop", `stop_reason` the string; streamed text is held
+  back by the longest stop string less one character) and `seed`; `max_tokens` at least 1 and at most the context
+  (`max_position_embeddings`), none meaning the rest of it for chat and 16 for completions; a prompt plus
+  `max_tokens` longer than the context refused with vLLM's 400 message; errors as vLLM's ErrorResponse
+  (`{"error": {"message", "type", "param", "code"}}`); the text as decoded, untrimmed, streamed or not.
+- A bad `Content-Length` is answered 400, one above `MAX_BODY_BYTES` 413, a body that does not arrive within
+  `BODY_READ_TIMEOUT_S` 408: no request holds a thread. A client that closes a stream stops its generation at
+  the next token, which releases the lock for the next request.
+
 It does not batch, sample several choices (`n`), return logprobs or serve LoRA adapters; it is
 not for production traffic.
 """
@@ -43,6 +53,7 @@ import errno
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -61,12 +72,11 @@ from types import TracebackType
 from typing import Any
 
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
-from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME
+from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME, served_sampling_defaults
 
 log = logging.getLogger("serving.local_server")
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
-MAX_NEW_TOKENS_LIMIT = 512  # CPU generation; a runaway request should not take minutes
 EXIT_PORT_BUSY = 98
 EXIT_PORT_DENIED = 13
 EXIT_MODEL_NOT_READY = 3
@@ -175,11 +185,55 @@ class GenerationRequest:
     kind: str  # "chat" | "completion"
     messages: list[dict[str, str]] | None
     prompt: str | None
-    max_tokens: int
+    max_tokens: int | None  # None: the rest of the context, as vLLM
     temperature: float
     top_p: float
+    top_k: int = 0  # 0: off, as in vLLM
     stream: bool = False
     include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    max_tokens_param: str = "max_tokens"
+
+
+@dataclass
+class _Prepared:
+    """A request with its prompt tokenised and its output budget settled (vLLM's checks, before the lock)."""
+
+    request: GenerationRequest
+    inputs: Any
+    prompt_len: int
+    max_tokens: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def _stop_criterion(job: _Prepared, tokenizer: Any) -> Any:
+    """A transformers stopping criterion: end generation once `job.cancel` is set (the client went away) or the
+    new text holds one of the request's stop strings (transformers' own StopStringCriteria cannot read every
+    tokenizer's vocabulary, so the decoded text is what is checked)."""
+    import torch
+    from transformers import StoppingCriteria
+
+    stop, start = job.request.stop, job.prompt_len
+
+    class Until(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            done = job.cancel.is_set()
+            if not done and stop:
+                text = tokenizer.decode(input_ids[0, start:], skip_special_tokens=True)
+                done = any(s in text for s in stop)
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    return Until()
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
+    """`text` up to the first stop string (excluded, as vLLM's default include_stop_str_in_output=False), and it."""
+    found = [(text.find(s), s) for s in stop if s in text]
+    if not found:
+        return text, None
+    at, which = min(found)
+    return text[:at], which
 
 
 class _Engine:
@@ -194,6 +248,7 @@ class _Engine:
         self._lock = threading.Lock()
         self.model: Any = None
         self.tokenizer: Any = None
+        self.max_model_len = 0
 
     def load(self) -> None:
         import torch
@@ -205,38 +260,62 @@ class _Engine:
             raise LocalServerError(f"the tokenizer in {self.model_dir} has no chat template; the export must save one")
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
+        # vLLM's max_model_len for a model served without --max-model-len: the config's max_position_embeddings
+        self.max_model_len = int(self.model.config.max_position_embeddings)
         log.info("model %s loaded in %.1f s", self.model_dir, time.monotonic() - started)
         self.ready.set()
 
-    def _inputs(self, request: GenerationRequest) -> Any:
+    def prepare(self, request: GenerationRequest) -> _Prepared:
+        """Tokenise and apply vLLM's length rules (vllm/renderers/params.py TokenizeParams, v0.28.0): 400 if the
+        prompt plus the requested tokens exceed the context; no max_tokens means the rest of the context."""
         if request.kind == "chat":
-            return self.tokenizer.apply_chat_template(
+            inputs = self.tokenizer.apply_chat_template(
                 request.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
             )
-        return self.tokenizer(request.prompt, return_tensors="pt")
-
-    def _run(self, request: GenerationRequest, streamer: Any = None) -> tuple[int, list[int]]:
-        """Generate under the lock; returns (prompt tokens, new token ids)."""
-        import torch
-
-        inputs = self._inputs(request)
+        else:
+            inputs = self.tokenizer(request.prompt, return_tensors="pt")
         prompt_len = int(inputs["input_ids"].shape[1])
-        sampling = (
-            {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
-            if request.temperature > 0
-            else {"do_sample": False}
-        )
+        limit, asked = self.max_model_len, request.max_tokens
+        if asked is not None and asked > limit:
+            raise _BadRequest(
+                f"{request.max_tokens_param}={asked} cannot be greater than max_model_len=max_total_tokens={limit}. "
+                "Please request fewer output tokens.",
+                param=request.max_tokens_param,
+            )
+        if prompt_len > limit - (asked or 0):
+            raise _BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested {asked or 0} output "
+                f"tokens and your prompt contains {prompt_len} input tokens, for a total of {prompt_len + (asked or 0)} "
+                "tokens. Please reduce the length of the input prompt or the number of requested output tokens.",
+                param="input_tokens",
+            )
+        max_tokens = min(asked, limit - prompt_len) if asked is not None else limit - prompt_len
+        if max_tokens < 1:
+            raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        return _Prepared(request, inputs, prompt_len, max_tokens)
+
+    def _run(self, job: _Prepared, streamer: Any = None) -> list[int]:
+        """Generate under the lock; returns the new token ids. Stops early when `job.cancel` is set."""
+        import torch
+        from transformers import StoppingCriteriaList
+
+        request = job.request
         with self._lock, torch.inference_mode():
+            if request.seed is not None:  # generation is serialised, so the global generator is this request's
+                torch.manual_seed(request.seed)
             output = self.model.generate(
-                **inputs,
-                max_new_tokens=request.max_tokens,
+                **job.inputs,
+                max_new_tokens=job.max_tokens,
                 pad_token_id=self.tokenizer.pad_token_id,
                 streamer=streamer,
-                **sampling,
+                stopping_criteria=StoppingCriteriaList([_stop_criterion(job, self.tokenizer)]),
+                **_sampling_kwargs(request),
             )
-        return prompt_len, output[0, prompt_len:].tolist()
+        return output[0, job.prompt_len :].tolist()
 
-    def _finish_reason(self, new_tokens: list[int], max_tokens: int) -> str:
+    def _finish_reason(self, new_tokens: list[int], max_tokens: int, stopped_by: str | None) -> str:
+        if stopped_by is not None:
+            return "stop"
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
         return "stop" if (new_tokens and new_tokens[-1] in eos_ids) or len(new_tokens) < max_tokens else "length"
@@ -249,14 +328,25 @@ class _Engine:
             "total_tokens": prompt_len + completion_len,
         }
 
-    def _choice(self, request: GenerationRequest, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+    def _choice(
+        self,
+        request: GenerationRequest,
+        text: str | None,
+        finish: str | None,
+        delta: bool,
+        stop_reason: str | None = None,
+    ) -> dict[str, Any]:
         if request.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        key = "delta" if delta else "message"
-        content: dict[str, Any] = {} if delta and text is None else {"content": text or ""}
-        if not delta:
-            content = {"role": "assistant", **content}
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        else:
+            key = "delta" if delta else "message"
+            content: dict[str, Any] = {} if delta and text is None else {"content": text or ""}
+            if not delta:
+                content = {"role": "assistant", **content}
+            choice = {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+        if finish is not None or not delta:
+            choice["stop_reason"] = stop_reason
+        return choice
 
     def _envelope(self, request: GenerationRequest, rid: str, chunk: bool) -> dict[str, Any]:
         obj = "chat.completion" if request.kind == "chat" else "text_completion"
@@ -267,73 +357,137 @@ class _Engine:
             "model": self.served_model_name,
         }
 
-    def generate(self, request: GenerationRequest) -> dict[str, Any]:
-        prompt_len, new_tokens = self._run(request)
-        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
+    def generate(self, job: _Prepared) -> dict[str, Any]:
+        request = job.request
+        new_tokens = self._run(job)
+        # the text as decoded, untrimmed: what vLLM returns, and what the stream below sends piece by piece
+        text, stopped_by = _cut_at_stop(self.tokenizer.decode(new_tokens, skip_special_tokens=True), request.stop)
         rid = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        finish = self._finish_reason(new_tokens, job.max_tokens, stopped_by)
         return {
             **self._envelope(request, rid, chunk=False),
-            "choices": [
-                self._choice(
-                    request,
-                    text.strip() if request.kind == "chat" else text,
-                    self._finish_reason(new_tokens, request.max_tokens),
-                    delta=False,
-                )
-            ],
-            "usage": self._usage(prompt_len, len(new_tokens)),
+            "choices": [self._choice(request, text, finish, delta=False, stop_reason=stopped_by)],
+            "usage": self._usage(job.prompt_len, len(new_tokens)),
         }
 
-    def stream(self, request: GenerationRequest) -> Iterator[dict[str, Any]]:
-        """The response as OpenAI stream chunks, produced while the model generates."""
-        from transformers import TextIteratorStreamer
+    def stream(self, job: _Prepared) -> Iterator[dict[str, Any]]:
+        """The response as OpenAI stream chunks, produced while the model generates.
 
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        Each chunk is what the decoded text of all new tokens so far adds to what was sent, so the chunks add up to
+        exactly the whole answer's text (an unfinished character, U+FFFD at the end, waits for its next token).
+        With stop strings, the last `len(longest stop) - 1` characters are held back until they cannot begin one,
+        as vLLM does (SamplingParams.output_text_buffer_length). A consumer that stops early (a closed stream)
+        sets `job.cancel`: generation ends at the next token and releases the lock (`_stop_criterion`).
+        """
+        from transformers.generation.streamers import BaseStreamer
+
+        request = job.request
+        tokens: queue.Queue[list[int] | None] = queue.Queue()
+
+        class Tokens(BaseStreamer):
+            prompt_seen = False
+
+            def put(self, value: Any) -> None:
+                if not self.prompt_seen:  # generate() first puts the prompt
+                    self.prompt_seen = True
+                    return
+                tokens.put(value.reshape(-1).tolist())
+
+            def end(self) -> None:
+                tokens.put(None)
+
         result: dict[str, Any] = {}
 
         def work() -> None:
             try:
-                result["value"] = self._run(request, streamer)
+                result["value"] = self._run(job, Tokens())
             except BaseException as exc:  # reported to the client after the stream ends
                 result["error"] = exc
-                streamer.end()
+                tokens.put(None)
 
         worker = threading.Thread(target=work, name="generate", daemon=True)
         worker.start()
         rid = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        if request.kind == "chat":
-            first = self._choice(request, "", None, delta=True)
-            first["delta"] = {"role": "assistant", "content": ""}
-            yield {**self._envelope(request, rid, chunk=True), "choices": [first]}
-        started = False
-        for piece in streamer:
-            if request.kind == "chat" and not started:
-                piece = piece.lstrip()  # as the non-streaming answer, which is stripped
-            if not piece:
-                continue
-            started = True
-            yield {**self._envelope(request, rid, chunk=True), "choices": [self._choice(request, piece, None, True)]}
-        worker.join()
-        if "error" in result:
-            raise result["error"]
-        prompt_len, new_tokens = result["value"]
-        last = self._choice(request, None, self._finish_reason(new_tokens, request.max_tokens), delta=True)
-        if request.kind == "completion":
-            last["text"] = ""
-        yield {**self._envelope(request, rid, chunk=True), "choices": [last]}
-        if request.include_usage:
-            yield {
-                **self._envelope(request, rid, chunk=True),
-                "choices": [],
-                "usage": self._usage(prompt_len, len(new_tokens)),
-            }
+        holdback = max((len(s) for s in request.stop), default=1) - 1
+        ids: list[int] = []
+        sent, stopped_by = "", None
+
+        def more(text: str, final: bool) -> str:
+            kept, stop = _cut_at_stop(text, request.stop)
+            upto = len(kept) if stop is not None or final else max(len(sent), len(kept) - holdback)
+            return kept[len(sent) : upto] if kept.startswith(sent) else ""
+
+        try:
+            if request.kind == "chat":
+                first = self._choice(request, "", None, delta=True)
+                first["delta"] = {"role": "assistant", "content": ""}
+                yield {**self._envelope(request, rid, chunk=True), "choices": [first]}
+            while (new := tokens.get()) is not None:
+                ids += new
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                if stopped_by is not None or text.endswith("\ufffd"):
+                    continue
+                piece = more(text, final=False)
+                stopped_by = _cut_at_stop(text, request.stop)[1]
+                if piece:
+                    sent += piece
+                    yield {
+                        **self._envelope(request, rid, chunk=True),
+                        "choices": [self._choice(request, piece, None, True)],
+                    }
+            worker.join()
+            if "error" in result:
+                raise result["error"]
+            new_tokens = result["value"]
+            text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
+            piece = more(text, final=True)
+            if piece:  # what was held back
+                sent += piece
+                yield {
+                    **self._envelope(request, rid, chunk=True),
+                    "choices": [self._choice(request, piece, None, True)],
+                }
+            stopped_by = _cut_at_stop(text, request.stop)[1]
+            finish = self._finish_reason(new_tokens, job.max_tokens, stopped_by)
+            last = self._choice(request, None, finish, delta=True, stop_reason=stopped_by)
+            if request.kind == "completion":
+                last["text"] = ""
+            yield {**self._envelope(request, rid, chunk=True), "choices": [last]}
+            if request.include_usage:
+                yield {
+                    **self._envelope(request, rid, chunk=True),
+                    "choices": [],
+                    "usage": self._usage(job.prompt_len, len(new_tokens)),
+                }
+        finally:
+            job.cancel.set()  # a consumer that stopped early (a closed stream) ends the generation
+            worker.join(timeout=30)
+
+
+def _sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
+    """`generate` settings for the request alone: every one is passed, so the model's generation_config.json
+    (the base's do_sample, top_k 64, top_p 0.95) never adds its own, as vLLM's `--generation-config vllm` does not."""
+    if request.temperature <= 0:  # vLLM: temperature 0 is greedy, top_k/top_p ignored (SamplingParams)
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k}
+
+
+# vLLM's error types by status (create_error_response, vllm/entrypoints/serve/exception_handling/error_response.py)
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestEntityTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class _BadRequest(ValueError):
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error") -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.code = code
+        self.param = param
 
 
 def _text_content(content: Any) -> str:
@@ -345,66 +499,92 @@ def _text_content(content: Any) -> str:
     raise _BadRequest("message content must be a string or a list of text parts (this server is text-only)")
 
 
-def _common(body: Any, served_model_name: str, default_max_tokens: int) -> dict[str, Any]:
-    """The fields chat and completion requests share, validated the way vLLM answers them."""
+def _common(body: Any, served_model_name: str, default_max_tokens: int | None) -> dict[str, Any]:
+    """The fields chat and completion requests share, validated the way vLLM answers them (vllm/sampling_params.py
+    `_verify_args`, the request models in vllm/entrypoints/openai/*/protocol.py; v0.28.0)."""
     if not isinstance(body, dict):
         raise _BadRequest("the request body must be a JSON object")
     model = body.get("model", served_model_name)
     if model != served_model_name:
-        raise _BadRequest(f"The model `{model}` does not exist. Served: {served_model_name}", 404, "model_not_found")
+        raise _BadRequest(f"The model `{model}` does not exist.", 404, "model")
     if body.get("n", 1) not in (1, None):
-        raise _BadRequest("only n=1 is supported")
+        raise _BadRequest("only n=1 is supported by the local server", param="n")
     for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "best_of"):
         if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
-            raise _BadRequest(f"{unsupported} is not supported by the local server")
-    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_NEW_TOKENS_LIMIT:
-        raise _BadRequest(f"max_tokens={max_tokens!r}: must be an integer between 1 and {MAX_NEW_TOKENS_LIMIT}")
-    temperature = 0.0 if body.get("temperature") is None else body["temperature"]
-    top_p = 1.0 if body.get("top_p") is None else body["top_p"]
+            raise _BadRequest(f"{unsupported} is not supported by the local server", param=unsupported)
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    # what the service does for a parameter the request omits (serving/vllm_args.py decides it, once)
+    defaults = served_sampling_defaults()
+    temperature = defaults["temperature"] if body.get("temperature") is None else body["temperature"]
+    top_p = defaults["top_p"] if body.get("top_p") is None else body["top_p"]
+    top_k = defaults["top_k"] if body.get("top_k") is None else body["top_k"]
     if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
-        raise _BadRequest(f"temperature={temperature!r}: must be between 0 and 2")
+        raise _BadRequest(f"temperature must be in [0, 2], got {temperature}.", param="temperature")
     if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
-        raise _BadRequest(f"top_p={top_p!r}: must be in (0, 1]")
+        raise _BadRequest(f"top_p must be in (0, 1], got {top_p}.", param="top_p")
+    if not isinstance(top_k, int) or top_k < -1:
+        raise _BadRequest(f"top_k must be 0 (disable), or at least 1, got {top_k!r}.", param="top_k")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _BadRequest("stop must be a string or a list of strings", param="stop")
+    if any(not s for s in stop):
+        raise _BadRequest("stop cannot contain an empty string.", param="stop")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63):
+        raise _BadRequest(f"seed must be a 64-bit integer, got {seed!r}", param="seed")
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
-        raise _BadRequest("stream_options must be an object")
+        raise _BadRequest("stream_options must be an object", param="stream_options")
     return {
         "max_tokens": max_tokens,
         "temperature": float(temperature),
         "top_p": float(top_p),
+        "top_k": max(top_k, 0),
         "stream": stream,
         "include_usage": stream and bool(options.get("include_usage")),
+        "stop": tuple(dict.fromkeys(stop)),
+        "seed": seed,
+        "max_tokens_param": param,
     }
 
 
 def parse_chat_request(body: Any, served_model_name: str) -> GenerationRequest:
-    """Validate a chat request the way vLLM would answer it."""
-    common = _common(body, served_model_name, default_max_tokens=64)
+    """Validate a chat request the way vLLM would answer it (no max_tokens: the rest of the context)."""
+    common = _common(body, served_model_name, default_max_tokens=None)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise _BadRequest("messages must be a non-empty list of {role, content}")
+        raise _BadRequest("messages must be a non-empty list of {role, content}", param="messages")
     messages = []
     for m in raw:
         if not isinstance(m, dict) or m.get("role") not in {"system", "user", "assistant"}:
-            raise _BadRequest("each message needs a role of system, user or assistant")
+            raise _BadRequest("each message needs a role of system, user or assistant", param="messages")
         messages.append({"role": m["role"], "content": _text_content(m.get("content", ""))})
     return GenerationRequest("chat", messages, None, **common)
 
 
 def parse_completion_request(body: Any, served_model_name: str) -> GenerationRequest:
-    """Validate a `/v1/completions` request: one text prompt (OpenAI's default max_tokens is 16)."""
+    """Validate a `/v1/completions` request: one text prompt (vLLM's and OpenAI's default max_tokens is 16)."""
     common = _common(body, served_model_name, default_max_tokens=16)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
-        raise _BadRequest("prompt must be a non-empty string (one prompt per request)")
+        raise _BadRequest("prompt must be a non-empty string (one prompt per request)", param="prompt")
     return GenerationRequest("completion", None, prompt, **common)
 
 
 _ROUTES = {"/v1/chat/completions": parse_chat_request, "/v1/completions": parse_completion_request}
+# A request body larger than this is refused (413) before it is read; a body that arrives slower than
+# BODY_READ_TIMEOUT_S (a Content-Length larger than what is sent) is answered 408 instead of holding a thread.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+BODY_READ_TIMEOUT_S = 30.0
 
 
 def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
@@ -425,14 +605,16 @@ def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def _error(self, status: int, message: str, code: str) -> None:
+        def _error(self, status: int, message: str, param: str | None = None) -> None:
+            """vLLM's ErrorResponse: {"error": {"message", "type", "param", "code"}}."""
             extra = {"Retry-After": "1"} if status == 503 else None
-            self._send(status, {"error": {"message": message, "type": code, "code": status}}, extra)
+            kind = ERROR_TYPES.get(status, "BadRequestError")
+            self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": status}}, extra)
 
         def _not_ready(self) -> bool:
             if engine.ready.is_set():
                 return False
-            self._error(503, engine.load_error or "the model is loading", "service_unavailable")
+            self._error(503, engine.load_error or "the model is loading")
             return True
 
         def do_GET(self) -> None:
@@ -448,10 +630,11 @@ def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
                     "created": engine.created,
                     "owned_by": "gemma-finetune",
                     "root": str(engine.model_dir),
+                    "max_model_len": engine.max_model_len,
                 }
                 self._send(200, {"object": "list", "data": [card]})
             else:
-                self._error(404, f"no route {self.path}", "not_found")
+                self._error(404, f"no route {self.path}")
 
         def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
             """Server-sent events as vLLM sends them: `data: {json}` per chunk, then `data: [DONE]`."""
@@ -465,41 +648,80 @@ def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
                 try:
                     for chunk in chunks:
                         self._event(chunk)
+                except (BrokenPipeError, ConnectionResetError):
+                    raise
                 except Exception as exc:  # headers are gone: report in-band, as vLLM does
                     log.exception("generation failed while streaming")
                     message = f"generation failed: {type(exc).__name__}: {exc}"
-                    self._event({"error": {"message": message, "type": "internal_error", "code": 500}})
+                    self._event(
+                        {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+                    )
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
-                log.info("the client closed the stream early")
+                log.info("the client closed the stream early; generation stopped")
+            finally:
+                close = getattr(chunks, "close", None)
+                if close is not None:
+                    close()  # runs the generator's finally: cancel, then wait for the worker to let go of the lock
 
         def _event(self, payload: dict[str, Any]) -> None:
             self.wfile.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
             self.wfile.flush()
 
+        def _read_body(self) -> bytes | None:
+            """The body, or None after answering 400 (bad Content-Length), 413 (too large) or 408 (too slow)."""
+            raw_length = self.headers.get("Content-Length")
+            if raw_length is None:
+                return b""
+            if not raw_length.strip().isdigit():
+                self.close_connection = True
+                self._error(400, f"Content-Length {raw_length!r} is not a number of bytes")
+                return None
+            length = int(raw_length)
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                self._error(413, f"request body of {length} bytes is larger than {MAX_BODY_BYTES} bytes")
+                return None
+            self.connection.settimeout(BODY_READ_TIMEOUT_S)
+            try:
+                raw = self.rfile.read(length)
+            except TimeoutError:
+                raw = None
+            finally:
+                self.connection.settimeout(None)
+            if raw is None or len(raw) < length:
+                self.close_connection = True
+                self._error(
+                    408, f"the {length} bytes of body announced did not arrive within {BODY_READ_TIMEOUT_S:g} s"
+                )
+                return None
+            return raw
+
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
+            raw = self._read_body()
+            if raw is None:
+                return
             parse = _ROUTES.get(self.path.split("?", 1)[0])
             if parse is None:
-                self._error(404, f"no route {self.path}", "not_found")
+                self._error(404, f"no route {self.path}")
                 return
             if self._not_ready():
                 return
             try:
                 request = parse(json.loads(raw or b"null"), engine.served_model_name)
+                job = engine.prepare(request)
                 if request.stream:
-                    self._stream(engine.stream(request))
+                    self._stream(engine.stream(job))
                 else:
-                    self._send(200, engine.generate(request))
+                    self._send(200, engine.generate(job))
             except _BadRequest as exc:
-                self._error(exc.status, str(exc), exc.code)
+                self._error(exc.status, str(exc), exc.param)
             except json.JSONDecodeError as exc:
-                self._error(400, f"the body is not JSON: {exc}", "invalid_request_error")
+                self._error(400, f"the body is not JSON: {exc}")
             except Exception as exc:  # a bug or an OOM must not kill the server mid-demo
                 log.exception("generation failed")
-                self._error(500, f"generation failed: {type(exc).__name__}: {exc}", "internal_error")
+                self._error(500, f"generation failed: {type(exc).__name__}: {exc}")
 
     return Handler
 

@@ -1,24 +1,34 @@
 """The vLLM service's startup window: the one place that says how long an instance may take to start.
 
-    from serving.startup import STARTUP_WINDOW
-    STARTUP_WINDOW.initial_delay_s    # 120: Cloud Run sends the first startup probe 120 s after start
-    STARTUP_WINDOW.total_s            # 360: what the Cloud Run startup probe allows (120 + 24 x 10)
-    STARTUP_WINDOW.vllm_budget_s      # 360: minus the entrypoint's marker wait (0 on Cloud Run)
-    STARTUP_WINDOW.max_marker_wait_s  # 240: the longest marker wait the window allows (vLLM keeps 120 s)
+    from serving.startup import STARTUP_WINDOW, EXPECTED_START
+    STARTUP_WINDOW.initial_delay_s    # 30: Cloud Run sends the first startup probe 30 s after start
+    STARTUP_WINDOW.total_s            # 270: what the Cloud Run startup probe allows (30 + 24 x 10)
+    STARTUP_WINDOW.vllm_budget_s      # 270: minus the entrypoint's marker wait (0 on Cloud Run)
+    STARTUP_WINDOW.max_marker_wait_s  # 150: the longest marker wait the window allows (vLLM keeps 120 s)
+    expected_start_s()                # (32, 110): the fastest and slowest start expected, from EXPECTED_START
 
-The decision: a window long enough for a slow first start, with an initial delay no longer than a
-start takes anyway. The initial delay is a wait during which Cloud Run sends no probe at all, so an instance
-that is ready before it ends sits idle on a billed L4 until it does; every second of it delays
-every cold start that is faster. A failed probe costs nothing (the request is not routed yet).
-So the window is an initial delay of 120 s (a vLLM start that imports torch, reads the weights,
-compiles, profiles the KV cache and captures CUDA graphs is not expected to be ready sooner; not
-measured on Cloud Run L4, UNCONFIRMED) followed by `failureThreshold x periodSeconds`, probing every 10 s.
+The decision: cut the start, then fit the probe to it. vLLM on the Cloud Run L4 is started with
+`COLD_START_VLLM`: `--enforce-eager` (no torch.compile, which has no cache on a fresh instance, and no
+capture of vLLM's 51 CUDA-graph sizes; decoding is slower, which an answer of at most 32 tokens barely
+notices) and `--safetensors-load-strategy eager` (each weights file read whole, in order, instead of
+vLLM's default lazy mmap, whose random page reads over the Cloud Storage FUSE mount are slow; vLLM
+prefetches by itself only on NFS/Lustre: vllm/config/load.py and `safetensors_weights_iterator` in
+vllm/model_executor/model_loader/weight_utils.py, v0.28.0; "eager" holds one file in the instance's
+32 GiB at a time; "prefetch", parallel reads into the page cache, is the alternative, and which is faster on
+the mount is UNCONFIRMED). `EXPECTED_START` lists the
+remaining steps with the time each is expected to take; none is measured on Cloud Run L4 (UNCONFIRMED,
+no run yet), they are estimates to be replaced by a measurement in bench/RESULTS.md.
 
-What a cold instance must do before its first answer: start the container (about 5 s for Cloud
-Run GPU instances, plus the image pull), import vLLM and torch, read the weights lazily over the
-Cloud Storage mount (about 2 GB for Gemma 3 1B in bf16), profile memory for the KV cache, compile
-and capture CUDA graphs, and, if the entrypoint is told to, wait for the trainer's completion
-marker. Those steps are not measured on Cloud Run L4 for this model (UNCONFIRMED).
+The initial delay is a wait during which Cloud Run sends no probe at all, so an instance ready before
+it ends sits idle on a billed L4 until it does: it is no longer than the fastest expected start (30 s,
+down from 120 s). Then a probe every 10 s, 24 times, so the window (270 s) holds about two and a half times the
+slowest expected start. A failed probe costs nothing (the request is not routed yet). A start slower
+than the window is shut down by Cloud Run (the revision's logs say so). An instance always up
+(`min_instance_count=1` in infra/cloud_run.py, 0 by default) avoids cold starts altogether, billed
+around the clock.
+
+Not in the window: scheduling the instance and pulling the image (Cloud Run GPU instances start in about
+5 s plus the image pull), before the container, and so the probe's clock, starts. A client sees them.
 
 The limits (`PROBE_LIMITS`, each with its source):
 - Cloud Run API v2 `Probe`: `initialDelaySeconds`, `periodSeconds` and `timeoutSeconds` are each at
@@ -30,15 +40,6 @@ The limits (`PROBE_LIMITS`, each with its source):
   that states a larger allowance, so whether the GPU allowance applies to services is
   UNCONFIRMED and the window keeps `failureThreshold x periodSeconds` within 240 s.
 - The initial delay counts separately from `failureThreshold x periodSeconds`.
-
-The trade-off. A 480 s window (240 s initial delay + 240 s of probes) is allowed, but only by
-an initial delay of 240 s, which makes every cold start take at least 240 s. This module keeps
-the delay to 120 s instead: a vLLM start on an L4 (imports, weights over the mount, torch.compile,
-CUDA-graph capture) is not expected to be ready sooner, so the delay costs a cold start little, and
-the window is 360 s, half again the 240 s that left no margin. A start slower than 360 s is shut down
-by Cloud Run (the revision's logs say so). If the
-services allowance for GPU is confirmed larger, raise `MAX_PROBE_SPAN_S` and `failure_threshold`
-here; nothing else changes.
 
 The entrypoint's wait for the marker (`GEMMA_FT_WAIT_FOR_MODEL_S`) runs inside this window, so
 `marker_wait_s` is subtracted from what vLLM gets, and vLLM keeps at least `MIN_VLLM_BUDGET_S`.
@@ -57,6 +58,7 @@ Standard library only (the client imports it). It does not measure anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 API_PROBE_SOURCE = (
     "Cloud Run API v2 GoogleCloudRunV2Probe (https://googleapis.deno.dev/v1/run:v2.ts, GoogleCloudRunV2Probe); "
@@ -77,8 +79,32 @@ PROBE_LIMITS: dict[str, tuple[int, int, str]] = {
 MAX_INITIAL_DELAY_S = PROBE_LIMITS["initialDelaySeconds"][1]
 MAX_PERIOD_S = PROBE_LIMITS["periodSeconds"][1]
 MAX_PROBE_SPAN_S = PROBE_LIMITS["failureThresholdTimesPeriodSeconds"][1]
-# Cloud Run sends the first probe at most this long after the container starts (a ready vLLM waits no longer).
-FIRST_PROBE_WITHIN_S = 120
+# vLLM flags for a short cold start (serving.vllm_args.VllmServerConfig fields; the Cloud Run service sets them).
+COLD_START_VLLM: dict[str, Any] = {"enforce_eager": True, "safetensors_load_strategy": "eager"}
+
+# What a cold instance does between container start and its first successful probe, with COLD_START_VLLM, for
+# Gemma 3 1B in bf16 (about 2 GB) on a Cloud Run L4: (step, fastest s, slowest s). Estimates, not measurements.
+EXPECTED_START: tuple[tuple[str, int, int], ...] = (
+    ("container start", 1, 5),
+    ("entrypoint: completion check, API key guard import (python3)", 1, 5),
+    ("API server process: import torch, vLLM, transformers", 10, 25),
+    ("engine core process: the same imports again, CUDA init", 10, 25),
+    ("weights: ~2 GB read whole over the Cloud Storage mount (80-250 MB/s), copied to the GPU", 8, 30),
+    ("KV-cache memory profiling: one dummy forward pass, eager", 2, 10),
+    ("torch.compile and CUDA-graph capture: skipped (--enforce-eager)", 0, 0),
+    ("API server up; the next probe (every 10 s) answered", 0, 10),
+)
+# Without COLD_START_VLLM the review of vLLM v0.28.0 estimated 150-330 s: torch.compile with no cache and 51 graph
+# sizes captured, weights read lazily page by page over the mount.
+
+
+def expected_start_s() -> tuple[int, int]:
+    """The fastest and slowest start EXPECTED_START adds up to."""
+    return sum(low for _, low, _ in EXPECTED_START), sum(high for _, _, high in EXPECTED_START)
+
+
+# Cloud Run sends the first probe this long after the container starts: no longer than the fastest expected start.
+FIRST_PROBE_WITHIN_S = 30
 # vLLM needs at least this long after any marker wait (imports alone take tens of seconds).
 MIN_VLLM_BUDGET_S = 120
 
@@ -135,3 +161,37 @@ class StartupWindow:
 
 
 STARTUP_WINDOW = StartupWindow()
+
+
+# --------------------------------------------------------------------------- the official openai client on a cold service
+
+# While no instance is ready, Cloud Run holds a request for up to 60 s, then answers 429 ("Incoming requests queue
+# for up to 60 seconds ... the request fails with a 429 error code": cloud.google.com/run/docs/configuring/max-instances).
+CLOUD_RUN_QUEUE_S = 60
+# openai-python's retry backoff (openai/_constants.py and `_calculate_retry_timeout` in openai/_base_client.py,
+# openai 3.57.0): 0.5 s doubling up to 8 s, minus up to 25 % jitter; 429 is retried; DEFAULT_MAX_RETRIES is 2.
+OPENAI_INITIAL_RETRY_DELAY_S = 0.5
+OPENAI_MAX_RETRY_DELAY_S = 8.0
+OPENAI_DEFAULT_MAX_RETRIES = 2
+# Per try: longer than Cloud Run's hold, plus an answer of a few dozen tokens.
+OPENAI_TIMEOUT_S = 120.0
+
+
+def openai_covers_s(max_retries: int, queue_s: float = CLOUD_RUN_QUEUE_S, scale: float = 1.0) -> float:
+    """The shortest time the openai client keeps trying with `max_retries` while every try is held `queue_s`, then
+    429: one hold per try plus the smallest backoffs (the most jitter)."""
+    backoff = sum(
+        0.75 * min(OPENAI_INITIAL_RETRY_DELAY_S * 2.0**i, OPENAI_MAX_RETRY_DELAY_S) for i in range(max_retries)
+    )
+    return (max_retries + 1) * queue_s * scale + backoff * scale
+
+
+def openai_cold_start_settings(window: StartupWindow = STARTUP_WINDOW) -> dict[str, float | int]:
+    """`max_retries` and `timeout` for `openai.OpenAI(...)` that outlast a cold start: tries for the whole startup
+    window plus one more hold (the instance is scheduled and its image pulled before the window's clock starts)."""
+    needed = window.total_s + CLOUD_RUN_QUEUE_S
+    retries = next(n for n in range(100) if openai_covers_s(n) >= needed)
+    return {"max_retries": retries, "timeout": OPENAI_TIMEOUT_S}
+
+
+OPENAI_COLD_START = openai_cold_start_settings()

@@ -24,6 +24,16 @@ Decisions:
 - A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
   serving several fine-tunes on one base.
 - `served_model_name` defaults to `gemma` so clients need not know the mount path.
+- Served sampling defaults are greedy, decided here once: `--generation-config vllm` (vLLM's neutral
+  defaults, not the export's `generation_config.json`, which keeps the base's `do_sample`, `top_k: 64`,
+  `top_p: 0.95`) with `--override-generation-config {"temperature": 0.0}` (vLLM's own neutral default is
+  temperature 1.0). A request that omits `temperature` then gets the same answer every time, in the
+  cloud as from serving/local_server.py, which takes its defaults from `served_sampling_defaults()`.
+  The export's stop tokens still apply: vLLM reads `eos_token_id` from generation_config.json for "vllm" too
+  (`InputProcessor.generation_config_fields`, vllm/v1/engine/input_processor.py).
+  vLLM: `ModelConfig.get_diff_sampling_param` (vllm/config/model.py) and
+  `ChatCompletionRequest.to_sampling_params` (`_DEFAULT_SAMPLING_PARAMS`,
+  vllm/entrypoints/openai/chat_completion/protocol.py), v0.28.0.
 - Settings vLLM itself would refuse at start-up fail here, at `pulumi preview`: `float16` for
   Gemma 2/3 (vLLM's `_FLOAT16_NOT_SUPPORTED_MODELS` in vllm/config/model.py: "Numerical
   instability. Please use bfloat16 or float32 instead."), known from `model_type` or the model's name.
@@ -32,9 +42,8 @@ Decisions:
   Run concurrency can be set to the same number and the two never disagree.
 - Prefix caching is not a setting: vLLM's V1 engine enables it by default (ms-swift#6165 switched
   to "follow vLLM's default"; `--no-enable-prefix-caching` turns it off through `extra_args`).
-  Eager/prefetch safetensors loading and a persistent compile cache are not set either: no source
-  we found measures them on a Cloud Storage FUSE mount on Cloud Run (UNCONFIRMED that they pay);
-  `extra_args` can pass them for a trial.
+  `enforce_eager` and `safetensors_load_strategy` are typed fields; the Cloud Run service sets both for a
+  short cold start (serving/startup.py, `COLD_START_VLLM`, says why and what a start is expected to take).
 
 This module imports only pydantic and the standard library: the Pulumi program imports it
 and `pulumi up` does not install torch or vLLM. It does not know where the model comes from
@@ -43,10 +52,11 @@ and `pulumi up` does not install torch or vLLM. It does not know where the model
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -66,6 +76,10 @@ ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# vLLM v0.28.0 `SafetensorsLoadStrategy` (vllm/config/load.py), without "torchao" (a quantised-checkpoint path).
+SafetensorsLoadStrategy = Literal["lazy", "eager", "prefetch"]
 
 
 class VllmConfigError(ValueError):
@@ -156,6 +170,26 @@ VLLM_HEALTH_PATH = "/health"
 API_KEY_GUARD_MIDDLEWARE = "serving.api_key_guard.ApiKeyGuard"
 
 
+# vLLM's neutral sampling defaults for a parameter a request omits, when the generation config adds none
+# (`_DEFAULT_SAMPLING_PARAMS` of ChatCompletionRequest and CompletionRequest in vLLM v0.28.0).
+VLLM_NEUTRAL_SAMPLING: dict[str, float] = {
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+# What the service overrides: greedy unless the request asks otherwise (rendered as --override-generation-config).
+SERVED_SAMPLING_OVERRIDE: dict[str, float] = {"temperature": 0.0}
+# Where vLLM takes its defaults from: "vllm" = its neutral defaults, never the model's generation_config.json.
+SERVED_GENERATION_CONFIG = "vllm"
+
+
+def served_sampling_defaults() -> dict[str, float]:
+    """The sampling a request gets for each parameter it omits, on the service and on the local server."""
+    return {**VLLM_NEUTRAL_SAMPLING, **SERVED_SAMPLING_OVERRIDE}
+
+
 def vllm_api_key_guards(path: str) -> bool:
     """Whether vLLM's own check asks for the API key on `path` (its test: `path.startswith(GUARDED_PREFIX)`)."""
     return path.startswith(VLLM_API_KEY_GUARDED_PREFIXES)
@@ -172,6 +206,7 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "host": ("--host",),
     "port": ("--port",),
     "enforce_eager": ("--enforce-eager", "--no-enforce-eager"),
+    "safetensors_load_strategy": ("--safetensors-load-strategy",),
     "lora_modules": ("--enable-lora", "--no-enable-lora", "--lora-modules"),
     "max_lora_rank": ("--max-lora-rank",),
     "max_loras": ("--max-loras",),
@@ -181,6 +216,8 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     # order; Starlette's add_middleware inserts at the front, so the last one added is the outermost and sees
     # every request before the API key guard (it could answer without the key). Hence refused, not replaced.
     "api_key_guard": ("--middleware",),
+    # the served sampling defaults (SERVED_GENERATION_CONFIG, SERVED_SAMPLING_OVERRIDE): one decision, not a knob
+    "sampling_defaults": ("--generation-config", "--override-generation-config"),
 }
 _FLAG_TO_FIELD = {flag: field for field, flags in _TYPED_FLAGS.items() for flag in flags}
 
@@ -242,6 +279,12 @@ def extra_arg_problem(arg: str) -> str | None:
             f"every request before the API key guard ({API_KEY_GUARD_MIDDLEWARE}) and could answer without the key; "
             "other middleware is not supported, remove it"
         )
+    if field == "sampling_defaults":
+        return (
+            f"{as_written}: the served sampling defaults are fixed (greedy, `served_sampling_defaults()` in "
+            "serving/vllm_args.py) so the service and the local server answer a request alike; pass `temperature` "
+            "and `top_p` in the request instead"
+        )
     return f"{as_written}, which duplicates the typed field `{field}`: set `{field}` instead"
 
 
@@ -276,7 +319,14 @@ class VllmServerConfig(BaseModel):
     tensor_parallel_size: int = Field(1, description="GPUs per model replica (Cloud Run has one)")
     host: str = Field("0.0.0.0", description="listen address inside the container")
     port: int = Field(DEFAULT_PORT, description="listen port; Cloud Run's container port must match")
-    enforce_eager: bool = Field(False, description="skip CUDA-graph capture: faster cold start, slower decode")
+    enforce_eager: bool = Field(
+        False, description="skip torch.compile and CUDA-graph capture: faster cold start, slower decode"
+    )
+    safetensors_load_strategy: SafetensorsLoadStrategy | None = Field(
+        None,
+        description="lazy | eager | prefetch (vLLM's LoadConfig.safetensors_load_strategy): eager reads each file "
+        "whole before loading, for network mounts; null keeps vLLM's default (lazy mmap, prefetch only on NFS)",
+    )
     lora_modules: dict[str, str] = Field(
         default_factory=dict, description="adapter name -> folder, served on the base `model` instead of a merge"
     )
@@ -455,10 +505,18 @@ def render_args(cfg: VllmServerConfig) -> list[str]:
         "--port",
         str(cfg.port),
     ]
+    args += [
+        "--generation-config",
+        SERVED_GENERATION_CONFIG,
+        "--override-generation-config",
+        json.dumps(SERVED_SAMPLING_OVERRIDE, separators=(",", ":")),
+    ]
     if cfg.max_num_seqs is not None:
         args += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.enforce_eager:
         args.append("--enforce-eager")
+    if cfg.safetensors_load_strategy is not None:
+        args += ["--safetensors-load-strategy", cfg.safetensors_load_strategy]
     if cfg.api_key_guard:
         args += ["--middleware", API_KEY_GUARD_MIDDLEWARE]
     if cfg.lora_modules:

@@ -15,7 +15,7 @@ Decisions:
 - Every exported file is made world-readable before the marker is written: safetensors (used by
   transformers 5.x `save_pretrained`) writes through a 0600 temporary file (observed with
   safetensors 0.8: `model.safetensors` 0600 under umask 022), and the serving image runs as
-  uid 10001, so a `docker run` of a local export, or a cache shared by several users, could not
+  uid 2000 (gid 0), so a `docker run` of a local export, or a cache shared by several users, could not
   read the weights.
 - Pushing to the Hub (`output.push_to_hub`, off by default) uploads the merged export, or the
   adapter when the recipe does not merge (W1's seed pushed its adapter to a private repo), into a

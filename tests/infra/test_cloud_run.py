@@ -9,7 +9,7 @@ import pytest
 
 from infra.config import ConfigError
 from infra.offline import MOCK_TRAINED_RUN, is_secret, redact_secrets, run_stack
-from serving.startup import FIRST_PROBE_WITHIN_S, PROBE_LIMITS, STARTUP_WINDOW
+from serving.startup import FIRST_PROBE_WITHIN_S, PROBE_LIMITS, STARTUP_WINDOW, expected_start_s
 from tests.infra.conftest import PREBUILT, plain_paths
 
 JOB = "gcp:cloudrunv2/job:Job"
@@ -293,7 +293,11 @@ class TestStartupWindow:
         run = run_stack("dev", overrides=SERVING, assume_trained=True)
         container = run.one(SERVICE).plain_inputs()["template"]["containers"][0]
         probe = container["startupProbe"]
-        assert probe["initialDelaySeconds"] <= FIRST_PROBE_WITHIN_S <= 120
+        assert probe["initialDelaySeconds"] <= FIRST_PROBE_WITHIN_S <= expected_start_s()[0]
+        # the start the probe is fitted to: vLLM eager (no compile, no CUDA graphs), weights read whole
+        args = container["args"]
+        assert "--enforce-eager" in args
+        assert args[args.index("--safetensors-load-strategy") + 1] == "eager"
         rendered = {
             "initialDelaySeconds": probe["initialDelaySeconds"],
             "periodSeconds": probe["periodSeconds"],

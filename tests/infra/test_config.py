@@ -199,3 +199,29 @@ class TestServingApiKey:
     def test_visible_ascii_keys_pass(self, key: str) -> None:
         cfg = validate({**CLOUD_RUN, "servingApiKey": key}, "dev", hf_token_set=True)
         assert cfg.serving_api_key_set
+
+
+class TestServingEnvOpensNoDevelopmentRoutes:
+    """vLLM switches that add routes for every invoker (vLLM v0.28.0) are refused, with the reason and the fix."""
+
+    @pytest.mark.parametrize(
+        ("name", "route"),
+        [("VLLM_SERVER_DEV_MODE", "/collective_rpc"), ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "/v1/load_lora_adapter")],
+    )
+    def test_refused_with_the_routes_it_opens(self, name: str, route: str) -> None:
+        msg = fails({**CLOUD_RUN, "servingEnv": ["VLLM_LOGGING_LEVEL=DEBUG", f"{name}=1"]})
+        assert f"servingEnv sets {name}" in msg and route in msg, msg
+        assert "Fix: pulumi config rm --path 'servingEnv[1]'" in msg
+
+    def test_other_vllm_settings_pass(self) -> None:
+        cfg = validate({**CLOUD_RUN, "servingEnv": ["VLLM_LOGGING_LEVEL=DEBUG"]}, "dev", True)
+        assert cfg.serving_env == ["VLLM_LOGGING_LEVEL=DEBUG"]
+
+
+def test_serving_env_leaves_ld_library_path_to_the_image_and_names_the_cuda_switch() -> None:
+    """The old 803/804 advice (`LD_LIBRARY_PATH=…` in servingEnv) would replace the image's own path; in v0.28 the
+    compat libraries are vLLM's opt-in VLLM_ENABLE_CUDA_COMPATIBILITY=1 (vllm/env_override.py)."""
+    msg = fails({**CLOUD_RUN, "servingEnv": ["LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]})
+    assert "servingEnv sets LD_LIBRARY_PATH" in msg and "VLLM_ENABLE_CUDA_COMPATIBILITY=1" in msg, msg
+    cfg = validate({**CLOUD_RUN, "servingEnv": ["VLLM_ENABLE_CUDA_COMPATIBILITY=1"]}, "dev", True)
+    assert cfg.serving_env == ["VLLM_ENABLE_CUDA_COMPATIBILITY=1"]

@@ -5,6 +5,7 @@ The real-server path (the local server on a tiny Gemma) is in test_local_server.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -471,6 +472,43 @@ class TestApiKey:
         with fake_server() as srv:
             list_models(srv.url, retry=FAST)
         assert srv.requests[0].headers["Authorization"] == f"Bearer {SECRET}"
+
+    @pytest.mark.parametrize(
+        "url", ["https://api.example.com/v1", "https://someone-elses-service-xyz-uc.a.run.app", "https://evil.example"]
+    )
+    def test_key_from_env_goes_to_no_host_off_the_allowlist(self, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+        """A key left in the shell is worth as much as the service: like an ambient token, it goes only where the
+        user said ($GEMMA_FT_URL, $GEMMA_FT_TRUSTED_URLS) or to this machine."""
+        monkeypatch.setenv(client.API_KEY_ENV, SECRET)
+        _trust_the_stack_url(monkeypatch)
+        creds = resolve_credentials(url, token="id-token")
+        assert creds.api_key is None
+        assert SECRET not in json.dumps(creds.headers())
+        assert client.URL_ENV in creds.key_withheld_because and SECRET not in creds.key_withheld_because
+
+    def test_key_from_env_goes_to_the_allow_listed_service(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(client.API_KEY_ENV, SECRET)
+        monkeypatch.setenv(client.TOKEN_ENV, "id-token")
+        _trust_the_stack_url(monkeypatch)
+        assert resolve_credentials(RUN_URL + "/v1").headers()["Authorization"] == f"Bearer {SECRET}"
+        monkeypatch.delenv(client.URL_ENV)
+        monkeypatch.setenv(client.TRUSTED_URLS_ENV, "https://other.example.com")
+        assert resolve_credentials("https://other.example.com/v1", token="t").api_key == SECRET
+
+    def test_an_explicit_key_goes_to_the_https_host_given(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(client.API_KEY_ENV, "from-env")
+        assert resolve_credentials("https://api.example.com", api_key=SECRET).api_key == SECRET
+
+    def test_a_withheld_key_is_named_when_the_server_asks_for_one(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(client.API_KEY_ENV, SECRET)
+        creds = resolve_credentials("https://api.example.com", token="id-token")
+        with fake_server(Reply(401, {"error": "Unauthorized"})) as srv, pytest.raises(AuthError) as info:
+            chat(srv.url, USER, model="gemma", retry=FAST, creds=creds)
+        assert "GEMMA_FT_API_KEY is set but was not sent" in str(info.value)
+        assert SECRET not in str(info.value)
+        assert (
+            "Authorization" not in srv.requests[-1].headers or SECRET not in srv.requests[-1].headers["Authorization"]
+        )
 
     def test_never_over_plain_http_to_another_host(self) -> None:
         with pytest.raises(ClientError, match="over plain http"):

@@ -211,7 +211,7 @@ class TestOneDefinitionOfComplete:
 
     @pytest.mark.slow  # the real merge_and_export of a tiny model (module fixture)
     def test_export_files_are_readable_by_the_image_user(self, real_export: Path) -> None:
-        """safetensors saves 0600; the serving image runs as uid 10001, so the export makes every file a+r."""
+        """safetensors saves 0600; the serving image runs as uid 2000 (gid 0), so the export makes every file a+r."""
         modes = {p.name: p.stat().st_mode & 0o777 for p in real_export.iterdir()}
         assert modes["model.safetensors"] & 0o044 == 0o044, oct(modes["model.safetensors"])
         assert all(mode & 0o444 == 0o444 for mode in modes.values()), {k: oct(v) for k, v in modes.items()}

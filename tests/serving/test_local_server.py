@@ -227,7 +227,8 @@ class TestAlwaysStops:
 
 class TestRequestParsing:
     def test_defaults(self) -> None:
-        assert parse_chat_request({"messages": USER}, "gemma") == GenerationRequest("chat", USER, None, 64, 0.0, 1.0)
+        """No max_tokens: the rest of the context, as vLLM (settled per request by _Engine.prepare)."""
+        assert parse_chat_request({"messages": USER}, "gemma") == GenerationRequest("chat", USER, None, None, 0.0, 1.0)
 
     def test_completion_defaults_and_stream_options(self) -> None:
         body = {"prompt": ["Translate"], "stream": True, "stream_options": {"include_usage": True}}
@@ -248,7 +249,7 @@ class TestRequestParsing:
             ({"messages": []}, "non-empty list"),
             ({"messages": [{"role": "tool", "content": "x"}]}, "role of system, user or assistant"),
             ({"messages": USER, "logprobs": True}, "logprobs is not supported"),
-            ({"messages": USER, "temperature": 3}, "temperature=3"),
+            ({"messages": USER, "temperature": 3}, r"temperature must be in \[0, 2\], got 3"),
             ({"messages": USER, "n": 2}, "n=1"),
             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text-only"),
         ],

@@ -6,17 +6,22 @@ service that never becomes ready; a bad value must fail at `pulumi preview` with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from serving.local_server import parse_chat_request, parse_completion_request
 from serving.vllm_args import (
     DEFAULT_MODEL_PATH,
+    VLLM_NEUTRAL_SAMPLING,
     VllmConfigError,
     VllmServerConfig,
     load_config,
     render_args,
+    served_sampling_defaults,
 )
 
 
@@ -64,6 +69,8 @@ class TestMergedModel:
             "--tensor-parallel-size", "2",
             "--host", "127.0.0.1",
             "--port", "8080",
+            "--generation-config", "vllm",
+            "--override-generation-config", '{"temperature":0.0}',
             "--enforce-eager",
         ]  # fmt: skip
 
@@ -299,3 +306,73 @@ class TestApiKeyGuard:
             text = " ".join((root / doc).read_text(encoding="utf-8").split())
             for false in ("keeps only the last", "would replace the API key guard", "replace the guard"):
                 assert false not in text, f"{doc}: {false!r}"
+
+
+# google/gemma-3-1b-it generation_config.json as the export keeps it (GenerationConfig.to_diff_dict: the
+# non-default values): the base's sampling settings.
+GEMMA3_EXPORT_GENERATION_CONFIG: dict[str, Any] = {
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "do_sample": True,
+    "eos_token_id": [1, 106],
+    "pad_token_id": 0,
+    "top_k": 64,
+    "top_p": 0.95,
+}
+SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p")
+
+
+def _vllm_request_sampling(args: list[str], model_generation_config: dict[str, Any], request: dict[str, Any]) -> dict:
+    """What vLLM v0.28.0 samples a request with, replayed from its source:
+    `ModelConfig.get_diff_sampling_param` (vllm/config/model.py: {} for "vllm", else the model's generation
+    config; then the override; only the sampling keys) and `ChatCompletionRequest.to_sampling_params`
+    (vllm/entrypoints/openai/chat_completion/protocol.py: the request's value, else that diff, else
+    `_DEFAULT_SAMPLING_PARAMS`)."""
+    src = args[args.index("--generation-config") + 1] if "--generation-config" in args else "auto"
+    override = (
+        json.loads(args[args.index("--override-generation-config") + 1])
+        if "--override-generation-config" in args
+        else {}
+    )
+    config = {} if src == "vllm" else dict(model_generation_config)
+    config.update(override)
+    available = ["repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens"]
+    diff = {p: config[p] for p in available if config.get(p) is not None}
+    return {
+        p: request[p] if request.get(p) is not None else diff.get(p, VLLM_NEUTRAL_SAMPLING[p]) for p in SAMPLING_KEYS
+    }
+
+
+class TestServedSamplingDefaults:
+    """A request without `temperature` (the README's openai snippet) is greedy in the cloud, as locally."""
+
+    def test_a_request_without_sampling_settings_is_greedy_on_vllm(self) -> None:
+        args = render_args(VllmServerConfig())
+        served = _vllm_request_sampling(args, GEMMA3_EXPORT_GENERATION_CONFIG, {"messages": []})
+        assert served["temperature"] == 0.0
+        assert served == {p: served_sampling_defaults()[p] for p in SAMPLING_KEYS}
+
+    def test_the_local_server_takes_the_same_defaults(self) -> None:
+        args = render_args(VllmServerConfig())
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        served = _vllm_request_sampling(args, GEMMA3_EXPORT_GENERATION_CONFIG, body)
+        for local in (parse_chat_request(body, "gemma"), parse_completion_request({"prompt": "hi"}, "gemma")):
+            assert (local.temperature, local.top_p, local.top_k) == (
+                served["temperature"],
+                served["top_p"],
+                served["top_k"],
+            )
+
+    def test_a_request_that_asks_for_sampling_gets_vllms_neutral_rest_not_the_bases(self) -> None:
+        """temperature=0.8 alone: top_k/top_p stay vLLM's neutral ones (0, 1.0), not Gemma's 64/0.95."""
+        args = render_args(VllmServerConfig())
+        body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.8}
+        served = _vllm_request_sampling(args, GEMMA3_EXPORT_GENERATION_CONFIG, body)
+        local = parse_chat_request(body, "gemma")
+        assert served["temperature"] == local.temperature == 0.8
+        assert (served["top_k"], served["top_p"]) == (local.top_k, local.top_p) == (0, 1.0)
+
+    @pytest.mark.parametrize("flag", ["--generation-config=auto", "--override-generation-config", "--generation-c"])
+    def test_extra_args_cannot_change_them(self, flag: str) -> None:
+        with pytest.raises(ValidationError, match="served sampling defaults are fixed"):
+            VllmServerConfig(extra_args=[flag])

@@ -10,7 +10,7 @@ _CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_gemma(path: Path, marker: bool = True) -> Path:
+def build_tiny_gemma(path: Path, marker: bool = True, max_position_embeddings: int = 256) -> Path:
     """A 2-layer Gemma 3 text model with a character-level tokenizer and a Gemma-style chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
@@ -33,7 +33,7 @@ def build_tiny_gemma(path: Path, marker: bool = True) -> Path:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         sliding_window=64,
         pad_token_id=0,
         eos_token_id=1,
