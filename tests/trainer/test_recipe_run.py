@@ -155,13 +155,19 @@ class TestSeedOptimisation:
 
     def test_packing_that_cuts_the_updates_needs_a_reason(self) -> None:
         with pytest.raises(RecipeError) as info:
-            load_recipe("emoji-gemma3-1b", ["training.packing=true"])
+            load_recipe("emoji-gemma3-1b", ["training.packing=true", *self.W3_SEED_GEOMETRY])
         message = str(info.value)
         assert "500 updates per epoch into 27" in message and "training.packing_reason" in message
         assert "training.save_steps=100 exceeds the run's 27 optimizer steps" in message
         # a written reason (and a checkpoint interval inside the shorter run) is accepted
         load_recipe(
-            "emoji-gemma3-1b", ["training.packing=true", "training.packing_reason=measured", "training.save_steps=20"]
+            "emoji-gemma3-1b",
+            [
+                "training.packing=true",
+                "training.packing_reason=measured",
+                "training.save_steps=20",
+                *self.W3_SEED_GEOMETRY,
+            ],
         )
 
     def test_packed_micro_batch_of_several_rows_is_rejected_under_sdpa(self) -> None:
