@@ -16,9 +16,11 @@ Each check reports status, steps, tokens/s, MFU (tokens/s x the FLOPs per token 
 of bench/mfu_estimate.py, over the GPU's dense bf16 peak) and seconds. Checks that no longer fit the time
 budget are recorded as skipped, never silently dropped.
 
-`--dry-run` runs the same plan on the CPU with the tiny models only (one or two steps, `--cpu` launches:
-accelerate trains them as DDP over gloo, FSDP needs GPUs) and lists the 270M and benchmark checks as
-planned: tests/bench/test_gpu_check.py proves the plumbing with it, not the timing.
+`--dry-run` runs the same plan on the CPU with the tiny models only (two steps, four for the resume check;
+`--cpu` launches, which accelerate 1.15 runs as one plain process: its FSDP and torchrun launcher are for
+accelerators, commands/launch.py `launch_command`) and lists the 270M and benchmark checks as planned:
+tests/bench/test_gpu_check.py proves the plumbing with it, not the timing. On a GPU the one-rank FSDP
+check goes through torchrun and FSDP2 for real.
 """
 
 from __future__ import annotations
