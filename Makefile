@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM := false
 # the cores the working threads need (serving/demo.py `_yielding_cpu_threads` has the numbers)
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: help venv test test-fast lint lint-files demo plan bench clean
+.PHONY: help venv test test-fast lint lint-files demo plan bench gpu-wheelhouse gpu-check-dry clean
 
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -78,6 +78,12 @@ plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4
 bench: $(STAMP) ## training throughput, each shipped text recipe vs its seed (CPU)
 	$(PY) bench/train_throughput.py --device cpu --recipe text-to-sql-gemma4-31b --out build/bench/text-to-sql.json
 	$(PY) bench/train_throughput.py --device cpu --recipe emoji-gemma3-1b --out build/bench/emoji.json
+
+gpu-wheelhouse: $(STAMP) ## wheels a GPU machine lacks, for bench/gpu_check.sh offline (build/gpu-wheelhouse)
+	bench/prepare_wheelhouse.sh --dest build/gpu-wheelhouse
+
+gpu-check-dry: $(STAMP) ## the GPU check's plan on this CPU with tiny models (plumbing, not timing)
+	bench/gpu_check.sh --dry-run --out build/gpu_check/dry.json
 
 clean: ## remove build outputs (keeps .venv and the prepared local model)
 	rm -rf build outputs .pytest_cache .ruff_cache .mypy_cache

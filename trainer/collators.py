@@ -15,11 +15,13 @@ Decisions:
   `eoi_token_id`, `processor.image_token_ids`, `convert_tokens_to_ids(processor.boi_token)`),
   never typed in: transformers 5.23's `processor.image_token_id` is the BEGIN-of-image id while
   older releases used it for the soft token, and a fixed 262144 only fits one vocabulary.
-- Loss on the assistant only (`mask_prompt=True`, the default): each conversation is also
-  rendered WITHOUT its final assistant turn (with the generation prompt) and processed with the
-  same images; that prompt must be a token-for-token prefix of the full sequence, and those
-  prefix positions are masked. When a template breaks the prefix property for a row, that row
-  keeps its prompt in the loss and a warning says so: wrong masking is worse than none.
+- One processor call per batch (the image processor is the collator's cost). Loss on the assistant
+  only (`mask_prompt=True`, the default): each conversation is also rendered WITHOUT its final
+  assistant turn (with the generation prompt); that text must be a prefix of the full text, the
+  answer after it (no image in it) is tokenized by the tokenizer alone, and those answer tokens
+  must end the row's real tokens: every position before them is masked. When a template breaks
+  that for a row, the row keeps its prompt in the loss and a warning says so: wrong masking is
+  worse than none.
 - Truncation is not done here: cutting through an image's soft tokens would break the model's
   image/token alignment. `max_length` counts every token the model sees, the image's soft tokens
   included (256 per image for Gemma 3 4B, `mm_tokens_per_image`): `fits(example)` says whether a
@@ -105,11 +107,16 @@ class VisionSFTCollator:
         self.mask_prompt = mask_prompt
         self.masked_ids = sorted(masked_token_ids(processor))
 
-    def _encode(self, conversations: Sequence[Sequence[Mapping[str, Any]]], images: list[list[Any]], prompt: bool):
-        texts = [
+    def _render(self, conversations: Sequence[Sequence[Mapping[str, Any]]], prompt: bool) -> list[str]:
+        return [
             self.processor.apply_chat_template(list(c), tokenize=False, add_generation_prompt=prompt)
             for c in conversations
         ]
+
+    def _encode(self, conversations: Sequence[Sequence[Mapping[str, Any]]], images: list[list[Any]], prompt: bool):
+        return self._process(self._render(conversations, prompt), images)
+
+    def _process(self, texts: list[str], images: list[list[Any]]) -> Any:
         has_images = any(images)
         return self.processor(
             text=texts,
@@ -133,7 +140,8 @@ class VisionSFTCollator:
 
         conversations = [example["messages"] for example in examples]
         images = [[_as_rgb(image) for image in example.get("images") or []] for example in examples]
-        batch = self._encode(conversations, images, prompt=False)
+        texts = self._render(conversations, prompt=False)
+        batch = self._process(texts, images)  # the batch's one processor call (images included)
         input_ids = batch["input_ids"]
         if self.max_length is not None and input_ids.shape[1] > self.max_length:
             raise ValueError(
@@ -145,20 +153,26 @@ class VisionSFTCollator:
         if "attention_mask" in batch:
             labels[batch["attention_mask"] == 0] = IGNORE_INDEX
         if self.mask_prompt:
-            self._mask_prompts(labels, batch, conversations, images)
+            self._mask_prompts(labels, batch, conversations, texts)
         batch["labels"] = labels
         return dict(batch)
 
-    def _mask_prompts(self, labels: torch.Tensor, batch: Any, conversations: Sequence[Any], images: list[list[Any]]):
-        prompts = self._encode([_prompt_messages(c) for c in conversations], images, prompt=True)
+    def _mask_prompts(self, labels: torch.Tensor, batch: Any, conversations: Sequence[Any], texts: list[str]):
+        """Mask each row's prompt: the real tokens before its answer, the answer counted by the tokenizer alone.
+
+        The prompt (rendered with the generation prompt) must be a prefix of the full text; the answer that
+        follows has no image, so the tokenizer gives its tokens without a second processor (and image) pass,
+        and they must be the last real tokens of the row."""
+        prompts = self._render([_prompt_messages(c) for c in conversations], prompt=True)
         for row in range(labels.shape[0]):
             full = _real_tokens(batch, row)
-            prompt = _real_tokens(prompts, row)
-            start = _first_real_position(batch, row)
-            if len(prompt) >= len(full) or full[: len(prompt)] != prompt:
+            answer = texts[row][len(prompts[row]) :] if texts[row].startswith(prompts[row]) else None
+            answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"] if answer else []
+            if not answer_ids or len(answer_ids) >= len(full) or full[-len(answer_ids) :] != answer_ids:
                 log.warning("row %d: the prompt is not a prefix of the conversation; its prompt stays in the loss", row)
                 continue
-            labels[row, start : start + len(prompt)] = IGNORE_INDEX
+            start = _first_real_position(batch, row)
+            labels[row, start : start + len(full) - len(answer_ids)] = IGNORE_INDEX
 
 
 def _real_tokens(batch: Any, row: int) -> list[int]:

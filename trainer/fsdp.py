@@ -138,13 +138,16 @@ def render_accelerate_config(
     strategy: str = "fsdp",
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
     layer_class: str | None = None,
     use_cpu: bool = False,
 ) -> dict[str, Any]:
     """An accelerate `config_file` as a dict (dump it as YAML).
 
     `num_processes` is the TOTAL over all machines, as accelerate expects. `strategy="none"`
-    renders plain data parallelism (MULTI_GPU), used for QLoRA recipes that FSDP cannot shard.
+    renders plain data parallelism (MULTI_GPU), used for QLoRA recipes that FSDP cannot shard and for
+    `distributed.strategy: ddp`. `reshard_after_forward=False` keeps each FSDP2 layer gathered from its
+    forward to its backward (one all-gather per micro-step instead of two; trainer/memory_plan.py).
     `use_cpu=True` runs the processes on CPUs over gloo: accelerate then trains them as DDP
     (MULTI_CPU), also for an FSDP config, since accelerate shards with FSDP only on accelerators
     (accelerate 1.15 state.py `AcceleratorState.__init__`).
@@ -183,7 +186,7 @@ def render_accelerate_config(
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_transformer_layer_cls_to_wrap": layer_class or decoder_layer_class(model_config),
-            "fsdp_reshard_after_forward": True,
+            "fsdp_reshard_after_forward": reshard_after_forward,
             "fsdp_state_dict_type": "FULL_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": True,
             "fsdp_offload_params": cpu_offload,

@@ -8,6 +8,9 @@
         --set distributed.world_size=4      # CPUs only, over gloo; the recipe sized for 4 ranks
 
 Decisions:
+- The strategy is the recipe's `distributed.strategy`; `auto` is resolved by recipe validation's
+  per-GPU memory model (`trainer.recipe.resolve_strategy`, trainer/memory_plan.py): `ddp` renders
+  accelerate's MULTI_GPU, `fsdp` an FSDP2 config with the chosen `fsdp_reshard_after_forward`.
 - The FSDP wrap class comes from the model's own config (AutoConfig.from_pretrained on the
   recipe's model: the Hub id at run time, a local folder in tests), see trainer/fsdp.py.
 - One process per node runs this; it writes the accelerate config (this node's machine_rank
@@ -49,7 +52,15 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from trainer.recipe import REPO_ROOT, Recipe, RecipeError, load_recipe, parse_recipe, world_size_problem
+from trainer.recipe import (
+    REPO_ROOT,
+    Recipe,
+    RecipeError,
+    load_recipe,
+    parse_recipe,
+    resolve_strategy,
+    world_size_problem,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -161,7 +172,8 @@ def plan(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Laun
 
     env = os.environ if env is None else env
     recipe = load_recipe(args.recipe, args.overrides)
-    strategy = recipe.distributed.strategy
+    chosen = resolve_strategy(recipe)  # `auto`: the memory model's pick (trainer/memory_plan.py)
+    strategy = "fsdp" if chosen.name == "fsdp" else "none"  # ddp and none: accelerate's MULTI_GPU
     num_processes = total_processes(args.nproc_per_node, args.num_processes, args.nnodes)
     given = (
         f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
@@ -184,6 +196,7 @@ def plan(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Laun
         strategy=strategy,
         activation_checkpointing=recipe.distributed.fsdp_activation_checkpointing,
         cpu_offload=recipe.distributed.fsdp_cpu_offload,
+        reshard_after_forward=chosen.reshard_after_forward,
         use_cpu=args.cpu,
     )
     config_path = args.config_out or Path(tempfile.mkdtemp(prefix="accelerate-")) / "accelerate_config.yaml"

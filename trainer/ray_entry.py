@@ -29,6 +29,11 @@ Decisions:
 - The run name defaults to the recipe name, not a timestamp: a retried RayJob (KubeRay
   starts a new cluster) finds the same run under storage_path, and a retried worker group
   resumes from `ray.train.get_checkpoint()`, copied to local disk first.
+- One upload per checkpoint: Ray's report (to `storage_path`) is it. The trainer's mirror callback
+  gets the output location without its remote, so it only marks each checkpoint complete locally; the
+  final adapter and run_summary.json still go to `output.dir`. One download per node on resume: local
+  rank 0 copies Ray's checkpoint to the node's disk while the node's other ranks wait
+  (`node_resume_checkpoint`).
 - Vision recipes (`model.text_only: false`) get trainer/collators.py's VisionSFTCollator:
   labels mask pad and image tokens by the processor's own ids, and the prompt when
   `training.assistant_only_loss` is on. `training.max_length` counts the image's soft tokens:
@@ -62,6 +67,7 @@ workers read the recipe's data themselves.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -71,7 +77,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -269,13 +275,25 @@ def build_vision_trainer(
     return trainer, processor
 
 
-def _local_resume_checkpoint(checkpoint: Any, scratch: Path) -> Path | None:
-    """Copy a Ray checkpoint to local disk; the HF checkpoint folder inside it, or None."""
+def node_resume_checkpoint(checkpoint: Any, args: Any) -> Path | None:
+    """Ray's checkpoint copied to this node's disk ONCE; the HF checkpoint folder inside it, or None.
+
+    Local rank 0 downloads it while the node's other ranks wait at TrainingArguments.main_process_first
+    (local=True)'s barrier; they then read the same folder (16 workers on 2 nodes: 2 downloads, not 16).
+    The folder is per Ray node and per checkpoint, so two Ray nodes on one machine never share one.
+    """
     if checkpoint is None:
         return None
-    target = scratch / "ray-resume"
-    shutil.rmtree(target, ignore_errors=True)
-    checkpoint.to_directory(str(target))
+    import ray
+
+    key = hashlib.sha256(f"{ray.get_runtime_context().get_node_id()}:{checkpoint.path}".encode()).hexdigest()[:16]
+    target = Path(tempfile.gettempdir()) / "gemma-finetune-ray-resume" / key
+    complete = target / ".complete"
+    with args.main_process_first(local=True, desc="copying the Ray checkpoint to this node"):
+        if args.local_process_index == 0 and not complete.is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            checkpoint.to_directory(str(target))
+            complete.touch()
     inner = target / RAY_CHECKPOINT_SUBDIR
     return inner if inner.is_dir() else None
 
@@ -311,23 +329,25 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
     callbacks = [ray_report_callback(), *extra_callbacks]
+    # Ray's report is each checkpoint's one upload (to storage_path, where a restarted worker group resumes
+    # from); the trainer's mirror callback only marks it complete here: no remote to copy it to as well.
+    checkpoints_here = replace(location, remote=None)
     if recipe.model.text_only:
-        trainer, processor = build_trainer(recipe, location, callbacks)
+        trainer, processor = build_trainer(recipe, checkpoints_here, callbacks)
     else:
-        trainer, processor = build_vision_trainer(recipe, location, callbacks)
+        trainer, processor = build_vision_trainer(recipe, checkpoints_here, callbacks)
     trainer = prepare_trainer(trainer)  # type: ignore[assignment]  # same class, Ray-aware dataloaders
 
     context = ray.train.get_context()
-    rank = context.get_world_rank()
-    scratch = Path(tempfile.mkdtemp(prefix=f"ray-worker{rank}-"))
+    resume = node_resume_checkpoint(ray.train.get_checkpoint(), trainer.args)
     try:
-        resume = _local_resume_checkpoint(ray.train.get_checkpoint(), scratch)
         resumed_step = _checkpoint_global_step(resume) if resume is not None else None
         if resume is not None:
             log.info("resuming at step %s from the Ray checkpoint copied to %s", resumed_step, resume)
         train_output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)  # a failed attempt leaves no copy behind
+        if resume is not None and trainer.args.local_process_index == 0:  # the node's copy, read at the start
+            shutil.rmtree(resume.parent, ignore_errors=True)
 
     adapter_dir = location.local / "adapter"
     trainer.save_model(str(adapter_dir))

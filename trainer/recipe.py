@@ -46,7 +46,7 @@ import json
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -270,12 +270,24 @@ class EvaluationSpec(_Strict):
 class DistributedSpec(_Strict):
     """How the launcher builds the accelerate config; the wrap class comes from the model config."""
 
-    strategy: str = Field("none", description="none | fsdp")
+    strategy: str = Field(
+        "none",
+        description="none | ddp | fsdp | auto (the per-GPU memory model picks ddp, else FSDP kept gathered, "
+        "else FSDP resharded: trainer/memory_plan.py; needs distributed.gpu)",
+    )
     world_size: int = Field(
         1,
         gt=0,
         description="data-parallel processes the recipe is sized for (8 = one A4 node, 16 = W2's Ray workers); "
         "validation computes the optimizer steps with it",
+    )
+    gpu: str | None = Field(
+        None, description="the accelerator one rank has (b200 | h200): validation checks the run fits its memory"
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True,
+        description="FSDP2: free each layer's gathered weights after its forward (true: gathered again for the "
+        "backward) or keep them until the backward (false: one all-gather per micro-step, more memory)",
     )
     fsdp_activation_checkpointing: bool = False
     fsdp_cpu_offload: bool = False
@@ -283,8 +295,17 @@ class DistributedSpec(_Strict):
     @field_validator("strategy")
     @classmethod
     def _strategy(cls, v: str) -> str:
-        if v not in {"none", "fsdp"}:
-            raise ValueError(f"distributed.strategy={v!r}: use none or fsdp")
+        if v not in {"none", "ddp", "fsdp", "auto"}:
+            raise ValueError(f"distributed.strategy={v!r}: use none, ddp, fsdp or auto")
+        return v
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str | None) -> str | None:
+        from trainer.memory_plan import GPUS
+
+        if v is not None and v not in GPUS:
+            raise ValueError(f"distributed.gpu={v!r}: use one of {sorted(GPUS)} (or leave it unset)")
         return v
 
 
@@ -560,6 +581,7 @@ def check_run(recipe: Recipe) -> list[str]:
             "layers have head_dim 512 and flash-attn 2 supports at most 256, so the first such layer fails. "
             f"Use sdpa (`{fix} model.attn_implementation=sdpa`)"
         )
+    problems += strategy_problems(recipe)
     ratio = plan.updates_per_epoch_unpacked / plan.updates_per_epoch
     if t.packing and ratio > 2 and not (t.packing_reason or "").strip():
         problems.append(
@@ -568,6 +590,115 @@ def check_run(recipe: Recipe) -> list[str]:
             "(a smaller micro-batch or accumulation), or write why in training.packing_reason"
         )
     return problems
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The data-parallel strategy a run uses, and the per-GPU estimates it was picked from (GB)."""
+
+    name: str  # none | ddp | fsdp
+    reshard_after_forward: bool
+    estimates: dict[str, Any]  # memory_plan.Estimate per candidate; empty when nothing was estimated
+    problem: str | None = None
+    note: str | None = None  # how `auto` decided without estimates
+
+    @property
+    def key(self) -> str:
+        """The memory model's name for it (`fsdp-gathered` is FSDP without resharding after forward)."""
+        return (
+            "fsdp"
+            if self.name == "fsdp" and self.reshard_after_forward
+            else ("fsdp-gathered" if self.name == "fsdp" else self.name)
+        )
+
+
+def _estimates(recipe: Recipe) -> dict[str, Any] | None:
+    """Per-GPU memory of each strategy for this recipe (None when the GPU or the model's shape is unknown)."""
+    from trainer import memory_plan
+
+    d, t = recipe.distributed, recipe.training
+    shape = memory_plan.model_shape(recipe.model.name_or_path, REPO_ROOT)
+    if d.gpu is None or shape is None:
+        return None
+    extra = sum(shape.embedding_params for name in recipe.lora.modules_to_save if name in {"lm_head", "embed_tokens"})
+    return {
+        strategy: memory_plan.estimate(
+            shape,
+            memory_plan.GPUS[d.gpu],
+            strategy,
+            world_size=d.world_size,
+            tokens_per_micro_batch=t.per_device_train_batch_size * t.max_length,
+            lora_r=recipe.lora.r,
+            lora_targets=recipe.lora.target_modules,
+            modules_to_save_params=extra,
+            gradient_checkpointing=t.gradient_checkpointing,
+        )
+        for strategy in memory_plan.STRATEGIES
+    }
+
+
+def resolve_strategy(recipe: Recipe) -> Strategy:
+    """The strategy the run will use: the recipe's, or with `auto` the first that fits (trainer/memory_plan.py).
+
+    `problem` says why the recipe's strategy cannot run (it does not fit one GPU). Without `distributed.gpu`
+    or a known model shape (a model override to an unknown model) `auto` takes FSDP resharding after forward,
+    the strategy that needs the least memory, and says so in `note`.
+    """
+    from trainer.memory_plan import STRATEGIES, choose
+
+    d, t = recipe.distributed, recipe.training
+    estimates = _estimates(recipe) or {}
+    fix = f"python -m trainer --recipe {recipe.name} --set"
+    if d.strategy == "auto":
+        if not estimates:  # nothing to estimate with: the strategy that needs the least memory per GPU
+            why = (
+                "distributed.gpu is unset" if d.gpu is None else f"the shape of {recipe.model.name_or_path} is unknown"
+            )
+            return Strategy(
+                "fsdp", True, {}, note=f"distributed.strategy=auto: {why}, so FSDP resharding after forward"
+            )
+        chosen = choose(estimates)
+        if chosen is None:
+            best = min(estimates.values(), key=lambda e: e.total_gb)
+            return Strategy(
+                "fsdp",
+                True,
+                estimates,
+                (
+                    f"distributed.strategy=auto: no strategy fits one {d.gpu} with training.max_length={t.max_length} x "
+                    f"per_device_train_batch_size={t.per_device_train_batch_size} tokens per micro-batch; the smallest, "
+                    f"{best.line()}. Fix: lower training.max_length (raising gradient_accumulation_steps to keep the "
+                    f"tokens per update) or `{fix} training.gradient_checkpointing=true`"
+                ),
+            )
+        return Strategy("ddp" if chosen == "ddp" else "fsdp", chosen == "fsdp", estimates)
+    resolved = Strategy(d.strategy, d.fsdp_reshard_after_forward, estimates)
+    if resolved.name in {"ddp", "fsdp"} and estimates and not estimates[resolved.key].fits:
+        mine = estimates[resolved.key]
+        fitting = [s for s in STRATEGIES if estimates[s].fits]
+        setting = f"distributed.strategy={d.strategy}" + (
+            f" with distributed.fsdp_reshard_after_forward={str(d.fsdp_reshard_after_forward).lower()}"
+            if d.strategy == "fsdp"
+            else ""
+        )
+        instead = (
+            f"`{fix} distributed.strategy=auto` (picks {fitting[0]})"
+            if fitting
+            else f"lower training.max_length={t.max_length} or `{fix} training.gradient_checkpointing=true`"
+        )
+        return replace(
+            resolved,
+            problem=(
+                f"{setting} does not fit one {d.gpu} at training.max_length={t.max_length} x "
+                f"per_device_train_batch_size={t.per_device_train_batch_size}: {mine.line()}. Fix: {instead}"
+            ),
+        )
+    return resolved
+
+
+def strategy_problems(recipe: Recipe) -> list[str]:
+    problem = resolve_strategy(recipe).problem
+    return [problem] if problem else []
 
 
 def world_size_problem(recipe: Recipe, processes: int, started_as: str) -> str | None:

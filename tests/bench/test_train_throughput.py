@@ -30,8 +30,35 @@ def test_tiny_benchmark_writes_both_sides(tmp_path: Path) -> None:
     assert result["ratio_ours_over_seed"]["tokens_per_second"] > 0
     assert result["packing_isolation_max_abs_logit_diff"] < 1e-3, "packed sequences attend to each other"
     assert result["loss_parity"]["ok"] and rc == 0, result["loss_parity"]
+    assert result["eval_rows_scored"] >= train_throughput.MIN_PARITY_ROWS, "parity judged on too few rows"
     assert result["recipe"] == "text-to-sql-gemma4-31b" and result["seed_workload"] == "W1"
     assert result["ours"]["config"]["labels_only_head"] and not result["seed"]["config"]["labels_only_head"]
+
+
+def _side(held_out: float, train: float = 0.85) -> dict[str, float]:
+    return {"held_out_loss": held_out, "mean_train_loss_last_5": train}
+
+
+def test_loss_parity_is_one_sided_on_enough_rows() -> None:
+    """Why: the benchmark exited 1 when ours trained BETTER (held-out 0.313 vs the seed's 0.387, a two-sided
+    check on 2 rows); only ours being worse by more than the tolerance may fail it, on >= 20 held-out rows."""
+    better = train_throughput.parity(_side(0.387), _side(0.313, 0.862), 0.05, 5, eval_rows=20)
+    assert better["ok"] and better["held_out_loss_rel_diff"] < 0, better
+    slightly_worse = train_throughput.parity(_side(0.387), _side(0.387 * 1.04), 0.05, 5, eval_rows=20)
+    assert slightly_worse["ok"], slightly_worse
+    worse = train_throughput.parity(_side(0.387), _side(0.387 * 1.06), 0.05, 5, eval_rows=20)
+    assert not worse["ok"] and "+6.00%" in worse["reason"], worse
+    too_few = train_throughput.parity(_side(0.387), _side(0.313), 0.05, 5, eval_rows=2)
+    assert not too_few["ok"] and "at least 20 rows" in too_few["reason"], too_few
+    missing = train_throughput.parity({"held_out_loss": None}, _side(0.313), 0.05, 5, eval_rows=20)
+    assert not missing["ok"]
+
+
+def test_default_held_out_set_is_large_enough() -> None:
+    """Why: the default command must produce a parity verdict, not a 2-row coin toss."""
+    for device, model in (("cpu", "tiny"), ("cpu", "gemma3-270m")):
+        args = train_throughput.parse_args(["--device", device, "--model", model])
+        assert args.eval_rows >= train_throughput.MIN_PARITY_ROWS
 
 
 def test_pack_length_gives_the_requested_rows() -> None:

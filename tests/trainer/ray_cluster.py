@@ -74,6 +74,7 @@ def tiny_recipe_overrides(model_dir: Path) -> list[str]:
         "training.gradient_accumulation_steps=1",
         "training.max_length=512",
         "training.report_to=[]",
+        "training.extra.dataloader_num_workers=1",  # the recipe's loader processes, one on 2 cores
     ]
 
 

@@ -6,7 +6,9 @@
 - every `ray.train.report` call: rank, attempt, step and the SHA-256 of each file handed to Ray;
 - the trainable (adapter) weights in memory when checkpoint N is saved, and when training begins
   (after transformers restored a checkpoint);
-- the global steps each attempt ran.
+- the global steps each attempt ran;
+- every upload through `trainer.checkpoints.upload_dir` and every download of a Ray checkpoint
+  (`ray.train.Checkpoint.to_directory`), with the Ray node each worker runs on.
 
 On the first attempt it also makes rank 0 a slow writer of checkpoint N: its `optimizer.pt` stays
 half on disk for `slow_write_s` (as a large optimizer state on a busy disk does), and the other
@@ -33,6 +35,9 @@ REPORT_FILE = "report-attempt-{attempt}-rank-{rank}-step-{step}.json"
 SAVED_WEIGHTS = "saved-rank-{rank}-step-{step}.safetensors"
 BEGIN_WEIGHTS = "begin-attempt-{attempt}-rank-{rank}.safetensors"
 HALF_WRITTEN_FLAG = "rank-0-is-writing-step-{step}"
+UPLOADS_FILE = "uploads-attempt-{attempt}-rank-{rank}.jsonl"  # trainer.checkpoints.upload_dir calls
+DOWNLOADS_FILE = "downloads-attempt-{attempt}-rank-{rank}.jsonl"  # ray.train.Checkpoint.to_directory calls
+NODE_FILE = "node-attempt-{attempt}-rank-{rank}.txt"  # the Ray node the worker ran on
 
 
 class Interrupted(RuntimeError):
@@ -143,12 +148,36 @@ class InterruptedRun:
                     time.sleep(0.05)
             original_rng(trainer, output_dir)
 
+        def _append(name: str, entry: dict[str, Any]) -> None:
+            with open(record / name.format(attempt=attempt, rank=rank), "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+        import ray
+
+        import trainer.checkpoints as checkpoints
+
+        original_upload = checkpoints.upload_dir
+        original_to_directory = ray.train.Checkpoint.to_directory
+        (record / NODE_FILE.format(attempt=attempt, rank=rank)).write_text(ray.get_runtime_context().get_node_id())
+
+        def recording_upload(local: Path, url: str, marker: str | None = None) -> None:
+            _append(UPLOADS_FILE, {"local": str(local), "url": url})
+            original_upload(local, url, marker=marker)
+
+        def recording_to_directory(checkpoint: Any, path: str | None = None) -> str:
+            _append(DOWNLOADS_FILE, {"checkpoint": str(checkpoint.path), "to": path})
+            return original_to_directory(checkpoint, path)
+
+        checkpoints.upload_dir = recording_upload
+        ray.train.Checkpoint.to_directory = recording_to_directory  # type: ignore[method-assign]
         ray.train.report = recording_report
         transformers.Trainer._save_optimizer_and_scheduler = slow_save  # type: ignore[method-assign]
         transformers.Trainer._save_rng_state = rng_after_rank_0_started  # type: ignore[method-assign]
         try:
             train_loop_per_worker(config, extra_callbacks=[_probe_callback(self, attempt, rank)])
         finally:
+            checkpoints.upload_dir = original_upload
+            ray.train.Checkpoint.to_directory = original_to_directory  # type: ignore[method-assign]
             ray.train.report = original_report
             transformers.Trainer._save_optimizer_and_scheduler = original_save  # type: ignore[method-assign]
             transformers.Trainer._save_rng_state = original_rng  # type: ignore[method-assign]

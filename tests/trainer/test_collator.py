@@ -187,6 +187,47 @@ class TestAssistantOnlyLoss:
             answer = example["messages"][-1]["content"][0]["text"]
             assert tok.decode(kept) == answer + "<end_of_turn>\n"
 
+    @pytest.mark.parametrize("padding_side", ["right", "left"])
+    def test_one_processor_call_per_batch_masks_what_the_prompt_pass_masked(self, processor, padding_side):
+        """Why: W2's collator ran the processor (and its image processor) twice per batch in the training
+        process; the prompt's length now comes from the answer's tokens, with the same mask as the former
+        second pass (the prompt processed with its images)."""
+        import torch
+
+        calls = []
+
+        class Counting:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __call__(self, *args, **kwargs):
+                calls.append(kwargs.get("images") is not None)
+                return self.inner(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        processor.tokenizer.padding_side = padding_side
+        try:
+            rows = examples(3)
+            collator = VisionSFTCollator(Counting(processor))
+            batch = collator(rows)
+            assert calls == [True], f"processor calls per batch: {calls}"
+            # the former second pass, as reference: the prompts processed with their images
+            images = [[image for image in row.get("images") or []] for row in rows]
+            prompts = collator._encode([row["messages"][:-1] for row in rows], images, prompt=True)
+        finally:
+            processor.tokenizer.padding_side = "right"
+        for row in range(len(rows)):
+            real = batch["attention_mask"][row].bool()
+            masked = (batch["labels"][row][real] == IGNORE_INDEX).tolist()
+            prompt_length = int(prompts["attention_mask"][row].sum())
+            assert masked[:prompt_length] == [True] * prompt_length
+            assert not any(masked[prompt_length:]), "an answer token lost its label"
+        assert torch.equal(
+            batch["labels"] != IGNORE_INDEX, (batch["labels"] != IGNORE_INDEX) & batch["attention_mask"].bool()
+        )
+
     def test_forward_pass_gives_a_finite_loss(self, processor):
         import torch
 

@@ -55,7 +55,7 @@ def make_plan(model_dir: Path, tmp_path: Path, *argv: str, env: dict[str, str] |
 
 class TestPlan:
     def test_single_node(self, gemma4_model_dir, tmp_path):
-        p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "8")
+        p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "8", "--set", "distributed.strategy=fsdp")
         assert p.config["num_processes"] == 8 and p.config["machine_rank"] == 0
         assert p.config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Gemma4TextDecoderLayer"
         assert p.config["fsdp_config"]["fsdp_version"] == 2

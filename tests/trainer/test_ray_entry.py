@@ -108,6 +108,24 @@ def _recipe(model_dir: Path, out: Path, *extra: str):
 class TestVisionTrainer:
     """The trainer each Ray worker builds: max_length counts image soft tokens; DDP's unused-parameter search is off."""
 
+    def test_batches_are_collated_in_loader_processes_and_the_seeds_modules_to_save_stay(
+        self, tiny_gemma3_vision_dir: Path, tmp_path: Path
+    ):
+        """Why: W2's collator ran the processor in the training process; the recipe's loader workers take it."""
+        from trainer.checkpoints import OutputLocation
+        from trainer.ray_entry import build_vision_trainer
+        from trainer.recipe import load_recipe
+
+        w2 = load_recipe(RECIPE)
+        assert w2.training.extra["dataloader_num_workers"] >= 2 and w2.training.extra["dataloader_persistent_workers"]
+        assert w2.lora.modules_to_save == ["lm_head", "embed_tokens"]  # kept: no measured run says drop them
+        recipe = _recipe(tiny_gemma3_vision_dir, tmp_path / "out", "quantization=null")
+        trainer, _ = build_vision_trainer(recipe, OutputLocation.from_dir(recipe.output.dir))
+        loader = trainer.get_train_dataloader()
+        assert loader.num_workers == recipe.training.extra["dataloader_num_workers"] == 1
+        batch = next(iter(loader))
+        assert {"input_ids", "pixel_values", "labels"} <= set(batch)
+
     @pytest.mark.slow
     def test_max_length_counts_image_tokens(self, tiny_gemma3_vision_dir: Path, tmp_path: Path):
         from trainer.checkpoints import OutputLocation
@@ -152,7 +170,7 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
     planned = shlex.split(ray_plan.entrypoint)[3:]
     spec = parse_args(
         [*planned, "--num-workers", "2", "--no-use-gpu", "--storage-path", str(storage), "--max-failures", "1",
-         "--set", "distributed.world_size=2", "--set", "training.max_steps=4", "--set", f"output.dir={out}"],
+         "--set", "distributed.world_size=2", "--set", "training.max_steps=4", "--set", f"output.dir=file://{out}"],
         env={},
     )  # fmt: skip
     ray.init(address=ray_cluster.address)
@@ -198,6 +216,21 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
         for key, tensor in saved.items():
             assert torch.equal(restored[key], tensor), f"rank {rank}: {key} is not the saved adapter"
             assert torch.equal(in_memory[key].to(tensor.dtype), tensor), f"rank {rank}: {key} differs from training"
+
+    # One upload per checkpoint: Ray's report (above: each file handed over once); the trainer's mirror
+    # callback uploads none of them to output.dir, only the final adapter goes there.
+    uploads = [json.loads(line) for f in sorted(record.glob("uploads-*.jsonl")) for line in f.read_text().splitlines()]
+    assert [u["url"] for u in uploads] == [f"file://{out}/adapter"], uploads
+    assert not (out / "checkpoints").exists()
+    # One download per node on resume: the second attempt's ranks on one Ray node share one copy.
+    nodes = {(record / f"node-attempt-2-rank-{r}.txt").read_text() for r in (0, 1)}
+    downloads = [
+        json.loads(line)
+        for f in sorted(record.glob("downloads-attempt-2-*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    assert len(downloads) == len(nodes), (downloads, nodes)
+    assert not list(record.glob("downloads-attempt-1-*.jsonl")), "nothing to resume from in the first attempt"
 
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["steps"] == 4 and summary["resumed_from_step"] == 2 and summary["ray_workers"] == 2

@@ -16,6 +16,7 @@ import pytest
 
 from trainer.recipe import (
     TOKEN_LENGTHS_FILE,
+    Recipe,
     RecipeError,
     list_recipes,
     load_recipe,
@@ -38,6 +39,104 @@ class TestSeedOptimisation:
         assert plan.updates_per_epoch == plan.total_updates == 500
         assert load_recipe("emoji-gemma3-1b").training.save_steps <= plan.total_updates
 
+    # the seed's geometry: 1 conversation per micro-batch x 2 accumulation, padded batches
+    W3_SEED_GEOMETRY = (
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=2",
+        "training.padding_free=false",
+    )
+
+    def test_w3_is_one_padding_free_micro_batch_of_2_with_the_seeds_optimisation(self, tmp_path: Path) -> None:
+        """Why: W3 is launch-bound; 2 x 1 padding-free halves the micro-steps, and may change nothing else:
+        the same updates, examples per update and learning-rate schedule as the seed's 1 x 2."""
+        import torch
+        from transformers import get_scheduler
+
+        from trainer.checkpoints import OutputLocation
+        from trainer.train import LossMode, sft_config
+
+        ours = load_recipe("emoji-gemma3-1b", [f"output.dir={tmp_path}"])
+        seed = load_recipe("emoji-gemma3-1b", [f"output.dir={tmp_path}", *self.W3_SEED_GEOMETRY])
+        t = ours.training
+        assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.padding_free) == (2, 1, True)
+        assert not t.packing  # padding-free alone: one micro-batch = the update's 2 conversations in one row
+        plans = {name: step_plan(r) for name, r in (("ours", ours), ("seed", seed))}
+        assert plans["ours"].total_updates == plans["seed"].total_updates == 500
+        assert plans["ours"].conversations_per_update == plans["seed"].conversations_per_update == 2
+
+        def schedule(recipe: Recipe) -> list[float]:
+            total = step_plan(recipe).total_updates
+            args = sft_config(recipe, OutputLocation.from_dir(str(tmp_path)), has_eval=False, loss=LossMode.ASSISTANT)
+            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=recipe.training.learning_rate)
+            scheduler = get_scheduler(
+                args.lr_scheduler_type,
+                optimizer,
+                num_warmup_steps=args.get_warmup_steps(total),
+                num_training_steps=total,
+            )
+            rates = []
+            for _ in range(total):
+                rates.append(scheduler.get_last_lr()[0])
+                optimizer.step()
+                scheduler.step()
+            return rates
+
+        assert schedule(ours) == schedule(seed)
+
+    def test_w3_padding_free_2x1_updates_hold_the_seeds_example_pairs(
+        self, tiny_gemma3_dir: Path, tmp_path: Path
+    ) -> None:
+        """The real trainers' data loaders (W3's training geometry on a tiny model and the emoji sample): every
+        update of 2 x 1 padding-free holds exactly the 2 conversations of the seed's 1 x 2 update, in one launch."""
+        from trainer.checkpoints import OutputLocation
+        from trainer.train import build_trainer
+
+        w3 = load_recipe("emoji-gemma3-1b").training
+        geometry = [
+            f"training.per_device_train_batch_size={w3.per_device_train_batch_size}",
+            f"training.gradient_accumulation_steps={w3.gradient_accumulation_steps}",
+            f"training.padding_free={str(w3.padding_free).lower()}",
+        ]
+
+        def updates(name: str, overrides: list[str] | tuple[str, ...]) -> tuple[list[list[tuple[int, ...]]], int]:
+            recipe = load_recipe(
+                "emoji-local",
+                [
+                    f"model.name_or_path={tiny_gemma3_dir}",
+                    f"output.dir={tmp_path / name}",
+                    "training.max_steps=-1",
+                    "training.num_train_epochs=1",
+                    "training.save_steps=1",
+                    "training.report_to=[]",
+                    "data.max_rows=24",
+                    "data.eval_rows=0",
+                    "output.merge=false",
+                    *overrides,
+                ],
+            )
+            trainer, _ = build_trainer(recipe, OutputLocation.from_dir(str(tmp_path / name)))
+            accumulation = recipe.training.gradient_accumulation_steps
+            *_, max_steps = trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())
+            grouped: list[list[tuple[int, ...]]] = []
+            for i, batch in enumerate(trainer.get_train_dataloader()):
+                if i % accumulation == 0:
+                    grouped.append([])
+                ids = batch["input_ids"]
+                if "position_ids" in batch and recipe.training.padding_free:  # one row, positions restart per example
+                    starts = [j for j, pos in enumerate(batch["position_ids"][0].tolist()) if pos == 0]
+                    row = ids[0].tolist()
+                    grouped[-1] += [tuple(row[a:b]) for a, b in zip(starts, [*starts[1:], len(row)], strict=True)]
+                else:
+                    mask = batch["attention_mask"]
+                    grouped[-1] += [tuple(r[m.bool()].tolist()) for r, m in zip(ids, mask, strict=True)]
+            return grouped, max_steps
+
+        ours, ours_steps = updates("ours", geometry)
+        seed, seed_steps = updates("seed", self.W3_SEED_GEOMETRY)
+        assert ours_steps == seed_steps == 12
+        assert [len(u) for u in ours] == [2] * 12
+        assert [sorted(u) for u in ours] == [sorted(u) for u in seed]
+
     def test_w2_trains_64_examples_per_update_for_3_epochs(self) -> None:
         recipe = load_recipe("product-descriptions-gemma3-4b")
         plan = step_plan(recipe)
@@ -56,13 +155,19 @@ class TestSeedOptimisation:
 
     def test_packing_that_cuts_the_updates_needs_a_reason(self) -> None:
         with pytest.raises(RecipeError) as info:
-            load_recipe("emoji-gemma3-1b", ["training.packing=true"])
+            load_recipe("emoji-gemma3-1b", ["training.packing=true", *self.W3_SEED_GEOMETRY])
         message = str(info.value)
         assert "500 updates per epoch into 27" in message and "training.packing_reason" in message
         assert "training.save_steps=100 exceeds the run's 27 optimizer steps" in message
         # a written reason (and a checkpoint interval inside the shorter run) is accepted
         load_recipe(
-            "emoji-gemma3-1b", ["training.packing=true", "training.packing_reason=measured", "training.save_steps=20"]
+            "emoji-gemma3-1b",
+            [
+                "training.packing=true",
+                "training.packing_reason=measured",
+                "training.save_steps=20",
+                *self.W3_SEED_GEOMETRY,
+            ],
         )
 
     def test_packed_micro_batch_of_several_rows_is_rejected_under_sdpa(self) -> None:

