@@ -403,9 +403,6 @@ INVOKES: dict[str, Invoke] = {
         ("project", "project"),
         "the reservation preflight reads the reservation in each zone (infra/preflight.py)",
     ),
-    "gcp:organizations/getClientConfig:getClientConfig": Invoke(
-        (), ("project", "project"), "returns the caller's own access token for the registry login: no API call"
-    ),
     "gcp:cloudquota/getSQuotaInfo:getSQuotaInfo": Invoke(
         ("cloudquotas.quotas.get",),
         ("project", "parent"),

@@ -37,6 +37,16 @@ the same directory, the project's `main` folder (pulumi/pulumi pkg/engine/projec
 `getPwdMain`; sdk/go/common/resource/plugin/provider_plugin.go `newPlugin(ctx, ctx.Pwd, …)`),
 so one relative path means the same files to both.
 
+No credential is a resource input: state records every input (a secret is encrypted with the stack's
+key, not withheld), and whoever reads the state and can decrypt it would hold a live token of whoever ran
+`pulumi up`. So `docker` mode passes no `registries[].password`: pulumi-docker-build then pushes with the
+credentials of the Docker config on the machine that runs Pulumi (v0.0.22 provider/internal/host.go
+`newHost` loads `ConfigFile().GetAllCredentials()`, and client.go hands the build that ConfigFile's auth
+provider), which docker/cli resolves through `credHelpers` (cli/config/configfile/file.go
+`GetAllCredentials`). Run once: `gcloud auth configure-docker REGION-docker.pkg.dev`, which names the
+`gcloud` credential helper for the registry host; the helper mints a short token at push time and it stays
+on that machine. `cloud-build` mode passes no credential either (the build runs as the builder account).
+
 Not here: pushing to other registries, multi-arch builds (the GPU nodes are amd64).
 """
 
@@ -52,7 +62,6 @@ from pathlib import Path
 import pulumi
 import pulumi_command as command
 import pulumi_docker_build as docker_build
-import pulumi_gcp as gcp
 
 from infra.config import ImageBuild, StackConfig, Workload
 
@@ -245,8 +254,6 @@ class Images(pulumi.ComponentResource):
         build_args: dict[str, str],
         opts: pulumi.ResourceOptions,
     ) -> pulumi.Output[str]:
-        cfg = self._args.cfg
-        token = gcp.organizations.get_client_config_output().access_token
         image = docker_build.Image(
             f"{name}-{spec.name}",
             tags=[repo.apply(lambda r: f"{r}:{tag}")],
@@ -257,13 +264,8 @@ class Images(pulumi.ComponentResource):
             push=True,
             # A preview (every PR) must not build and push images; the digest stays unknown until `up`.
             build_on_preview=False,
-            registries=[
-                docker_build.RegistryArgs(
-                    address=f"{cfg.region}-docker.pkg.dev",
-                    username="oauth2accesstoken",
-                    password=pulumi.Output.secret(token),
-                )
-            ],
+            # No `registries`: the push authenticates with the runner's own Docker credentials (module
+            # docstring), so no token is ever an input, and state never holds one.
             labels={"org.opencontainers.image.source": "gemma-finetune", "gemma-finetune.content": tag},
             opts=opts,
         )
