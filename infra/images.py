@@ -12,6 +12,12 @@ Three modes (`imageBuild`):
   a default Cloud Build account that a fresh project may not have or may not trust.
 - `prebuilt`: references given in config, already pinned by digest; nothing is built.
 
+The shipped stacks build with `cloud-build`: CI deploys run `pulumi up` on GitHub's ubuntu-24.04 runner, which
+GitHub documents with 14 GB of disk, too little to pull the CUDA / vLLM bases, build and push; Cloud Build's VM
+gets the disk `cloudbuild.yaml` asks for (tests/lint/test_ci_builds.py checks every stack deploy.yml offers).
+The mode is part of a stack's state (a docker-build Image or a build command), so a stack keeps one mode
+wherever it is deployed from.
+
 Every workload receives `REGISTRY/NAME@sha256:…`, never a tag. A run's identity (the Job /
 RayJob name, the Cloud Run run id) is NOT the digest: it is `trainer_content`, the build
 context's content hash (or the prebuilt reference), which is known in `pulumi preview` (a

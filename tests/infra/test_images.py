@@ -159,7 +159,7 @@ class TestModes:
             run_stack("dev", overrides={"imageBuild": "prebuilt"})
 
     def test_serving_image_only_with_serving(self) -> None:
-        run = run_stack("dev", overrides={"servingEnabled": True}, assume_trained=True)
+        run = run_stack("dev", overrides={"servingEnabled": True, **DOCKER}, assume_trained=True)
         names = sorted(r.name for r in run.of_type("docker-build:index:Image"))
         assert names == ["gft-dev-serving", "gft-dev-trainer"]
 
@@ -193,5 +193,5 @@ class TestCloudBuildIdentity:
         assert config["options"]["logging"] == "CLOUD_LOGGING_ONLY", "a user-specified account needs this"
 
     def test_docker_mode_creates_no_builder(self) -> None:
-        run = run_stack("dev")
+        run = run_stack("dev", overrides=DOCKER)
         assert not [r for r in run.of_type("gcp:serviceaccount/account:Account") if r.name.endswith("build-sa")]
