@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from infra.api_permissions import COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
+from infra.api_permissions import ACCOUNT_SCOPES, COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
 from infra.foundation import Identity, account_email
 from infra.offline import Recorded, StackRun
 from infra.permissions import (
@@ -28,9 +28,12 @@ from infra.permissions import (
     ci_identities,
     ci_member,
     condition_holds,
+    covers,
     granted_roles,
     markdown,
     missing,
+    needs_of,
+    permissions_of,
     planned_grants,
     role_permissions,
     stack_features,
@@ -116,6 +119,72 @@ class TestProof:
             for role in re.findall(r"'(roles/[^']+)'", entry["condition"])
         }
         assert granted and allowed == granted
+
+
+# Permissions IAM checks on the project (or its parent): granted on one account or bucket they give nothing.
+_CHECKED_ON_THE_PROJECT = frozenset(
+    {
+        "resourcemanager.projects.get",
+        "resourcemanager.projects.list",
+        "iam.serviceAccounts.list",
+        "storage.buckets.list",
+    }
+)
+
+
+@pytest.mark.slow
+class TestWhatTheDeployCanBorrow:
+    """The deploy identity acts as (actAs) or binds (setIamPolicy) the stacks' own accounts. Whatever role lets it do
+    that, on an account, carries nothing else it does not need there; and an account it can bind itself to (the
+    trainer, whose Workload Identity binding it makes) holds nothing the deploy does not hold already."""
+
+    def test_a_role_on_an_account_gives_only_what_is_needed_on_it(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """roles/iam.serviceAccountAdmin would give delete, disable, update and serviceAccountApiKeyBindings.create
+        (an API key that authenticates as the account) on the trainer: the binder role is what the binding calls."""
+        problems = []
+        for group, runs in _setup_groups(user_variant_runs).items():
+            assert runs[0].cfg is not None
+            needed: dict[tuple[str, Scope], set[str]] = defaultdict(set)
+            for run in runs:
+                for member, member_needs in needs_of(run).items():
+                    for _, need in member_needs:
+                        needed[(member, need.scope)].add(need.permission)
+            for grant in ci_grants(runs[0].cfg):
+                if grant.scope not in ACCOUNT_SCOPES.values():
+                    continue
+                extra = permissions_of(grant.role, grant.origin) - needed[(grant.member, grant.scope)]
+                if extra - _CHECKED_ON_THE_PROJECT:
+                    problems.append(f"[{group}] {grant.origin}: also gives {sorted(extra - _CHECKED_ON_THE_PROJECT)}")
+        assert problems == [], "\n".join(problems)
+
+    def test_the_trainer_holds_nothing_the_deploy_lacks(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """Making the trainer's Workload Identity binding needs setIamPolicy on it, which would let the deploy bind
+        itself too: that must lend it no permission it lacks (and on Cloud Run stacks it may actAs the trainer)."""
+        problems = []
+        for variant, run in user_variant_runs:
+            assert run.cfg is not None
+            trainer = f"serviceAccount:{account_email(run.cfg, Identity.TRAINER)}"
+            deploy = [g for g in ci_grants(run.cfg) if g.member == _member(run, CI_DEPLOY)]
+            for grant in _grants(run):
+                if grant.member != trainer:
+                    continue
+                for permission in sorted(permissions_of(grant.role, grant.origin) - _CHECKED_ON_THE_PROJECT):
+                    need = Need(permission, grant.scope, f"the trainer's {grant.role}")
+                    if not any(covers(g, need, run.cfg) for g in deploy):
+                        problems.append(
+                            f"[{variant.label}] the trainer's {grant.role} gives {permission} on {grant.scope}"
+                        )
+        assert problems == [], "\n".join(problems)
+
+    def test_the_binder_is_smaller_than_service_account_admin(self) -> None:
+        roles = role_permissions()
+        binder, admin = roles["gftCiWorkloadIdentityBinder"], roles["roles/iam.serviceAccountAdmin"]
+        assert binder < admin
+        assert {"iam.serviceAccounts.delete", "iam.serviceAccountApiKeyBindings.create"} <= admin - binder
 
 
 @pytest.mark.slow
@@ -263,7 +332,7 @@ class TestDerivedNeeds:
         assert "run.jobs.run" in {n.permission for n in deploy_needs(runs["dev"])}
         ray_needs = {n.permission for n in deploy_needs(runs["ray, standing"])}
         assert {"container.customResourceDefinitions.get", "container.customResourceDefinitions.list"} <= ray_needs
-        builds = {(n.permission, n.scope) for n in deploy_needs(runs["dev, cloud-build, serving"])}
+        builds = {(n.permission, n.scope) for n in deploy_needs(runs["dev, serving"])}
         assert {("cloudbuild.builds.create", Scope.PROJECT), ("storage.objects.create", Scope.BUILD_STAGING)} <= builds
 
     def test_a_reservation_is_read_only_when_a_stack_uses_one(
@@ -327,6 +396,12 @@ class TestRoleData:
             "storage.buckets.list",
         }
         assert len(roles["roles/storage.bucketViewer"]) < len(roles["roles/storage.legacyBucketReader"])
+
+    def test_the_legacy_build_account_reaches_every_bucket(self) -> None:
+        """Why the setup refuses a legacy default Cloud Build account that keeps its project role
+        (infra/bootstrap/ci-setup.sh): granted on the project, it reads and writes objects of every bucket."""
+        builder = role_permissions()["roles/cloudbuild.builds.builder"]
+        assert {"storage.objects.get", "storage.objects.create", "storage.objects.delete"} <= builder
 
     def test_table_renders_every_listed_need(self) -> None:
         table = markdown()
