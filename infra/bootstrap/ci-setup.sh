@@ -266,10 +266,12 @@ grants_only() {
 if $has_cloud_run; then
   grant_project gft-ci-preview "$custom/gftCiBucketLister"
   grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
+  grant_project gft-ci-preview roles/storage.bucketViewer "$buckets"
   grant_project gft-ci-preview "$custom/gftCiQuotaReader"
 fi
 if $has_gke; then
   grant_project gft-ci-preview-gke "$custom/gftCiBucketLister"
+  grant_project gft-ci-preview-gke roles/storage.bucketViewer "$buckets"
   grant_project gft-ci-preview-gke roles/container.developer
   if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
   if $has_gpu_quota; then grant_project gft-ci-preview-gke "$custom/gftCiQuotaReader"; fi

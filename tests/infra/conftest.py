@@ -55,6 +55,8 @@ class Variant:
     remove: tuple[str, ...] = ()
     hf_token: str | None = MOCK_HF_TOKEN
     assume_trained: bool = False
+    existing_buckets: tuple[str, ...] = ()
+    """Buckets already in the project, e.g. the stack's own, kept by `pulumi destroy` (the program imports it)."""
 
     def run(self) -> StackRun:
         return run_stack(
@@ -63,6 +65,7 @@ class Variant:
             remove=self.remove,
             hf_token=self.hf_token,
             assume_trained=self.assume_trained,
+            existing_buckets=self.existing_buckets,
         )
 
 

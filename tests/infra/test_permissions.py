@@ -15,7 +15,8 @@ from dataclasses import replace
 import pytest
 
 from infra.api_permissions import ACCOUNT_SCOPES, COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
-from infra.foundation import Identity, account_email
+from infra.config import Workload
+from infra.foundation import Identity, account_email, bucket_name
 from infra.offline import Recorded, StackRun
 from infra.permissions import (
     CI_DEPLOY,
@@ -65,6 +66,19 @@ def _setup_groups(runs: list[tuple[Variant, StackRun]]) -> dict[tuple[str, str, 
     return groups
 
 
+@pytest.fixture(scope="session")
+def proof_runs(user_variant_runs: list[tuple[Variant, StackRun]]) -> list[tuple[Variant, StackRun]]:
+    """The user variants, plus for each group the setup grants for a twin whose bucket `pulumi destroy` kept: every
+    stack can be in that state (the bucket is retained by default), and its next preview imports the bucket."""
+    twins = []
+    for runs in _setup_groups(user_variant_runs).values():
+        variant = next(v for v, run in user_variant_runs if run is runs[0])
+        assert runs[0].cfg is not None
+        kept = replace(variant, label=f"{variant.label}, bucket kept", existing_buckets=(bucket_name(runs[0].cfg),))
+        twins.append((kept, kept.run()))
+    return [*user_variant_runs, *twins]
+
+
 def _member(run: StackRun, account: str) -> str:
     assert run.cfg is not None
     return ci_member(account)(run.cfg)
@@ -73,17 +87,17 @@ def _member(run: StackRun, account: str) -> str:
 # The 18 variant runs (a shared session fixture) take about 15 s on 2 busy cores; the proof over them ~20 s more.
 @pytest.mark.slow
 class TestProof:
-    def test_every_needed_permission_is_granted(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
-        problems = _problems(user_variant_runs, lambda run: missing(run, _all(run)))
+    def test_every_needed_permission_is_granted(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        problems = _problems(proof_runs, lambda run: missing(run, _all(run)))
         assert problems == "", problems
 
-    def test_every_role_the_program_grants_is_needed(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
-        problems = _problems(user_variant_runs, lambda run: unneeded([run], _grants(run)))
+    def test_every_role_the_program_grants_is_needed(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        problems = _problems(proof_runs, lambda run: unneeded([run], _grants(run)))
         assert problems == "", problems
 
-    def test_every_role_the_ci_setup_grants_is_needed(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+    def test_every_role_the_ci_setup_grants_is_needed(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
         problems = []
-        for group, runs in _setup_groups(user_variant_runs).items():
+        for group, runs in _setup_groups(proof_runs).items():
             assert runs[0].cfg is not None
             problems += [f"[{group}] {p}" for p in unneeded(runs, ci_grants(runs[0].cfg))]
         assert problems == [], "\n".join(problems)
@@ -139,12 +153,12 @@ class TestWhatTheDeployCanBorrow:
     trainer, whose Workload Identity binding it makes) holds nothing the deploy does not hold already."""
 
     def test_a_role_on_an_account_gives_only_what_is_needed_on_it(
-        self, user_variant_runs: list[tuple[Variant, StackRun]]
+        self, proof_runs: list[tuple[Variant, StackRun]]
     ) -> None:
         """roles/iam.serviceAccountAdmin would give delete, disable, update and serviceAccountApiKeyBindings.create
         (an API key that authenticates as the account) on the trainer: the binder role is what the binding calls."""
         problems = []
-        for group, runs in _setup_groups(user_variant_runs).items():
+        for group, runs in _setup_groups(proof_runs).items():
             assert runs[0].cfg is not None
             needed: dict[tuple[str, Scope], set[str]] = defaultdict(set)
             for run in runs:
@@ -159,13 +173,11 @@ class TestWhatTheDeployCanBorrow:
                     problems.append(f"[{group}] {grant.origin}: also gives {sorted(extra - _CHECKED_ON_THE_PROJECT)}")
         assert problems == [], "\n".join(problems)
 
-    def test_the_trainer_holds_nothing_the_deploy_lacks(
-        self, user_variant_runs: list[tuple[Variant, StackRun]]
-    ) -> None:
+    def test_the_trainer_holds_nothing_the_deploy_lacks(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
         """Making the trainer's Workload Identity binding needs setIamPolicy on it, which would let the deploy bind
         itself too: that must lend it no permission it lacks (and on Cloud Run stacks it may actAs the trainer)."""
         problems = []
-        for variant, run in user_variant_runs:
+        for variant, run in proof_runs:
             assert run.cfg is not None
             trainer = f"serviceAccount:{account_email(run.cfg, Identity.TRAINER)}"
             deploy = [g for g in ci_grants(run.cfg) if g.member == _member(run, CI_DEPLOY)]
@@ -272,20 +284,29 @@ class TestTheProofCanFail:
         assert not condition_holds(admin.condition, write, ray.cfg)
         assert condition_holds(admin.condition, replace(write, scope=Scope.BUCKET), ray.cfg)
 
-    def test_a_ci_role_the_program_never_needs_is_reported(self, ray: StackRun) -> None:
+    @pytest.fixture(scope="class")
+    def ray_states(self, ray: StackRun, proof_runs: list[tuple[Variant, StackRun]]) -> list[StackRun]:
+        """The Ray stack as the setup grants for it: new, and after a destroy kept its bucket."""
+        kept = [run for v, run in proof_runs if v.existing_buckets and run.cfg == ray.cfg]
+        assert len(kept) == 1
+        return [ray, *kept]
+
+    def test_a_ci_role_the_program_never_needs_is_reported(self, ray: StackRun, ray_states: list[StackRun]) -> None:
         """E.g. Cloud Run admin on a GKE stack: of what it gives, the deploy needs only what it already has."""
         extra = Grant(_member(ray, CI_DEPLOY), "roles/run.admin", Scope.PROJECT, "test")
         assert ray.cfg is not None
-        assert unneeded([ray], [*ci_grants(ray.cfg), extra]) == [
+        assert unneeded(ray_states, [*ci_grants(ray.cfg), extra]) == [
             f"test: roles/run.admin on {Scope.PROJECT} gives {extra.member} only what other grants give: "
             "['resourcemanager.projects.get']"
         ]
 
-    def test_a_role_granted_for_a_permission_another_grant_gives_is_reported(self, ray: StackRun) -> None:
+    def test_a_role_granted_for_a_permission_another_grant_gives_is_reported(
+        self, ray: StackRun, ray_states: list[StackRun]
+    ) -> None:
         """roles/browser for resourcemanager.projects.get, which the registry admin role carries already."""
         browser = Grant(_member(ray, CI_DEPLOY), "roles/browser", Scope.PROJECT, "test")
         assert ray.cfg is not None
-        [problem] = unneeded([ray], [*ci_grants(ray.cfg), browser])
+        [problem] = unneeded(ray_states, [*ci_grants(ray.cfg), browser])
         assert problem.startswith("test: roles/browser") and "only what other grants give" in problem
 
     def test_a_resource_type_without_a_row_fails_the_proof(self, ray: StackRun) -> None:
@@ -315,10 +336,8 @@ class TestTheProofCanFail:
 class TestDerivedNeeds:
     """What the CI identities need follows the program, not a list."""
 
-    def test_previews_run_no_command_and_change_nothing(
-        self, user_variant_runs: list[tuple[Variant, StackRun]]
-    ) -> None:
-        for variant, run in user_variant_runs:
+    def test_previews_run_no_command_and_change_nothing(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        for variant, run in proof_runs:
             for need in preview_needs(run):
                 verb = need.permission.rsplit(".", 1)[-1]
                 if not need.permission.startswith("container."):  # a Kubernetes dry run needs the write verbs
@@ -370,6 +389,28 @@ class TestDerivedNeeds:
         assert missing(run, _all(run)) == []
         moved = [replace(g, scope=Scope.PROJECT) if g.scope is Scope.BILLING_ACCOUNT else g for g in _all(run)]
         assert any(f"lacks billing.budgets.create on {Scope.BILLING_ACCOUNT}" in p for p in missing(run, moved))
+
+    def test_a_preview_after_destroy_reads_the_kept_bucket(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        """After `pulumi destroy` kept the bucket, the next preview imports it, and the engine's ImportStep reads it in
+        a preview too: both preview identities need storage.buckets.get on it, which the listing alone does not give."""
+        kept = [(variant, run) for variant, run in proof_runs if variant.existing_buckets]
+        assert {run.cfg.workload for _, run in kept if run.cfg} >= {
+            Workload.CLOUD_RUN,
+            Workload.GKE_JOB,
+            Workload.GKE_RAY,
+        }
+        for variant, run in proof_runs:
+            imported = [r for r in run.of_type("gcp:storage/bucket:Bucket") if r.import_id]
+            reads = [n for n in preview_needs(run) if (n.permission, n.scope) == ("storage.buckets.get", Scope.BUCKET)]
+            assert bool(imported) == bool(variant.existing_buckets) == bool(reads), variant.label
+            assert all("ImportStep" in n.why for n in reads), reads
+            if reads:
+                preview = CI_PREVIEW if run.cfg and run.cfg.workload is Workload.CLOUD_RUN else CI_PREVIEW_GKE
+                dropped = [g for g in _all(run) if not (g.member == _member(run, preview) and "bucketViewer" in g.role)]
+                assert any(
+                    f"({_member(run, preview)}) lacks storage.buckets.get on {Scope.BUCKET}" in problem
+                    for problem in missing(run, dropped)
+                ), variant.label
 
     def test_every_invoke_row_is_one_the_program_calls(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
         called = {token for _, run in user_variant_runs for token, _ in run.invokes}
