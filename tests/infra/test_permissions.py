@@ -200,6 +200,31 @@ class TestWhatTheDeployCanBorrow:
 
 
 @pytest.mark.slow
+class TestAcrossStacks:
+    """The proof judges one stack at a time; this judges the stacks of one project together. A principal a stack's
+    program grants (its accounts, and its pods' Workload Identity principal PROJECT.svc.id.goog[NAMESPACE/KSA], the
+    same principal in every cluster of the project) is granted by that stack only: otherwise pods of one stack could
+    act as another stack's trainer and read or delete its models."""
+
+    def test_no_principal_is_granted_by_two_stacks(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        projects = {run.cfg.project for _, run in proof_runs if run.cfg}
+        assert len(projects) == 1, "the stack files share one project: the case this checks"
+        stacks_of: dict[str, set[str]] = defaultdict(set)
+        for _, run in proof_runs:
+            for grant in _grants(run):
+                stacks_of[grant.member].add(run.stack)
+        shared = {member: sorted(stacks) for member, stacks in stacks_of.items() if len(stacks) > 1}
+        assert len({run.stack for _, run in proof_runs}) == 3 and stacks_of
+        assert shared == {}, f"principals granted by more than one stack: {shared}"
+
+    def test_each_gke_stack_has_its_own_namespace(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        namespaces = {
+            run.stack: run.cfg.namespace for _, run in proof_runs if run.cfg and run.cfg.workload.value != "cloud-run"
+        }
+        assert len(namespaces) == 2 and len(set(namespaces.values())) == 2, namespaces
+
+
+@pytest.mark.slow
 class TestTheProofCanFail:
     """The checker itself: each kind of defect it exists for is reported."""
 
