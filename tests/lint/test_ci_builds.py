@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.config import ImageBuild
+from infra.config import ImageBuild, Workload
 from infra.images import CLOUD_BUILD_SCRIPT
 from infra.offline import REPO_ROOT, run_stack, stack_names
 from infra.plan import stack_config
@@ -56,11 +56,15 @@ class TestDeploysBuildInCloudBuild:
     @pytest.mark.slow
     @pytest.mark.parametrize("stack", deployable_stacks())
     def test_the_program_declares_cloud_builds_only(self, stack: str) -> None:
-        run = run_stack(stack, **({"assume_trained": True} if stack == "dev" else {}))
+        """With serving on where a stack serves (the vLLM image is the largest), as a deploy from CI builds it."""
+        serving = stack_config(stack).workload is Workload.CLOUD_RUN
+        overrides = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]} if serving else {}
+        run = run_stack(stack, overrides=overrides, assume_trained=serving)
         assert run.of_type("docker-build:index:Image") == [], "an image built by the runner's Docker"
         builds = [r for r in run.of_type("command:local:Command") if "gcp:Images" in r.parent]
         if stack_config(stack).image_build is ImageBuild.CLOUD_BUILD:
-            assert builds and all(b.plain_inputs()["create"] == CLOUD_BUILD_SCRIPT for b in builds)
+            assert len(builds) == (2 if serving else 1), [b.name for b in builds]
+            assert all(b.plain_inputs()["create"] == CLOUD_BUILD_SCRIPT for b in builds)
 
     def test_the_apply_job_has_gcloud_and_no_docker(self) -> None:
         """`gcloud builds submit` runs as the deploy identity: gcloud is installed after the auth step and before
