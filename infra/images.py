@@ -51,7 +51,8 @@ credentials of the Docker config on the machine that runs Pulumi (v0.0.22 provid
 provider), which docker/cli resolves through `credHelpers` (cli/config/configfile/file.go
 `GetAllCredentials`). Run once: `gcloud auth configure-docker REGION-docker.pkg.dev`, which names the
 `gcloud` credential helper for the registry host; the helper mints a short token at push time and it stays
-on that machine. `cloud-build` mode passes no credential either (the build runs as the builder account).
+on that machine; `docker_credentials` resolves the login as docker/cli does, and without one the program warns
+with that command. `cloud-build` mode passes no credential either (the build runs as the builder account).
 
 Not here: pushing to other registries, multi-arch builds (the GPU nodes are amd64).
 """
@@ -60,8 +61,10 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +167,24 @@ def stage_context(spec: ImageSpec, root: Path = STAGED_CONTEXTS) -> Path:
     return target
 
 
+def docker_credentials(host: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """How Docker on this machine authenticates to `host`, resolved as docker/cli does (cli/config/config.go `Dir`:
+    `DOCKER_CONFIG` or `~/.docker`; cli/config/configfile/file.go `getConfiguredCredentialStore`: the host's
+    `credHelpers` entry, else `credsStore`; else a stored `auths` login), or None when it has none."""
+    folder = (
+        Path(environ["DOCKER_CONFIG"]) if environ.get("DOCKER_CONFIG") else Path(environ.get("HOME", "~")) / ".docker"
+    )
+    try:
+        config = json.loads((folder.expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    helper = (config.get("credHelpers") or {}).get(host) or config.get("credsStore")
+    if helper:
+        return f"the credential helper docker-credential-{helper}"
+    logins = {key.removeprefix("https://").removeprefix("http://").split("/")[0] for key in config.get("auths") or {}}
+    return "a stored login (auths)" if host in logins else None
+
+
 def provider_path(path: Path) -> str:
     """`path` relative to the working directory the program and its providers share (see the module
     docstring): the same string for the same commit wherever it is checked out."""
@@ -260,6 +281,13 @@ class Images(pulumi.ComponentResource):
         build_args: dict[str, str],
         opts: pulumi.ResourceOptions,
     ) -> pulumi.Output[str]:
+        host = f"{self._args.cfg.region}-docker.pkg.dev"
+        if docker_credentials(host) is None:
+            pulumi.log.warn(
+                f"imageBuild=docker: Docker on this machine has no login for {host} (DOCKER_CONFIG or "
+                f"~/.docker/config.json), so the push of `pulumi up` would be refused. Fix: gcloud auth configure-docker "
+                f"{host} (or pulumi config set imageBuild cloud-build)"
+            )
         image = docker_build.Image(
             f"{name}-{spec.name}",
             tags=[repo.apply(lambda r: f"{r}:{tag}")],

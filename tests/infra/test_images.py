@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import stat
 from pathlib import Path
@@ -10,7 +11,16 @@ import pytest
 import yaml
 
 from infra.config import ConfigError
-from infra.images import SERVING, STAGED_CONTEXTS, TRAINER, ImageSpec, content_hash, context_files, stage_context
+from infra.images import (
+    SERVING,
+    STAGED_CONTEXTS,
+    TRAINER,
+    ImageSpec,
+    content_hash,
+    context_files,
+    docker_credentials,
+    stage_context,
+)
 from infra.offline import MOCK_ACCESS_TOKEN, REPO_ROOT, Mocks, StackRun, run_stack, stack_names, unwrap_secrets
 from tests.infra.conftest import PREBUILT, Variant
 
@@ -113,6 +123,35 @@ class TestNoCredentialInState:
         ]
         assert any(run.of_type("docker-build:index:Image") for _, run in runs), "docker mode was scanned"
         assert found == [], "a credential of the runner would be written into state:\n" + "\n".join(found)
+
+
+class TestDockerLogin:
+    """docker mode pushes with Docker's own login for the registry host; without one the program says so."""
+
+    HOST = "us-central1-docker.pkg.dev"
+
+    def test_the_helper_gcloud_configure_docker_names_is_found(self, tmp_path: Path) -> None:
+        # what `gcloud auth configure-docker us-central1-docker.pkg.dev` writes into ~/.docker/config.json
+        (tmp_path / "config.json").write_text(json.dumps({"credHelpers": {self.HOST: "gcloud"}}))
+        env = {"DOCKER_CONFIG": str(tmp_path)}
+        assert docker_credentials(self.HOST, env) == "the credential helper docker-credential-gcloud"
+        assert docker_credentials("europe-west4-docker.pkg.dev", env) is None, "a helper is per host"
+
+    def test_a_default_store_or_a_stored_login_counts(self, tmp_path: Path) -> None:
+        (tmp_path / ".docker").mkdir()
+        (tmp_path / ".docker" / "config.json").write_text(json.dumps({"auths": {f"https://{self.HOST}": {}}}))
+        assert docker_credentials(self.HOST, {"HOME": str(tmp_path)}) == "a stored login (auths)"
+        (tmp_path / ".docker" / "config.json").write_text(json.dumps({"credsStore": "desktop"}))
+        assert (
+            docker_credentials(self.HOST, {"HOME": str(tmp_path)}) == "the credential helper docker-credential-desktop"
+        )
+
+    def test_no_login_is_a_warning_with_the_fix(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+        warned = [w for w in run_stack("dev", overrides=DOCKER).warnings if "has no login" in w]
+        assert len(warned) == 1 and f"gcloud auth configure-docker {self.HOST}" in warned[0]
+        (tmp_path / "config.json").write_text(json.dumps({"credHelpers": {self.HOST: "gcloud"}}))
+        assert not [w for w in run_stack("dev", overrides=DOCKER).warnings if "has no login" in w]
 
 
 class TestModes:
