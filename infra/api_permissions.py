@@ -11,7 +11,11 @@ Decisions
 - Data, one row per kind of call, each with its source: `RESOURCES` (every resource type: what its provider
   calls on create, read, update, delete, and which service account it runs as), `INVOKES` (every provider
   function), `COMMANDS` (every command step, by its script), `KUBERNETES` (every Kubernetes kind).
-- A preview calls no Google API for resources: the Terraform bridge diffs state against inputs. It does run
+- A preview calls no Google API for resources: the Terraform bridge diffs state against inputs. Except an
+  import: the engine reads a resource with an `import_` ID (and no state of it yet) in a preview as well
+  (pulumi/pulumi v3.259.0 pkg/resource/deploy/step.go `ImportStep.Apply` calls the provider's Read with no
+  dry-run check; `CreateStep` passes `Preview` instead), e.g. the bucket `pulumi destroy` kept
+  (infra/foundation.py): so `preview_needs` counts the read of every resource with an import ID. It does run
   every invoke, and pulumi-kubernetes previews its objects by server-side dry run once the cluster exists,
   which IAM authorises like the write itself (GKE maps Kubernetes verbs to `container.<resource>.<verb>`,
   a patch to `update`, custom resources to `container.thirdPartyObjects.*`: GKE docs,
@@ -403,9 +407,6 @@ INVOKES: dict[str, Invoke] = {
         ("project", "project"),
         "the reservation preflight reads the reservation in each zone (infra/preflight.py)",
     ),
-    "gcp:organizations/getClientConfig:getClientConfig": Invoke(
-        (), ("project", "project"), "returns the caller's own access token for the registry login: no API call"
-    ),
     "gcp:cloudquota/getSQuotaInfo:getSQuotaInfo": Invoke(
         ("cloudquotas.quotas.get",),
         ("project", "parent"),
@@ -508,9 +509,19 @@ def _k8s_objects(run: StackRun) -> list[Recorded]:
 
 
 def preview_needs(run: StackRun) -> list[Need]:
-    """What `pulumi preview` of this plan calls: every invoke, and the dry run of every Kubernetes object."""
+    """What `pulumi preview` of this plan calls: every invoke, the read of every resource it imports, and the dry run
+    of every Kubernetes object."""
     assert run.cfg is not None
     needs = _invokes(run, run.cfg)
+    for r in run.resources:
+        if r.custom and r.import_id:
+            if r.type not in RESOURCES:
+                raise ValueError(f"{r.urn}: resource type {r.type} is unknown to infra/api_permissions.py RESOURCES")
+            calls = RESOURCES[r.type]
+            kind, key = calls.target
+            scope = scope_of(run.cfg, kind, str(_at(r.plain_inputs(), key)), r.urn)
+            why = f"import {r.import_id} ({r.type}): a preview reads it too (ImportStep); {calls.source}"
+            needs += [Need(p, scope, why) for p in calls.read]
     objects = _k8s_objects(run)
     if objects:
         needs.append(Need(_CLUSTER_ACCESS[0], Scope.PROJECT, f"{_K8S_PROVIDER}: {_CLUSTER_ACCESS[1]}"))

@@ -78,6 +78,7 @@ _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
 _DIGEST_REF = re.compile(r"^[a-z0-9.-]+(:\d+)?/[^@\s]+@sha256:[0-9a-f]{64}$")
 _STACK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
+_NAMESPACE = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _BILLING_ACCOUNT = re.compile(r"^[0-9A-F]{6}-[0-9A-F]{6}-[0-9A-F]{6}$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 # A budget sends to at most 5 Monitoring notification channels (Budget allUpdatesRule, pulumi-gcp 10.2 docs).
@@ -173,7 +174,11 @@ class StackConfig(BaseModel):
     bucket_force_destroy: bool = Field(False, alias="bucketForceDestroy")
     deletion_protection: bool = Field(False, alias="deletionProtection")
     release_channel: str = Field("REGULAR", alias="releaseChannel")
-    namespace: str = "gemma-finetune"
+    namespace: str = Field(
+        "",
+        description="Kubernetes namespace of the GKE workload; default gft-<stack>: the Workload Identity principal "
+        "PROJECT.svc.id.goog[NAMESPACE/KSA] is one per project, whatever the cluster, so each stack needs its own",
+    )
     ray_cluster: RayClusterMode = Field(RayClusterMode.EPHEMERAL, alias="rayCluster")
     ray_version: str = Field(RAY_VERSION, alias="rayVersion")
     training_timeout_minutes: int | None = Field(None, alias="trainingTimeoutMinutes", gt=0)
@@ -188,7 +193,28 @@ class StackConfig(BaseModel):
     budget_usd: int | None = Field(None, alias="budgetUsd", gt=0)
     budget_emails: list[str] = Field(default_factory=list, alias="budgetEmails")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _namespace_per_stack(cls, data: Any) -> Any:
+        """No namespace set: `gft-<stack>`. Workload Identity names a pod's principal by namespace and Kubernetes
+        service account only, in one pool per project (GKE docs, 'About Workload Identity Federation for GKE': identity
+        sameness), so two stacks sharing a namespace could each act as the other's trainer account."""
+        if isinstance(data, dict) and not data.get("namespace") and isinstance(data.get("stack"), str):
+            return {**data, "namespace": f"gft-{data['stack']}"}
+        return data
+
     # --- single-field checks ---------------------------------------------------------
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_name(cls, v: str) -> str:
+        if not _NAMESPACE.match(v):
+            raise ValueError(
+                f"namespace={v!r} is not a Kubernetes namespace name: 1-63 lowercase letters, digits or '-', starting "
+                f"and ending with a letter or digit. Fix: {_set('namespace', 'gft-STACK')} (or leave it unset: "
+                "gft-<stack>, one Workload Identity principal per stack)"
+            )
+        return v
 
     @field_validator("stack")
     @classmethod

@@ -1,7 +1,7 @@
 """The a4-gemma4 workload: a Kubernetes Job running `accelerate launch` (FSDP2) on whole A4 nodes.
 
     pulumi up --stack a4-gemma4                      # cluster, identity, secret, and the training Job
-    kubectl logs -f job/<jobName> -n gemma-finetune  # the exact command is a stack output
+    kubectl logs -f job/<jobName> -n gft-<stack>   # the exact command is a stack output
 
 Decisions
 - `render_training_job` is a pure function from plain values to camelCase Kubernetes manifests

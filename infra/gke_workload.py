@@ -1,7 +1,8 @@
 """Kubernetes pieces both GKE workloads share: namespace, identity, the HF token Secret, GPU placement.
 
 Decisions
-- One namespace per stack (`namespace`, default gemma-finetune) holds everything the stack runs.
+- One namespace per stack (`namespace`, default `gft-<stack>`) holds everything the stack runs; its own name keeps
+  the pods' Workload Identity principal (one per project: `PROJECT.svc.id.goog[NS/KSA]`) the stack's own.
 - Identity is Workload Identity through the trainer's Google service account (GSA): a Kubernetes
   ServiceAccount annotated `iam.gke.io/gcp-service-account: <GSA>` and
   `roles/iam.workloadIdentityUser` for `serviceAccount:PROJECT.svc.id.goog[NS/KSA]` granted ON

@@ -12,6 +12,12 @@ Three modes (`imageBuild`):
   a default Cloud Build account that a fresh project may not have or may not trust.
 - `prebuilt`: references given in config, already pinned by digest; nothing is built.
 
+The shipped stacks build with `cloud-build`: CI deploys run `pulumi up` on GitHub's ubuntu-24.04 runner, which
+GitHub documents with 14 GB of disk, too little to pull the CUDA / vLLM bases, build and push; Cloud Build's VM
+gets the disk `cloudbuild.yaml` asks for (tests/lint/test_ci_builds.py checks every stack deploy.yml offers).
+The mode is part of a stack's state (a docker-build Image or a build command), so a stack keeps one mode
+wherever it is deployed from.
+
 Every workload receives `REGISTRY/NAME@sha256:…`, never a tag. A run's identity (the Job /
 RayJob name, the Cloud Run run id) is NOT the digest: it is `trainer_content`, the build
 context's content hash (or the prebuilt reference), which is known in `pulumi preview` (a
@@ -37,6 +43,17 @@ the same directory, the project's `main` folder (pulumi/pulumi pkg/engine/projec
 `getPwdMain`; sdk/go/common/resource/plugin/provider_plugin.go `newPlugin(ctx, ctx.Pwd, …)`),
 so one relative path means the same files to both.
 
+No credential is a resource input: state records every input (a secret is encrypted with the stack's
+key, not withheld), and whoever reads the state and can decrypt it would hold a live token of whoever ran
+`pulumi up`. So `docker` mode passes no `registries[].password`: pulumi-docker-build then pushes with the
+credentials of the Docker config on the machine that runs Pulumi (v0.0.22 provider/internal/host.go
+`newHost` loads `ConfigFile().GetAllCredentials()`, and client.go hands the build that ConfigFile's auth
+provider), which docker/cli resolves through `credHelpers` (cli/config/configfile/file.go
+`GetAllCredentials`). Run once: `gcloud auth configure-docker REGION-docker.pkg.dev`, which names the
+`gcloud` credential helper for the registry host; the helper mints a short token at push time and it stays
+on that machine; `docker_credentials` resolves the login as docker/cli does, and without one the program warns
+with that command. `cloud-build` mode passes no credential either (the build runs as the builder account).
+
 Not here: pushing to other registries, multi-arch builds (the GPU nodes are amd64).
 """
 
@@ -44,15 +61,16 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import pulumi
 import pulumi_command as command
 import pulumi_docker_build as docker_build
-import pulumi_gcp as gcp
 
 from infra.config import ImageBuild, StackConfig, Workload
 
@@ -147,6 +165,24 @@ def stage_context(spec: ImageSpec, root: Path = STAGED_CONTEXTS) -> Path:
     for folder in [target, *(p for p in target.rglob("*") if p.is_dir())]:
         folder.chmod(DIRECTORY_MODE)
     return target
+
+
+def docker_credentials(host: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """How Docker on this machine authenticates to `host`, resolved as docker/cli does (cli/config/config.go `Dir`:
+    `DOCKER_CONFIG` or `~/.docker`; cli/config/configfile/file.go `getConfiguredCredentialStore`: the host's
+    `credHelpers` entry, else `credsStore`; else a stored `auths` login), or None when it has none."""
+    folder = (
+        Path(environ["DOCKER_CONFIG"]) if environ.get("DOCKER_CONFIG") else Path(environ.get("HOME", "~")) / ".docker"
+    )
+    try:
+        config = json.loads((folder.expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    helper = (config.get("credHelpers") or {}).get(host) or config.get("credsStore")
+    if helper:
+        return f"the credential helper docker-credential-{helper}"
+    logins = {key.removeprefix("https://").removeprefix("http://").split("/")[0] for key in config.get("auths") or {}}
+    return "a stored login (auths)" if host in logins else None
 
 
 def provider_path(path: Path) -> str:
@@ -245,8 +281,13 @@ class Images(pulumi.ComponentResource):
         build_args: dict[str, str],
         opts: pulumi.ResourceOptions,
     ) -> pulumi.Output[str]:
-        cfg = self._args.cfg
-        token = gcp.organizations.get_client_config_output().access_token
+        host = f"{self._args.cfg.region}-docker.pkg.dev"
+        if docker_credentials(host) is None:
+            pulumi.log.warn(
+                f"imageBuild=docker: Docker on this machine has no login for {host} (DOCKER_CONFIG or "
+                f"~/.docker/config.json), so the push of `pulumi up` would be refused. Fix: gcloud auth configure-docker "
+                f"{host} (or pulumi config set imageBuild cloud-build)"
+            )
         image = docker_build.Image(
             f"{name}-{spec.name}",
             tags=[repo.apply(lambda r: f"{r}:{tag}")],
@@ -257,13 +298,8 @@ class Images(pulumi.ComponentResource):
             push=True,
             # A preview (every PR) must not build and push images; the digest stays unknown until `up`.
             build_on_preview=False,
-            registries=[
-                docker_build.RegistryArgs(
-                    address=f"{cfg.region}-docker.pkg.dev",
-                    username="oauth2accesstoken",
-                    password=pulumi.Output.secret(token),
-                )
-            ],
+            # No `registries`: the push authenticates with the runner's own Docker credentials (module
+            # docstring), so no token is ever an input, and state never holds one.
             labels={"org.opencontainers.image.source": "gemma-finetune", "gemma-finetune.content": tag},
             opts=opts,
         )

@@ -55,6 +55,9 @@ PROJECT = "gemma-finetune"
 MOCK_PROJECT_NUMBER = "123456789012"
 # Stand-in for the encrypted hfToken in tests and plans; never a real credential.
 MOCK_HF_TOKEN = "mock-hf-token-not-a-real-credential"
+# What the provider's client config (`gcp.organizations.get_client_config`) answers as the caller's OAuth
+# token: the shape of a Google access token, so a test can find it wherever it would land.
+MOCK_ACCESS_TOKEN = "ya29.mock-client-config-access-token-of-the-deploy-identity"
 SECRET_MARK = "[secret]"
 
 
@@ -425,7 +428,7 @@ class Mocks(pulumi_mocks.Mocks):
             pid = args.args.get("projectId", "mock-project")
             return {"number": MOCK_PROJECT_NUMBER, "projectId": pid, "name": pid}, []
         if args.token == "gcp:organizations/getClientConfig:getClientConfig":
-            return {"accessToken": "mock-access-token", "project": "mock-project", "region": "", "zone": ""}, []
+            return {"accessToken": MOCK_ACCESS_TOKEN, "project": "mock-project", "region": "", "zone": ""}, []
         if args.token == "gcp:compute/getZones:getZones":
             region = args.args.get("region", "us-central1")
             return {**dict(args.args), "id": region, "names": mock_zones(region)}, []

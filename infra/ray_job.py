@@ -1,7 +1,7 @@
 """The ray-gemma3-vision workload: a KubeRay RayJob on GKE Autopilot with the Ray operator add-on.
 
     pulumi up --stack ray-gemma3-vision            # cluster (+ Ray add-on), identity, secret, RayJob
-    kubectl get rayjob <rayJobName> -n gemma-finetune   # the exact commands are stack outputs
+    kubectl get rayjob <rayJobName> -n gft-<stack>    # the exact commands are stack outputs
 
 Decisions
 - `render_ray_cluster_spec` / `render_ray_job` / `render_ray_cluster` are pure functions from plain

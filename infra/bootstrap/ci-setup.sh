@@ -204,6 +204,36 @@ if $has_gke && echo "$STACK_LINES" | awk '$2 != "cloud-run" {print $3}' | tr ','
   has_gpu_quota=true
 fi
 
+# ---------------------------------------------------------------------------------------- default build account
+# cloudbuild.builds.editor lets the deploy identity submit any build, and a build that names no account runs as
+# the project's default one. The Compute Engine default account needs actAs of whoever submits (Cloud Build docs,
+# "Cloud Build default service account change"), which no CI identity holds. The legacy Cloud Build account
+# (PROJECT_NUMBER@cloudbuild.gserviceaccount.com: projects that ran builds before Google's 2024 change) needs
+# none and is granted the Cloud Build Service Account role: objects of every bucket, the state too (Cloud Build
+# docs, "Cloud Build service account"). With a stack on imageBuild: cloud-build the setup refuses a legacy default
+# that holds any project role, and reports the default account it finds.
+if $has_cloud_build; then
+  step "Default Cloud Build account (a build that names no --service-account runs as it)"
+  default_build=$(gcloud builds get-default-service-account --project="$PROJECT_ID" \
+    --format='value(serviceAccountEmail)') || fail "could not read the default Cloud Build account of $PROJECT_ID"
+  default_build=${default_build##*/}
+  legacy_build="$PROJECT_NUMBER@cloudbuild.gserviceaccount.com"
+  if [[ "$default_build" == "$legacy_build" ]]; then
+    legacy_roles=$(gcloud projects get-iam-policy "$PROJECT_ID" --flatten='bindings[].members' \
+      --filter="bindings.members:serviceAccount:$legacy_build" --format='value(bindings.role)')
+    if [[ -n "$legacy_roles" ]]; then
+      fail "the default Cloud Build account is the legacy $legacy_build, which holds ${legacy_roles//$'\n'/ }: the deploy
+identity could submit a build that names no account and act with those roles (every bucket, the state included).
+Fix: remove its project roles (the stacks' builds run as gft-<stack>-build), for each ROLE of them:
+  gcloud projects remove-iam-policy-binding $PROJECT_ID --member=serviceAccount:$legacy_build --role=ROLE
+then run this script again"
+    fi
+    echo "default build account: the legacy $legacy_build, holding no project role"
+  else
+    echo "default build account: ${default_build:-none} (a build naming no account needs actAs on it: no CI identity has it)"
+  fi
+fi
+
 if $has_cloud_run; then grant_state gft-ci-preview roles/storage.objectViewer; fi
 if $has_gke; then grant_state gft-ci-preview-gke roles/storage.objectViewer; fi
 grant_state gft-ci-deploy roles/storage.objectUser
@@ -219,6 +249,8 @@ ensure_custom_role gftCiReservationReader "gemma-finetune CI reservation reader"
 ensure_custom_role gftCiQuotaReader "gemma-finetune CI quota reader" cloudquotas.quotas.get
 ensure_custom_role gftCiProjectIamGranter "gemma-finetune CI project IAM granter" \
   resourcemanager.projects.getIamPolicy,resourcemanager.projects.setIamPolicy
+ensure_custom_role gftCiWorkloadIdentityBinder "gemma-finetune CI Workload Identity binder" \
+  iam.serviceAccounts.get,iam.serviceAccounts.getIamPolicy,iam.serviceAccounts.setIamPolicy
 custom="projects/$PROJECT_ID/roles"
 buckets="resource.name.startsWith('projects/_/buckets/$PROJECT_ID-gft-')"
 secrets="resource.name.startsWith('projects/$PROJECT_NUMBER/secrets/gft-') || resource.name.startsWith('projects/$PROJECT_ID/secrets/gft-')"
@@ -234,10 +266,12 @@ grants_only() {
 if $has_cloud_run; then
   grant_project gft-ci-preview "$custom/gftCiBucketLister"
   grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
+  grant_project gft-ci-preview roles/storage.bucketViewer "$buckets"
   grant_project gft-ci-preview "$custom/gftCiQuotaReader"
 fi
 if $has_gke; then
   grant_project gft-ci-preview-gke "$custom/gftCiBucketLister"
+  grant_project gft-ci-preview-gke roles/storage.bucketViewer "$buckets"
   grant_project gft-ci-preview-gke roles/container.developer
   if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
   if $has_gpu_quota; then grant_project gft-ci-preview-gke "$custom/gftCiQuotaReader"; fi
@@ -295,7 +329,7 @@ while read -r stack workload stack_features; do
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-serve")"
   else
     ensure_account "gft-$stack-node" "gemma-finetune $stack: GKE Autopilot nodes"
-    grant_account gft-ci-deploy roles/iam.serviceAccountAdmin "$(account "gft-$stack-train")"
+    grant_account gft-ci-deploy "$custom/gftCiWorkloadIdentityBinder" "$(account "gft-$stack-train")"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-node")"
   fi
   if [[ ",$stack_features," == *,cloud-build,* ]]; then

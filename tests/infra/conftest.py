@@ -55,6 +55,8 @@ class Variant:
     remove: tuple[str, ...] = ()
     hf_token: str | None = MOCK_HF_TOKEN
     assume_trained: bool = False
+    existing_buckets: tuple[str, ...] = ()
+    """Buckets already in the project, e.g. the stack's own, kept by `pulumi destroy` (the program imports it)."""
 
     def run(self) -> StackRun:
         return run_stack(
@@ -63,6 +65,7 @@ class Variant:
             remove=self.remove,
             hf_token=self.hf_token,
             assume_trained=self.assume_trained,
+            existing_buckets=self.existing_buckets,
         )
 
 
@@ -71,7 +74,8 @@ SERVING_ON = {"servingEnabled": True, "servingInvokers": ["user:alice@example.co
 MOCK_API_KEY = "mock-vllm-api-key-not-a-real-credential"
 BUDGET = {"billingAccount": "012345-6789AB-CDEF01", "budgetUsd": 500, "budgetEmails": ["alice@example.com"]}
 # Every stack as committed, each capacity mode, one and two nodes, Ray ephemeral and standing, serving on
-# (private, and public with the API key Pulumi.yaml asks for), each image build mode, no HF token, a budget.
+# (private, and public with the API key Pulumi.yaml asks for), each image build mode (the stack files build
+# with Cloud Build), no HF token, a budget.
 USER_VARIANTS: tuple[Variant, ...] = (
     Variant("dev", "dev"),
     Variant("dev, no token", "dev", {"recipe": "emoji-local"}, hf_token=None),
@@ -82,8 +86,9 @@ USER_VARIANTS: tuple[Variant, ...] = (
         {"servingEnabled": True, "servingPublic": True, "servingApiKey": MOCK_API_KEY},
         assume_trained=True,
     ),
-    Variant("dev, cloud-build, serving", "dev", {**SERVING_ON, "imageBuild": "cloud-build"}, assume_trained=True),
-    Variant("dev, prebuilt", "dev", dict(PREBUILT)),
+    Variant("dev, docker, serving", "dev", {**SERVING_ON, "imageBuild": "docker"}, assume_trained=True),
+    # Serving on: a stack file with prebuilt images is its own group for the setup, which grants what serving needs.
+    Variant("dev, prebuilt, serving", "dev", {**SERVING_ON, **PREBUILT}, assume_trained=True),
     # A stack file with a budget is its own group for the setup: serving on, so it holds every grant dev needs.
     Variant("dev, budget, serving", "dev", {**SERVING_ON, **BUDGET}, assume_trained=True),
     Variant("a4 (reservation)", "a4-gemma4"),
@@ -91,7 +96,7 @@ USER_VARIANTS: tuple[Variant, ...] = (
     Variant("a4, flex-start", "a4-gemma4", {"capacity": "flex-start"}, _NO_RESERVATION),
     Variant("a4, on-demand", "a4-gemma4", {"capacity": "on-demand"}, _NO_RESERVATION),
     Variant("a4, 2 nodes", "a4-gemma4", {"nodes": 2, "recipeOverrides": ["distributed.world_size=16"]}),
-    Variant("a4, cloud-build", "a4-gemma4", {"imageBuild": "cloud-build"}),
+    Variant("a4, docker", "a4-gemma4", {"imageBuild": "docker"}),
     Variant("a4, spot, budget", "a4-gemma4", {"capacity": "spot", **BUDGET}, _NO_RESERVATION),
     Variant("ray (ephemeral, 2 nodes)", "ray-gemma3-vision"),
     Variant("ray, standing", "ray-gemma3-vision", {"rayCluster": "standing"}),
@@ -101,7 +106,7 @@ USER_VARIANTS: tuple[Variant, ...] = (
         {"capacity": "spot", "nodes": 1, "recipeOverrides": ["distributed.world_size=8"]},
         _NO_RESERVATION,
     ),
-    Variant("ray, cloud-build", "ray-gemma3-vision", {"imageBuild": "cloud-build"}),
+    Variant("ray, docker", "ray-gemma3-vision", {"imageBuild": "docker"}),
 )
 
 

@@ -494,12 +494,15 @@ class TestApiKey:
         assert not [r for r in run.resources if "api-key" in r.name]
 
 
+DOCKER_SERVING = {"servingEnabled": True, "imageBuild": "docker"}
+
+
 class TestVllmImage:
     """servingVllmImage is a typed setting that reaches the serving build as VLLM_IMAGE (it used to be never passed)."""
 
     def test_docker_build_gets_the_build_argument(self) -> None:
         image = "vllm/vllm-openai:v0.27.1-cu129"
-        run = run_stack("dev", overrides={"servingEnabled": True, "servingVllmImage": image}, assume_trained=True)
+        run = run_stack("dev", overrides={**DOCKER_SERVING, "servingVllmImage": image}, assume_trained=True)
         builds = {r.name: r.plain_inputs() for r in run.of_type("docker-build:index:Image")}
         assert builds["gft-dev-serving"]["buildArgs"] == {"VLLM_IMAGE": image}
         assert "buildArgs" not in builds["gft-dev-trainer"]
@@ -507,7 +510,7 @@ class TestVllmImage:
     def test_default_is_the_dockerfile_default(self) -> None:
         from serving.vllm_args import VLLM_IMAGE
 
-        run = run_stack("dev", overrides={"servingEnabled": True}, assume_trained=True)
+        run = run_stack("dev", overrides=DOCKER_SERVING, assume_trained=True)
         serving = next(r for r in run.of_type("docker-build:index:Image") if r.name == "gft-dev-serving")
         assert serving.plain_inputs()["buildArgs"] == {"VLLM_IMAGE": VLLM_IMAGE}
 
@@ -555,7 +558,7 @@ class TestVllmImage:
         "image", ["vllm/vllm-openai:v0.28.0-cu129", "vllm/vllm-openai:v0.19.1", "vllm/vllm-openai@sha256:" + "a" * 64]
     )
     def test_cuda12_builds_are_fine_on_l4(self, image: str) -> None:
-        run = run_stack("dev", overrides={"servingEnabled": True, "servingVllmImage": image}, assume_trained=True)
+        run = run_stack("dev", overrides={**DOCKER_SERVING, "servingVllmImage": image}, assume_trained=True)
         serving = next(r for r in run.of_type("docker-build:index:Image") if r.name == "gft-dev-serving")
         assert serving.plain_inputs()["buildArgs"] == {"VLLM_IMAGE": image}
 

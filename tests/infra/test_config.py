@@ -35,6 +35,16 @@ class TestValidConfigs:
         cfg = validate(GKE, "a4", True)
         assert (cfg.gpu_type, cfg.gpus_per_node, cfg.total_gpus) == ("nvidia-b200", 8, 8)
 
+    def test_each_stack_gets_its_own_namespace(self) -> None:
+        """The Workload Identity principal is PROJECT.svc.id.goog[NAMESPACE/KSA] in every cluster of the project."""
+        assert validate(GKE, "a4", True).namespace == "gft-a4"
+        assert validate({**RAY, "nodes": 2}, "ray", True).namespace == "gft-ray"
+        assert validate({**GKE, "namespace": "team-a"}, "a4", True).namespace == "team-a"
+
+    def test_a_namespace_kubernetes_refuses_fails(self) -> None:
+        msg = fails({**GKE, "namespace": "Gemma_Finetune"})
+        assert "namespace='Gemma_Finetune' is not a Kubernetes namespace name" in msg and "Fix:" in msg
+
     def test_labels_always_carry_cost_attribution(self) -> None:
         cfg = validate({**CLOUD_RUN, "labels": ["team=ml"]}, "dev", True)
         assert cfg.resource_labels == {"app": "gemma-finetune", "stack": "dev", "workload": "cloud-run", "team": "ml"}

@@ -11,7 +11,7 @@ from tests.infra.conftest import PREBUILT
 
 class TestApis:
     def test_cloud_run_enables_only_what_it_uses(self) -> None:
-        run = run_stack("dev")
+        run = run_stack("dev", overrides={"imageBuild": "docker"})
         apis = {r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")}
         assert "run.googleapis.com" in apis and "secretmanager.googleapis.com" in apis
         assert "container.googleapis.com" not in apis and "cloudbuild.googleapis.com" not in apis
@@ -35,7 +35,7 @@ class TestApis:
 class TestBucket:
     def test_secure_bucket_kept_on_destroy_by_default(self) -> None:
         run = run_stack("dev")
-        bucket = run.one("gcp:storage/bucket:Bucket")
+        bucket = run.by_name("gft-dev-bucket")
         inputs = bucket.plain_inputs()
         assert inputs["uniformBucketLevelAccess"] is True
         assert inputs["publicAccessPrevention"] == "enforced"
@@ -45,7 +45,7 @@ class TestBucket:
 
     def test_force_destroy_removes_bucket_and_contents(self) -> None:
         run = run_stack("dev", overrides={"bucketForceDestroy": True})
-        bucket = run.one("gcp:storage/bucket:Bucket")
+        bucket = run.by_name("gft-dev-bucket")
         assert bucket.plain_inputs()["forceDestroy"] is True
         assert bucket.retain_on_delete is False
 
@@ -55,11 +55,13 @@ class TestIdentities:
         run = run_stack("dev")
         binding = run.by_name("gft-dev-bucket-trainer").plain_inputs()
         assert binding["role"] == "roles/storage.objectUser"
-        assert binding["bucket"] == run.one("gcp:storage/bucket:Bucket").plain_inputs()["name"]
+        assert binding["bucket"] == run.by_name("gft-dev-bucket").plain_inputs()["name"]
         assert binding["member"] == "serviceAccount:gft-dev-train@my-gcp-project.iam.gserviceaccount.com"
 
     def test_serving_account_only_with_serving(self) -> None:
-        assert len(run_stack("dev").of_type("gcp:serviceaccount/account:Account")) == 1
+        assert (
+            len(run_stack("dev", overrides={"imageBuild": "docker"}).of_type("gcp:serviceaccount/account:Account")) == 1
+        )
         run = run_stack("dev", overrides={"servingEnabled": True}, assume_trained=True)
         assert run.by_name("gft-dev-bucket-serving").plain_inputs()["role"] == "roles/storage.objectViewer"
 

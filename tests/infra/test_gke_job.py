@@ -149,7 +149,7 @@ class TestTrainingJob:
         assert out["getCredentials"] == (
             "gcloud container clusters get-credentials gft-a4-gemma4 --region us-central1 --project my-gcp-project"
         )
-        assert out["logs"] == f"kubectl logs -f job/{out['jobName']} -n gemma-finetune"
+        assert out["logs"] == f"kubectl logs -f job/{out['jobName']} -n gft-a4-gemma4"
         assert out["adapter"].startswith(out["runDir"])
         assert out["worldSize"] == 8
 
@@ -179,7 +179,7 @@ class TestSecretsAndIdentity:
         binding = single.one("gcp:serviceaccount/iAMMember:IAMMember")
         inputs = binding.plain_inputs()
         assert inputs["role"] == "roles/iam.workloadIdentityUser"
-        assert inputs["member"] == "serviceAccount:my-gcp-project.svc.id.goog[gemma-finetune/trainer]"
+        assert inputs["member"] == "serviceAccount:my-gcp-project.svc.id.goog[gft-a4-gemma4/trainer]"
         assert inputs["serviceAccountId"].endswith(gsa), "bound on the trainer GSA, not the project"
         assert job_of(single)["spec"]["template"]["spec"]["serviceAccountName"] == ksa["metadata"]["name"]
 

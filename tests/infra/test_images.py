@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import stat
 from pathlib import Path
@@ -10,9 +11,18 @@ import pytest
 import yaml
 
 from infra.config import ConfigError
-from infra.images import SERVING, STAGED_CONTEXTS, TRAINER, ImageSpec, content_hash, context_files, stage_context
-from infra.offline import REPO_ROOT, run_stack
-from tests.infra.conftest import PREBUILT, contains, plain_paths
+from infra.images import (
+    SERVING,
+    STAGED_CONTEXTS,
+    TRAINER,
+    ImageSpec,
+    content_hash,
+    context_files,
+    docker_credentials,
+    stage_context,
+)
+from infra.offline import MOCK_ACCESS_TOKEN, REPO_ROOT, Mocks, StackRun, run_stack, stack_names, unwrap_secrets
+from tests.infra.conftest import PREBUILT, Variant
 
 
 class TestBuildContext:
@@ -73,16 +83,87 @@ class TestStagedContext:
         assert not stale.exists()
 
 
+DOCKER = {"imageBuild": "docker"}
+
+
+def _holding(value: object, needle: str, path: str = "") -> list[str]:
+    """Every path in `value` whose string holds `needle`, inside secrets too (state keeps secrets, encrypted)."""
+    value = unwrap_secrets(value)
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _holding(v, needle, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _holding(v, needle, f"{path}[{i}]")]
+    return [path or "."] if isinstance(value, str) and needle in value else []
+
+
+@pytest.mark.slow
+class TestNoCredentialInState:
+    """State records every input of every resource, secret or not (a secret is encrypted with the stack key, which
+    the preview identities can use too): no input may hold a token of whoever runs Pulumi. The mock's client config
+    answers a recognisable token (infra/offline.py MOCK_ACCESS_TOKEN); no registered input or output holds it, over
+    every stack and user variant and each stack in each build mode."""
+
+    def test_the_mock_client_config_answers_the_recognisable_token(self) -> None:
+        args = type("Call", (), {"token": "gcp:organizations/getClientConfig:getClientConfig", "args": {}})()
+        assert Mocks().call(args)[0]["accessToken"] == MOCK_ACCESS_TOKEN  # type: ignore[arg-type]
+
+    def test_no_input_holds_the_runners_token(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+        runs = [(variant.label, run) for variant, run in user_variant_runs]
+        for stack in stack_names():
+            for mode in ("docker", "cloud-build"):
+                runs.append((f"{stack}, {mode}", run_stack(stack, overrides={"imageBuild": mode})))
+        serving = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"], **DOCKER}
+        runs.append(("dev, docker, serving", run_stack("dev", overrides=serving, assume_trained=True)))
+        found = [
+            f"[{label}] {r.urn} {where}{path}"
+            for label, run in runs
+            for r in run.resources
+            for where, values in (("inputs", r.inputs), ("outputs", r.outputs))
+            for path in _holding(values, MOCK_ACCESS_TOKEN)
+        ]
+        assert any(run.of_type("docker-build:index:Image") for _, run in runs), "docker mode was scanned"
+        assert found == [], "a credential of the runner would be written into state:\n" + "\n".join(found)
+
+
+class TestDockerLogin:
+    """docker mode pushes with Docker's own login for the registry host; without one the program says so."""
+
+    HOST = "us-central1-docker.pkg.dev"
+
+    def test_the_helper_gcloud_configure_docker_names_is_found(self, tmp_path: Path) -> None:
+        # what `gcloud auth configure-docker us-central1-docker.pkg.dev` writes into ~/.docker/config.json
+        (tmp_path / "config.json").write_text(json.dumps({"credHelpers": {self.HOST: "gcloud"}}))
+        env = {"DOCKER_CONFIG": str(tmp_path)}
+        assert docker_credentials(self.HOST, env) == "the credential helper docker-credential-gcloud"
+        assert docker_credentials("europe-west4-docker.pkg.dev", env) is None, "a helper is per host"
+
+    def test_a_default_store_or_a_stored_login_counts(self, tmp_path: Path) -> None:
+        (tmp_path / ".docker").mkdir()
+        (tmp_path / ".docker" / "config.json").write_text(json.dumps({"auths": {f"https://{self.HOST}": {}}}))
+        assert docker_credentials(self.HOST, {"HOME": str(tmp_path)}) == "a stored login (auths)"
+        (tmp_path / ".docker" / "config.json").write_text(json.dumps({"credsStore": "desktop"}))
+        assert (
+            docker_credentials(self.HOST, {"HOME": str(tmp_path)}) == "the credential helper docker-credential-desktop"
+        )
+
+    def test_no_login_is_a_warning_with_the_fix(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+        warned = [w for w in run_stack("dev", overrides=DOCKER).warnings if "has no login" in w]
+        assert len(warned) == 1 and f"gcloud auth configure-docker {self.HOST}" in warned[0]
+        (tmp_path / "config.json").write_text(json.dumps({"credHelpers": {self.HOST: "gcloud"}}))
+        assert not [w for w in run_stack("dev", overrides=DOCKER).warnings if "has no login" in w]
+
+
 class TestModes:
-    def test_docker_mode_pushes_to_the_stack_registry_with_a_secret_token(self) -> None:
-        run = run_stack("dev")
+    def test_docker_mode_pushes_to_the_stack_registry_with_the_runners_credentials(self) -> None:
+        run = run_stack("dev", overrides=DOCKER)
         image = run.one("docker-build:index:Image")
         inputs = image.plain_inputs()
         assert inputs["push"] is True
         assert inputs["tags"][0].startswith("us-central1-docker.pkg.dev/my-gcp-project/gemma-finetune-dev/trainer:")
         assert inputs["platforms"] == ["linux/amd64"]
-        # the registry password (an access token) travels only inside a secret
-        assert contains(image.inputs, "mock-access-token") and plain_paths(image.inputs, "mock-access-token") == []
+        # no login in the inputs: the provider uses the Docker config's credential helper (infra/images.py)
+        assert "registries" not in inputs
         assert run.outputs["trainerImage"].split("@")[1].startswith("sha256:")
         for key, path in (
             ("context", STAGED_CONTEXTS / "trainer"),
@@ -117,7 +198,7 @@ class TestModes:
             run_stack("dev", overrides={"imageBuild": "prebuilt"})
 
     def test_serving_image_only_with_serving(self) -> None:
-        run = run_stack("dev", overrides={"servingEnabled": True}, assume_trained=True)
+        run = run_stack("dev", overrides={"servingEnabled": True, **DOCKER}, assume_trained=True)
         names = sorted(r.name for r in run.of_type("docker-build:index:Image"))
         assert names == ["gft-dev-serving", "gft-dev-trainer"]
 
@@ -151,5 +232,5 @@ class TestCloudBuildIdentity:
         assert config["options"]["logging"] == "CLOUD_LOGGING_ONLY", "a user-specified account needs this"
 
     def test_docker_mode_creates_no_builder(self) -> None:
-        run = run_stack("dev")
+        run = run_stack("dev", overrides=DOCKER)
         assert not [r for r in run.of_type("gcp:serviceaccount/account:Account") if r.name.endswith("build-sa")]

@@ -111,5 +111,7 @@ class TestLabels:
     def test_labels_on_bucket_secret_registry(self, all_runs: list[StackRun]) -> None:
         for run in all_runs:
             for typ in ("gcp:storage/bucket:Bucket", "gcp:artifactregistry/repository:Repository"):
-                labels = run.one(typ).plain_inputs()["labels"]
-                assert {"app", "stack", "workload"} <= set(labels), f"{run.stack} {typ}"
+                assert run.of_type(typ), f"{run.stack} {typ}"
+                for resource in run.of_type(typ):  # the stack's bucket, and the build staging bucket with Cloud Build
+                    labels = resource.plain_inputs()["labels"]
+                    assert {"app", "stack", "workload"} <= set(labels), resource.urn

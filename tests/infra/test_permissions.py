@@ -14,8 +14,9 @@ from dataclasses import replace
 
 import pytest
 
-from infra.api_permissions import COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
-from infra.foundation import Identity, account_email
+from infra.api_permissions import ACCOUNT_SCOPES, COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
+from infra.config import Workload
+from infra.foundation import Identity, account_email, bucket_name
 from infra.offline import Recorded, StackRun
 from infra.permissions import (
     CI_DEPLOY,
@@ -28,9 +29,12 @@ from infra.permissions import (
     ci_identities,
     ci_member,
     condition_holds,
+    covers,
     granted_roles,
     markdown,
     missing,
+    needs_of,
+    permissions_of,
     planned_grants,
     role_permissions,
     stack_features,
@@ -62,6 +66,19 @@ def _setup_groups(runs: list[tuple[Variant, StackRun]]) -> dict[tuple[str, str, 
     return groups
 
 
+@pytest.fixture(scope="session")
+def proof_runs(user_variant_runs: list[tuple[Variant, StackRun]]) -> list[tuple[Variant, StackRun]]:
+    """The user variants, plus for each group the setup grants for a twin whose bucket `pulumi destroy` kept: every
+    stack can be in that state (the bucket is retained by default), and its next preview imports the bucket."""
+    twins = []
+    for runs in _setup_groups(user_variant_runs).values():
+        variant = next(v for v, run in user_variant_runs if run is runs[0])
+        assert runs[0].cfg is not None
+        kept = replace(variant, label=f"{variant.label}, bucket kept", existing_buckets=(bucket_name(runs[0].cfg),))
+        twins.append((kept, kept.run()))
+    return [*user_variant_runs, *twins]
+
+
 def _member(run: StackRun, account: str) -> str:
     assert run.cfg is not None
     return ci_member(account)(run.cfg)
@@ -70,17 +87,17 @@ def _member(run: StackRun, account: str) -> str:
 # The 18 variant runs (a shared session fixture) take about 15 s on 2 busy cores; the proof over them ~20 s more.
 @pytest.mark.slow
 class TestProof:
-    def test_every_needed_permission_is_granted(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
-        problems = _problems(user_variant_runs, lambda run: missing(run, _all(run)))
+    def test_every_needed_permission_is_granted(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        problems = _problems(proof_runs, lambda run: missing(run, _all(run)))
         assert problems == "", problems
 
-    def test_every_role_the_program_grants_is_needed(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
-        problems = _problems(user_variant_runs, lambda run: unneeded([run], _grants(run)))
+    def test_every_role_the_program_grants_is_needed(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        problems = _problems(proof_runs, lambda run: unneeded([run], _grants(run)))
         assert problems == "", problems
 
-    def test_every_role_the_ci_setup_grants_is_needed(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+    def test_every_role_the_ci_setup_grants_is_needed(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
         problems = []
-        for group, runs in _setup_groups(user_variant_runs).items():
+        for group, runs in _setup_groups(proof_runs).items():
             assert runs[0].cfg is not None
             problems += [f"[{group}] {p}" for p in unneeded(runs, ci_grants(runs[0].cfg))]
         assert problems == [], "\n".join(problems)
@@ -116,6 +133,95 @@ class TestProof:
             for role in re.findall(r"'(roles/[^']+)'", entry["condition"])
         }
         assert granted and allowed == granted
+
+
+# Permissions IAM checks on the project (or its parent): granted on one account or bucket they give nothing.
+_CHECKED_ON_THE_PROJECT = frozenset(
+    {
+        "resourcemanager.projects.get",
+        "resourcemanager.projects.list",
+        "iam.serviceAccounts.list",
+        "storage.buckets.list",
+    }
+)
+
+
+@pytest.mark.slow
+class TestWhatTheDeployCanBorrow:
+    """The deploy identity acts as (actAs) or binds (setIamPolicy) the stacks' own accounts. Whatever role lets it do
+    that, on an account, carries nothing else it does not need there; and an account it can bind itself to (the
+    trainer, whose Workload Identity binding it makes) holds nothing the deploy does not hold already."""
+
+    def test_a_role_on_an_account_gives_only_what_is_needed_on_it(
+        self, proof_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """roles/iam.serviceAccountAdmin would give delete, disable, update and serviceAccountApiKeyBindings.create
+        (an API key that authenticates as the account) on the trainer: the binder role is what the binding calls."""
+        problems = []
+        for group, runs in _setup_groups(proof_runs).items():
+            assert runs[0].cfg is not None
+            needed: dict[tuple[str, Scope], set[str]] = defaultdict(set)
+            for run in runs:
+                for member, member_needs in needs_of(run).items():
+                    for _, need in member_needs:
+                        needed[(member, need.scope)].add(need.permission)
+            for grant in ci_grants(runs[0].cfg):
+                if grant.scope not in ACCOUNT_SCOPES.values():
+                    continue
+                extra = permissions_of(grant.role, grant.origin) - needed[(grant.member, grant.scope)]
+                if extra - _CHECKED_ON_THE_PROJECT:
+                    problems.append(f"[{group}] {grant.origin}: also gives {sorted(extra - _CHECKED_ON_THE_PROJECT)}")
+        assert problems == [], "\n".join(problems)
+
+    def test_the_trainer_holds_nothing_the_deploy_lacks(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        """Making the trainer's Workload Identity binding needs setIamPolicy on it, which would let the deploy bind
+        itself too: that must lend it no permission it lacks (and on Cloud Run stacks it may actAs the trainer)."""
+        problems = []
+        for variant, run in proof_runs:
+            assert run.cfg is not None
+            trainer = f"serviceAccount:{account_email(run.cfg, Identity.TRAINER)}"
+            deploy = [g for g in ci_grants(run.cfg) if g.member == _member(run, CI_DEPLOY)]
+            for grant in _grants(run):
+                if grant.member != trainer:
+                    continue
+                for permission in sorted(permissions_of(grant.role, grant.origin) - _CHECKED_ON_THE_PROJECT):
+                    need = Need(permission, grant.scope, f"the trainer's {grant.role}")
+                    if not any(covers(g, need, run.cfg) for g in deploy):
+                        problems.append(
+                            f"[{variant.label}] the trainer's {grant.role} gives {permission} on {grant.scope}"
+                        )
+        assert problems == [], "\n".join(problems)
+
+    def test_the_binder_is_smaller_than_service_account_admin(self) -> None:
+        roles = role_permissions()
+        binder, admin = roles["gftCiWorkloadIdentityBinder"], roles["roles/iam.serviceAccountAdmin"]
+        assert binder < admin
+        assert {"iam.serviceAccounts.delete", "iam.serviceAccountApiKeyBindings.create"} <= admin - binder
+
+
+@pytest.mark.slow
+class TestAcrossStacks:
+    """The proof judges one stack at a time; this judges the stacks of one project together. A principal a stack's
+    program grants (its accounts, and its pods' Workload Identity principal PROJECT.svc.id.goog[NAMESPACE/KSA], the
+    same principal in every cluster of the project) is granted by that stack only: otherwise pods of one stack could
+    act as another stack's trainer and read or delete its models."""
+
+    def test_no_principal_is_granted_by_two_stacks(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        projects = {run.cfg.project for _, run in proof_runs if run.cfg}
+        assert len(projects) == 1, "the stack files share one project: the case this checks"
+        stacks_of: dict[str, set[str]] = defaultdict(set)
+        for _, run in proof_runs:
+            for grant in _grants(run):
+                stacks_of[grant.member].add(run.stack)
+        shared = {member: sorted(stacks) for member, stacks in stacks_of.items() if len(stacks) > 1}
+        assert len({run.stack for _, run in proof_runs}) == 3 and stacks_of
+        assert shared == {}, f"principals granted by more than one stack: {shared}"
+
+    def test_each_gke_stack_has_its_own_namespace(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        namespaces = {
+            run.stack: run.cfg.namespace for _, run in proof_runs if run.cfg and run.cfg.workload.value != "cloud-run"
+        }
+        assert len(namespaces) == 2 and len(set(namespaces.values())) == 2, namespaces
 
 
 @pytest.mark.slow
@@ -203,20 +309,29 @@ class TestTheProofCanFail:
         assert not condition_holds(admin.condition, write, ray.cfg)
         assert condition_holds(admin.condition, replace(write, scope=Scope.BUCKET), ray.cfg)
 
-    def test_a_ci_role_the_program_never_needs_is_reported(self, ray: StackRun) -> None:
+    @pytest.fixture(scope="class")
+    def ray_states(self, ray: StackRun, proof_runs: list[tuple[Variant, StackRun]]) -> list[StackRun]:
+        """The Ray stack as the setup grants for it: new, and after a destroy kept its bucket."""
+        kept = [run for v, run in proof_runs if v.existing_buckets and run.cfg == ray.cfg]
+        assert len(kept) == 1
+        return [ray, *kept]
+
+    def test_a_ci_role_the_program_never_needs_is_reported(self, ray: StackRun, ray_states: list[StackRun]) -> None:
         """E.g. Cloud Run admin on a GKE stack: of what it gives, the deploy needs only what it already has."""
         extra = Grant(_member(ray, CI_DEPLOY), "roles/run.admin", Scope.PROJECT, "test")
         assert ray.cfg is not None
-        assert unneeded([ray], [*ci_grants(ray.cfg), extra]) == [
+        assert unneeded(ray_states, [*ci_grants(ray.cfg), extra]) == [
             f"test: roles/run.admin on {Scope.PROJECT} gives {extra.member} only what other grants give: "
             "['resourcemanager.projects.get']"
         ]
 
-    def test_a_role_granted_for_a_permission_another_grant_gives_is_reported(self, ray: StackRun) -> None:
+    def test_a_role_granted_for_a_permission_another_grant_gives_is_reported(
+        self, ray: StackRun, ray_states: list[StackRun]
+    ) -> None:
         """roles/browser for resourcemanager.projects.get, which the registry admin role carries already."""
         browser = Grant(_member(ray, CI_DEPLOY), "roles/browser", Scope.PROJECT, "test")
         assert ray.cfg is not None
-        [problem] = unneeded([ray], [*ci_grants(ray.cfg), browser])
+        [problem] = unneeded(ray_states, [*ci_grants(ray.cfg), browser])
         assert problem.startswith("test: roles/browser") and "only what other grants give" in problem
 
     def test_a_resource_type_without_a_row_fails_the_proof(self, ray: StackRun) -> None:
@@ -246,10 +361,8 @@ class TestTheProofCanFail:
 class TestDerivedNeeds:
     """What the CI identities need follows the program, not a list."""
 
-    def test_previews_run_no_command_and_change_nothing(
-        self, user_variant_runs: list[tuple[Variant, StackRun]]
-    ) -> None:
-        for variant, run in user_variant_runs:
+    def test_previews_run_no_command_and_change_nothing(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        for variant, run in proof_runs:
             for need in preview_needs(run):
                 verb = need.permission.rsplit(".", 1)[-1]
                 if not need.permission.startswith("container."):  # a Kubernetes dry run needs the write verbs
@@ -263,7 +376,7 @@ class TestDerivedNeeds:
         assert "run.jobs.run" in {n.permission for n in deploy_needs(runs["dev"])}
         ray_needs = {n.permission for n in deploy_needs(runs["ray, standing"])}
         assert {"container.customResourceDefinitions.get", "container.customResourceDefinitions.list"} <= ray_needs
-        builds = {(n.permission, n.scope) for n in deploy_needs(runs["dev, cloud-build, serving"])}
+        builds = {(n.permission, n.scope) for n in deploy_needs(runs["dev, serving"])}
         assert {("cloudbuild.builds.create", Scope.PROJECT), ("storage.objects.create", Scope.BUILD_STAGING)} <= builds
 
     def test_a_reservation_is_read_only_when_a_stack_uses_one(
@@ -302,6 +415,28 @@ class TestDerivedNeeds:
         moved = [replace(g, scope=Scope.PROJECT) if g.scope is Scope.BILLING_ACCOUNT else g for g in _all(run)]
         assert any(f"lacks billing.budgets.create on {Scope.BILLING_ACCOUNT}" in p for p in missing(run, moved))
 
+    def test_a_preview_after_destroy_reads_the_kept_bucket(self, proof_runs: list[tuple[Variant, StackRun]]) -> None:
+        """After `pulumi destroy` kept the bucket, the next preview imports it, and the engine's ImportStep reads it in
+        a preview too: both preview identities need storage.buckets.get on it, which the listing alone does not give."""
+        kept = [(variant, run) for variant, run in proof_runs if variant.existing_buckets]
+        assert {run.cfg.workload for _, run in kept if run.cfg} >= {
+            Workload.CLOUD_RUN,
+            Workload.GKE_JOB,
+            Workload.GKE_RAY,
+        }
+        for variant, run in proof_runs:
+            imported = [r for r in run.of_type("gcp:storage/bucket:Bucket") if r.import_id]
+            reads = [n for n in preview_needs(run) if (n.permission, n.scope) == ("storage.buckets.get", Scope.BUCKET)]
+            assert bool(imported) == bool(variant.existing_buckets) == bool(reads), variant.label
+            assert all("ImportStep" in n.why for n in reads), reads
+            if reads:
+                preview = CI_PREVIEW if run.cfg and run.cfg.workload is Workload.CLOUD_RUN else CI_PREVIEW_GKE
+                dropped = [g for g in _all(run) if not (g.member == _member(run, preview) and "bucketViewer" in g.role)]
+                assert any(
+                    f"({_member(run, preview)}) lacks storage.buckets.get on {Scope.BUCKET}" in problem
+                    for problem in missing(run, dropped)
+                ), variant.label
+
     def test_every_invoke_row_is_one_the_program_calls(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
         called = {token for _, run in user_variant_runs for token, _ in run.invokes}
         assert called == set(INVOKES)
@@ -327,6 +462,12 @@ class TestRoleData:
             "storage.buckets.list",
         }
         assert len(roles["roles/storage.bucketViewer"]) < len(roles["roles/storage.legacyBucketReader"])
+
+    def test_the_legacy_build_account_reaches_every_bucket(self) -> None:
+        """Why the setup refuses a legacy default Cloud Build account that keeps its project role
+        (infra/bootstrap/ci-setup.sh): granted on the project, it reads and writes objects of every bucket."""
+        builder = role_permissions()["roles/cloudbuild.builds.builder"]
+        assert {"storage.objects.get", "storage.objects.create", "storage.objects.delete"} <= builder
 
     def test_table_renders_every_listed_need(self) -> None:
         table = markdown()

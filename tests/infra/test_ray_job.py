@@ -214,8 +214,8 @@ class TestRayJob:
     def test_outputs(self, ephemeral: StackRun) -> None:
         out = ephemeral.outputs
         name = out["rayJobName"]
-        assert out["rayJobStatus"] == f"kubectl get rayjob {name} -n gemma-finetune"
-        assert out["dashboard"].startswith("kubectl port-forward -n gemma-finetune service/")
+        assert out["rayJobStatus"] == f"kubectl get rayjob {name} -n gft-ray-gemma3-vision"
+        assert out["dashboard"].startswith("kubectl port-forward -n gft-ray-gemma3-vision service/")
         assert out["dashboard"].endswith("-head-svc 8265:8265") and name in out["dashboard"]
 
 
@@ -238,7 +238,7 @@ class TestSecretsAndIdentity:
         ksa = manifest(ephemeral.one("kubernetes:core/v1:ServiceAccount"))
         assert ksa["metadata"]["annotations"]["iam.gke.io/gcp-service-account"] == gsa
         member = ephemeral.one("gcp:serviceaccount/iAMMember:IAMMember").plain_inputs()["member"]
-        assert member == f"serviceAccount:my-gcp-project.svc.id.goog[gemma-finetune/{ksa['metadata']['name']}]"
+        assert member == f"serviceAccount:my-gcp-project.svc.id.goog[gft-ray-gemma3-vision/{ksa['metadata']['name']}]"
         spec = cluster_spec(ephemeral)
         for template in (spec["headGroupSpec"]["template"], worker_group(spec)["template"]):
             assert template["spec"]["serviceAccountName"] == ksa["metadata"]["name"]
@@ -283,7 +283,7 @@ class TestStandingCluster:
 
     def test_dashboard(self, standing: StackRun) -> None:
         assert standing.outputs["dashboard"] == (
-            "kubectl port-forward -n gemma-finetune service/gemma-tuning-head-svc 8265:8265"
+            "kubectl port-forward -n gft-ray-gemma3-vision service/gemma-tuning-head-svc 8265:8265"
         )
 
 

@@ -65,7 +65,7 @@ print(json.dumps(result, default=str, sort_keys=True))
 """
 PLANS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "dev-cloud-build": ("dev", {"imageBuild": "cloud-build"}, False, False),
-    "dev-serving": ("dev", {"servingEnabled": True}, True, False),
+    "dev-serving": ("dev", {"servingEnabled": True, "imageBuild": "docker"}, True, False),
     "a4-gemma4": ("a4-gemma4", {}, False, False),
     "ray-gemma3-vision": ("ray-gemma3-vision", {}, False, False),
     "ray-preview": ("ray-gemma3-vision", {}, False, True),

@@ -115,6 +115,13 @@ if args[:2] == ["projects", "describe"]:
 if args[:3] == ["billing", "projects", "describe"]:
     print("billingAccounts/{billing}")
     sys.exit(0)
+if args[:2] == ["builds", "get-default-service-account"]:  # value(serviceAccountEmail)
+    compute = "projects/p/serviceAccounts/{number}-compute@developer.gserviceaccount.com"
+    print(os.environ.get("FAKE_DEFAULT_BUILD_ACCOUNT", compute))
+    sys.exit(0)
+if args[:2] == ["projects", "get-iam-policy"]:  # the roles of the filtered member, one per line
+    print(os.environ.get("FAKE_LEGACY_BUILD_ROLES", ""))
+    sys.exit(0)
 verb = next((a for a in args if a in VERBS), None)
 if verb == "describe":
     sys.exit(0 if key(args) in state else 1)
@@ -335,10 +342,13 @@ class TestLeastPrivilege:
     def test_custom_roles_exist_for_what_no_predefined_role_holds_alone(self) -> None:
         """Each custom role is small, and the project's IAM policy is changed only under a condition on the roles."""
         for name, spec in IDENTITIES["custom_roles"].items():
-            assert 1 <= len(spec["permissions"]) <= 2, name
+            # the Workload Identity binder: read one account, read and write its IAM policy
+            assert 1 <= len(spec["permissions"]) <= (3 if name == "gftCiWorkloadIdentityBinder" else 2), name
         for identity, grant in _all_grants():
             if "resourcemanager.projects.setIamPolicy" in _role_permissions(grant["role"]):
                 assert "modifiedGrantsByRole" in grant.get("condition", ""), f"{identity}: {grant['role']}"
+            if "iam.serviceAccounts.setIamPolicy" in _role_permissions(grant["role"]):
+                assert grant["scope"] == "workload-account", f"{identity}: {grant['role']} reaches other accounts"
 
     @pytest.mark.slow
     def test_no_forbidden_role_on_the_project_without_a_condition(self, first_run: tuple[Path, SetupRun]) -> None:
@@ -539,6 +549,41 @@ class TestRunningTheScript:
         run = run_setup(tmp_path, **{name: value})
         assert run.returncode == 2 and phrase in run.stderr, run.stderr
         assert run.calls == [], "nothing may reach gcloud with a bad setting"
+
+    LEGACY = (
+        f"projects/{VALUES['PROJECT_ID']}/serviceAccounts/{VALUES['PROJECT_NUMBER']}@cloudbuild.gserviceaccount.com"
+    )
+
+    @pytest.mark.slow
+    def test_a_legacy_default_build_account_with_roles_is_refused(self, tmp_path: Path) -> None:
+        """A build that names no account would run as the legacy Cloud Build account, which needs no actAs and holds
+        roles/cloudbuild.builds.builder: objects of every bucket. The setup stops before it grants any role."""
+        run = run_setup(
+            tmp_path, FAKE_DEFAULT_BUILD_ACCOUNT=self.LEGACY, FAKE_LEGACY_BUILD_ROLES="roles/cloudbuild.builds.builder"
+        )
+        legacy = f"{VALUES['PROJECT_NUMBER']}@cloudbuild.gserviceaccount.com"
+        assert run.returncode == 2, run.stderr
+        assert f"the legacy {legacy}, which holds roles/cloudbuild.builds.builder" in run.stderr
+        assert f"remove-iam-policy-binding {VALUES['PROJECT_ID']} --member=serviceAccount:{legacy}" in run.stderr
+        assert [c for c in run.calls if c[:2] == ["projects", "get-iam-policy"]], "the legacy account's roles were read"
+        assert run.grants() == set(), "no role is granted while a default build could act as the legacy account"
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        ("default", "reported"),
+        [
+            (LEGACY, "the legacy 123456789012@cloudbuild.gserviceaccount.com, holding no project role"),
+            ("projects/p/serviceAccounts/123456789012-compute@developer.gserviceaccount.com", "needs actAs on it"),
+        ],
+        ids=["legacy-without-roles", "compute-default"],
+    )
+    def test_a_default_build_account_the_deploy_cannot_use_is_reported(
+        self, tmp_path: Path, default: str, reported: str
+    ) -> None:
+        run = run_setup(tmp_path, FAKE_DEFAULT_BUILD_ACCOUNT=default)
+        assert run.returncode == 0, run.stderr
+        assert reported in run.stdout
+        assert Grant("gft-ci-deploy", "roles/cloudbuild.builds.editor", "project") in run.grants()
 
     @pytest.mark.slow
     def test_pulumi_cloud_backend_has_no_state_bucket_or_key(self, tmp_path: Path) -> None:
