@@ -53,7 +53,8 @@ STATE_BUCKET="${STATE_BUCKET:-${PROJECT_ID}-pulumi-state}"
 STATE_LOCATION="${STATE_LOCATION:-us-central1}"
 KMS_LOCATION="${KMS_LOCATION:-global}"
 KMS_KEYRING="${KMS_KEYRING:-gft-pulumi}"
-KMS_KEY="${KMS_KEY:-stack-secrets}"
+PULUMI="${PULUMI:-pulumi}"                # the Pulumi CLI that creates or migrates the stacks (bucket backend)
+PRUNE="${PRUNE:-0}"                       # 1: remove the CI identities' grants this run did not make (else: report them)
 REPO_ROOT="${REPO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 
 APIS=(
@@ -83,7 +84,10 @@ STACK_LINES=$(python3 "$REPO_ROOT/.ci/stacks.py" --lines --root "$REPO_ROOT")
 
 PROJECT_NUMBER=$(gcloud projects describe "$PROJECT_ID" --format='value(projectNumber)')
 [[ "$PROJECT_NUMBER" =~ ^[0-9]+$ ]] || fail "could not read the project number of $PROJECT_ID"
-KEY_NAME="projects/$PROJECT_ID/locations/$KMS_LOCATION/keyRings/$KMS_KEYRING/cryptoKeys/$KMS_KEY"
+KEYRING_NAME="projects/$PROJECT_ID/locations/$KMS_LOCATION/keyRings/$KMS_KEYRING"
+# One key per stack (ci-identities.yaml `state-key`): an identity decrypts only the stacks of its workloads
+stack_key() { echo "gft-$1"; }
+secrets_provider() { echo "gcpkms://$KEYRING_NAME/cryptoKeys/$(stack_key "$1")"; }
 
 step() { echo "== $*"; }
 account() { echo "$1@$PROJECT_ID.iam.gserviceaccount.com"; }
@@ -107,12 +111,28 @@ grant_account() {
     --member="$(member "$who")" --role="$role" --quiet >/dev/null
 }
 grant_state() {
-  local who="$1" bucket_role="$2"
+  local who="$1" bucket_role="$2" expression="${3:-}" title="${4:-gft-ci-${2##*/}}"
   [[ "$STATE_BACKEND" == bucket ]] || return 0
+  local conditioned=()
+  if [[ -n "$expression" ]]; then
+    conditioned=(--condition="^;^expression=$expression;title=$title")
+  fi
   gcloud storage buckets add-iam-policy-binding "gs://$STATE_BUCKET" --member="$(member "$who")" \
-    --role="$bucket_role" --quiet >/dev/null
-  gcloud kms keys add-iam-policy-binding "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+    --role="$bucket_role" "${conditioned[@]}" --quiet >/dev/null
+}
+# Decrypt on one stack's key (the data key of its secrets: pulumi pkg/secrets/cloud/manager.go)
+grant_key() {
+  local who="$1" key="$2"
+  gcloud kms keys add-iam-policy-binding "$key" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
     --project="$PROJECT_ID" --member="$(member "$who")" --role=roles/cloudkms.cryptoKeyDecrypter --quiet >/dev/null
+}
+ensure_key() {
+  local key="$1"
+  if ! gcloud kms keys describe "$key" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+    --project="$PROJECT_ID" >/dev/null 2>&1; then
+    gcloud kms keys create "$key" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+      --project="$PROJECT_ID" --purpose=encryption
+  fi
 }
 ensure_account() {
   local id="$1" title="$2"
@@ -160,18 +180,22 @@ gcloud services enable "${APIS[@]}" --project="$PROJECT_ID"
 step "CI identities"
 ensure_account gft-ci-preview "gemma-finetune CI: PR previews (Cloud Run stacks)"
 ensure_account gft-ci-preview-gke "gemma-finetune CI: reviewed PR previews (GKE stacks)"
+ensure_account gft-ci-deploy-preview "gemma-finetune CI: deploy previews from main (read-only)"
 ensure_account gft-ci-deploy "gemma-finetune CI: reviewed deploys from main"
 
 ids="assertion.repository_id == '$GITHUB_REPO_ID' && assertion.repository_owner_id == '$GITHUB_OWNER_ID'"
 ensure_federation gft-ci-preview gft-preview "$ids && assertion.event_name == 'pull_request'"
 ensure_federation gft-ci-preview-gke gft-preview-gke \
   "$ids && assertion.event_name == 'pull_request' && assertion.environment == 'preview-gke'"
-ensure_federation gft-ci-deploy gft-deploy \
-  "$ids && assertion.ref == 'refs/heads/main' && assertion.event_name == 'workflow_dispatch' && assertion.workflow_ref == '$GITHUB_REPO/.github/workflows/deploy.yml@refs/heads/main'"
+# workflow_ref is compared with the token's own `repository` (GitHub's spelling), not with what was typed here
+main_deploy="assertion.ref == 'refs/heads/main' && assertion.event_name == 'workflow_dispatch' && assertion.workflow_ref == assertion.repository + '/.github/workflows/deploy.yml@refs/heads/main'"
+ensure_federation gft-ci-deploy-preview gft-deploy-preview "$ids && $main_deploy"
+# the deploy identity only for a job that a reviewer let into the deploy or destroy environment
+ensure_federation gft-ci-deploy gft-deploy "$ids && $main_deploy && assertion.environment in ['deploy', 'destroy']"
 
 # ---------------------------------------------------------------------------------------- state
 if [[ "$STATE_BACKEND" == bucket ]]; then
-  step "State bucket gs://$STATE_BUCKET and KMS key $KEY_NAME"
+  step "State bucket gs://$STATE_BUCKET and KMS key ring $KEYRING_NAME"
   if ! gcloud storage buckets describe "gs://$STATE_BUCKET" >/dev/null 2>&1; then
     gcloud storage buckets create "gs://$STATE_BUCKET" --project="$PROJECT_ID" --location="$STATE_LOCATION" \
       --uniform-bucket-level-access --public-access-prevention
@@ -180,11 +204,6 @@ if [[ "$STATE_BACKEND" == bucket ]]; then
   if ! gcloud kms keyrings describe "$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID" \
     >/dev/null 2>&1; then
     gcloud kms keyrings create "$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID"
-  fi
-  if ! gcloud kms keys describe "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
-    --project="$PROJECT_ID" >/dev/null 2>&1; then
-    gcloud kms keys create "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
-      --project="$PROJECT_ID" --purpose=encryption
   fi
 fi
 # What the stack files use: workloads, and features (.ci/stacks.py: reservation, gpu-quota, budget, cloud-build).
@@ -206,6 +225,10 @@ fi
 
 if $has_cloud_run; then grant_state gft-ci-preview roles/storage.objectViewer; fi
 if $has_gke; then grant_state gft-ci-preview-gke roles/storage.objectViewer; fi
+grant_state gft-ci-deploy-preview roles/storage.objectViewer
+# a destroy preview locks the stack (diy Destroy, even with --preview-only): the lock objects, nothing else
+grant_state gft-ci-deploy-preview roles/storage.objectUser \
+  "resource.name.startsWith('projects/_/buckets/$STATE_BUCKET/objects/.pulumi/locks/')" gft-ci-state-locks
 grant_state gft-ci-deploy roles/storage.objectUser
 
 # ---------------------------------------------------------------------------------------- project grants
@@ -241,6 +264,18 @@ if $has_gke; then
   grant_project gft-ci-preview-gke roles/container.developer
   if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
   if $has_gpu_quota; then grant_project gft-ci-preview-gke "$custom/gftCiQuotaReader"; fi
+fi
+
+# deploy.yml's preview job: what the previews above may do, for every stack, and nothing the apply does
+grant_project gft-ci-deploy-preview "$custom/gftCiBucketLister"
+if $has_cloud_run; then
+  grant_project gft-ci-deploy-preview roles/storage.objectViewer "$buckets"
+  grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"
+fi
+if $has_gke; then
+  grant_project gft-ci-deploy-preview roles/container.developer
+  if $has_reservation; then grant_project gft-ci-deploy-preview "$custom/gftCiReservationReader"; fi
+  if $has_gpu_quota; then grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"; fi
 fi
 
 grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
@@ -301,12 +336,64 @@ while read -r stack workload stack_features; do
   if [[ ",$stack_features," == *,cloud-build,* ]]; then
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-build")"
   fi
+  if [[ "$STATE_BACKEND" == bucket ]]; then
+    # the stack's own key: decrypt for the identities that run this stack's workload, and no other
+    ensure_key "$(stack_key "$stack")"
+    readers=(gft-ci-deploy-preview gft-ci-deploy)
+    if [[ "$workload" == cloud-run ]]; then readers+=(gft-ci-preview); else readers+=(gft-ci-preview-gke); fi
+    for reader in "${readers[@]}"; do grant_key "$reader" "$(stack_key "$stack")"; done
+  fi
 done <<<"$STACK_LINES"
+
+# ---------------------------------------------------------------------------------------- stacks
+# Bucket backend: every stack on its KMS key. `pulumi stack init` on a bucket backend picks the passphrase
+# provider unless told otherwise, and CI has no passphrase (it would fail every preview and deploy), so the
+# setup creates a missing stack with --secrets-provider, and moves a stack on a passphrase or another key to
+# its own with `pulumi stack change-secrets-provider` (it decrypts with the old provider: a passphrase stack
+# asks for it, or reads PULUMI_CONFIG_PASSPHRASE; pulumi docs, "pulumi stack change-secrets-provider").
+# Either rewrites Pulumi.<stack>.yaml (secretsprovider, encryptedkey): commit it.
+stack_file_provider() { # the secretsprovider line of Pulumi.<stack>.yaml, "passphrase" for encryptionsalt, or ""
+  local file="$REPO_ROOT/Pulumi.$1.yaml"
+  if grep -q '^encryptionsalt:' "$file" 2>/dev/null; then
+    echo passphrase
+  else
+    sed -n 's/^secretsprovider:[[:space:]]*//p' "$file" 2>/dev/null | head -n 1
+  fi
+}
+changed_stack_files=()
+if [[ "$STATE_BACKEND" == bucket ]]; then
+  step "Stacks on their KMS keys (backend gs://$STATE_BUCKET)"
+  if ! command -v "$PULUMI" >/dev/null 2>&1; then
+    echo "The Pulumi CLI ($PULUMI) is not on PATH: create or move each stack yourself, then commit Pulumi.<stack>.yaml:"
+    while read -r stack _; do
+      [[ -n "$stack" ]] || continue
+      echo "  PULUMI_BACKEND_URL=gs://$STATE_BUCKET pulumi stack init $stack --secrets-provider $(secrets_provider "$stack")"
+      echo "    (an existing stack: pulumi stack change-secrets-provider --stack $stack $(secrets_provider "$stack"))"
+    done <<<"$STACK_LINES"
+  else
+    existing=$(cd "$REPO_ROOT" && PULUMI_BACKEND_URL="gs://$STATE_BUCKET" "$PULUMI" stack ls --json --non-interactive)
+    while read -r stack _; do
+      [[ -n "$stack" ]] || continue
+      provider=$(secrets_provider "$stack")
+      if ! python3 -c 'import json, sys; names = {s["name"].rsplit("/", 1)[-1] for s in json.loads(sys.argv[1] or "[]")}
+sys.exit(sys.argv[2] not in names)' "$existing" "$stack"; then
+        (cd "$REPO_ROOT" && PULUMI_BACKEND_URL="gs://$STATE_BUCKET" "$PULUMI" stack init "$stack" \
+          --secrets-provider "$provider" --non-interactive)
+        changed_stack_files+=("Pulumi.$stack.yaml")
+      elif [[ "$(stack_file_provider "$stack")" != "$provider" ]]; then
+        echo "stack $stack: secrets provider '$(stack_file_provider "$stack")' in Pulumi.$stack.yaml, moving it to $provider"
+        (cd "$REPO_ROOT" && PULUMI_BACKEND_URL="gs://$STATE_BUCKET" "$PULUMI" stack change-secrets-provider \
+          --stack "$stack" "$provider")
+        changed_stack_files+=("Pulumi.$stack.yaml")
+      fi
+    done <<<"$STACK_LINES"
+  fi
+fi
 
 # ---------------------------------------------------------------------------------------- GitHub
 backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; secret PULUMI_PREVIEW_ACCESS_TOKEN (stack read) and, in the deploy and destroy environments, PULUMI_ACCESS_TOKEN (stack write)"
 if [[ "$STATE_BACKEND" == bucket ]]; then
-  backend_line="variable PULUMI_BACKEND_URL=gs://$STATE_BUCKET (no secret: stacks use --secrets-provider gcpkms://$KEY_NAME)"
+  backend_line="variable PULUMI_BACKEND_URL=gs://$STATE_BUCKET (no secret: each stack uses --secrets-provider gcpkms://$KEYRING_NAME/cryptoKeys/gft-<stack>)"
 fi
 cat <<EOF
 
@@ -315,5 +402,8 @@ Done. In GitHub ($GITHUB_REPO), Settings:
   State backend: $backend_line
   Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans);
     deploy and destroy: Deployment branches = main only (a pull request's job must not reach their secrets)
-New stacks: pulumi stack init <stack> --secrets-provider gcpkms://$KEY_NAME (bucket backend), then rerun this script.
+New stacks: commit Pulumi.<stack>.yaml and rerun this script: it creates the stack on its own key (bucket backend).
 EOF
+if ((${#changed_stack_files[@]})); then
+  echo "Commit the stack files this run wrote (their secretsprovider and encryptedkey): ${changed_stack_files[*]}"
+fi
