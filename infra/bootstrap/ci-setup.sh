@@ -93,6 +93,12 @@ step() { echo "== $*"; }
 account() { echo "$1@$PROJECT_ID.iam.gserviceaccount.com"; }
 member() { echo "serviceAccount:$(account "$1")"; }
 
+# Every binding this run makes to a CI identity, one a line: KIND TARGET MEMBER ROLE EXPRESSION (tab-separated),
+# so what the CI identities hold beyond them is reported (or removed with PRUNE=1) at the end
+made_grants=$(mktemp)
+trap 'rm -f "$made_grants"' EXIT
+made() { printf '%s\t%s\t%s\t%s\t%s\n' "$@" >>"$made_grants"; }
+
 # A project binding, with an IAM Condition when a third argument is given (its title: the fourth, else the
 # role's id). `^;^` makes `;` gcloud's item separator, so the expression may hold commas (gcloud topic
 # escaping); no expression here holds a `;`.
@@ -104,11 +110,13 @@ grant_project() {
   fi
   gcloud projects add-iam-policy-binding "$PROJECT_ID" --member="$(member "$who")" --role="$role" \
     --condition="$condition" --quiet >/dev/null
+  made project "$PROJECT_ID" "$(member "$who")" "$role" "$expression"
 }
 grant_account() {
   local who="$1" role="$2" target="$3"
   gcloud iam service-accounts add-iam-policy-binding "$target" --project="$PROJECT_ID" \
     --member="$(member "$who")" --role="$role" --quiet >/dev/null
+  made account "$target" "$(member "$who")" "$role" ""
 }
 grant_state() {
   local who="$1" bucket_role="$2" expression="${3:-}" title="${4:-gft-ci-${2##*/}}"
@@ -119,12 +127,14 @@ grant_state() {
   fi
   gcloud storage buckets add-iam-policy-binding "gs://$STATE_BUCKET" --member="$(member "$who")" \
     --role="$bucket_role" "${conditioned[@]}" --quiet >/dev/null
+  made bucket "gs://$STATE_BUCKET" "$(member "$who")" "$bucket_role" "$expression"
 }
 # Decrypt on one stack's key (the data key of its secrets: pulumi pkg/secrets/cloud/manager.go)
 grant_key() {
   local who="$1" key="$2"
   gcloud kms keys add-iam-policy-binding "$key" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
     --project="$PROJECT_ID" --member="$(member "$who")" --role=roles/cloudkms.cryptoKeyDecrypter --quiet >/dev/null
+  made key "$key" "$(member "$who")" roles/cloudkms.cryptoKeyDecrypter ""
 }
 ensure_key() {
   local key="$1"
@@ -388,6 +398,85 @@ sys.exit(sys.argv[2] not in names)' "$existing" "$stack"; then
       fi
     done <<<"$STACK_LINES"
   fi
+fi
+
+# ---------------------------------------------------------------------------------------- stale grants
+# The setup adds bindings; one it made for a stack, a workload or a key that is gone would stay. Every binding of
+# a CI identity on the project, the state bucket, the key ring's keys and the stacks' service accounts that this
+# run did not make is reported, and removed with PRUNE=1.
+# shellcheck disable=SC2016  # a Python program, not a shell expansion
+STALE_PY='
+import json, re, sys
+made_file, kind, target, project = sys.argv[1:5]
+norm = lambda text: " ".join(text.split())
+made = set()
+for line in open(made_file):
+    k, t, member, role, expression = line.rstrip("\n").split("\t")
+    if (k, t) == (kind, target):
+        made.add((member, role, norm(expression)))
+ci = re.compile(r"serviceAccount:gft-ci-[a-z0-9-]+@" + re.escape(project) + r"\.iam\.gserviceaccount\.com")
+for binding in json.load(sys.stdin).get("bindings") or []:
+    condition = binding.get("condition") or {}
+    for member in binding.get("members") or []:
+        if ci.fullmatch(member) and (member, binding["role"], norm(condition.get("expression", ""))) not in made:
+            print("\t".join([binding["role"], member, norm(condition.get("expression", "")), condition.get("title", "")]))
+'
+stale=0
+check_stale() { # KIND TARGET: what the CI identities hold there beyond this run's bindings
+  local kind="$1" target="$2" policy role who expression title
+  local where=()
+  case "$kind" in
+    project) policy=$(gcloud projects get-iam-policy "$target" --format=json) ;;
+    bucket) policy=$(gcloud storage buckets get-iam-policy "$target" --format=json) ;;
+    key)
+      where=(--keyring="$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID")
+      policy=$(gcloud kms keys get-iam-policy "$target" "${where[@]}" --format=json)
+      ;;
+    account)
+      where=(--project="$PROJECT_ID")
+      policy=$(gcloud iam service-accounts get-iam-policy "$target" "${where[@]}" --format=json)
+      ;;
+  esac
+  while IFS=$'\t' read -r role who expression title; do
+    [[ -n "$role" ]] || continue
+    stale=$((stale + 1))
+    echo "  not in ci-identities.yaml: $kind $target: $who $role${expression:+ if $expression}"
+    if [[ "$PRUNE" == 1 ]]; then
+      local conditioned=()
+      if [[ -n "$expression" ]]; then
+        conditioned=(--condition="^;^expression=$expression;title=$title")
+      elif [[ "$kind" == project ]]; then
+        conditioned=(--condition=None)
+      fi
+      local group=(projects)
+      case "$kind" in
+        bucket) group=(storage buckets) ;;
+        key) group=(kms keys) ;;
+        account) group=(iam service-accounts) ;;
+      esac
+      gcloud "${group[@]}" remove-iam-policy-binding "$target" "${where[@]}" --member="$who" --role="$role" \
+        "${conditioned[@]}" --quiet >/dev/null
+    fi
+  done < <(python3 -c "$STALE_PY" "$made_grants" "$kind" "$target" "$PROJECT_ID" <<<"${policy:-{\}}")
+}
+step "Grants of the CI identities that ci-identities.yaml no longer lists"
+check_stale project "$PROJECT_ID"
+if [[ "$STATE_BACKEND" == bucket ]]; then
+  check_stale bucket "gs://$STATE_BUCKET"
+  for key in $(gcloud kms keys list --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID" \
+    --format='value(name)'); do
+    check_stale key "${key##*/}"
+  done
+fi
+for email in $(gcloud iam service-accounts list --project="$PROJECT_ID" --format='value(email)'); do
+  [[ "$email" == gft-* && "$email" != gft-ci-* ]] && check_stale account "$email"
+done
+if ((stale == 0)); then
+  echo "  none"
+elif [[ "$PRUNE" == 1 ]]; then
+  echo "  removed the $stale binding(s) above"
+else
+  echo "  $stale binding(s) above: rerun with PRUNE=1 to remove them"
 fi
 
 # ---------------------------------------------------------------------------------------- GitHub

@@ -116,6 +116,53 @@ def key(argv):
     return " ".join(argv[:index] + [name] + scoped)
 
 
+# IAM policies: what add-iam-policy-binding bound, per resource, for get-iam-policy / remove-iam-policy-binding
+policies_path = state_path + ".policies"
+policies = json.load(open(policies_path)) if os.path.exists(policies_path) else {}
+
+
+def target_of(verb):
+    return " ".join(args[: args.index(verb)] + [args[args.index(verb) + 1]])
+
+
+def condition_of():
+    given = next((a.split("=", 1)[1] for a in args if a.startswith("--condition=")), "None")
+    if given == "None":
+        return None
+    items = dict(item.split("=", 1) for item in given.removeprefix("^;^").split(";"))
+    return {"expression": items["expression"], "title": items.get("title", "")}
+
+
+def flag(name):
+    return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
+
+
+for verb in ("add-iam-policy-binding", "remove-iam-policy-binding"):
+    if verb in args:
+        entry = {"role": flag("role"), "member": flag("member"), "condition": condition_of()}
+        bound = [e for e in policies.get(target_of(verb), []) if e != entry]
+        policies[target_of(verb)] = bound + ([entry] if verb.startswith("add") else [])
+        json.dump(policies, open(policies_path, "w"))
+        sys.exit(0)
+if "get-iam-policy" in args:
+    bindings = []
+    for entry in policies.get(target_of("get-iam-policy"), []):
+        binding = {"role": entry["role"], "members": [entry["member"]]}
+        if entry["condition"]:
+            binding["condition"] = entry["condition"]
+        bindings.append(binding)
+    print(json.dumps({"bindings": bindings}))
+    sys.exit(0)
+if args[:3] == ["kms", "keys", "list"]:
+    for made in sorted(state):
+        if made.startswith("kms keys ") and "--keyring=" in made:
+            print(f"projects/p/locations/global/keyRings/gft-pulumi/cryptoKeys/{made.split()[2]}")
+    sys.exit(0)
+if args[:3] == ["iam", "service-accounts", "list"]:
+    for made in sorted(state):
+        if made.startswith("iam service-accounts "):
+            print(made.split()[2] + "@{project}.iam.gserviceaccount.com")
+    sys.exit(0)
 if args[:2] == ["projects", "describe"]:
     print("{number}")
     sys.exit(0)
@@ -219,7 +266,9 @@ def run_setup(tmp_path: Path, repo: Path = REPO_ROOT, **overrides: str) -> Setup
     base, log = fake_command(
         tmp_path,
         "gcloud",
-        FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"]).replace("{billing}", PROJECT_BILLING_ACCOUNT),
+        FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"])
+        .replace("{billing}", PROJECT_BILLING_ACCOUNT)
+        .replace("{project}", VALUES["PROJECT_ID"]),
     )
     fake_command(tmp_path, "pulumi", FAKE_PULUMI)
     state = tmp_path / "gcloud-state.json"
@@ -745,3 +794,39 @@ class TestStacksOnTheirKeys:
             assert inits, f"{place} says nowhere how a stack is created"
             for line in inits:
                 assert "--secrets-provider" in line, f"{place}: `{line}` would put the stack on a passphrase"
+
+
+class TestGrantsTheListNoLongerHas:
+    """Issue 23 item 10: the setup only added bindings, so a removed stack's grants stayed; now it reports every CI
+    binding it did not make this run, and PRUNE=1 removes them."""
+
+    @pytest.mark.slow
+    def test_a_removed_stacks_grants_are_reported_then_pruned(self, tmp_path: Path) -> None:
+        cloud_run = "config:\n  gemma-finetune:workload: cloud-run\n"
+        gke = "config:\n  gemma-finetune:workload: gke-job\n"
+        both = a_repository(tmp_path / "both", {"Pulumi.lab.yaml": cloud_run, "Pulumi.big.yaml": gke})
+        first = run_setup(tmp_path, repo=both)
+        assert first.returncode == 0, first.stderr
+        assert "Grants of the CI identities that ci-identities.yaml no longer lists\n  none" in first.stdout
+
+        one = a_repository(tmp_path / "one", {"Pulumi.lab.yaml": cloud_run})
+        second = run_setup(tmp_path, repo=one)
+        assert second.returncode == 0, second.stderr
+        reported = [line for line in second.stdout.splitlines() if "not in ci-identities.yaml" in line]
+        member = f"serviceAccount:gft-ci-preview-gke@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
+        assert (
+            f"  not in ci-identities.yaml: project {VALUES['PROJECT_ID']}: {member} roles/container.developer"
+            in reported
+        )
+        assert any("key gft-big:" in line for line in reported), reported
+        assert any("account gft-big-node@" in line for line in reported), reported
+        assert not any("gft-lab" in line for line in reported), "the remaining stack's grants are listed"
+        assert "rerun with PRUNE=1" in second.stdout
+        assert not second.verbs("remove-iam-policy-binding"), "without PRUNE=1 nothing is removed"
+
+        third = run_setup(tmp_path, repo=one, PRUNE="1")
+        assert third.returncode == 0, third.stderr
+        assert len(third.verbs("remove-iam-policy-binding")) == len(reported)
+        fourth = run_setup(tmp_path, repo=one)
+        assert "no longer lists\n  none" in fourth.stdout, fourth.stdout
+        assert fourth.grants() == expected_grants({"lab": ("cloud-run", [])})
