@@ -220,6 +220,9 @@ if [[ ("$command" == "up" || "$command" == "destroy") && -n "${PULUMI_REVIEWED_P
   digest=$(plan_digest "$events")
   if [[ "$digest" != "$PULUMI_REVIEWED_PLAN" ]]; then
     {
+      if [[ "$PULUMI_REVIEWED_PLAN" == missing ]]; then
+        echo "error: the reviewed preview reported no plan digest, so this plan cannot be matched to it: nothing was changed."
+      fi
       echo "error: the plan changed since it was reviewed (reviewed $PULUMI_REVIEWED_PLAN, now $digest): nothing was changed."
       echo "error: the steps now (state, the cloud or what the program reads changed meanwhile):"
       plan_digest --list "$events" | sed 's/^/error:   /'

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-time setup of what the CI workflows need in Google Cloud: the APIs, the three CI identities and
+# One-time setup of what the CI workflows need in Google Cloud: the APIs, the four CI identities and
 # their Workload Identity Federation (no JSON keys), every service account the program uses for every
-# stack, and the bucket backend's state bucket and KMS key. Run it as a project owner, from a checkout:
+# stack, and the bucket backend's state bucket, a KMS key per stack and the stacks themselves on their keys;
+# at the end it reports (PRUNE=1: removes) the CI grants ci-identities.yaml no longer lists. Run it as a project owner, from a checkout:
 #
 #   PROJECT_ID=my-gft-project GITHUB_REPO=my-org/gemma-finetune \
 #   GITHUB_REPO_ID=$(gh api repos/my-org/gemma-finetune --jq .id) \
@@ -32,11 +33,13 @@
 #   program's gcp.projects.Service resources only find them enabled.
 # - Federation is one pool per identity, each with one GitHub provider whose attribute condition is
 #   the gate, on numeric repository and owner ids (never names, which can be re-registered):
-#     gft-preview      pull_request events of this repository
-#     gft-preview-gke  the same, in the reviewed `preview-gke` environment only
-#     gft-deploy       deploy.yml running on refs/heads/main, dispatched by hand
-# - Bucket backend: secrets are encrypted with a Cloud KMS key, not a passphrase, so GitHub holds no
-#   static secret at all; every CI identity gets decrypt only (Pulumi wraps a data key with KMS).
+#     gft-preview         pull_request events of this repository
+#     gft-preview-gke     the same, in the reviewed `preview-gke` environment only
+#     gft-deploy-preview  deploy.yml running on refs/heads/main, dispatched by hand (its read-only preview)
+#     gft-deploy          the same, in the reviewed `deploy` or `destroy` environment only
+# - Bucket backend: secrets are encrypted with a Cloud KMS key per stack, not a passphrase, so GitHub holds no
+#   static secret at all; a CI identity gets decrypt only (Pulumi wraps a data key with KMS), and only on the
+#   keys of the stacks it runs (docs/ci.md, "Stacks and their keys").
 #
 # Not here: GitHub settings (environments, reviewers, variables: printed at the end), creating stacks
 # (`pulumi stack init`, README "New stacks"), grants in another project that owns a stack's reservation

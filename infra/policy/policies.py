@@ -415,9 +415,9 @@ def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -
 
     Where a deadline field applies it must be set: Cloud Run `template.template.timeout`; Job, RayJob
     and Pod `spec.activeDeadlineSeconds`; CronJob `spec.jobTemplate.spec.activeDeadlineSeconds`; JobSet
-    each GPU `replicatedJobs[].template.spec.activeDeadlineSeconds`. A Deployment or StatefulSet has no
-    deadline and keeps its GPUs until deleted, so one that asks for GPUs must say so with the label
-    `gemma-finetune/gpu-long-running: "true"`.
+    each GPU `replicatedJobs[].template.spec.activeDeadlineSeconds`. Every other Kubernetes kind that carries
+    a pod spec (Deployment, DaemonSet, RayCluster, any CRD) has no deadline and keeps its GPUs until deleted,
+    so one that asks for GPUs must say so with the label `gemma-finetune/gpu-long-running: "true"`.
     """
     if not requests_gpu(props):
         return []

@@ -364,7 +364,9 @@ class TestWorkflowContract:
         [pulumi] = [step for step in runs(preview, ".ci/pulumi-run.sh") if "cancel" not in step["run"]]
         assert preview["outputs"]["plan-digest"] == f"${{{{ steps.{pulumi['id']}.outputs.plan-digest }}}}"
         [run_apply] = runs(apply, '.ci/pulumi-run.sh "$ACTION"')
-        assert run_apply["env"]["PULUMI_REVIEWED_PLAN"] == "${{ needs.preview.outputs.plan-digest }}"
+        assert run_apply["env"]["PULUMI_REVIEWED_PLAN"] == "${{ needs.preview.outputs.plan-digest || 'missing' }}", (
+            "fail closed: without a reviewed digest the check must still run, and fail"
+        )
         assert run_apply["run"] == 'exec bash .ci/pulumi-run.sh "$ACTION" "$STACK"'
         [summary] = runs(preview, ".ci/preview_report.py")
         assert summary["env"]["PLAN_DIGEST"] == "${{ steps.preview.outputs.plan-digest }}"

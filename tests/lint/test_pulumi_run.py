@@ -517,3 +517,11 @@ class TestTheReviewedPlanRuns:
         assert "up" not in commands(calls), "pulumi up must not run"
         log = Path(outputs["log"]).read_text()
         assert "the plan changed since it was reviewed" in log and f"error:   delete {BUCKET}" in log
+
+
+def test_a_review_without_a_digest_changes_nothing(tmp_path: Path) -> None:
+    """deploy.yml passes `missing` when the preview job reported no digest: fail closed."""
+    events = events_file(tmp_path, ("create", BUCKET, []))
+    result, calls, outputs = run(tmp_path, "up", "dev", FAKE_EVENTS=str(events), PULUMI_REVIEWED_PLAN="missing")
+    assert result.returncode == 4 and "up" not in commands(calls)
+    assert "reported no plan digest" in Path(outputs["log"]).read_text()
