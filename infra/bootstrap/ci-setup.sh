@@ -483,7 +483,7 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------- GitHub
-backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; secret PULUMI_PREVIEW_ACCESS_TOKEN (stack read) and, in the deploy and destroy environments, PULUMI_ACCESS_TOKEN (stack write)"
+backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; with an OIDC issuer (docs/ci.md) variables PULUMI_PREVIEW_TEAM and PULUMI_DEPLOY_TEAM, else secret PULUMI_PREVIEW_ACCESS_TOKEN (stack read) and, in the deploy and destroy environments, PULUMI_ACCESS_TOKEN (stack write)"
 if [[ "$STATE_BACKEND" == bucket ]]; then
   backend_line="variable PULUMI_BACKEND_URL=gs://$STATE_BUCKET (no secret: each stack uses --secrets-provider gcpkms://$KEYRING_NAME/cryptoKeys/gft-<stack>)"
 fi

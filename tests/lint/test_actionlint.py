@@ -108,8 +108,10 @@ class TestActionlint:
 # The commit of each release tag in use, read from a mirror of the action's repository
 # (`git rev-parse TAG^{commit}`, 2026-12-01): github.com/actions/checkout v5.0.0,
 # github.com/actions/setup-python v6.0.0, github.com/google-github-actions/auth v3.0.0,
-# github.com/google-github-actions/setup-gcloud v3.0.1, github.com/pulumi/actions v7.0.0.
+# github.com/google-github-actions/setup-gcloud v3.0.1, github.com/pulumi/actions v7.0.0,
+# github.com/pulumi/auth-actions v2.1.0.
 CONFIRMED_SHAS = {
+    "pulumi/auth-actions": ("141415910c3beb54e03b48e9057c204c97b956f2", "v2.1.0"),
     "actions/checkout": ("08c6903cd8c0fde910a37f88322edcfb5dd907a8", "v5.0.0"),
     "actions/setup-python": ("e797f83bcb11b83ae66e0230d6156d7c80228e7c", "v6.0.0"),
     "google-github-actions/auth": ("7c6bc770dae815cd3e89ee6cdf493a5fab2cc093", "v3.0.0"),
@@ -394,13 +396,35 @@ class TestWorkflowContract:
                     if "secrets." in str(step.get("env", {})):
                         assert ".ci/pulumi-run.sh" in step["run"], f"{path.name}/{name}: {step.get('name')}"
         deploy = load("deploy.yml")
-        assert [s["env"]["PULUMI_ACCESS_TOKEN"] for s in runs(deploy["jobs"]["apply"], ".ci/pulumi-run.sh")] == [
-            "${{ secrets.PULUMI_ACCESS_TOKEN }}"
-        ] * 2
+        oidc = "steps.pulumi-token.outputs.pulumi-access-token"
+        for job in (deploy["jobs"]["apply"], deploy["jobs"]["unlock"]):
+            tokens = [s["env"]["PULUMI_ACCESS_TOKEN"] for s in runs(job, ".ci/pulumi-run.sh")]
+            assert tokens and set(tokens) == {f"${{{{ {oidc} || secrets.PULUMI_ACCESS_TOKEN }}}}"}
         preview_jobs = [*load("preview.yml")["jobs"].values(), deploy["jobs"]["preview"]]
         for job in preview_jobs:
             for step in runs(job, ".ci/pulumi-run.sh") if "steps" in job else []:
-                assert step["env"]["PULUMI_ACCESS_TOKEN"] == "${{ secrets.PULUMI_PREVIEW_ACCESS_TOKEN }}"
+                assert step["env"]["PULUMI_ACCESS_TOKEN"] == f"${{{{ {oidc} || secrets.PULUMI_PREVIEW_ACCESS_TOKEN }}}}"
+
+    def test_pulumi_cloud_tokens_come_from_the_oidc_exchange_per_trust_level(self) -> None:
+        """With an OIDC issuer (vars.PULUMI_*_TEAM set), each job trades its own OIDC token for a team token: previews
+        for the preview team, only the approved deploy jobs for the deploy team (docs/ci.md, "Pulumi Cloud")."""
+        preview, deploy = load("preview.yml"), load("deploy.yml")
+        expected = [
+            (preview, "preview", "PULUMI_PREVIEW_TEAM"),
+            (preview, "preview-gke", "PULUMI_PREVIEW_TEAM"),
+            (deploy, "preview", "PULUMI_PREVIEW_TEAM"),
+            (deploy, "apply", "PULUMI_DEPLOY_TEAM"),
+            (deploy, "unlock", "PULUMI_DEPLOY_TEAM"),
+        ]
+        for workflow, name, team in expected:
+            job = workflow["jobs"][name]
+            [exchange] = uses(job, "pulumi/auth-actions@")
+            assert exchange["id"] == "pulumi-token"
+            assert exchange["if"] == f"vars.PULUMI_ORG != '' && vars.{team} != ''"
+            assert exchange["with"]["requested-token-type"] == "urn:pulumi:token-type:access_token:team"
+            assert exchange["with"]["scope"] == f"team:${{{{ vars.{team} }}}}"
+            first_pulumi = min(index_of(job, s) for s in runs(job, ".ci/pulumi-run.sh"))
+            assert index_of(job, exchange) < first_pulumi, name
 
     @pytest.mark.slow
     def test_timeouts_cannot_kill_pulumi_mid_operation(self) -> None:
