@@ -20,6 +20,13 @@ Decisions
 - Standard library only (urllib): it runs on the runner's python3 before anything is installed.
 - The output is fenced with more backticks than it contains and cut to its tail, within GitHub's
   65,536-character comment limit. Pulumi prints secret values as `[secret]`; nothing else is masked here.
+- A preview that did not finish (cancelled by a person, or by GitHub at the job's timeout-minutes) says so
+  (`--cancelled`, from an `if: cancelled()` step) instead of leaving the last result standing as if it were
+  this commit's. A run cancelled because a newer push started its own preview leaves a comment that this
+  newer preview already wrote alone: each comment records its commit (`<!-- sha:… -->`), and the PR's head
+  commit is read from the API.
+- A stack on a passphrase cannot be previewed in CI (no passphrase there): the report names the command that
+  moves it onto its KMS key (docs/ci.md).
 
 Not here: running Pulumi (the workflow does), failing the job (the preview step's exit code does).
 """
@@ -38,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "<!-- gemma-finetune-preview:{stack} -->"
+SHA_MARKER = "<!-- sha:{sha} -->"
 COMMENT_LIMIT = 65_536
 OUTPUT_TAIL = 40_000
 BOT_LOGIN = "github-actions[bot]"
@@ -47,15 +55,24 @@ _VIOLATION = re.compile(r"^(?P<indent>\s*)(?:- )?\[(?P<level>mandatory|advisory|
 
 @dataclass(frozen=True)
 class Preview:
-    """What one preview produced: the stack, its exit code and its output."""
+    """What one preview produced: the stack, its exit code and its output (`cancelled`: it never finished)."""
 
     stack: str
     exit_code: int
     output: str
+    cancelled: bool = False
+    plan_digest: str = ""
 
     @property
     def passed(self) -> bool:
-        return self.exit_code == 0
+        return self.exit_code == 0 and not self.cancelled
+
+
+PASSPHRASE_HINT = (
+    "The stack is on the passphrase secrets provider, and CI has no passphrase: move it once onto its KMS key "
+    "(`pulumi stack change-secrets-provider --stack STACK gcpkms://…/cryptoKeys/gft-STACK`, or rerun "
+    'infra/bootstrap/ci-setup.sh) and commit its Pulumi.STACK.yaml (docs/ci.md, "Stacks and their keys").'
+)
 
 
 def clean(text: str) -> str:
@@ -111,9 +128,18 @@ def render(preview: Preview, run_url: str, sha: str, title: str = "pulumi previe
     """The Markdown report (with the stack's hidden marker first when it is a PR comment)."""
     status = "passed" if preview.passed else f"FAILED (exit code {preview.exit_code})"
     icon = "✅" if preview.passed else "❌"
-    parts = [MARKER.format(stack=preview.stack)] if marker else []
+    if preview.cancelled:
+        status, icon = "CANCELLED or TIMED OUT: no result for this commit", "⚠️"
+    parts = [MARKER.format(stack=preview.stack) + "\n" + SHA_MARKER.format(sha=sha)] if marker else []
     parts.append(f"### {icon} `{title}` of stack `{preview.stack}`: {status}")
     parts.append(f"[Run log]({run_url}) · commit `{sha[:12]}`")
+    if preview.cancelled:
+        parts.append(
+            "The preview did not finish (the job was cancelled, or ran past its timeout-minutes): what an earlier "
+            "commit's preview said no longer applies. Push again or re-run the job."
+        )
+    if preview.plan_digest:
+        parts.append(f"Plan digest `{preview.plan_digest}`: the apply job runs this plan or nothing.")
     violations = policy_violations(preview.output)
     if violations:
         parts.append("**Policy violations** (infra/policy; mandatory ones fail the preview):")
@@ -122,7 +148,9 @@ def render(preview: Preview, run_url: str, sha: str, title: str = "pulumi previe
     if errors and not preview.passed:
         parts.append("**Errors:**")
         parts.extend(f"- `{line}`" for line in errors)
-    if not preview.passed and not violations and not errors:
+    if not preview.passed and "PULUMI_CONFIG_PASSPHRASE" in preview.output:
+        parts.append("**How to fix:** " + PASSPHRASE_HINT.replace("STACK", preview.stack))
+    if not preview.passed and not preview.cancelled and not violations and not errors:
         parts.append("The preview stopped without an `error:` line; see the run log.")
     output = clean(preview.output).strip()
     cut = len(output) > OUTPUT_TAIL
@@ -168,12 +196,23 @@ class GitHub:
                 return found
             page += 1
 
-    def upsert_comment(self, number: int, marker: str, body: str, author: str = BOT_LOGIN) -> str:
-        """Edit this workflow's comment that starts with `marker`, or create one; returns 'updated' or 'created'."""
+    def head_sha(self, number: int) -> str:
+        """The PR's head commit now (a newer push moves it)."""
+        return str(self._call("GET", f"/repos/{self.repository}/pulls/{number}")["head"]["sha"])
+
+    def own_comment(self, number: int, marker: str, author: str = BOT_LOGIN) -> dict[str, Any] | None:
+        """This workflow's comment that starts with `marker` (one written by anyone else does not count)."""
         for comment in self.comments(number):
             if str(comment.get("body", "")).startswith(marker) and (comment.get("user") or {}).get("login") == author:
-                self._call("PATCH", f"/repos/{self.repository}/issues/comments/{comment['id']}", {"body": body})
-                return "updated"
+                return comment
+        return None
+
+    def upsert_comment(self, number: int, marker: str, body: str, author: str = BOT_LOGIN) -> str:
+        """Edit this workflow's comment that starts with `marker`, or create one; returns 'updated' or 'created'."""
+        comment = self.own_comment(number, marker, author)
+        if comment is not None:
+            self._call("PATCH", f"/repos/{self.repository}/issues/comments/{comment['id']}", {"body": body})
+            return "updated"
         self._call("POST", f"/repos/{self.repository}/issues/{number}/comments", {"body": body})
         return "created"
 
@@ -189,14 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stack", required=True)
     parser.add_argument("--log", type=Path, required=True, help="the preview's combined output")
-    parser.add_argument("--exit-code", type=int, required=True, help="the preview's exit code")
+    parser.add_argument("--exit-code", type=int, default=1, help="the preview's exit code")
+    parser.add_argument("--cancelled", action="store_true", help="the preview was cancelled or timed out")
+    parser.add_argument("--plan-digest", default="", help="the plan digest (.ci/plan_digest.py) to show")
     parser.add_argument("--title", default="pulumi preview")
     parser.add_argument("--comment", action="store_true", help="create or update the PR comment (PR_NUMBER)")
     parser.add_argument("--summary", action="store_true", help="append the report to GITHUB_STEP_SUMMARY")
     args = parser.parse_args(argv)
 
     output = args.log.read_text(errors="replace") if args.log.exists() else f"(no output: {args.log} was not written)"
-    preview = Preview(args.stack, args.exit_code, output)
+    preview = Preview(args.stack, args.exit_code, output, args.cancelled, args.plan_digest)
     run_url = f"{_env('GITHUB_SERVER_URL')}/{_env('GITHUB_REPOSITORY')}/actions/runs/{_env('GITHUB_RUN_ID')}"
     sha = os.environ.get("PREVIEW_SHA") or _env("GITHUB_SHA")
     if args.summary:
@@ -207,8 +248,15 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.get("GITHUB_API_URL", "https://api.github.com"), _env("GITHUB_REPOSITORY"), _env("GITHUB_TOKEN")
         )
         body = render(preview, run_url, sha, args.title)
+        number, marker = int(_env("PR_NUMBER")), MARKER.format(stack=args.stack)
         try:
-            action = github.upsert_comment(int(_env("PR_NUMBER")), MARKER.format(stack=args.stack), body)
+            if args.cancelled:
+                head = github.head_sha(number)
+                current = github.own_comment(number, marker)
+                if head != sha and current is not None and SHA_MARKER.format(sha=head) in str(current.get("body")):
+                    print(f"the preview of the newer head {head[:12]} has reported: its comment is left as is")
+                    return 0
+            action = github.upsert_comment(number, marker, body)
         except urllib.error.HTTPError as exc:
             print(f"error: commenting on PR {os.environ.get('PR_NUMBER')} failed: HTTP {exc.code} {exc.reason}")
             return 1

@@ -6,15 +6,22 @@
 #   .ci/pulumi-run.sh cancel STACK            # release the lock of a run that was killed
 #
 # Environment: PULUMI_BACKEND_URL (gs://… bucket backend) or PULUMI_ACCESS_TOKEN (Pulumi Cloud, then
-# PULUMI_ORG names the organisation); PULUMI_BUDGET / PULUMI_GRACE bound `up` and `destroy`
+# PULUMI_ORG names the organisation); GCP_PROJECT_ID (bucket backend: names the stack's KMS key, checked before
+# a preview or deploy); PULUMI_REVIEWED_PLAN (`up`/`destroy`: the plan digest of the reviewed preview); PULUMI_BUDGET / PULUMI_GRACE bound `up` and `destroy`
 # (defaults 240m / 60m); PULUMI_CANCEL_WAIT (seconds, default 180) bounds how long `cancel` waits for an
 # interrupted run (at most 200); PULUMI_LOG is where the output goes (default $RUNNER_TEMP/pulumi.log).
 # Writes `exit-code=N` and `log=PATH` to $GITHUB_OUTPUT for the report step (.ci/preview_report.py).
 #
 # Decisions
 # - The stack is only selected, never created: previews read state and cannot create it, and a new
-#   stack needs `pulumi stack init` once by hand (README, "New stacks"); a missing stack fails with
-#   that command in the message instead of Pulumi's "no stack named …".
+#   stack is created once by infra/bootstrap/ci-setup.sh (docs/ci.md, "New stacks"); a missing stack fails with
+#   the `pulumi stack init … --secrets-provider gcpkms://…` command in the message instead of Pulumi's "no stack
+#   named …". On a bucket backend a stack created without --secrets-provider is on a passphrase, which CI does
+#   not have, and each stack has its own KMS key (ci-identities.yaml `state-key`): a stack file that does not
+#   name that key stops here, with the `pulumi stack change-secrets-provider` command that moves it.
+# - `up`/`destroy` with PULUMI_REVIEWED_PLAN run what the reviewers approved or nothing: the plan is previewed
+#   again and its digest (.ci/plan_digest.py: every step's operation, resource and changed properties, from
+#   Pulumi's engine event log) must equal the reviewed one, else the run stops before changing anything.
 # - `up`/`destroy` get a budget shorter than the job's timeout-minutes: when it runs out, `timeout`
 #   sends SIGINT, which Pulumi handles as a cancellation that waits for a safe point before exiting
 #   (pulumi/pulumi#1231), so state is written and the lock released; only if Pulumi is still running
@@ -95,16 +102,28 @@ qualified="$stack"
 if [[ -n "${PULUMI_ORG:-}" ]]; then
   qualified="${PULUMI_ORG}/gemma-finetune/${stack}"
 fi
+# bucket backend: the stack's own key (infra/bootstrap/ci-setup.sh creates it and the stack on it)
+provider=""
+if [[ -n "${PULUMI_BACKEND_URL:-}" && -n "${GCP_PROJECT_ID:-}" ]]; then
+  provider="gcpkms://projects/$GCP_PROJECT_ID/locations/global/keyRings/gft-pulumi/cryptoKeys/gft-$stack"
+fi
 policy=(--policy-pack infra/policy)
 common=(--stack "$qualified" --color never --non-interactive)
 
 rc=1
+# the engine's event log of a preview (PULUMI_DEBUG_COMMANDS=true offers --event-log: .ci/plan_digest.py)
+events="${RUNNER_TEMP:-/tmp}/pulumi-events.jsonl"
+digest=""
 # shellcheck disable=SC2329  # called by the EXIT trap
 report() {
   if [[ -n "${GITHUB_OUTPUT:-}" ]]; then
     printf 'exit-code=%s\nlog=%s\n' "$rc" "$log" >>"$GITHUB_OUTPUT"
+    if [[ -n "$digest" ]]; then
+      printf 'plan-digest=%s\n' "$digest" >>"$GITHUB_OUTPUT"
+    fi
   fi
 }
+plan_digest() { python3 "$(dirname "${BASH_SOURCE[0]}")/plan_digest.py" "$@"; }
 trap report EXIT
 : >"$log"
 
@@ -148,16 +167,34 @@ fi
 if ! selected=$(pulumi stack select "$qualified" --non-interactive 2>&1); then
   {
     echo "$selected"
-    echo "error: stack '$qualified' cannot be selected (above). If it does not exist yet, create it once:"
-    echo "error:   pulumi stack init $qualified   (README.md, \"New stacks\"), commit Pulumi.$stack.yaml, rerun"
+    echo "error: stack '$qualified' cannot be selected (above). If it does not exist yet, create it once"
+    echo "error: (infra/bootstrap/ci-setup.sh does, docs/ci.md \"New stacks\"), commit Pulumi.$stack.yaml, rerun:"
+    echo "error:   pulumi stack init $qualified${provider:+ --secrets-provider $provider}"
   } | tee -a "$log"
   rc=3
   exit "$rc"
 fi
+if [[ -n "$provider" ]]; then
+  stack_file="Pulumi.$stack.yaml"
+  current=$(sed -n 's/^secretsprovider:[[:space:]]*//p' "$stack_file" 2>/dev/null | head -n 1)
+  if grep -q '^encryptionsalt:' "$stack_file" 2>/dev/null; then
+    current="a passphrase (encryptionsalt)"
+  fi
+  if [[ "$current" != "$provider" ]]; then
+    {
+      echo "error: stack '$stack' is not on its KMS key: $stack_file names ${current:-no secretsprovider}."
+      echo "error: CI has no passphrase and each identity decrypts only its stacks' own keys. Move the stack once"
+      echo "error: (as someone who can decrypt it now; or rerun infra/bootstrap/ci-setup.sh), commit $stack_file:"
+      echo "error:   pulumi stack change-secrets-provider --stack $stack $provider"
+    } | tee -a "$log"
+    rc=3
+    exit "$rc"
+  fi
+fi
 
 case "$command" in
-  preview) args=(preview "${common[@]}" --diff "${policy[@]}") ;;
-  preview-destroy) args=(destroy "${common[@]}" --preview-only) ;;
+  preview) args=(preview "${common[@]}" --diff "${policy[@]}" --event-log "$events") ;;
+  preview-destroy) args=(destroy "${common[@]}" --preview-only --event-log "$events") ;;
   up) args=(up "${common[@]}" --yes --diff "${policy[@]}") ;;
   destroy) args=(destroy "${common[@]}" --yes) ;;
   *)
@@ -167,6 +204,35 @@ case "$command" in
 esac
 
 set +e
+rm -f "$events"
+if [[ ("$command" == "up" || "$command" == "destroy") && -n "${PULUMI_REVIEWED_PLAN:-}" ]]; then
+  # what the reviewers approved, or nothing: the same preview again, and its digest must be theirs
+  again=(preview "${common[@]}" --diff "${policy[@]}" --event-log "$events")
+  if [[ "$command" == "destroy" ]]; then
+    again=(destroy "${common[@]}" --preview-only --event-log "$events")
+  fi
+  echo "previewing again: pulumi $command runs only the reviewed plan ($PULUMI_REVIEWED_PLAN)" | tee -a "$log"
+  PULUMI_DEBUG_COMMANDS=true pulumi "${again[@]}" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  if ((rc != 0)); then
+    exit "$rc"
+  fi
+  digest=$(plan_digest "$events")
+  if [[ "$digest" != "$PULUMI_REVIEWED_PLAN" ]]; then
+    {
+      if [[ "$PULUMI_REVIEWED_PLAN" == missing ]]; then
+        echo "error: the reviewed preview reported no plan digest, so this plan cannot be matched to it: nothing was changed."
+      fi
+      echo "error: the plan changed since it was reviewed (reviewed $PULUMI_REVIEWED_PLAN, now $digest): nothing was changed."
+      echo "error: the steps now (state, the cloud or what the program reads changed meanwhile):"
+      plan_digest --list "$events" | sed 's/^/error:   /'
+      echo "error: run deploy.yml again and review the new preview."
+    } | tee -a "$log"
+    rc=4
+    exit "$rc"
+  fi
+  echo "the plan is the reviewed one ($digest)" | tee -a "$log"
+fi
 if [[ "$command" == "up" || "$command" == "destroy" ]]; then
   if ((signals > 0)); then
     echo "cancelled before pulumi $command started: nothing was changed" | tee -a "$log"
@@ -225,7 +291,11 @@ if [[ "$command" == "up" || "$command" == "destroy" ]]; then
     pulumi cancel --yes "${common[@]}" 2>&1 | tee -a "$log"
   fi
 else
-  pulumi "${args[@]}" 2>&1 | tee -a "$log"
+  PULUMI_DEBUG_COMMANDS=true pulumi "${args[@]}" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
+  if ((rc == 0)) && [[ -s "$events" ]]; then
+    digest=$(plan_digest "$events")
+    echo "plan digest: $digest (deploy.yml's apply job runs this plan or nothing)" | tee -a "$log"
+  fi
 fi
 exit "$rc"

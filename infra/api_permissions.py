@@ -72,6 +72,7 @@ class Scope(StrEnum):
     BILLING_ACCOUNT = "the billing account of the budget (billingAccount)"
     STATE_BUCKET = "the Pulumi state bucket"
     STATE_KEY = "the Cloud KMS key of the stack secrets"
+    STATE_LOCKS = "the stack lock objects in the Pulumi state bucket"
 
 
 ACCOUNT_SCOPES = {

@@ -59,7 +59,10 @@ ROLES_FILE = Path(__file__).with_name("iam_roles.json")
 CI_IDENTITIES_FILE = Path(__file__).parent / "bootstrap" / "ci-identities.yaml"
 # The setup's defaults (infra/bootstrap/ci-setup.sh STATE_BUCKET, KMS_*): where the bucket backend keeps state.
 STATE_BUCKET_SUFFIX = "-pulumi-state"
-STATE_KEY_PATH = "locations/global/keyRings/gft-pulumi/cryptoKeys/stack-secrets"
+# Each stack's own key (ci-identities.yaml `state-key`, infra/bootstrap/ci-setup.sh stack_key)
+STATE_KEY_PATH = "locations/global/keyRings/gft-pulumi/cryptoKeys/gft-{stack}"
+# Where the bucket backend keeps stack locks (pulumi pkg/backend/diy: .pulumi/locks/…)
+STATE_LOCKS_PREFIX = "/objects/.pulumi/locks/"
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ def _object_read_write(how: str) -> tuple[Need, ...]:
 CI_PREVIEW = "gft-ci-preview"
 CI_PREVIEW_GKE = "gft-ci-preview-gke"
 CI_DEPLOY = "gft-ci-deploy"
+CI_DEPLOY_PREVIEW = "gft-ci-deploy-preview"
 _DIY = "the bucket backend (pulumi pkg/backend/diy)"
 _STATE_READ = (
     Need("storage.objects.get", Scope.STATE_BUCKET, f"read the stack's checkpoint: {_DIY}"),
@@ -128,6 +132,13 @@ _STATE_WRITE = (
     *_STATE_READ,
     Need("storage.objects.create", Scope.STATE_BUCKET, f"write the checkpoint, its history and the lock: {_DIY}"),
     Need("storage.objects.delete", Scope.STATE_BUCKET, f"overwrite the checkpoint, release the lock: {_DIY}"),
+)
+
+
+# A destroy preview locks the stack (diy Destroy locks even with --preview-only) and releases the lock after
+_STATE_LOCK = (
+    Need("storage.objects.create", Scope.STATE_LOCKS, f"take the stack lock for a destroy preview: {_DIY}"),
+    Need("storage.objects.delete", Scope.STATE_LOCKS, f"release the stack lock after a destroy preview: {_DIY}"),
 )
 
 
@@ -275,7 +286,14 @@ RUNTIMES: tuple[Runtime, ...] = (
         preview_needs,
     ),
     Runtime(
-        f"{CI_DEPLOY}: deploy.yml's preview, up and destroy",
+        f"{CI_DEPLOY_PREVIEW}: deploy.yml's preview of up or destroy (read-only but for the lock)",
+        ci_member(CI_DEPLOY_PREVIEW),
+        lambda cfg: True,
+        (*_STATE_READ, *_STATE_LOCK),
+        preview_needs,
+    ),
+    Runtime(
+        f"{CI_DEPLOY}: deploy.yml's approved up and destroy (each previews again first)",
         ci_member(CI_DEPLOY),
         lambda cfg: True,
         _STATE_WRITE,
@@ -415,7 +433,8 @@ def resource_name(scope: Scope, cfg: StackConfig) -> str:
         Scope.PROJECT: f"projects/{cfg.project}",
         Scope.RESERVATION_PROJECT: f"projects/{cfg.reservation_project}",
         Scope.STATE_BUCKET: f"projects/_/buckets/{cfg.project}{STATE_BUCKET_SUFFIX}",
-        Scope.STATE_KEY: f"projects/{cfg.project}/{STATE_KEY_PATH}",
+        Scope.STATE_KEY: f"projects/{cfg.project}/{STATE_KEY_PATH.format(stack=cfg.stack)}",
+        Scope.STATE_LOCKS: f"projects/_/buckets/{cfg.project}{STATE_BUCKET_SUFFIX}{STATE_LOCKS_PREFIX}{cfg.stack}",
         Scope.REGISTRY: f"projects/{cfg.project}/locations/{cfg.region}/repositories/{repository_id(cfg)}",
         **{sc: f"projects/_/buckets/{name}" for sc, name in buckets.items()},
         **{sc: f"projects/{MOCK_PROJECT_NUMBER}/secrets/{name}" for sc, name in secrets.items()},
@@ -458,7 +477,11 @@ _OUTSIDE_THE_PROJECT = (Scope.RESERVATION_PROJECT, Scope.BILLING_ACCOUNT)
 def _reaches(grant: Grant, need: Need) -> bool:
     """IAM inheritance: a project grant reaches every resource of the project (not another project's, nor a billing
     account, which sits beside projects in the resource hierarchy)."""
-    return grant.scope == need.scope or (grant.scope is Scope.PROJECT and need.scope not in _OUTSIDE_THE_PROJECT)
+    return (
+        grant.scope == need.scope
+        or (grant.scope is Scope.PROJECT and need.scope not in _OUTSIDE_THE_PROJECT)
+        or (grant.scope is Scope.STATE_BUCKET and need.scope is Scope.STATE_LOCKS)  # objects inherit the bucket's
+    )
 
 
 def covers(grant: Grant, need: Need, cfg: StackConfig) -> bool:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-time setup of what the CI workflows need in Google Cloud: the APIs, the three CI identities and
+# One-time setup of what the CI workflows need in Google Cloud: the APIs, the four CI identities and
 # their Workload Identity Federation (no JSON keys), every service account the program uses for every
-# stack, and the bucket backend's state bucket and KMS key. Run it as a project owner, from a checkout:
+# stack, and the bucket backend's state bucket, a KMS key per stack and the stacks themselves on their keys;
+# at the end it reports (PRUNE=1: removes) the CI grants ci-identities.yaml no longer lists. Run it as a project owner, from a checkout:
 #
 #   PROJECT_ID=my-gft-project GITHUB_REPO=my-org/gemma-finetune \
 #   GITHUB_REPO_ID=$(gh api repos/my-org/gemma-finetune --jq .id) \
@@ -32,11 +33,13 @@
 #   program's gcp.projects.Service resources only find them enabled.
 # - Federation is one pool per identity, each with one GitHub provider whose attribute condition is
 #   the gate, on numeric repository and owner ids (never names, which can be re-registered):
-#     gft-preview      pull_request events of this repository
-#     gft-preview-gke  the same, in the reviewed `preview-gke` environment only
-#     gft-deploy       deploy.yml running on refs/heads/main, dispatched by hand
-# - Bucket backend: secrets are encrypted with a Cloud KMS key, not a passphrase, so GitHub holds no
-#   static secret at all; every CI identity gets decrypt only (Pulumi wraps a data key with KMS).
+#     gft-preview         pull_request events of this repository
+#     gft-preview-gke     the same, in the reviewed `preview-gke` environment only
+#     gft-deploy-preview  deploy.yml running on refs/heads/main, dispatched by hand (its read-only preview)
+#     gft-deploy          the same, in the reviewed `deploy` or `destroy` environment only
+# - Bucket backend: secrets are encrypted with a Cloud KMS key per stack, not a passphrase, so GitHub holds no
+#   static secret at all; a CI identity gets decrypt only (Pulumi wraps a data key with KMS), and only on the
+#   keys of the stacks it runs (docs/ci.md, "Stacks and their keys").
 #
 # Not here: GitHub settings (environments, reviewers, variables: printed at the end), creating stacks
 # (`pulumi stack init`, README "New stacks"), grants in another project that owns a stack's reservation
@@ -53,7 +56,8 @@ STATE_BUCKET="${STATE_BUCKET:-${PROJECT_ID}-pulumi-state}"
 STATE_LOCATION="${STATE_LOCATION:-us-central1}"
 KMS_LOCATION="${KMS_LOCATION:-global}"
 KMS_KEYRING="${KMS_KEYRING:-gft-pulumi}"
-KMS_KEY="${KMS_KEY:-stack-secrets}"
+PULUMI="${PULUMI:-pulumi}"                # the Pulumi CLI that creates or migrates the stacks (bucket backend)
+PRUNE="${PRUNE:-0}"                       # 1: remove the CI identities' grants this run did not make (else: report them)
 REPO_ROOT="${REPO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 
 APIS=(
@@ -83,11 +87,20 @@ STACK_LINES=$(python3 "$REPO_ROOT/.ci/stacks.py" --lines --root "$REPO_ROOT")
 
 PROJECT_NUMBER=$(gcloud projects describe "$PROJECT_ID" --format='value(projectNumber)')
 [[ "$PROJECT_NUMBER" =~ ^[0-9]+$ ]] || fail "could not read the project number of $PROJECT_ID"
-KEY_NAME="projects/$PROJECT_ID/locations/$KMS_LOCATION/keyRings/$KMS_KEYRING/cryptoKeys/$KMS_KEY"
+KEYRING_NAME="projects/$PROJECT_ID/locations/$KMS_LOCATION/keyRings/$KMS_KEYRING"
+# One key per stack (ci-identities.yaml `state-key`): an identity decrypts only the stacks of its workloads
+stack_key() { echo "gft-$1"; }
+secrets_provider() { echo "gcpkms://$KEYRING_NAME/cryptoKeys/$(stack_key "$1")"; }
 
 step() { echo "== $*"; }
 account() { echo "$1@$PROJECT_ID.iam.gserviceaccount.com"; }
 member() { echo "serviceAccount:$(account "$1")"; }
+
+# Every binding this run makes to a CI identity, one a line: KIND TARGET MEMBER ROLE EXPRESSION (tab-separated),
+# so what the CI identities hold beyond them is reported (or removed with PRUNE=1) at the end
+made_grants=$(mktemp)
+trap 'rm -f "$made_grants"' EXIT
+made() { printf '%s\t%s\t%s\t%s\t%s\n' "$@" >>"$made_grants"; }
 
 # A project binding, with an IAM Condition when a third argument is given (its title: the fourth, else the
 # role's id). `^;^` makes `;` gcloud's item separator, so the expression may hold commas (gcloud topic
@@ -100,19 +113,39 @@ grant_project() {
   fi
   gcloud projects add-iam-policy-binding "$PROJECT_ID" --member="$(member "$who")" --role="$role" \
     --condition="$condition" --quiet >/dev/null
+  made project "$PROJECT_ID" "$(member "$who")" "$role" "$expression"
 }
 grant_account() {
   local who="$1" role="$2" target="$3"
   gcloud iam service-accounts add-iam-policy-binding "$target" --project="$PROJECT_ID" \
     --member="$(member "$who")" --role="$role" --quiet >/dev/null
+  made account "$target" "$(member "$who")" "$role" ""
 }
 grant_state() {
-  local who="$1" bucket_role="$2"
+  local who="$1" bucket_role="$2" expression="${3:-}" title="${4:-gft-ci-${2##*/}}"
   [[ "$STATE_BACKEND" == bucket ]] || return 0
+  local conditioned=()
+  if [[ -n "$expression" ]]; then
+    conditioned=(--condition="^;^expression=$expression;title=$title")
+  fi
   gcloud storage buckets add-iam-policy-binding "gs://$STATE_BUCKET" --member="$(member "$who")" \
-    --role="$bucket_role" --quiet >/dev/null
-  gcloud kms keys add-iam-policy-binding "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+    --role="$bucket_role" "${conditioned[@]}" --quiet >/dev/null
+  made bucket "gs://$STATE_BUCKET" "$(member "$who")" "$bucket_role" "$expression"
+}
+# Decrypt on one stack's key (the data key of its secrets: pulumi pkg/secrets/cloud/manager.go)
+grant_key() {
+  local who="$1" key="$2"
+  gcloud kms keys add-iam-policy-binding "$key" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
     --project="$PROJECT_ID" --member="$(member "$who")" --role=roles/cloudkms.cryptoKeyDecrypter --quiet >/dev/null
+  made key "$key" "$(member "$who")" roles/cloudkms.cryptoKeyDecrypter ""
+}
+ensure_key() {
+  local key="$1"
+  if ! gcloud kms keys describe "$key" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+    --project="$PROJECT_ID" >/dev/null 2>&1; then
+    gcloud kms keys create "$key" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
+      --project="$PROJECT_ID" --purpose=encryption
+  fi
 }
 ensure_account() {
   local id="$1" title="$2"
@@ -160,18 +193,22 @@ gcloud services enable "${APIS[@]}" --project="$PROJECT_ID"
 step "CI identities"
 ensure_account gft-ci-preview "gemma-finetune CI: PR previews (Cloud Run stacks)"
 ensure_account gft-ci-preview-gke "gemma-finetune CI: reviewed PR previews (GKE stacks)"
+ensure_account gft-ci-deploy-preview "gemma-finetune CI: deploy previews from main (read-only)"
 ensure_account gft-ci-deploy "gemma-finetune CI: reviewed deploys from main"
 
 ids="assertion.repository_id == '$GITHUB_REPO_ID' && assertion.repository_owner_id == '$GITHUB_OWNER_ID'"
 ensure_federation gft-ci-preview gft-preview "$ids && assertion.event_name == 'pull_request'"
 ensure_federation gft-ci-preview-gke gft-preview-gke \
   "$ids && assertion.event_name == 'pull_request' && assertion.environment == 'preview-gke'"
-ensure_federation gft-ci-deploy gft-deploy \
-  "$ids && assertion.ref == 'refs/heads/main' && assertion.event_name == 'workflow_dispatch' && assertion.workflow_ref == '$GITHUB_REPO/.github/workflows/deploy.yml@refs/heads/main'"
+# workflow_ref is compared with the token's own `repository` (GitHub's spelling), not with what was typed here
+main_deploy="assertion.ref == 'refs/heads/main' && assertion.event_name == 'workflow_dispatch' && assertion.workflow_ref == assertion.repository + '/.github/workflows/deploy.yml@refs/heads/main'"
+ensure_federation gft-ci-deploy-preview gft-deploy-preview "$ids && $main_deploy"
+# the deploy identity only for a job that a reviewer let into the deploy or destroy environment
+ensure_federation gft-ci-deploy gft-deploy "$ids && $main_deploy && assertion.environment in ['deploy', 'destroy']"
 
 # ---------------------------------------------------------------------------------------- state
 if [[ "$STATE_BACKEND" == bucket ]]; then
-  step "State bucket gs://$STATE_BUCKET and KMS key $KEY_NAME"
+  step "State bucket gs://$STATE_BUCKET and KMS key ring $KEYRING_NAME"
   if ! gcloud storage buckets describe "gs://$STATE_BUCKET" >/dev/null 2>&1; then
     gcloud storage buckets create "gs://$STATE_BUCKET" --project="$PROJECT_ID" --location="$STATE_LOCATION" \
       --uniform-bucket-level-access --public-access-prevention
@@ -180,11 +217,6 @@ if [[ "$STATE_BACKEND" == bucket ]]; then
   if ! gcloud kms keyrings describe "$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID" \
     >/dev/null 2>&1; then
     gcloud kms keyrings create "$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID"
-  fi
-  if ! gcloud kms keys describe "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
-    --project="$PROJECT_ID" >/dev/null 2>&1; then
-    gcloud kms keys create "$KMS_KEY" --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" \
-      --project="$PROJECT_ID" --purpose=encryption
   fi
 fi
 # What the stack files use: workloads, and features (.ci/stacks.py: reservation, gpu-quota, budget, cloud-build).
@@ -236,6 +268,10 @@ fi
 
 if $has_cloud_run; then grant_state gft-ci-preview roles/storage.objectViewer; fi
 if $has_gke; then grant_state gft-ci-preview-gke roles/storage.objectViewer; fi
+grant_state gft-ci-deploy-preview roles/storage.objectViewer
+# a destroy preview locks the stack (diy Destroy, even with --preview-only): the lock objects, nothing else
+grant_state gft-ci-deploy-preview roles/storage.objectUser \
+  "resource.name.startsWith('projects/_/buckets/$STATE_BUCKET/objects/.pulumi/locks/')" gft-ci-state-locks
 grant_state gft-ci-deploy roles/storage.objectUser
 
 # ---------------------------------------------------------------------------------------- project grants
@@ -275,6 +311,19 @@ if $has_gke; then
   grant_project gft-ci-preview-gke roles/container.developer
   if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
   if $has_gpu_quota; then grant_project gft-ci-preview-gke "$custom/gftCiQuotaReader"; fi
+fi
+
+# deploy.yml's preview job: what the previews above may do, for every stack, and nothing the apply does
+grant_project gft-ci-deploy-preview "$custom/gftCiBucketLister"
+grant_project gft-ci-deploy-preview roles/storage.bucketViewer "$buckets"
+if $has_cloud_run; then
+  grant_project gft-ci-deploy-preview roles/storage.objectViewer "$buckets"
+  grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"
+fi
+if $has_gke; then
+  grant_project gft-ci-deploy-preview roles/container.developer
+  if $has_reservation; then grant_project gft-ci-deploy-preview "$custom/gftCiReservationReader"; fi
+  if $has_gpu_quota; then grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"; fi
 fi
 
 grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
@@ -335,12 +384,143 @@ while read -r stack workload stack_features; do
   if [[ ",$stack_features," == *,cloud-build,* ]]; then
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-build")"
   fi
+  if [[ "$STATE_BACKEND" == bucket ]]; then
+    # the stack's own key: decrypt for the identities that run this stack's workload, and no other
+    ensure_key "$(stack_key "$stack")"
+    readers=(gft-ci-deploy-preview gft-ci-deploy)
+    if [[ "$workload" == cloud-run ]]; then readers+=(gft-ci-preview); else readers+=(gft-ci-preview-gke); fi
+    for reader in "${readers[@]}"; do grant_key "$reader" "$(stack_key "$stack")"; done
+  fi
 done <<<"$STACK_LINES"
 
-# ---------------------------------------------------------------------------------------- GitHub
-backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; secret PULUMI_PREVIEW_ACCESS_TOKEN (stack read) and, in the deploy and destroy environments, PULUMI_ACCESS_TOKEN (stack write)"
+# ---------------------------------------------------------------------------------------- stacks
+# Bucket backend: every stack on its KMS key. `pulumi stack init` on a bucket backend picks the passphrase
+# provider unless told otherwise, and CI has no passphrase (it would fail every preview and deploy), so the
+# setup creates a missing stack with --secrets-provider, and moves a stack on a passphrase or another key to
+# its own with `pulumi stack change-secrets-provider` (it decrypts with the old provider: a passphrase stack
+# asks for it, or reads PULUMI_CONFIG_PASSPHRASE; pulumi docs, "pulumi stack change-secrets-provider").
+# Either rewrites Pulumi.<stack>.yaml (secretsprovider, encryptedkey): commit it.
+stack_file_provider() { # the secretsprovider line of Pulumi.<stack>.yaml, "passphrase" for encryptionsalt, or ""
+  local file="$REPO_ROOT/Pulumi.$1.yaml"
+  if grep -q '^encryptionsalt:' "$file" 2>/dev/null; then
+    echo passphrase
+  else
+    sed -n 's/^secretsprovider:[[:space:]]*//p' "$file" 2>/dev/null | head -n 1
+  fi
+}
+changed_stack_files=()
 if [[ "$STATE_BACKEND" == bucket ]]; then
-  backend_line="variable PULUMI_BACKEND_URL=gs://$STATE_BUCKET (no secret: stacks use --secrets-provider gcpkms://$KEY_NAME)"
+  step "Stacks on their KMS keys (backend gs://$STATE_BUCKET)"
+  if ! command -v "$PULUMI" >/dev/null 2>&1; then
+    echo "The Pulumi CLI ($PULUMI) is not on PATH: create or move each stack yourself, then commit Pulumi.<stack>.yaml:"
+    while read -r stack _; do
+      [[ -n "$stack" ]] || continue
+      echo "  PULUMI_BACKEND_URL=gs://$STATE_BUCKET pulumi stack init $stack --secrets-provider $(secrets_provider "$stack")"
+      echo "    (an existing stack: pulumi stack change-secrets-provider --stack $stack $(secrets_provider "$stack"))"
+    done <<<"$STACK_LINES"
+  else
+    existing=$(cd "$REPO_ROOT" && PULUMI_BACKEND_URL="gs://$STATE_BUCKET" "$PULUMI" stack ls --json --non-interactive)
+    while read -r stack _; do
+      [[ -n "$stack" ]] || continue
+      provider=$(secrets_provider "$stack")
+      if ! python3 -c 'import json, sys; names = {s["name"].rsplit("/", 1)[-1] for s in json.loads(sys.argv[1] or "[]")}
+sys.exit(sys.argv[2] not in names)' "$existing" "$stack"; then
+        (cd "$REPO_ROOT" && PULUMI_BACKEND_URL="gs://$STATE_BUCKET" "$PULUMI" stack init "$stack" \
+          --secrets-provider "$provider" --non-interactive)
+        changed_stack_files+=("Pulumi.$stack.yaml")
+      elif [[ "$(stack_file_provider "$stack")" != "$provider" ]]; then
+        echo "stack $stack: secrets provider '$(stack_file_provider "$stack")' in Pulumi.$stack.yaml, moving it to $provider"
+        (cd "$REPO_ROOT" && PULUMI_BACKEND_URL="gs://$STATE_BUCKET" "$PULUMI" stack change-secrets-provider \
+          --stack "$stack" "$provider")
+        changed_stack_files+=("Pulumi.$stack.yaml")
+      fi
+    done <<<"$STACK_LINES"
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------- stale grants
+# The setup adds bindings; one it made for a stack, a workload or a key that is gone would stay. Every binding of
+# a CI identity on the project, the state bucket, the key ring's keys and the stacks' service accounts that this
+# run did not make is reported, and removed with PRUNE=1.
+# shellcheck disable=SC2016  # a Python program, not a shell expansion
+STALE_PY='
+import json, re, sys
+made_file, kind, target, project = sys.argv[1:5]
+norm = lambda text: " ".join(text.split())
+made = set()
+for line in open(made_file):
+    k, t, member, role, expression = line.rstrip("\n").split("\t")
+    if (k, t) == (kind, target):
+        made.add((member, role, norm(expression)))
+ci = re.compile(r"serviceAccount:gft-ci-[a-z0-9-]+@" + re.escape(project) + r"\.iam\.gserviceaccount\.com")
+for binding in json.load(sys.stdin).get("bindings") or []:
+    condition = binding.get("condition") or {}
+    for member in binding.get("members") or []:
+        if ci.fullmatch(member) and (member, binding["role"], norm(condition.get("expression", ""))) not in made:
+            print("\t".join([binding["role"], member, norm(condition.get("expression", "")), condition.get("title", "")]))
+'
+stale=0
+check_stale() { # KIND TARGET: what the CI identities hold there beyond this run's bindings
+  local kind="$1" target="$2" policy role who expression title
+  local where=()
+  case "$kind" in
+    project) policy=$(gcloud projects get-iam-policy "$target" --format=json) ;;
+    bucket) policy=$(gcloud storage buckets get-iam-policy "$target" --format=json) ;;
+    key)
+      where=(--keyring="$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID")
+      policy=$(gcloud kms keys get-iam-policy "$target" "${where[@]}" --format=json)
+      ;;
+    account)
+      where=(--project="$PROJECT_ID")
+      policy=$(gcloud iam service-accounts get-iam-policy "$target" "${where[@]}" --format=json)
+      ;;
+  esac
+  while IFS=$'\t' read -r role who expression title; do
+    [[ -n "$role" ]] || continue
+    stale=$((stale + 1))
+    echo "  not in ci-identities.yaml: $kind $target: $who $role${expression:+ if $expression}"
+    if [[ "$PRUNE" == 1 ]]; then
+      local conditioned=()
+      if [[ -n "$expression" ]]; then
+        conditioned=(--condition="^;^expression=$expression;title=$title")
+      elif [[ "$kind" == project ]]; then
+        conditioned=(--condition=None)
+      fi
+      local group=(projects)
+      case "$kind" in
+        bucket) group=(storage buckets) ;;
+        key) group=(kms keys) ;;
+        account) group=(iam service-accounts) ;;
+      esac
+      gcloud "${group[@]}" remove-iam-policy-binding "$target" "${where[@]}" --member="$who" --role="$role" \
+        "${conditioned[@]}" --quiet >/dev/null
+    fi
+  done < <(python3 -c "$STALE_PY" "$made_grants" "$kind" "$target" "$PROJECT_ID" <<<"${policy:-{\}}")
+}
+step "Grants of the CI identities that ci-identities.yaml no longer lists"
+check_stale project "$PROJECT_ID"
+if [[ "$STATE_BACKEND" == bucket ]]; then
+  check_stale bucket "gs://$STATE_BUCKET"
+  for key in $(gcloud kms keys list --keyring="$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID" \
+    --format='value(name)'); do
+    check_stale key "${key##*/}"
+  done
+fi
+for email in $(gcloud iam service-accounts list --project="$PROJECT_ID" --format='value(email)'); do
+  [[ "$email" == gft-* && "$email" != gft-ci-* ]] && check_stale account "$email"
+done
+if ((stale == 0)); then
+  echo "  none"
+elif [[ "$PRUNE" == 1 ]]; then
+  echo "  removed the $stale binding(s) above"
+else
+  echo "  $stale binding(s) above: rerun with PRUNE=1 to remove them"
+fi
+
+# ---------------------------------------------------------------------------------------- GitHub
+backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; with an OIDC issuer (docs/ci.md) variables PULUMI_PREVIEW_TEAM and PULUMI_DEPLOY_TEAM, else secret PULUMI_PREVIEW_ACCESS_TOKEN (stack read) and, in the deploy and destroy environments, PULUMI_ACCESS_TOKEN (stack write)"
+if [[ "$STATE_BACKEND" == bucket ]]; then
+  backend_line="variable PULUMI_BACKEND_URL=gs://$STATE_BUCKET (no secret: each stack uses --secrets-provider gcpkms://$KEYRING_NAME/cryptoKeys/gft-<stack>)"
 fi
 cat <<EOF
 
@@ -349,5 +529,8 @@ Done. In GitHub ($GITHUB_REPO), Settings:
   State backend: $backend_line
   Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans);
     deploy and destroy: Deployment branches = main only (a pull request's job must not reach their secrets)
-New stacks: pulumi stack init <stack> --secrets-provider gcpkms://$KEY_NAME (bucket backend), then rerun this script.
+New stacks: commit Pulumi.<stack>.yaml and rerun this script: it creates the stack on its own key (bucket backend).
 EOF
+if ((${#changed_stack_files[@]})); then
+  echo "Commit the stack files this run wrote (their secretsprovider and encryptedkey): ${changed_stack_files[*]}"
+fi

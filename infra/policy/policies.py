@@ -18,20 +18,28 @@ Decisions
   `public: "true"` on the service, which the program sets exactly when the stack says
   `servingPublic: true`: the label makes the choice visible (`gcloud run services list
   --filter=labels.public=true`) and turns an accidental flag into a violation. An `allUsers` /
-  `allAuthenticatedUsers` IAM member is never allowed, on any resource.
-- "GPU workload" means a Cloud Run job, Kubernetes Job, CronJob, JobSet, Pod, RayJob, Deployment or
-  StatefulSet that asks for a GPU (`nvidia.com/gpu` in a resource list, a GKE accelerator
-  nodeSelector, a Cloud Run accelerator). Where a deadline field applies it must be set (Cloud Run's
-  implicit 10 minute default is not a decision), and a RayJob that creates its own cluster must also
-  delete it when the job ends. A Deployment or StatefulSet has no deadline: asking one for GPUs is
-  allowed only with the label `gemma-finetune/gpu-long-running: "true"`, so the choice is visible.
+  `allAuthenticatedUsers` IAM member is never allowed, on any resource; nor is any other way of making
+  something public: a Cloud Storage ACL or default object ACL entity for them (`entity`, `roleEntities`, a
+  public `predefinedAcl`), Cloud Run v1's `run.googleapis.com/invoker-iam-disabled` annotation (the v1 form of
+  `invokerIamDisabled`, allowed on the same terms), a Kubernetes RoleBinding / ClusterRoleBinding to
+  `system:authenticated`, `system:unauthenticated` or `system:anonymous` (every Google account is
+  `system:authenticated` on GKE), and a Kubernetes Service of type LoadBalancer (a public IP; the program
+  serves through Cloud Run, whose invoker IAM is the gate).
+- "GPU workload" means any resource that asks for a GPU (`nvidia.com/gpu` in a resource list, a GKE
+  accelerator nodeSelector, a Cloud Run accelerator). It is judged by what bounds its pods, not by an
+  allow-list of kinds: where a deadline field applies (Cloud Run job; Kubernetes Job, CronJob, JobSet, Pod,
+  RayJob) it must be set (Cloud Run's implicit 10 minute default is not a decision), and a RayJob that
+  creates its own cluster must also delete it when the job ends. Every other Kubernetes kind that carries a
+  pod spec (Deployment, StatefulSet, DaemonSet, ReplicaSet, RayCluster, RayService, LeaderWorkerSet, any
+  CRD) has no deadline and keeps its GPUs until deleted: it is allowed only with the label
+  `gemma-finetune/gpu-long-running: "true"`, so the choice is visible.
 - A credential is recognised by the words of its env var name (`HF_TOKEN`, `HuggingFaceToken`,
   `HF_API_KEY`, `*_PASSWORD`), not by an exact list; a value that only references another variable
   (`${HF_TOKEN}`, `$(HF_TOKEN)`) carries no secret and passes.
 - Rules fail closed: a malformed `policyData` is a violation (it cannot be checked), and a check that
   raises becomes a violation of its rule instead of stopping the pack.
 - A standing RayCluster (`rayCluster: standing`) is an explicit choice for interactive use and has
-  no deadline field; it is checked for pinned images only.
+  no deadline field: with GPUs it needs the long-running label like any other such kind.
 - A workload whose whole spec is unknown in a preview hides it from every rule above, so the
   `workload-known-at-preview` rule reports it, as an advisory (the rules run again at `pulumi up`).
   The program keeps it from happening: workload names derive from the images' content hash, and
@@ -86,6 +94,16 @@ JOB_SET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
 # explicit choice, marked with this label (like `public` on a Cloud Run service).
 LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
 RAY_CLUSTER = "kubernetes:ray.io/v1:RayCluster"
+# Kinds with a field that bounds how long their pods run (the rest are judged as long-running controllers).
+DEADLINE_KINDS = frozenset({K8S_JOB, RAY_JOB, K8S_POD, K8S_CRON_JOB, JOB_SET})
+CLOUD_RUN_V1_SERVICE = "gcp:cloudrun/service:Service"
+INVOKER_IAM_DISABLED_ANNOTATION = "run.googleapis.com/invoker-iam-disabled"
+K8S_SERVICE = "kubernetes:core/v1:Service"
+# Kubernetes groups and users that stand for everyone (RBAC docs, "Default roles and role bindings"); on GKE every
+# Google account authenticates as system:authenticated.
+PUBLIC_K8S_SUBJECTS = frozenset({"system:authenticated", "system:unauthenticated", "system:anonymous"})
+# Cloud Storage canned ACLs that give everyone (or every Google account) access (JSON API, predefinedAcl).
+PUBLIC_PREDEFINED_ACLS = frozenset({"publicRead", "publicReadWrite", "authenticatedRead"})
 # Where each workload keeps what the rules read; an unknown value at any of these hides the workload.
 WORKLOAD_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
     CLOUD_RUN_JOB: (("template",), ("template", "template")),
@@ -320,6 +338,58 @@ def no_public_principals(resource_type: str, props: Mapping[str, Any]) -> list[s
                 f'label {PUBLIC_LABEL}="{PUBLIC_LABEL_VALUE}" that marks a public endpoint as an explicit choice; '
                 "set servingPublic=true in the stack (the program labels the service), or keep it private"
             )
+    if resource_type == CLOUD_RUN_V1_SERVICE:
+        annotations = _dig(props, "metadata", "annotations")
+        labels = _dig(props, "metadata", "labels")
+        disabled = isinstance(annotations, Mapping) and str(annotations.get(INVOKER_IAM_DISABLED_ANNOTATION)) == "true"
+        if disabled and (not isinstance(labels, Mapping) or labels.get(PUBLIC_LABEL) != PUBLIC_LABEL_VALUE):
+            problems.append(
+                f"Cloud Run (v1) service has the annotation {INVOKER_IAM_DISABLED_ANNOTATION}=true (anyone on the "
+                f'internet may call it) without the label {PUBLIC_LABEL}="{PUBLIC_LABEL_VALUE}": the same choice '
+                "as invokerIamDisabled, allowed on the same terms; keep it private"
+            )
+    problems.extend(_public_acls(resource_type, props))
+    problems.extend(_public_kubernetes(resource_type, props))
+    return problems
+
+
+def _public_acls(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """Cloud Storage ACLs (bucket, object, default object) that name allUsers / allAuthenticatedUsers."""
+    if not resource_type.startswith("gcp:storage/"):
+        return []
+    problems: list[str] = []
+    entity = props.get("entity")
+    if entity in PUBLIC_MEMBERS:
+        problems.append(f"ACL entity {entity} makes objects public: grant named principals IAM roles instead")
+    for path, _, value in walk(dict(props)):  # roleEntities: ["READER:allUsers", …]
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and ":" in item and item.rsplit(":", 1)[-1] in PUBLIC_MEMBERS:
+                problems.append(f"{path} has {item!r}, access for {item.rsplit(':', 1)[-1]}: remove the ACL entry")
+    predefined = props.get("predefinedAcl")
+    if predefined in PUBLIC_PREDEFINED_ACLS:
+        problems.append(f"predefinedAcl={predefined!r} makes the object or bucket public: leave it unset")
+    return problems
+
+
+def _public_kubernetes(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """RBAC bindings to everyone, and Services that open a public load balancer."""
+    kind = resource_type.rsplit(":", 1)[-1]
+    problems: list[str] = []
+    if resource_type.startswith("kubernetes:rbac.authorization.k8s.io/") and kind.startswith(
+        ("RoleBinding", "ClusterRoleBinding")
+    ):
+        subjects = props.get("subjects")
+        for subject in subjects if isinstance(subjects, list) else []:
+            if isinstance(subject, Mapping) and subject.get("name") in PUBLIC_K8S_SUBJECTS:
+                problems.append(
+                    f"{kind} grants its role to {subject.get('kind')} {subject['name']} (on GKE every Google account "
+                    "is system:authenticated): bind the service accounts or people who need it"
+                )
+    if resource_type.startswith("kubernetes:core/v1:Service") and _dig(props, "spec", "type") == "LoadBalancer":
+        problems.append(
+            "Service of type LoadBalancer opens a public IP to the pods behind it: use ClusterIP (kubectl "
+            "port-forward) or serve through Cloud Run, whose invoker IAM is the gate"
+        )
     return problems
 
 
@@ -345,9 +415,9 @@ def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -
 
     Where a deadline field applies it must be set: Cloud Run `template.template.timeout`; Job, RayJob
     and Pod `spec.activeDeadlineSeconds`; CronJob `spec.jobTemplate.spec.activeDeadlineSeconds`; JobSet
-    each GPU `replicatedJobs[].template.spec.activeDeadlineSeconds`. A Deployment or StatefulSet has no
-    deadline and keeps its GPUs until deleted, so one that asks for GPUs must say so with the label
-    `gemma-finetune/gpu-long-running: "true"`.
+    each GPU `replicatedJobs[].template.spec.activeDeadlineSeconds`. Every other Kubernetes kind that carries
+    a pod spec (Deployment, DaemonSet, RayCluster, any CRD) has no deadline and keeps its GPUs until deleted,
+    so one that asks for GPUs must say so with the label `gemma-finetune/gpu-long-running: "true"`.
     """
     if not requests_gpu(props):
         return []
@@ -361,6 +431,8 @@ def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -
         ]
     kinds = {K8S_JOB: "Kubernetes Job", RAY_JOB: "RayJob", K8S_POD: "Pod"}
     problems: list[str] = []
+    if not resource_type.startswith("kubernetes:"):
+        return []
     if resource_type in kinds:
         problems.extend(_missing_deadline(kinds[resource_type], props, ("spec", "activeDeadlineSeconds")))
     elif resource_type == K8S_CRON_JOB:
@@ -373,7 +445,7 @@ def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -
                 name = job.get("name", index)
                 job_path = ("template", "spec", "activeDeadlineSeconds")
                 problems.extend(_missing_deadline(f"JobSet replicatedJobs[{index}] ({name})", job, job_path))
-    elif resource_type in (K8S_DEPLOYMENT, K8S_STATEFUL_SET):
+    elif resource_type not in DEADLINE_KINDS and carries_pods(props):
         labels = _dig(props, "metadata", "labels")
         if not is_unknown(labels) and (not isinstance(labels, Mapping) or labels.get(LONG_RUNNING_LABEL) != "true"):
             kind = resource_type.rsplit(":", 1)[-1]
@@ -390,6 +462,11 @@ def gpu_workloads_have_deadlines(resource_type: str, props: Mapping[str, Any]) -
                 "would keep its GPUs after the job ends"
             )
     return problems
+
+
+def carries_pods(props: Mapping[str, Any]) -> bool:
+    """Whether a resource holds a pod spec anywhere (a `containers` list): a pod template of any kind, a CRD's too."""
+    return any(key == "containers" and isinstance(value, list) for _, key, value in walk(dict(props)))
 
 
 def _missing_deadline(kind: str, props: Mapping[str, Any], path: tuple[str, ...]) -> list[str]:
@@ -652,14 +729,17 @@ GUARD_RAILS: tuple[GuardRail, ...] = (
     GuardRail("no-basic-roles", "No roles/owner, roles/editor or roles/viewer in any IAM resource.", no_basic_roles),
     GuardRail(
         "no-public-principals",
-        "No allUsers/allAuthenticatedUsers; a public Cloud Run service only with the public=true label.",
+        "No allUsers/allAuthenticatedUsers (IAM or Cloud Storage ACLs), no Kubernetes binding to system:authenticated "
+        "or system:unauthenticated, no LoadBalancer Service; a public Cloud Run service (v2 invokerIamDisabled, v1 "
+        "invoker-iam-disabled annotation) only with the public=true label.",
         no_public_principals,
     ),
     GuardRail("private-buckets", "Buckets use uniform access and enforce public access prevention.", bucket_is_private),
     GuardRail(
         "gpu-workload-deadlines",
         "Every GPU workload (Cloud Run Job; Kubernetes Job, CronJob, JobSet, Pod, RayJob) has an explicit deadline; "
-        "a GPU Deployment/StatefulSet is labelled as a deliberate long-running service.",
+        "any other kind that runs GPU pods (Deployment, StatefulSet, DaemonSet, ReplicaSet, RayCluster, RayService, "
+        "LeaderWorkerSet, …) is labelled as a deliberate long-running service.",
         gpu_workloads_have_deadlines,
     ),
     GuardRail("images-pinned-by-digest", "Every container image is pinned by sha256 digest.", images_pinned_by_digest),

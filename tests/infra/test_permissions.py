@@ -20,6 +20,7 @@ from infra.foundation import Identity, account_email, bucket_name
 from infra.offline import Recorded, StackRun
 from infra.permissions import (
     CI_DEPLOY,
+    CI_DEPLOY_PREVIEW,
     CI_PREVIEW,
     CI_PREVIEW_GKE,
     ROLES_FILE,
@@ -114,7 +115,7 @@ class TestProof:
 
     def test_every_ci_identity_has_a_row(self) -> None:
         rows = {runtime.name.split(":")[0] for runtime in RUNTIMES if runtime.derived}
-        assert rows == set(ci_identities()["identities"]) == {CI_PREVIEW, CI_PREVIEW_GKE, CI_DEPLOY}
+        assert rows == set(ci_identities()["identities"]) == {CI_PREVIEW, CI_PREVIEW_GKE, CI_DEPLOY_PREVIEW, CI_DEPLOY}
 
     def test_the_deploy_may_grant_exactly_the_project_roles_the_program_grants(
         self, user_variant_runs: list[tuple[Variant, StackRun]]

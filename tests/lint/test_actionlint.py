@@ -2,8 +2,9 @@
 
 The contract tests parse the YAML and check what GitHub cannot be asked offline: which job gets which
 identity, which steps see which secret, that failures are reported, that the GKE stacks get their auth
-plugin, that a deploy is previewed before the reviewed apply, and that every third-party action that
-can request an OIDC token is pinned by a commit SHA confirmed for its release.
+plugin, that a deploy is previewed before the reviewed apply and applies only the reviewed plan, that every
+action is pinned by a commit SHA confirmed for its release, gcloud by version, and that the jobs holding an
+identity install only hashed locks.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from tests.lint.conftest import ci_module, run_tool, tool
 ci_stacks = ci_module("stacks")
 
 WORKFLOWS = REPO_ROOT / ".github" / "workflows"
-# An exact release (vX.Y.Z) or a full commit SHA: never a branch, never a bare major tag.
-PINNED = re.compile(r"^[\w.-]+/[\w./-]+@(v\d+\.\d+\.\d+|[0-9a-f]{40})$")
+# A full commit SHA: a tag (even vX.Y.Z) can be moved to other code by whoever controls the action's repository.
+PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
 
 
 def load(name: str) -> dict[str, Any]:
@@ -104,10 +105,15 @@ class TestActionlint:
         assert 'property "stak" is not defined' in result.stdout, result.stdout
 
 
-# Release tags of the third-party actions that receive an OIDC token, each SHA confirmed in independent
-# pinned workflows and release notes (e.g. `auth@7c6bc77… # v3.0.0` in the google-github-actions ratchet
-# pins and GitHub release references; `setup-gcloud@aa5489c… # v3.0.1`; `pulumi/actions@8e5e406… # v7.0.0`).
+# The commit of each release tag in use, read from a mirror of the action's repository
+# (`git rev-parse TAG^{commit}`, 2026-12-01): github.com/actions/checkout v5.0.0,
+# github.com/actions/setup-python v6.0.0, github.com/google-github-actions/auth v3.0.0,
+# github.com/google-github-actions/setup-gcloud v3.0.1, github.com/pulumi/actions v7.0.0,
+# github.com/pulumi/auth-actions v2.1.0.
 CONFIRMED_SHAS = {
+    "pulumi/auth-actions": ("141415910c3beb54e03b48e9057c204c97b956f2", "v2.1.0"),
+    "actions/checkout": ("08c6903cd8c0fde910a37f88322edcfb5dd907a8", "v5.0.0"),
+    "actions/setup-python": ("e797f83bcb11b83ae66e0230d6156d7c80228e7c", "v6.0.0"),
     "google-github-actions/auth": ("7c6bc770dae815cd3e89ee6cdf493a5fab2cc093", "v3.0.0"),
     "google-github-actions/setup-gcloud": ("aa5489c8933f4cc7a4f7d45035b3b1440c9c10db", "v3.0.1"),
     "pulumi/actions": ("8e5e406f4007fca908480587cb9893c07090f58d", "v7.0.0"),
@@ -137,24 +143,23 @@ def identity_of(job: dict[str, Any]) -> tuple[str, str]:
 class TestWorkflowContract:
     """What the team relies on the workflows to do, checked without GitHub."""
 
-    def test_every_action_is_pinned_to_an_exact_release(self) -> None:
+    def test_every_action_is_pinned_by_a_full_commit_sha(self) -> None:
         for path in sorted(WORKFLOWS.glob("*.yml")):
             workflow = load(path.name)
             for step in steps(workflow):
                 if "uses" in step:
-                    assert PINNED.match(step["uses"]), f"{path.name}: {step['uses']} is not pinned to vX.Y.Z or a SHA"
+                    assert PINNED.match(step["uses"]), f"{path.name}: {step['uses']} is not pinned by a commit SHA"
 
-    def test_third_party_actions_that_get_an_oidc_token_are_pinned_by_a_confirmed_sha(self) -> None:
+    def test_every_action_is_pinned_by_the_confirmed_sha_of_its_release(self) -> None:
+        """Every step of a job with `id-token: write` can mint its tokens, and any job can be given one by a PR:
+        GitHub's own actions too."""
         for path in sorted(WORKFLOWS.glob("*.yml")):
             workflow = load(path.name)
             text = path.read_text()
             for name, job in workflow["jobs"].items():
-                permissions = job.get("permissions", workflow.get("permissions", {}))
-                if permissions.get("id-token") != "write":
-                    continue
                 for step in job["steps"]:
                     action, _, ref = str(step.get("uses", "")).partition("@")
-                    if not action or action.startswith("actions/"):
+                    if not action:
                         continue
                     assert action in CONFIRMED_SHAS, f"{path.name}/{name}: {action} has no confirmed SHA"
                     sha, tag = CONFIRMED_SHAS[action]
@@ -199,12 +204,40 @@ class TestWorkflowContract:
         for name in ("preview", "preview-gke"):
             assert preview["jobs"][name]["needs"] == "stacks"
 
+    def test_gcloud_is_an_exact_version(self) -> None:
+        for path in sorted(WORKFLOWS.glob("*.yml")):
+            workflow = load(path.name)
+            for step in steps(workflow):
+                if str(step.get("uses", "")).startswith("google-github-actions/setup-gcloud@"):
+                    assert step["with"]["version"] == "${{ env.GCLOUD_VERSION }}", f"{path.name}: {step}"
+                    assert re.fullmatch(r"\d+\.\d+\.\d+", workflow["env"]["GCLOUD_VERSION"]), path.name
+
+    def test_jobs_with_an_identity_install_only_hashed_locks(self) -> None:
+        """Every `pip install` of a job with `id-token: write` is in hash-checking mode from a lock, wheels only."""
+        seen = 0
+        for path in sorted(WORKFLOWS.glob("*.yml")):
+            workflow = load(path.name)
+            for name, job in workflow["jobs"].items():
+                if job.get("permissions", workflow.get("permissions", {})).get("id-token") != "write":
+                    continue
+                for step in job["steps"]:
+                    for line in str(step.get("run", "")).splitlines():
+                        if "pip install" not in line and "uv " not in line:
+                            continue
+                        seen += 1
+                        assert re.search(
+                            r"pip install -q --require-hashes --only-binary :all: -r \.ci/[\w-]+\.lock$", line
+                        ), f"{path.name}/{name}: `{line.strip()}` installs what no review pinned"
+                        lock = REPO_ROOT / line.rsplit(" ", 1)[-1]
+                        assert lock.is_file(), lock
+        assert seen >= 8, "the check found no install to judge"
+
     def test_a_failed_preview_is_reported_on_the_pr(self) -> None:
         preview = load("preview.yml")
         for name in ("preview", "preview-gke"):
             job = preview["jobs"][name]
             [pulumi] = runs(job, ".ci/pulumi-run.sh")
-            [report] = runs(job, ".ci/preview_report.py")
+            [report] = [s for s in runs(job, ".ci/preview_report.py") if "--cancelled" not in s["run"]]
             assert index_of(job, report) > index_of(job, pulumi)
             assert report["if"] == "${{ !cancelled() }}", "the report must run when the preview failed"
             assert "--comment" in report["run"] and "--summary" in report["run"]
@@ -213,6 +246,20 @@ class TestWorkflowContract:
             assert report["env"]["PR_NUMBER"] == "${{ github.event.pull_request.number }}"
             assert report["env"]["GITHUB_TOKEN"] == "${{ github.token }}"
             assert not uses(job, "pulumi/actions@")[0].get("with", {}).get("command"), "pulumi/actions only installs"
+            assert pulumi["env"]["GCP_PROJECT_ID"] == "${{ vars.GCP_PROJECT_ID }}", "names the stack's key"
+
+    def test_a_cancelled_or_timed_out_preview_is_reported_on_the_pr(self) -> None:
+        """A cancelled run skips the `!cancelled()` report, so this step says so. Whether GitHub counts a job past its
+        timeout-minutes as cancelled is not documented plainly (github/docs#45403): either this step or the
+        `!cancelled()` report (FAILED, exit code 1 by default) then replaces the last comment, never neither."""
+        preview = load("preview.yml")
+        for name in ("preview", "preview-gke"):
+            job = preview["jobs"][name]
+            [said] = [s for s in runs(job, ".ci/preview_report.py") if "--cancelled" in s["run"]]
+            assert said["if"] == "cancelled()"
+            assert "--comment" in said["run"] and said["env"]["PR_NUMBER"] == "${{ github.event.pull_request.number }}"
+            assert said["env"]["PREVIEW_SHA"] == "${{ github.event.pull_request.head.sha }}"
+            assert index_of(job, said) > index_of(job, runs(job, ".ci/pulumi-run.sh")[0])
 
     def test_the_auth_plugin_is_installed_with_setup_gcloud_for_gke_stacks_only(self) -> None:
         assert AUTH_PLUGIN == "gke-gcloud-auth-plugin", "the component installed is the command the kubeconfig runs"
@@ -270,8 +317,12 @@ class TestWorkflowContract:
         jobs = {
             "gft-ci-preview": [preview["jobs"]["preview"]],
             "gft-ci-preview-gke": [preview["jobs"]["preview-gke"]],
-            "gft-ci-deploy": [deploy["jobs"]["preview"], deploy["jobs"]["apply"]],
+            "gft-ci-deploy-preview": [deploy["jobs"]["preview"]],
+            "gft-ci-deploy": [deploy["jobs"]["apply"], deploy["jobs"]["unlock"]],
         }
+        assert set(jobs) == set(IDENTITIES), "every identity is used, by the jobs ci-identities.yaml names"
+        for job in jobs["gft-ci-deploy"]:
+            assert job["environment"] in ("${{ inputs.action == 'destroy' && 'destroy' || 'deploy' }}", "deploy")
         for account, its_jobs in jobs.items():
             for job in its_jobs:
                 assert identity_of(job) == (IDENTITIES[account]["federation"]["pool"], account)
@@ -289,7 +340,7 @@ class TestWorkflowContract:
         inputs = deploy["on"]["workflow_dispatch"]["inputs"]
         assert set(deploy["on"]) == {"workflow_dispatch"}
         assert inputs["stack"]["options"] == stack_names(), "add the new stack file's name to deploy.yml's options"
-        assert inputs["action"]["options"] == ["up", "destroy"]
+        assert inputs["action"]["options"] == ["up", "destroy", "unlock"]
         assert deploy["concurrency"]["cancel-in-progress"] is False
         preview, apply = deploy["jobs"]["preview"], deploy["jobs"]["apply"]
         assert "environment" not in preview, "reviewers read the preview before they approve"
@@ -302,11 +353,36 @@ class TestWorkflowContract:
         assert apply["needs"] == "preview"
         assert apply["environment"] == "${{ inputs.action == 'destroy' && 'destroy' || 'deploy' }}"
         for job in (preview, apply):
-            assert job["if"] == "github.ref == 'refs/heads/main'"
+            assert job["if"] == "github.ref == 'refs/heads/main' && inputs.action != 'unlock'"
         [run_apply] = runs(apply, '.ci/pulumi-run.sh "$ACTION"')
         assert run_apply["id"] == "apply"
         [release] = runs(apply, ".ci/pulumi-run.sh cancel")
         assert release["if"] == "cancelled()"
+
+    def test_the_apply_job_runs_the_reviewed_plan_or_nothing(self) -> None:
+        """The digest of the preview the reviewers read goes to the apply job, whose pulumi-run.sh previews again and
+        stops on any other plan (tests/lint/test_pulumi_run.py TestTheReviewedPlanRuns)."""
+        deploy = load("deploy.yml")
+        preview, apply = deploy["jobs"]["preview"], deploy["jobs"]["apply"]
+        [pulumi] = [step for step in runs(preview, ".ci/pulumi-run.sh") if "cancel" not in step["run"]]
+        assert preview["outputs"]["plan-digest"] == f"${{{{ steps.{pulumi['id']}.outputs.plan-digest }}}}"
+        [run_apply] = runs(apply, '.ci/pulumi-run.sh "$ACTION"')
+        assert run_apply["env"]["PULUMI_REVIEWED_PLAN"] == "${{ needs.preview.outputs.plan-digest || 'missing' }}", (
+            "fail closed: without a reviewed digest the check must still run, and fail"
+        )
+        assert run_apply["run"] == 'exec bash .ci/pulumi-run.sh "$ACTION" "$STACK"'
+        [summary] = runs(preview, ".ci/preview_report.py")
+        assert summary["env"]["PLAN_DIGEST"] == "${{ steps.preview.outputs.plan-digest }}"
+        assert '--plan-digest "$PLAN_DIGEST"' in summary["run"], "the reviewers see the digest they approve"
+
+    def test_a_lock_left_by_a_lost_runner_has_a_way_out(self) -> None:
+        deploy = load("deploy.yml")
+        unlock = deploy["jobs"]["unlock"]
+        assert unlock["if"] == "github.ref == 'refs/heads/main' && inputs.action == 'unlock'"
+        assert unlock["environment"] == "deploy", "releasing a lock is a deploy: its reviewers approve it"
+        [step] = runs(unlock, ".ci/pulumi-run.sh")
+        assert step["run"] == 'bash .ci/pulumi-run.sh cancel "$STACK"'
+        assert "A lock left by a lost runner" in (REPO_ROOT / "docs" / "ci.md").read_text()
 
     def test_secrets_reach_only_the_pulumi_steps(self) -> None:
         """No workflow- or job-level secret; each secret only in the env of a step that runs Pulumi."""
@@ -321,13 +397,35 @@ class TestWorkflowContract:
                     if "secrets." in str(step.get("env", {})):
                         assert ".ci/pulumi-run.sh" in step["run"], f"{path.name}/{name}: {step.get('name')}"
         deploy = load("deploy.yml")
-        assert [s["env"]["PULUMI_ACCESS_TOKEN"] for s in runs(deploy["jobs"]["apply"], ".ci/pulumi-run.sh")] == [
-            "${{ secrets.PULUMI_ACCESS_TOKEN }}"
-        ] * 2
+        oidc = "steps.pulumi-token.outputs.pulumi-access-token"
+        for job in (deploy["jobs"]["apply"], deploy["jobs"]["unlock"]):
+            tokens = [s["env"]["PULUMI_ACCESS_TOKEN"] for s in runs(job, ".ci/pulumi-run.sh")]
+            assert tokens and set(tokens) == {f"${{{{ {oidc} || secrets.PULUMI_ACCESS_TOKEN }}}}"}
         preview_jobs = [*load("preview.yml")["jobs"].values(), deploy["jobs"]["preview"]]
         for job in preview_jobs:
             for step in runs(job, ".ci/pulumi-run.sh") if "steps" in job else []:
-                assert step["env"]["PULUMI_ACCESS_TOKEN"] == "${{ secrets.PULUMI_PREVIEW_ACCESS_TOKEN }}"
+                assert step["env"]["PULUMI_ACCESS_TOKEN"] == f"${{{{ {oidc} || secrets.PULUMI_PREVIEW_ACCESS_TOKEN }}}}"
+
+    def test_pulumi_cloud_tokens_come_from_the_oidc_exchange_per_trust_level(self) -> None:
+        """With an OIDC issuer (vars.PULUMI_*_TEAM set), each job trades its own OIDC token for a team token: previews
+        for the preview team, only the approved deploy jobs for the deploy team (docs/ci.md, "Pulumi Cloud")."""
+        preview, deploy = load("preview.yml"), load("deploy.yml")
+        expected = [
+            (preview, "preview", "PULUMI_PREVIEW_TEAM"),
+            (preview, "preview-gke", "PULUMI_PREVIEW_TEAM"),
+            (deploy, "preview", "PULUMI_PREVIEW_TEAM"),
+            (deploy, "apply", "PULUMI_DEPLOY_TEAM"),
+            (deploy, "unlock", "PULUMI_DEPLOY_TEAM"),
+        ]
+        for workflow, name, team in expected:
+            job = workflow["jobs"][name]
+            [exchange] = uses(job, "pulumi/auth-actions@")
+            assert exchange["id"] == "pulumi-token"
+            assert exchange["if"] == f"vars.PULUMI_ORG != '' && vars.{team} != ''"
+            assert exchange["with"]["requested-token-type"] == "urn:pulumi:token-type:access_token:team"
+            assert exchange["with"]["scope"] == f"team:${{{{ vars.{team} }}}}"
+            first_pulumi = min(index_of(job, s) for s in runs(job, ".ci/pulumi-run.sh"))
+            assert index_of(job, exchange) < first_pulumi, name
 
     @pytest.mark.slow
     def test_timeouts_cannot_kill_pulumi_mid_operation(self) -> None:

@@ -130,6 +130,7 @@ class TestEveryJobGetsItsIdentity:
         assert {(w, j) for w, j, *_ in JOBS} == {
             ("deploy.yml", "preview"),
             ("deploy.yml", "apply"),
+            ("deploy.yml", "unlock"),
             ("preview.yml", "preview"),
             ("preview.yml", "preview-gke"),
         }
@@ -143,8 +144,17 @@ class TestEveryJobGetsItsIdentity:
 
 
 # Tokens that someone without a reviewed change on main can obtain, and the pools that may admit them. Only
-# gft-preview (reads: state, stack buckets) admits any same-repository PR; nothing else admits any of them.
+# gft-preview (reads: state, stack buckets) admits any same-repository PR; only gft-deploy-preview (reads) a
+# dispatch of main's deploy.yml that no reviewer approved; nothing else admits any of them.
 ATTACKS: dict[str, tuple[dict[str, Any], set[str]]] = {
+    "deploy.yml dispatched on main, a job without an environment (no reviewer approved it)": (
+        token("workflow_dispatch", MAIN, "deploy.yml"),
+        {"gft-deploy-preview"},
+    ),
+    "deploy.yml dispatched on main, a job in the preview-gke environment": (
+        token("workflow_dispatch", MAIN, "deploy.yml", "preview-gke"),
+        {"gft-deploy-preview"},
+    ),
     "a fork's own workflow": (
         token("workflow_dispatch", MAIN, "deploy.yml", "deploy", "mallory/gemma-finetune", "7001", "7002"),
         set(),
@@ -173,6 +183,10 @@ ATTACKS: dict[str, tuple[dict[str, Any], set[str]]] = {
     ),
     "a push to main (a trigger added to deploy.yml)": (
         token("push", MAIN, "deploy.yml", "deploy"),
+        set(),
+    ),
+    "a push to main without an environment": (
+        token("push", MAIN, "deploy.yml"),
         set(),
     ),
     "a PR job that names the deploy environment": (
@@ -210,3 +224,16 @@ class TestNoOtherTokenGetsIn:
             assert admitted(pool, claims)
             for claim, value in (("repository_id", "1"), ("repository_owner_id", "1"), ("event_name", "schedule")):
                 assert not admitted(pool, {**claims, claim: value}), (pool, claim)
+
+
+def test_the_deploy_pools_follow_githubs_spelling_of_the_repository() -> None:
+    """Issue 23 item 10: workflow_ref carries the repository as GitHub spells it (`Acme/Gemma-Finetune`), which need
+    not be how the person running the setup typed GITHUB_REPO; the gate compares the token with itself."""
+    spelled = "Acme/Gemma-Finetune"
+    assert spelled.lower() == REPO and spelled != REPO
+    approved = token("workflow_dispatch", MAIN, "deploy.yml", "deploy", repository=spelled)
+    assert admitting(approved) == {"gft-deploy", "gft-deploy-preview"}
+    assert admitting(token("workflow_dispatch", MAIN, "deploy.yml", repository=spelled)) == {"gft-deploy-preview"}
+    other = token("workflow_dispatch", MAIN, "deploy.yml", "deploy", repository=spelled)
+    other["workflow_ref"] = f"{spelled}/.github/workflows/ops.yml@{MAIN}"
+    assert admitting(other) == set()

@@ -39,7 +39,14 @@ VALUES = {
     "GITHUB_OWNER_ID": "5123456",
 }
 STATE_BUCKET = f"{VALUES['PROJECT_ID']}-pulumi-state"
-KMS_KEY = "stack-secrets"
+KEYRING = f"projects/{VALUES['PROJECT_ID']}/locations/global/keyRings/gft-pulumi"
+
+
+def stack_key(stack: str) -> str:
+    """Each stack's own KMS key (ci-identities.yaml `state-key`)."""
+    return f"gft-{stack}"
+
+
 FEDERATION_APIS = {
     "sts.googleapis.com",
     "iamcredentials.googleapis.com",
@@ -109,6 +116,56 @@ def key(argv):
     return " ".join(argv[:index] + [name] + scoped)
 
 
+# IAM policies: what add-iam-policy-binding bound, per resource, for get-iam-policy / remove-iam-policy-binding
+policies_path = state_path + ".policies"
+policies = json.load(open(policies_path)) if os.path.exists(policies_path) else {}
+
+
+def target_of(verb):
+    return " ".join(args[: args.index(verb)] + [args[args.index(verb) + 1]])
+
+
+def condition_of():
+    given = next((a.split("=", 1)[1] for a in args if a.startswith("--condition=")), "None")
+    if given == "None":
+        return None
+    items = dict(item.split("=", 1) for item in given.removeprefix("^;^").split(";"))
+    return {"expression": items["expression"], "title": items.get("title", "")}
+
+
+def flag(name):
+    return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
+
+
+for verb in ("add-iam-policy-binding", "remove-iam-policy-binding"):
+    if verb in args:
+        entry = {"role": flag("role"), "member": flag("member"), "condition": condition_of()}
+        bound = [e for e in policies.get(target_of(verb), []) if e != entry]
+        policies[target_of(verb)] = bound + ([entry] if verb.startswith("add") else [])
+        json.dump(policies, open(policies_path, "w"))
+        sys.exit(0)
+if args[:2] == ["projects", "get-iam-policy"] and any(a.startswith("--flatten") for a in args):
+    print(os.environ.get("FAKE_LEGACY_BUILD_ROLES", ""))  # the roles of the filtered member, one per line
+    sys.exit(0)
+if "get-iam-policy" in args:
+    bindings = []
+    for entry in policies.get(target_of("get-iam-policy"), []):
+        binding = {"role": entry["role"], "members": [entry["member"]]}
+        if entry["condition"]:
+            binding["condition"] = entry["condition"]
+        bindings.append(binding)
+    print(json.dumps({"bindings": bindings}))
+    sys.exit(0)
+if args[:3] == ["kms", "keys", "list"]:
+    for made in sorted(state):
+        if made.startswith("kms keys ") and "--keyring=" in made:
+            print(f"projects/p/locations/global/keyRings/gft-pulumi/cryptoKeys/{made.split()[2]}")
+    sys.exit(0)
+if args[:3] == ["iam", "service-accounts", "list"]:
+    for made in sorted(state):
+        if made.startswith("iam service-accounts "):
+            print(made.split()[2] + "@{project}.iam.gserviceaccount.com")
+    sys.exit(0)
 if args[:2] == ["projects", "describe"]:
     print("{number}")
     sys.exit(0)
@@ -118,9 +175,6 @@ if args[:3] == ["billing", "projects", "describe"]:
 if args[:2] == ["builds", "get-default-service-account"]:  # value(serviceAccountEmail)
     compute = "projects/p/serviceAccounts/{number}-compute@developer.gserviceaccount.com"
     print(os.environ.get("FAKE_DEFAULT_BUILD_ACCOUNT", compute))
-    sys.exit(0)
-if args[:2] == ["projects", "get-iam-policy"]:  # the roles of the filtered member, one per line
-    print(os.environ.get("FAKE_LEGACY_BUILD_ROLES", ""))
     sys.exit(0)
 verb = next((a for a in args if a in VERBS), None)
 if verb == "describe":
@@ -185,7 +239,11 @@ def _grant(call: list[str]) -> Grant | None:
     if call[:2] == ["iam", "service-accounts"]:
         return Grant(identity, role, f"account:{target}")
     if call[:2] == ["storage", "buckets"]:
-        return Grant(identity, role, f"bucket:{target.removeprefix('gs://')}")
+        conditions = [a for a in call if a.startswith("--condition=")]
+        expression = None
+        if conditions:
+            expression = re.fullmatch(r"\^;\^expression=([^;]*);title=[^;]*", _flag(call, "condition")).group(1)  # type: ignore[union-attr]
+        return Grant(identity, role, f"bucket:{target.removeprefix('gs://')}", expression)
     if call[:2] == ["kms", "keys"]:
         return Grant(identity, role, f"key:{target}")
     if call[:2] == ["billing", "accounts"]:
@@ -193,16 +251,37 @@ def _grant(call: list[str]) -> Grant | None:
     raise AssertionError(f"unexpected binding command {call}")
 
 
+# A recording Pulumi CLI: `stack ls --json` answers FAKE_PULUMI_STACKS (the stacks the backend holds).
+FAKE_PULUMI = r"""#!{python}
+import json, os, sys
+
+with open(os.environ["FAKE_PULUMI_LOG"], "a") as log:
+    log.write(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "backend": os.environ.get("PULUMI_BACKEND_URL")}) + "\n")
+if sys.argv[1:3] == ["stack", "ls"]:
+    print(json.dumps([{"name": name} for name in os.environ.get("FAKE_PULUMI_STACKS", "").split()]))
+"""
+
+
+def pulumi_calls(tmp_path: Path) -> list[dict[str, Any]]:
+    """What the setup asked of the Pulumi CLI (argv, working directory, backend)."""
+    log = tmp_path / "pulumi-calls.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
 def run_setup(tmp_path: Path, repo: Path = REPO_ROOT, **overrides: str) -> SetupRun:
-    """Run ci-setup.sh with a recording gcloud; the recorder's memory persists in tmp_path between runs."""
+    """Run ci-setup.sh with a recording gcloud and pulumi; the recorder's memory persists in tmp_path between runs."""
     base, log = fake_command(
         tmp_path,
         "gcloud",
-        FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"]).replace("{billing}", PROJECT_BILLING_ACCOUNT),
+        FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"])
+        .replace("{billing}", PROJECT_BILLING_ACCOUNT)
+        .replace("{project}", VALUES["PROJECT_ID"]),
     )
+    fake_command(tmp_path, "pulumi", FAKE_PULUMI)
     state = tmp_path / "gcloud-state.json"
     env = {
         **base,
+        "FAKE_PULUMI_LOG": str(tmp_path / "pulumi-calls.jsonl"),
         "FAKE_GCLOUD_STATE": str(state),
         "REPO_ROOT": str(repo),
         **{k: v for k, v in VALUES.items() if k != "PROJECT_NUMBER"},
@@ -240,14 +319,17 @@ def expected_grants(found_stacks: dict[str, tuple[str, list[str]]], backend: str
             ]
             if not stacks:
                 continue
+            condition = grant.get("condition")
             if scope == "project":
-                condition = grant.get("condition")
                 grants.add(Grant(identity, role, "project", substitute(condition) if condition else None))
-            elif scope in ("state-bucket", "state-key"):
+            elif scope == "state-bucket":
                 if backend == "bucket":
                     grants.add(
-                        Grant(identity, role, f"bucket:{STATE_BUCKET}" if scope == "state-bucket" else f"key:{KMS_KEY}")
+                        Grant(identity, role, f"bucket:{STATE_BUCKET}", substitute(condition) if condition else None)
                     )
+            elif scope == "state-key":
+                if backend == "bucket":
+                    grants |= {Grant(identity, role, f"key:{stack_key(stack)}") for stack in stacks}
             elif scope == "billing-account":
                 grants.add(Grant(identity, role, f"billing-account:{PROJECT_BILLING_ACCOUNT}"))
             elif scope == "workload-account":
@@ -365,6 +447,8 @@ class TestLeastPrivilege:
                 continue
             service = grant["role"].split("/")[1].split(".")[0]
             prefixes = {"storage": "projects/_/buckets/${PROJECT_ID}-gft-", "secretmanager": "/secrets/gft-"}
+            if grant["scope"] == "state-bucket":  # the lock objects of the state bucket, never the checkpoints
+                prefixes["storage"] = "projects/_/buckets/${PROJECT_ID}-pulumi-state/objects/.pulumi/locks/"
             assert service in prefixes, f"{identity}: IAM Conditions on {service} names are not relied on here"
             clauses = re.findall(r"resource\.name\.startsWith\('([^']+)'\)", grant["condition"])
             assert clauses and all(prefixes[service] in clause for clause in clauses), grant["condition"]
@@ -411,12 +495,17 @@ class TestFederation:
             assert "||" not in condition, "a disjunction would let a second path around the gate"
 
     def test_deploy_is_main_and_the_deploy_workflow_only(self) -> None:
-        condition = substitute(IDENTITIES["identities"]["gft-ci-deploy"]["federation"]["condition"])
-        assert "assertion.ref == 'refs/heads/main'" in condition
-        assert (
-            f"assertion.workflow_ref == '{VALUES['GITHUB_REPO']}/.github/workflows/deploy.yml@refs/heads/main'"
-            in condition
-        )
+        """The owner/name typed at setup plays no part: workflow_ref is compared with the token's own repository."""
+        for identity in ("gft-ci-deploy", "gft-ci-deploy-preview"):
+            condition = substitute(IDENTITIES["identities"][identity]["federation"]["condition"])
+            assert "assertion.ref == 'refs/heads/main'" in condition
+            assert (
+                "assertion.workflow_ref == assertion.repository + '/.github/workflows/deploy.yml@refs/heads/main'"
+                in condition
+            )
+            assert VALUES["GITHUB_REPO"] not in condition
+        deploy = IDENTITIES["identities"]["gft-ci-deploy"]["federation"]["condition"]
+        assert "assertion.environment in ['deploy', 'destroy']" in deploy
 
     def test_gke_previews_need_the_reviewed_environment(self) -> None:
         condition = IDENTITIES["identities"]["gft-ci-preview-gke"]["federation"]["condition"]
@@ -673,3 +762,116 @@ class TestRunningTheScript:
         shellcheck = Path(sys.executable).parent / "shellcheck"
         result = subprocess.run([str(shellcheck), str(SCRIPT)], capture_output=True, text=True, check=False)
         assert result.returncode == 0, result.stdout
+
+
+class TestStacksOnTheirKeys:
+    """Issue 23 items 2 and 5: `pulumi stack init` on a bucket backend picks the passphrase provider, which CI
+    cannot use; the setup puts every stack on its own KMS key, which only the identities of its workload decrypt."""
+
+    @pytest.mark.slow
+    def test_a_preview_decrypts_only_the_stacks_of_its_workload(self, first_run: tuple[Path, SetupRun]) -> None:
+        _, run = first_run
+        decrypt = "roles/cloudkms.cryptoKeyDecrypter"
+        keys = {g.on for g in run.grants() if g.identity == "gft-ci-preview" and g.role == decrypt}
+        gke_keys = {g.on for g in run.grants() if g.identity == "gft-ci-preview-gke" and g.role == decrypt}
+        stacks = ci_stacks.stacks()
+        assert keys == {f"key:{stack_key(s)}" for s, w in stacks.items() if w == "cloud-run"} != set()
+        assert gke_keys == {f"key:{stack_key(s)}" for s, w in stacks.items() if w != "cloud-run"} != set()
+        for identity in ("gft-ci-deploy", "gft-ci-deploy-preview"):
+            assert {g.on for g in run.grants() if g.identity == identity and g.role == decrypt} == {
+                f"key:{stack_key(s)}" for s in stacks
+            }
+        created = {call[3] for call in run.verbs("create") if call[:2] == ["kms", "keys"]}
+        assert created == {stack_key(s) for s in stacks}
+
+    @pytest.mark.slow
+    def test_missing_stacks_are_created_and_others_moved_onto_their_key(self, tmp_path: Path) -> None:
+        workload = "config:\n  gemma-finetune:workload: cloud-run\n"
+        files = {
+            "Pulumi.fresh.yaml": workload,  # not in the backend yet
+            "Pulumi.phrase.yaml": "encryptionsalt: v1:abc:v1:def:ghi\n" + workload,  # `pulumi stack init` as before
+            "Pulumi.shared.yaml": f"secretsprovider: gcpkms://{KEYRING}/cryptoKeys/stack-secrets\n" + workload,
+            "Pulumi.done.yaml": f"secretsprovider: gcpkms://{KEYRING}/cryptoKeys/gft-done\n" + workload,
+        }
+        repo = a_repository(tmp_path, files)
+        run = run_setup(tmp_path, repo=repo, FAKE_PULUMI_STACKS="phrase organization/gemma-finetune/shared done")
+        assert run.returncode == 0, run.stderr + run.stdout
+        calls = pulumi_calls(tmp_path)
+        assert {(c["cwd"], c["backend"]) for c in calls} == {(str(repo), f"gs://{STATE_BUCKET}")}
+        changes = [c["argv"] for c in calls if c["argv"][:2] != ["stack", "ls"]]
+        assert sorted(changes) == sorted(
+            [
+                [
+                    "stack",
+                    "init",
+                    "fresh",
+                    "--secrets-provider",
+                    f"gcpkms://{KEYRING}/cryptoKeys/gft-fresh",
+                    "--non-interactive",
+                ],
+                ["stack", "change-secrets-provider", "--stack", "phrase", f"gcpkms://{KEYRING}/cryptoKeys/gft-phrase"],
+                ["stack", "change-secrets-provider", "--stack", "shared", f"gcpkms://{KEYRING}/cryptoKeys/gft-shared"],
+            ]
+        )
+        assert "Commit the stack files this run wrote" in run.stdout and "Pulumi.fresh.yaml" in run.stdout
+
+    @pytest.mark.slow
+    def test_without_the_pulumi_cli_it_prints_the_commands(self, tmp_path: Path) -> None:
+        repo = a_repository(tmp_path, {"Pulumi.lab.yaml": "config:\n  gemma-finetune:workload: cloud-run\n"})
+        run = run_setup(tmp_path, repo=repo, PULUMI=str(tmp_path / "no-pulumi-here"))
+        assert run.returncode == 0, run.stderr
+        provider = f"gcpkms://{KEYRING}/cryptoKeys/gft-lab"
+        assert f"pulumi stack init lab --secrets-provider {provider}" in run.stdout
+        assert f"pulumi stack change-secrets-provider --stack lab {provider}" in run.stdout
+        assert pulumi_calls(tmp_path) == []
+
+    def test_every_place_that_creates_a_stack_names_its_key(self) -> None:
+        """The README's cloud path and new-stack steps, the missing-stack hint of .ci/pulumi-run.sh (which the PR
+        comment quotes) and the setup: no bare `pulumi stack init`, which would pick the passphrase provider."""
+        places = {
+            "README.md": (REPO_ROOT / "README.md").read_text(),
+            "docs/ci.md": (REPO_ROOT / "docs" / "ci.md").read_text(),
+            ".ci/pulumi-run.sh": (REPO_ROOT / ".ci" / "pulumi-run.sh").read_text(),
+            "ci-setup.sh": SCRIPT.read_text(),
+        }
+        for place, text in places.items():
+            inits = re.findall(r"pulumi stack init [^\n`]*", text)
+            assert inits, f"{place} says nowhere how a stack is created"
+            for line in inits:
+                assert "--secrets-provider" in line, f"{place}: `{line}` would put the stack on a passphrase"
+
+
+class TestGrantsTheListNoLongerHas:
+    """Issue 23 item 10: the setup only added bindings, so a removed stack's grants stayed; now it reports every CI
+    binding it did not make this run, and PRUNE=1 removes them."""
+
+    @pytest.mark.slow
+    def test_a_removed_stacks_grants_are_reported_then_pruned(self, tmp_path: Path) -> None:
+        cloud_run = "config:\n  gemma-finetune:workload: cloud-run\n"
+        gke = "config:\n  gemma-finetune:workload: gke-job\n"
+        both = a_repository(tmp_path / "both", {"Pulumi.lab.yaml": cloud_run, "Pulumi.big.yaml": gke})
+        first = run_setup(tmp_path, repo=both)
+        assert first.returncode == 0, first.stderr
+        assert "Grants of the CI identities that ci-identities.yaml no longer lists\n  none" in first.stdout
+
+        one = a_repository(tmp_path / "one", {"Pulumi.lab.yaml": cloud_run})
+        second = run_setup(tmp_path, repo=one)
+        assert second.returncode == 0, second.stderr
+        reported = [line for line in second.stdout.splitlines() if "not in ci-identities.yaml" in line]
+        member = f"serviceAccount:gft-ci-preview-gke@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com"
+        assert (
+            f"  not in ci-identities.yaml: project {VALUES['PROJECT_ID']}: {member} roles/container.developer"
+            in reported
+        )
+        assert any("key gft-big:" in line for line in reported), reported
+        assert any("account gft-big-node@" in line for line in reported), reported
+        assert not any("gft-lab" in line for line in reported), "the remaining stack's grants are listed"
+        assert "rerun with PRUNE=1" in second.stdout
+        assert not second.verbs("remove-iam-policy-binding"), "without PRUNE=1 nothing is removed"
+
+        third = run_setup(tmp_path, repo=one, PRUNE="1")
+        assert third.returncode == 0, third.stderr
+        assert len(third.verbs("remove-iam-policy-binding")) == len(reported)
+        fourth = run_setup(tmp_path, repo=one)
+        assert "no longer lists\n  none" in fourth.stdout, fourth.stdout
+        assert fourth.grants() == expected_grants({"lab": ("cloud-run", [])})

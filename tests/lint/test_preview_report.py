@@ -26,6 +26,7 @@ SCRIPT = REPO_ROOT / ".ci" / "preview_report.py"
 REPO = "acme/gemma-finetune"
 PR = 42
 BOT = "github-actions[bot]"
+PREVIEW_SHA = "abcdef1234567890" + "0" * 24
 
 # The violation block as the Pulumi CLI prints it (pulumi-policy's integration tests match these lines:
 # "<pack>@v<version>", "[mandatory]  <policy>  (<type>: <name>)", the description, the message).
@@ -61,6 +62,7 @@ class FakeGitHub:
         self.comments: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str, dict[str, Any] | None]] = []
         self.next_id = 1000
+        self.head = PREVIEW_SHA  # the PR's head commit (a newer push moves it)
 
     def add(self, body: str, login: str = BOT) -> dict[str, Any]:
         comment = {"id": self.next_id, "body": body, "user": {"login": login}}
@@ -85,6 +87,8 @@ class FakeGitHub:
 
             def do_GET(self) -> None:
                 github.requests.append(("GET", self.path, None))
+                if self.path == f"/repos/{REPO}/pulls/{PR}":
+                    return self._reply(200, {"number": PR, "head": {"sha": github.head}})
                 match = re.fullmatch(rf"/repos/{REPO}/issues/{PR}/comments\?per_page=100&page=(\d+)", self.path)
                 if not match or self.headers["Authorization"] != "Bearer test-token":
                     return self._reply(404, {"message": "Not Found"})
@@ -127,7 +131,9 @@ def github() -> Iterator[tuple[FakeGitHub, str]]:
         server.server_close()
 
 
-def report(tmp_path: Path, api: str, log: str | None, exit_code: int, *flags: str) -> subprocess.CompletedProcess[str]:
+def report(
+    tmp_path: Path, api: str, log: str | None, exit_code: int, *flags: str, sha: str = PREVIEW_SHA
+) -> subprocess.CompletedProcess[str]:
     log_path = tmp_path / "pulumi.log"
     if log is not None:
         log_path.write_text(log)
@@ -138,7 +144,7 @@ def report(tmp_path: Path, api: str, log: str | None, exit_code: int, *flags: st
         "GITHUB_REPOSITORY": REPO,
         "GITHUB_RUN_ID": "777",
         "GITHUB_SHA": "0" * 40,
-        "PREVIEW_SHA": "abcdef1234567890" + "0" * 24,
+        "PREVIEW_SHA": sha,
         "GITHUB_STEP_SUMMARY": str(summary),
         "GITHUB_API_URL": api,
         "GITHUB_TOKEN": "test-token",
@@ -239,3 +245,46 @@ class TestTheRunSummary:
         summary = (tmp_path / "summary.md").read_text()
         assert "gemma-finetune-preview" not in summary
         assert "[mandatory] gpu-workload-deadlines" in summary and "FAILED" in summary
+
+
+class TestAPreviewThatDidNotFinish:
+    """Issue 23 item 10: a cancelled or timed-out preview says so instead of leaving the last result standing."""
+
+    def test_it_replaces_the_last_result_with_a_warning(self, tmp_path: Path, github: tuple[FakeGitHub, str]) -> None:
+        fake, api = github
+        older = "1234567890ab" + "0" * 28
+        assert report(tmp_path, api, PASSED_PREVIEW, 0, "--comment", sha=older).returncode == 0
+        fake.head = PREVIEW_SHA  # this run's commit is the PR's head: a person or the timeout cancelled it
+        result = report(tmp_path, api, "Previewing update (dev):\n", 1, "--comment", "--cancelled")
+        assert result.returncode == 0, result.stdout + result.stderr
+        [comment] = fake.comments
+        assert "CANCELLED or TIMED OUT" in comment["body"] and "passed" not in comment["body"]
+        assert "commit `abcdef123456`" in comment["body"]
+
+    def test_a_newer_pushs_result_is_left_alone(self, tmp_path: Path, github: tuple[FakeGitHub, str]) -> None:
+        """concurrency cancels the older run when a push comes; the newer run may have reported first."""
+        fake, api = github
+        newer = "fedcba9876543210" + "0" * 24
+        fake.head = newer
+        assert report(tmp_path, api, PASSED_PREVIEW, 0, "--comment", sha=newer).returncode == 0
+        result = report(tmp_path, api, None, 1, "--comment", "--cancelled")
+        assert result.returncode == 0, result.stderr
+        [comment] = fake.comments
+        assert "passed" in comment["body"] and f"<!-- sha:{newer} -->" in comment["body"]
+        assert "has reported" in result.stdout
+
+    def test_a_newer_push_that_has_not_reported_yet_still_clears_the_stale_result(
+        self, tmp_path: Path, github: tuple[FakeGitHub, str]
+    ) -> None:
+        fake, api = github
+        assert report(tmp_path, api, PASSED_PREVIEW, 0, "--comment", sha="1" * 40).returncode == 0
+        fake.head = "2" * 40
+        assert report(tmp_path, api, None, 1, "--comment", "--cancelled").returncode == 0
+        assert "CANCELLED or TIMED OUT" in fake.comments[0]["body"]
+
+
+def test_a_passphrase_stack_is_told_how_to_move_to_its_key(tmp_path: Path) -> None:
+    log = "error: getting secrets manager: passphrase must be set with PULUMI_CONFIG_PASSPHRASE or PULUMI_CONFIG_PASSPHRASE_FILE environment variables\n"
+    assert report(tmp_path, "http://127.0.0.1:9", log, 255, "--summary").returncode == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "pulumi stack change-secrets-provider --stack dev gcpkms://…/cryptoKeys/gft-dev" in summary

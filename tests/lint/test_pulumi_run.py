@@ -56,7 +56,12 @@ if args[0] == "login" and os.environ.get("FAKE_LOGIN_MARKER"):
 if args[0] == "stack" and args[1] == "select" and mode == "missing-stack":
     print("error: no stack named 'dev' found", file=sys.stderr)
     sys.exit(255)
-if args[0] == "preview":
+if "--event-log" in args and os.environ.get("FAKE_EVENTS"):
+    # the engine's event log, as the CLI writes it when PULUMI_DEBUG_COMMANDS=true offers the flag
+    note("PULUMI_DEBUG_COMMANDS=" + os.environ.get("PULUMI_DEBUG_COMMANDS", ""))
+    with open(args[args.index("--event-log") + 1], "w") as events:
+        events.write(open(os.environ["FAKE_EVENTS"]).read())
+if args[0] == "preview" or (args[0] == "destroy" and "--preview-only" in args):
     print("Previewing update (dev):\n    + gcp:storage/bucket:Bucket gft-dev-bucket create")
     sys.exit(0)
 if args[0] in ("up", "destroy") and mode in ("graceful", "slow-graceful", "stubborn"):
@@ -96,7 +101,7 @@ sys.exit(0)
 
 
 def run(
-    tmp_path: Path, *args: str, **env: str
+    tmp_path: Path, *args: str, cwd: Path = REPO_ROOT, **env: str
 ) -> tuple[subprocess.CompletedProcess[str], list[list[str]], dict[str, str]]:
     base, calls_log = fake_command(tmp_path, "pulumi", FAKE_PULUMI)
     output = tmp_path / "github_output"
@@ -110,7 +115,7 @@ def run(
     }
     result = subprocess.run(
         ["bash", str(SCRIPT), *args],
-        cwd=REPO_ROOT,
+        cwd=cwd,
         env=environment,
         capture_output=True,
         text=True,
@@ -416,3 +421,107 @@ def test_shellcheck() -> None:
     shellcheck = Path(sys.executable).parent / "shellcheck"
     result = subprocess.run([str(shellcheck), str(SCRIPT)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout
+
+
+KEY = "gcpkms://projects/p/locations/global/keyRings/gft-pulumi/cryptoKeys/gft-dev"
+
+
+class TestTheStacksKey:
+    """Issue 23 item 2: a stack made by a bare `pulumi stack init` on a bucket backend is on a passphrase, which CI
+    has not got; the hint the PR comment quotes names the stack's own key, and a stack file on anything else stops
+    before Pulumi runs, with the command that moves it."""
+
+    def test_the_missing_stack_hint_creates_it_on_its_key(self, tmp_path: Path) -> None:
+        result, _, outputs = run(tmp_path, "preview", "dev", FAKE_PULUMI_MODE="missing-stack", GCP_PROJECT_ID="p")
+        assert result.returncode == 3
+        assert f"error:   pulumi stack init dev --secrets-provider {KEY}" in Path(outputs["log"]).read_text()
+
+    @pytest.mark.parametrize(
+        ("head", "named"),
+        [
+            ("encryptionsalt: v1:abc:v1:def:ghi\n", "a passphrase (encryptionsalt)"),
+            ("", "no secretsprovider"),
+            (
+                "secretsprovider: gcpkms://projects/p/locations/global/keyRings/gft-pulumi/cryptoKeys/stack-secrets\n",
+                "stack-secrets",
+            ),
+        ],
+        ids=["passphrase", "none", "the-shared-key"],
+    )
+    def test_a_stack_file_not_on_its_key_stops_with_the_migration(self, tmp_path: Path, head: str, named: str) -> None:
+        checkout = tmp_path / "checkout"
+        checkout.mkdir()
+        (checkout / "Pulumi.dev.yaml").write_text(head + "config:\n  gemma-finetune:workload: cloud-run\n")
+        result, calls, outputs = run(tmp_path, "preview", "dev", cwd=checkout, GCP_PROJECT_ID="p")
+        assert result.returncode == 3
+        assert commands(calls) == ["login", "stack select"], "nothing runs on a stack CI cannot decrypt"
+        log = Path(outputs["log"]).read_text()
+        assert named in log and f"error:   pulumi stack change-secrets-provider --stack dev {KEY}" in log
+
+    def test_a_stack_file_on_its_key_previews(self, tmp_path: Path) -> None:
+        checkout = tmp_path / "checkout"
+        checkout.mkdir()
+        (checkout / "Pulumi.dev.yaml").write_text(f"secretsprovider: {KEY}\nencryptedkey: CiQA\nconfig: {{}}\n")
+        result, calls, _ = run(tmp_path, "preview", "dev", cwd=checkout, GCP_PROJECT_ID="p")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert commands(calls) == ["login", "stack select", "preview"]
+
+
+def events_file(tmp_path: Path, *steps: tuple[str, str, list[str]]) -> Path:
+    """An engine event log with these (op, urn, diffs) steps, as pulumi writes it with --event-log."""
+    path = tmp_path / f"events-{len(list(tmp_path.glob('events-*')))}.jsonl"
+    lines = [{"sequence": 0, "timestamp": 1, "preludeEvent": {"config": {}}}]
+    for index, (op, urn, diffs) in enumerate(steps, 1):
+        metadata = {"op": op, "urn": urn, "type": urn.split("::")[2], "provider": "", "diffs": diffs}
+        lines.append({"sequence": index, "timestamp": 1, "resourcePreEvent": {"metadata": metadata}})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+BUCKET = "urn:pulumi:dev::gemma-finetune::gcp:storage/bucket:Bucket::gft-dev-bucket"
+JOB = "urn:pulumi:dev::gemma-finetune::gcp:cloudrunv2/job:Job::train"
+
+
+class TestTheReviewedPlanRuns:
+    """Issue 23 item 6: the apply job runs the plan its reviewers read in the preview job, or nothing."""
+
+    def test_a_preview_reports_its_plan_digest(self, tmp_path: Path) -> None:
+        events = events_file(tmp_path, ("create", BUCKET, []))
+        result, calls, outputs = run(tmp_path, "preview", "dev", FAKE_EVENTS=str(events))
+        assert result.returncode == 0, result.stderr
+        assert ["PULUMI_DEBUG_COMMANDS=true"] in calls, "the CLI offers --event-log only with debug commands"
+        assert outputs["plan-digest"].startswith("sha256:")
+        assert outputs["plan-digest"] in Path(outputs["log"]).read_text()
+
+    @pytest.mark.parametrize("command", ["up", "destroy"])
+    def test_the_reviewed_plan_is_applied(self, tmp_path: Path, command: str) -> None:
+        reviewed = events_file(tmp_path, ("create", BUCKET, []), ("update", JOB, ["template"]))
+        _, _, first = run(tmp_path, "preview", "dev", FAKE_EVENTS=str(reviewed))
+        result, calls, _ = run(
+            tmp_path, command, "dev", FAKE_EVENTS=str(reviewed), PULUMI_REVIEWED_PLAN=first["plan-digest"]
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        calls = [c for c in calls if not c[0].startswith("PULUMI_DEBUG")]
+        assert commands(calls) == ["login", "stack select", "preview" if command == "up" else "destroy", command]
+        assert ("--preview-only" in calls[2]) == (command == "destroy") and "--event-log" in calls[2]
+        assert "--yes" in calls[3] and "--preview-only" not in calls[3]
+
+    def test_a_plan_that_changed_since_the_review_changes_nothing(self, tmp_path: Path) -> None:
+        reviewed = events_file(tmp_path, ("update", JOB, ["template"]))
+        _, _, first = run(tmp_path, "preview", "dev", FAKE_EVENTS=str(reviewed))
+        now = events_file(tmp_path, ("update", JOB, ["template"]), ("delete", BUCKET, []))
+        result, calls, outputs = run(
+            tmp_path, "up", "dev", FAKE_EVENTS=str(now), PULUMI_REVIEWED_PLAN=first["plan-digest"]
+        )
+        assert result.returncode == 4
+        assert "up" not in commands(calls), "pulumi up must not run"
+        log = Path(outputs["log"]).read_text()
+        assert "the plan changed since it was reviewed" in log and f"error:   delete {BUCKET}" in log
+
+
+def test_a_review_without_a_digest_changes_nothing(tmp_path: Path) -> None:
+    """deploy.yml passes `missing` when the preview job reported no digest: fail closed."""
+    events = events_file(tmp_path, ("create", BUCKET, []))
+    result, calls, outputs = run(tmp_path, "up", "dev", FAKE_EVENTS=str(events), PULUMI_REVIEWED_PLAN="missing")
+    assert result.returncode == 4 and "up" not in commands(calls)
+    assert "reported no plan digest" in Path(outputs["log"]).read_text()

@@ -697,3 +697,153 @@ class TestPackFiles:
     def test_requirements_name_the_policy_sdk(self) -> None:
         lines = Path(POLICY_DIR / "requirements.txt").read_text().splitlines()
         assert any(line.startswith("pulumi-policy") for line in lines)
+
+
+def _controller(kind: str, template: dict[str, Any]) -> dict[str, Any]:
+    """A resource of `kind` that runs this pod template where that kind keeps it."""
+    metadata = {"name": "gpu", "labels": {"app": "x"}}
+    if kind.endswith(":RayService"):
+        group = {"groupName": "gpu", "replicas": 1, "template": template}
+        return {"metadata": metadata, "spec": {"rayClusterConfig": {"workerGroupSpecs": [group]}}}
+    if kind.endswith(":LeaderWorkerSet"):
+        return {"metadata": metadata, "spec": {"leaderWorkerTemplate": {"size": 2, "workerTemplate": template}}}
+    return {"metadata": metadata, "spec": {"replicas": 1, "template": template}}
+
+
+POD_BEARING_KINDS = [
+    "kubernetes:apps/v1:DaemonSet",
+    "kubernetes:apps/v1:ReplicaSet",
+    "kubernetes:core/v1:ReplicationController",
+    "kubernetes:apps/v1:DeploymentPatch",
+    "kubernetes:ray.io/v1:RayService",
+    "kubernetes:leaderworkerset.x-k8s.io/v1:LeaderWorkerSet",
+    "kubernetes:example.com/v1beta1:TrainingRun",  # any CRD with a pod template
+]
+
+
+class TestEveryPodBearingKind:
+    """Issue 23 item 7: the deadline rule judged an allow-list of kinds, so a GPU DaemonSet, ReplicaSet, RayService,
+    RayCluster or LeaderWorkerSet passed. Every Kubernetes kind is judged by the pods it carries."""
+
+    @pytest.mark.parametrize("kind", POD_BEARING_KINDS)
+    def test_a_gpu_kind_without_a_deadline_field_needs_the_explicit_label(
+        self, stack_runs: dict[str, StackRun], kind: str
+    ) -> None:
+        resource = _controller(kind, _pod_template(stack_runs))
+        found = run_pack(kind, resource)
+        assert list(found) == ["gpu-workload-deadlines"], _report(found)
+        assert "holds its GPUs until it is deleted" in found["gpu-workload-deadlines"][0]
+        resource["metadata"]["labels"][LONG_RUNNING_LABEL] = "true"
+        assert not run_pack(kind, resource)
+
+    def test_a_gpu_ray_cluster_needs_the_explicit_label(self, stack_runs: dict[str, StackRun]) -> None:
+        """The RayJob's own cluster spec, as a standing RayCluster (rayCluster: standing) would carry it."""
+        spec = props_of(find(stack_runs, RAY_JOB))["spec"]["rayClusterSpec"]
+        cluster = {"metadata": {"name": "gemma-tuning", "labels": {"app": "x"}}, "spec": spec}
+        found = run_pack(RAY_CLUSTER, cluster)
+        assert list(found) == ["gpu-workload-deadlines"], _report(found)
+        cluster["metadata"]["labels"][LONG_RUNNING_LABEL] = "true"
+        assert not run_pack(RAY_CLUSTER, cluster)
+
+    @pytest.mark.parametrize("kind", POD_BEARING_KINDS)
+    def test_a_cpu_one_needs_nothing(self, kind: str) -> None:
+        template = {"spec": {"containers": [{"name": "c", "image": "r/x@sha256:" + "a" * 64}]}}
+        assert not run_pack(kind, _controller(kind, template))
+
+    def test_a_gpu_cloud_run_service_is_not_a_kubernetes_controller(self, stack_runs: dict[str, StackRun]) -> None:
+        service = find({SERVING_PRIVATE: stack_runs[SERVING_PRIVATE]}, CLOUD_RUN_SERVICE)
+        assert policies.requests_gpu(service.plain_inputs()) and not run_pack(CLOUD_RUN_SERVICE, props_of(service))
+
+
+def _subject(kind: str, name: str) -> dict[str, str]:
+    return {"kind": kind, "name": name, "apiGroup": "rbac.authorization.k8s.io"}
+
+
+class TestEveryWayOfMakingItPublic:
+    """Issue 23 item 7: a binding to everyone, a LoadBalancer Service, Cloud Run v1's invoker-iam-disabled
+    annotation and public Cloud Storage ACLs all passed no-public-principals."""
+
+    RULE = "no-public-principals"
+
+    @pytest.mark.parametrize(
+        ("kind", "subject"),
+        [
+            ("ClusterRoleBinding", _subject("Group", "system:authenticated")),
+            ("RoleBinding", _subject("Group", "system:unauthenticated")),
+            ("ClusterRoleBinding", _subject("User", "system:anonymous")),
+        ],
+    )
+    def test_a_kubernetes_binding_to_everyone(self, kind: str, subject: dict[str, str]) -> None:
+        binding = {"metadata": {"name": "b"}, "roleRef": {"kind": "ClusterRole", "name": "view"}, "subjects": [subject]}
+        resource_type = f"kubernetes:rbac.authorization.k8s.io/v1:{kind}"
+        found = run_pack(resource_type, binding)
+        assert list(found) == [self.RULE] and subject["name"] in found[self.RULE][0], _report(found)
+        binding["subjects"] = [{"kind": "ServiceAccount", "name": "trainer", "namespace": "gemma-finetune"}]
+        assert not run_pack(resource_type, binding)
+
+    def test_a_load_balancer_service(self) -> None:
+        service = {"metadata": {"name": "ray-head"}, "spec": {"type": "LoadBalancer", "ports": [{"port": 8265}]}}
+        found = run_pack(K8S_SERVICE_TYPE, service)
+        assert list(found) == [self.RULE] and "LoadBalancer" in found[self.RULE][0], _report(found)
+        service["spec"]["type"] = "ClusterIP"
+        assert not run_pack(K8S_SERVICE_TYPE, service)
+
+    def test_cloud_run_v1_invoker_iam_disabled(self) -> None:
+        annotations = {"run.googleapis.com/invoker-iam-disabled": "true"}
+        service = {
+            "location": "us-central1",
+            "metadata": {"annotations": annotations, "labels": {"app": "x"}},
+            "template": {"spec": {"containers": [{"image": "r/x@sha256:" + "a" * 64}]}},
+        }
+        found = run_pack("gcp:cloudrun/service:Service", service)
+        assert list(found) == [self.RULE] and "invoker-iam-disabled" in found[self.RULE][0], _report(found)
+        service["metadata"]["labels"]["public"] = "true"  # the same explicit choice v2 asks for
+        assert not run_pack("gcp:cloudrun/service:Service", service)
+
+    @pytest.mark.parametrize(
+        ("resource_type", "props"),
+        [
+            (
+                "gcp:storage/defaultObjectAccessControl:DefaultObjectAccessControl",
+                {"bucket": "b", "entity": "allUsers", "role": "READER"},
+            ),
+            (
+                "gcp:storage/objectAccessControl:ObjectAccessControl",
+                {"bucket": "b", "object": "o", "entity": "allAuthenticatedUsers", "role": "READER"},
+            ),
+            (
+                "gcp:storage/bucketAccessControl:BucketAccessControl",
+                {"bucket": "b", "entity": "allUsers", "role": "READER"},
+            ),
+            (
+                "gcp:storage/bucketACL:BucketACL",
+                {"bucket": "b", "roleEntities": ["OWNER:project-owners-1", "READER:allUsers"]},
+            ),
+            (
+                "gcp:storage/defaultObjectACL:DefaultObjectACL",
+                {"bucket": "b", "roleEntities": ["READER:allAuthenticatedUsers"]},
+            ),
+            ("gcp:storage/objectACL:ObjectACL", {"bucket": "b", "object": "o", "predefinedAcl": "publicRead"}),
+        ],
+        ids=[
+            "default-object-access-control",
+            "object-access-control",
+            "bucket-access-control",
+            "bucket-acl",
+            "default-object-acl",
+            "object-acl-predefined",
+        ],
+    )
+    def test_a_public_cloud_storage_acl(self, resource_type: str, props: dict[str, Any]) -> None:
+        found = run_pack(resource_type, props)
+        assert list(found) == [self.RULE], _report(found)
+
+    def test_an_acl_for_a_named_principal_passes(self) -> None:
+        props = {"bucket": "b", "entity": "user-alice@example.com", "role": "READER"}
+        assert not run_pack("gcp:storage/defaultObjectAccessControl:DefaultObjectAccessControl", props)
+        assert not run_pack(
+            "gcp:storage/bucketACL:BucketACL", {"bucket": "b", "roleEntities": ["READER:group-ml@example.com"]}
+        )
+
+
+K8S_SERVICE_TYPE = "kubernetes:core/v1:Service"

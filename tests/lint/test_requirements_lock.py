@@ -1,0 +1,76 @@
+"""The hashed locks CI installs from (.ci/lock_requirements.py): they pin every distribution by version and hash,
+satisfy the requirements they were made from, and pip really refuses a file whose hash is not the locked one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from infra.offline import REPO_ROOT
+
+LOCKS = {
+    REPO_ROOT / "requirements.txt": REPO_ROOT / ".ci" / "requirements.lock",
+    REPO_ROOT / "infra" / "policy" / "requirements.txt": REPO_ROOT / ".ci" / "policy-requirements.lock",
+}
+PAIRS = [pytest.param(req, lock, id=lock.name) for req, lock in LOCKS.items()]
+
+
+def pins(lock: Path) -> dict[str, tuple[Version, str]]:
+    found: dict[str, tuple[Version, str]] = {}
+    for line in lock.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        requirement, _, digest = line.partition(" --hash=sha256:")
+        name, _, version = requirement.partition("==")
+        assert name and version and len(digest) == 64, f"{lock.name}: `{line}` is not name==version --hash=sha256:…"
+        assert canonicalize_name(name) not in found, f"{lock.name}: {name} twice"
+        found[canonicalize_name(name)] = (Version(version), digest)
+    return found
+
+
+def requirements(path: Path) -> list[Requirement]:
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [Requirement(line) for line in lines if line]
+
+
+@pytest.mark.parametrize(("source", "lock"), PAIRS)
+def test_the_lock_satisfies_its_requirements(source: Path, lock: Path) -> None:
+    pinned = pins(lock)
+    for requirement in requirements(source):
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"{source.name}: {requirement} is not in {lock.name}: rerun .ci/lock_requirements.py"
+        assert requirement.specifier.contains(pinned[name][0], prereleases=True), (
+            f"{lock.name} pins {name}=={pinned[name][0]}, outside {requirement}: rerun .ci/lock_requirements.py"
+        )
+
+
+def _dry_run(lock: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--require-hashes"]
+    command += ["--only-binary", ":all:", "-q", "-r", str(lock)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "lock"), PAIRS)
+def test_pip_installs_the_lock_in_hash_checking_mode(source: Path, lock: Path) -> None:
+    """Every dependency is pinned with a hash (pip's hash-checking mode refuses an unpinned one) and each hash is
+    that of the wheel pip downloads."""
+    result = _dry_run(lock)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_a_wrong_hash_is_refused(tmp_path: Path) -> None:
+    lock = LOCKS[REPO_ROOT / "infra" / "policy" / "requirements.txt"]
+    text = lock.read_text()
+    name, (_, digest) = next(iter(pins(lock).items()))
+    tampered = tmp_path / "tampered.lock"
+    tampered.write_text(text.replace(digest, "0" * 64))
+    result = _dry_run(tampered)
+    assert result.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in result.stdout + result.stderr, name
