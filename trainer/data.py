@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SKIP_COLUMN = "_skip_reason"
+_RAW_IMAGES = "_row_images"
 _GLOB = ("*", "?", "[")
 # how many rows of a standard format are checked before the model loads (each is formatted, its images opened
 # and its length measured: a second or two for a hundred rows)
@@ -119,30 +120,45 @@ class RowOrigin:
         return f"row {index + 1}"
 
 
+@dataclass
+class LoadedRows:
+    """The rows a recipe names: the first CHECK_ROWS as they were read (`head`: Python values, a missing field
+    missing), where every row came from, and the Arrow dataset, built on first use (`dataset()`).
+
+    The check reads `head`, not the dataset: rows that do not share one schema cannot become one Arrow table, and
+    a malformed row is exactly such a row."""
+
+    head: list[dict[str, Any]]
+    origin: RowOrigin
+    _build: Any = field(repr=False)
+    _dataset: Any = field(default=None, repr=False)
+
+    def dataset(self) -> Dataset:
+        if self._dataset is None:
+            self._dataset = self._build()
+        return self._dataset
+
+
 def load_rows(spec: DataSpec) -> Dataset:
     """The raw rows named by the recipe, before shuffling or formatting."""
-    return load_rows_with_origin(spec)[0]
+    return read_rows(spec).dataset()
 
 
-def load_rows_with_origin(spec: DataSpec) -> tuple[Dataset, RowOrigin]:
-    """The raw rows and where each came from (a Hub split; or the files of a local path or URL, in order)."""
+def read_rows(spec: DataSpec, head_rows: int = CHECK_ROWS) -> LoadedRows:
+    """The rows of a Hub split, or of the files of a local path or URL (in order), with where each came from."""
     if spec.source is DataSource.HUB:
         import datasets
 
         rows = datasets.load_dataset(spec.path, split=spec.split, revision=spec.revision)
         label = f"Hub dataset {spec.path} (split {spec.split}, revision {spec.revision or 'main'})"
-        return rows, RowOrigin(((label, len(rows), ()),))
+        head = rows.select(range(min(head_rows, len(rows)))).to_list()
+        return LoadedRows(head, RowOrigin(((label, len(rows), ()),)), lambda: rows)
     if spec.source is DataSource.LOCAL:
-        path = resolve_local_path(spec.path)
-        return read_files(*_local_fs(), [str(path)], [spec.path])
+        from fsspec.implementations.local import LocalFileSystem
+
+        return read_files(LocalFileSystem(), [str(resolve_local_path(spec.path))], [spec.path], head_rows)
     fs, paths = expand_url(spec.path)
-    return read_files(fs, paths, [fs.unstrip_protocol(p) for p in paths])
-
-
-def _local_fs() -> tuple[Any]:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return (LocalFileSystem(),)
+    return read_files(fs, paths, [fs.unstrip_protocol(p) for p in paths], head_rows)
 
 
 def expand_url(url: str) -> tuple[Any, list[str]]:
@@ -173,15 +189,14 @@ def _suffix(path: str) -> str:
     return "." + path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
 
 
-def read_files(fs: Any, paths: list[str], labels: list[str]) -> tuple[Dataset, RowOrigin]:
+def read_files(fs: Any, paths: list[str], labels: list[str], head_rows: int = CHECK_ROWS) -> LoadedRows:
     """Every row of `paths` on `fs`, in order: parquet as Arrow tables; JSON Lines, JSON and CSV as records.
 
     A JSON Lines line that is not JSON is a DataError naming the file and line; CSV values stay strings.
     """
     import pyarrow as pa
-    from datasets import Dataset
 
-    tables, records, parts = [], [], []
+    tables, records, parts, head = [], [], [], []
     for path, label in zip(paths, labels, strict=True):
         suffix = _suffix(path)
         lines: tuple[int, ...] = ()
@@ -192,23 +207,30 @@ def read_files(fs: Any, paths: list[str], labels: list[str]) -> tuple[Dataset, R
                 table = pq.read_table(handle)
                 tables.append(table)
                 count = table.num_rows
+                head.extend(table.slice(0, max(head_rows - len(head), 0)).to_pylist())
             else:
                 rows, lines = _read_records(handle, suffix, label)
                 records.extend(rows)
                 count = len(rows)
-        parts.append((label, count, lines[:CHECK_ROWS]))
-    origin = RowOrigin(tuple(parts))
-    try:
-        if tables and records:
-            raise DataError(f"data.path mixes parquet and other files ({labels}): use one kind")
-        if tables:
-            return Dataset(pa.concat_tables(tables, promote_options="default")), origin
-        return Dataset.from_list(records), origin
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-        raise DataError(
-            f"the rows of {', '.join(labels)} do not share one schema ({exc}). Fix: give every row the same fields "
-            "with the same types (a turn's content is either always a string or always a list of parts)"
-        ) from None
+                head.extend(rows[: max(head_rows - len(head), 0)])
+        parts.append((label, count, lines[:head_rows]))
+    if tables and records:
+        raise DataError(f"data.path mixes parquet and other files ({labels}): use one kind")
+
+    def build() -> Dataset:
+        from datasets import Dataset
+
+        try:
+            if tables:
+                return Dataset(pa.concat_tables(tables, promote_options="default"))
+            return Dataset.from_list(records)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+            raise DataError(
+                f"the rows of {', '.join(labels)} do not share one schema ({exc}). Fix: give every row the same "
+                "fields with the same types (a turn's content is either always a string or always a list of parts)"
+            ) from None
+
+    return LoadedRows(head, RowOrigin(tuple(parts)), build)
 
 
 def _read_records(handle: Any, suffix: str, label: str) -> tuple[list[dict[str, Any]], tuple[int, ...]]:
@@ -341,7 +363,14 @@ def format_rows(
     if tokenizer is not None:
         fingerprint_tokenizers_by_digest(tokenizer)
 
+    # An output column named like an input one keeps the input's type inference: PIL images written back into
+    # a column of path strings become {bytes, path} structs instead of datasets' Image feature (datasets 5.2).
+    if "images" in rows.column_names:
+        rows = rows.rename_column("images", _RAW_IMAGES)
+
     def format_one(row: dict[str, Any]) -> dict[str, Any]:
+        if _RAW_IMAGES in row:
+            row = {**row, "images": row.pop(_RAW_IMAGES)}
         try:
             example = formatter(row)
             if images_root is not None or user_format:
@@ -432,8 +461,7 @@ def _empty_example(has_images: bool) -> dict[str, Any]:
 
 
 def check_first_rows(
-    rows: Dataset,
-    origin: RowOrigin,
+    loaded: LoadedRows,
     spec: DataSpec,
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_length: int | None = None,
@@ -443,14 +471,14 @@ def check_first_rows(
 
     The error names the first bad row (file, row, field), what is wrong and the fix, and counts the others among
     the rows checked. Returns how many rows were checked."""
-    has_images = _has_images(rows, spec.format)
+    head = loaded.head[:limit]
+    has_images = spec.format is DataFormat.PRODUCT_DESCRIPTION or any("images" in row for row in head)
     formatter = row_formatter(spec, has_images)
     root = resolve_image_dir(spec.image_dir)
     bad: list[tuple[int, FormattingError]] = []
-    checked = min(limit, len(rows))
-    for index in range(checked):
+    for index, row in enumerate(head):
         try:
-            example = _with_open_images(formatter(rows[index]), root)
+            example = _with_open_images(formatter(row), root)
             if tokenizer is not None and max_length is not None:
                 length = conversation_length(tokenizer, example["messages"])
                 if length > max_length:
@@ -466,7 +494,7 @@ def check_first_rows(
         index, first = bad[0]
         others = Counter(exc.reason for _, exc in bad[1:])
         more = (
-            f" {len(bad) - 1} more of the first {checked} rows fail too ("
+            f" {len(bad) - 1} more of the first {len(head)} rows fail too ("
             + ", ".join(f"{n} {reason}" for reason, n in others.most_common())
             + ")."
             if others
@@ -474,20 +502,21 @@ def check_first_rows(
         )
         detail = f" ({first.detail})" if first.detail else ""
         raise DataError(
-            f"{origin.where(index)}, field {first.field or '(row)'}: {first.reason}{detail} [data.format="
+            f"{loaded.origin.where(index)}, field {first.field or '(row)'}: {first.reason}{detail} [data.format="
             f"{spec.format.value}].{more} Fix the row (docs/own-data.md shows each format's rows); "
             f"`python -m trainer.data check RECIPE` checks the data on your machine"
         )
-    return checked
+    return len(head)
 
 
 def prepare_datasets(
     spec: DataSpec, tokenizer: PreTrainedTokenizerBase | None = None, max_length: int | None = None
 ) -> DataSplit:
     """Load, check (a standard format's first rows), split and format the recipe's data; logs skipped rows."""
-    rows, origin = load_rows_with_origin(spec)
-    if spec.format in USER_FORMATS:
-        checked = check_first_rows(rows, origin, spec, tokenizer, max_length)
+    loaded = read_rows(spec)
+    checked = check_first_rows(loaded, spec, tokenizer, max_length) if spec.format in USER_FORMATS else 0
+    rows = loaded.dataset()
+    if checked:
         log.info("data: %d rows from %s; the first %d are well-formed", len(rows), spec.path, checked)
     if spec.rows is not None and spec.source is not DataSource.HUB and spec.rows != len(rows):
         log.warning(
@@ -527,8 +556,7 @@ def spec_for_file(path: str, data_format: str | None) -> DataSpec:
     """A DataSpec for a bare data file or URL: `data_format` as given, else read from the first row's fields."""
     if data_format is None:
         probe = DataSpec(format=DataFormat.MESSAGES, path=path)  # source and suffix checks only
-        rows, _ = load_rows_with_origin(probe)
-        fields = set(rows.column_names)
+        fields = {name for row in read_rows(probe).head for name in row}
         if "messages" in fields:
             data_format = DataFormat.MESSAGES
         elif {"prompt", "completion"} <= fields:
@@ -585,12 +613,14 @@ def check(
     loaded, note = check_tokenizer(recipe, tokenizer)
     if recipe is None and loaded is not None:
         note += " (no max_length: check a recipe to compare)"
-    rows, origin = load_rows_with_origin(spec)
+    rows = read_rows(spec, limit)
     if spec.format in USER_FORMATS:
-        checked = check_first_rows(rows, origin, spec, loaded, max_length, limit)
-        lines = [f"ok: {len(rows)} rows in {spec.path} (data.format={spec.format.value}); the first {checked} checked"]
+        checked = check_first_rows(rows, spec, loaded, max_length, limit)
+        count = len(rows.dataset())
+        lines = [f"ok: {count} rows in {spec.path} (data.format={spec.format.value}); the first {checked} checked"]
     else:
-        lines = [f"ok: {len(rows)} rows in {spec.path} (tutorial task {spec.format.value}: bad rows are skipped)"]
+        count = len(rows.dataset())
+        lines = [f"ok: {count} rows in {spec.path} (tutorial task {spec.format.value}: bad rows are skipped)"]
     lines.append(f"  {note}")
     if recipe is not None:
         problems = check_run(recipe)

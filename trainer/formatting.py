@@ -180,8 +180,8 @@ def format_prompt_completion(row: Row, has_images: bool = False) -> Conversation
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         turns = [
-            {"role": "user", "content": require_text(row, "prompt")},
-            {"role": "assistant", "content": require_text(row, "completion")},
+            {"role": "user", "content": _content(require_text(row, "prompt"), "prompt")},
+            {"role": "assistant", "content": _content(require_text(row, "completion"), "completion")},
         ]
         return _conversation(turns, row, has_images)
     if isinstance(prompt, str) or isinstance(completion, str):
