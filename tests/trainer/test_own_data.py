@@ -548,3 +548,19 @@ def test_the_example_files_are_what_their_generator_writes() -> None:
     spec.loader.exec_module(module)
     for name, render in module.FILES.items():
         assert (OWN / name).read_text(encoding="utf-8") == render(module.make_rows()), name
+
+
+def test_evaluation_scores_any_format_by_text_overlap_exact_match_and_held_out_loss(
+    tiny_gemma3_dir: Path, tmp_path: Path
+) -> None:
+    from trainer.evaluate import evaluate, rouge_l_f1
+
+    recipe = load_recipe(TEMPLATE, [f"model.name_or_path={tiny_gemma3_dir}", "evaluation.max_new_tokens=4"])
+    results = evaluate(tiny_gemma3_dir, recipe, max_samples=3, out=tmp_path / "eval.json")
+    predictions = results["predictions"]
+    assert results["samples"] == 3 and results["held_out_loss"] > 0
+    assert {p["reference"] for p in predictions} <= {"billing", "technical", "account", "shipping"}
+    assert results["rouge_l_f1"] == pytest.approx(
+        sum(rouge_l_f1(p["prediction"], p["reference"]) for p in predictions) / 3
+    )
+    assert results["exact_match"] == sum(p["prediction"].strip() == p["reference"] for p in predictions) / 3
