@@ -329,23 +329,25 @@ class DataSpec(_Strict):
         return self
 
     @property
-    def gcs_read_scope(self) -> tuple[str, str] | None:
-        """(bucket, object prefix) a gs:// `path` reads, for a read grant on exactly that; None for other data.
-
-        The prefix is the path up to its first glob character (`gs://b/t/*.jsonl` -> ("b", "t/")); `image_dir`
-        on gs:// must lie in the same scope (`data_urls` lists both)."""
-        if not self.path.startswith("gs://"):
-            return None
-        bucket, _, objects = self.path[len("gs://") :].partition("/")
-        return bucket, re.split(r"[*?\[]", objects, maxsplit=1)[0]
-
-    @property
     def data_urls(self) -> list[str]:
         """Every URL the trainer reads data from: `path` and a URL `image_dir` (what a read grant must cover)."""
         urls = [self.path] if self.source is DataSource.URL else []
         if self.image_dir and "://" in self.image_dir:
-            urls.append(self.image_dir)
+            urls.append(self.image_dir.rstrip("/") + "/")
         return urls
+
+    @property
+    def gcs_read_scopes(self) -> list[tuple[str, str]]:
+        """(bucket, object prefix) of every gs:// URL in `data_urls`: a read grant on exactly these covers the data.
+
+        The prefix is the URL's object path up to its first glob character (`gs://b/t/*.jsonl` -> ("b", "t/")), a
+        single file's whole name, or an image folder with its trailing slash; Hub, local and other URLs: none."""
+        scopes = []
+        for url in self.data_urls:
+            if url.startswith("gs://"):
+                bucket, _, objects = url[len("gs://") :].partition("/")
+                scopes.append((bucket, re.split(r"[*?\[]", objects, maxsplit=1)[0]))
+        return scopes
 
     def repository_files(self) -> list[Path]:
         """The files and folders of this repository the data needs at run time (what an image must carry).

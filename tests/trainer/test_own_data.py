@@ -164,10 +164,13 @@ class TestDataSection:
     def test_what_a_read_grant_and_an_image_need(self) -> None:
         """For the infra side: the bucket and prefix a gs:// recipe reads, and the repository files a local one needs."""
         url = DataSpec(format="messages", path="gs://team-data/tickets/2026-*.jsonl", rows=64)
-        assert url.gcs_read_scope == ("team-data", "tickets/2026-")
+        assert url.gcs_read_scopes == [("team-data", "tickets/2026-")]
         assert url.data_urls == ["gs://team-data/tickets/2026-*.jsonl"] and url.repository_files() == []
+        vision = DataSpec(format="messages", path="gs://a/rows.jsonl", image_dir="gs://b/photos", rows=64)
+        assert vision.gcs_read_scopes == [("a", "rows.jsonl"), ("b", "photos/")]
+        assert DataSpec(format="messages", path="memory://x/rows.jsonl").gcs_read_scopes == []
         local = load_recipe(TEMPLATE).data
-        assert local.gcs_read_scope is None and local.data_urls == []
+        assert local.gcs_read_scopes == [] and local.data_urls == []
         assert local.repository_files() == [OWN / "tickets-messages.jsonl"]
 
     def test_steps_are_computed_from_a_local_file_in_a_standard_format(self) -> None:
@@ -564,3 +567,13 @@ def test_evaluation_scores_any_format_by_text_overlap_exact_match_and_held_out_l
         sum(rouge_l_f1(p["prediction"], p["reference"]) for p in predictions) / 3
     )
     assert results["exact_match"] == sum(p["prediction"].strip() == p["reference"] for p in predictions) / 3
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "trainer/recipes/templates").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_template_loads_and_checkpoints_inside_its_run(path: Path) -> None:
+    """The templates are copied and run as they are: valid, named after their file, checkpointing inside the run."""
+    recipe = load_recipe(str(path))
+    assert recipe.name == path.stem and recipe.data.task is None
+    plan = step_plan(recipe)
+    assert recipe.training.save_steps <= plan.total_updates
+    assert path.stem not in list_recipes()  # templates, not stack recipes: trainer/recipes/*.yaml only
