@@ -466,13 +466,22 @@ def check_first_rows(
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_length: int | None = None,
     limit: int = CHECK_ROWS,
+    text_only: bool | None = None,
 ) -> int:
     """Format the first `limit` rows as training will (images opened, length measured); DataError on a bad one.
 
     The error names the first bad row (file, row, field), what is wrong and the fix, and counts the others among
-    the rows checked. Returns how many rows were checked."""
+    the rows checked. `text_only`: the recipe's `model.text_only`, when the caller knows it (rows with images need
+    a vision model). Returns how many rows were checked."""
     head = loaded.head[:limit]
     has_images = spec.format is DataFormat.PRODUCT_DESCRIPTION or any("images" in row for row in head)
+    with_images = next((i for i, row in enumerate(head) if row.get("images")), None)
+    if text_only and with_images is not None:
+        raise DataError(
+            f"{loaded.origin.where(with_images)}, field images: the rows carry images but model.text_only is true "
+            "(the text model never sees them). Fix: model.text_only: false with a Gemma 3 4B+ or Gemma 4 checkpoint, "
+            "or drop the images column"
+        )
     formatter = row_formatter(spec, has_images)
     root = resolve_image_dir(spec.image_dir)
     bad: list[tuple[int, FormattingError]] = []
@@ -615,7 +624,8 @@ def check(
         note += " (no max_length: check a recipe to compare)"
     rows = read_rows(spec, limit)
     if spec.format in USER_FORMATS:
-        checked = check_first_rows(rows, spec, loaded, max_length, limit)
+        text_only = recipe.model.text_only if recipe is not None else None
+        checked = check_first_rows(rows, spec, loaded, max_length, limit, text_only)
         count = len(rows.dataset())
         lines = [f"ok: {count} rows in {spec.path} (data.format={spec.format.value}); the first {checked} checked"]
     else:

@@ -577,3 +577,27 @@ def test_every_template_loads_and_checkpoints_inside_its_run(path: Path) -> None
     plan = step_plan(recipe)
     assert recipe.training.save_steps <= plan.total_updates
     assert path.stem not in list_recipes()  # templates, not stack recipes: trainer/recipes/*.yaml only
+
+
+def test_check_a_recipe_refuses_images_for_a_text_model(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (4, 4), "red").save(tmp_path / "ok.png")
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+        ],
+        "images": ["ok.png"],
+    }
+    path = _write_jsonl(tmp_path / "rows.jsonl", [row] * 3)
+    sets = [
+        f"model.name_or_path={tiny_gemma3_dir}",
+        f"data.path={path}",
+        f"data.image_dir={tmp_path}",
+        "data.eval_rows=1",
+    ]
+    sets.append("training.max_steps=2")
+    with pytest.raises(DataError, match=r"rows\.jsonl row 1 \(line 1\), field images: the rows carry images but model"):
+        check(TEMPLATE, sets)
+    assert check(TEMPLATE, [*sets, "model.text_only=false"]).startswith(f"ok: 3 rows in {path}")
