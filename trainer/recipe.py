@@ -278,8 +278,9 @@ class DataSpec(_Strict):
                 "keep one of them"
             )
         raw["format"] = fmt if fmt is not None else task
-        if str(raw["format"]) in {t.value for t in Task}:
-            raw["task"] = raw["format"]
+        tutorial = str(raw["format"]) in {t.value for t in Task}
+        if tutorial or str(raw["format"]) in {f.value for f in DataFormat}:
+            raw["task"] = raw["format"] if tutorial else None  # `task: messages` reads as `format: messages`
         if raw.get("source") is None and isinstance(raw.get("path"), str):
             raw["source"] = infer_source(raw["path"])
         return raw

@@ -31,6 +31,7 @@ from trainer.data import (
 )
 from trainer.recipe import (
     REPO_ROOT,
+    DataFormat,
     DataSource,
     DataSpec,
     Recipe,
@@ -80,11 +81,17 @@ def _good(i: int) -> dict[str, Any]:
 
 
 class FakeGCS(MemoryFileSystem):
-    """fsspec's in-memory filesystem registered as `gs`: what gcsfs is to fsspec, without a network."""
+    """fsspec's in-memory filesystem registered as `gs`, with gcsfs's paths (`bucket/object`, no root marker):
+    what gcsfs is to fsspec, without a network."""
 
     protocol = ("gs",)
+    root_marker = ""
     store: dict[str, Any] = {}  # noqa: RUF012  (fsspec's own class-level store, one per subclass)
     pseudo_dirs = [""]  # noqa: RUF012
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return path.removeprefix("gs://").rstrip("/")
 
 
 @pytest.fixture
@@ -117,6 +124,10 @@ class TestDataSection:
     def test_format_names_a_tutorial_task_too(self) -> None:
         spec = DataSpec(format="emoji", path="trainer/data/emoji.jsonl")
         assert spec.task is Task.EMOJI and spec.source is DataSource.LOCAL
+
+    def test_task_naming_a_standard_format_reads_as_format(self) -> None:
+        spec = DataSpec(task="messages", path="x.jsonl")
+        assert spec.format is DataFormat.MESSAGES and spec.task is None
 
     def test_format_and_task_may_not_disagree(self) -> None:
         with pytest.raises(ValueError, match=r"data\.format='messages' and data\.task='emoji' disagree"):
@@ -216,10 +227,10 @@ class TestFsspecPath:
         """No special case for gs://: fsspec picks the filesystem by protocol, as it picks gcsfs on the cluster."""
         _put("gs://team-data/tickets/a.jsonl", json.dumps(_good(0)) + "\n")
         fs, paths = expand_url("gs://team-data/tickets/*.jsonl")
-        assert isinstance(fs, FakeGCS) and paths == ["gs://team-data/tickets/a.jsonl"]
+        assert isinstance(fs, FakeGCS) and paths == ["team-data/tickets/a.jsonl"]
         loaded = read_rows(DataSpec(format="messages", path="gs://team-data/tickets/*.jsonl"))
         rows, origin = loaded.dataset(), loaded.origin
-        assert len(rows) == 1 and origin.where(0).startswith("gs://team-data/tickets/a.jsonl row 1")
+        assert len(rows) == 1 and origin.where(0) == "gs://team-data/tickets/a.jsonl row 1 (line 1)"
 
     def test_a_url_that_names_no_file(self) -> None:
         with pytest.raises(DataError, match=r"data\.path='memory://own-none/\*\.jsonl' names no file"):
