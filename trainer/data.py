@@ -53,6 +53,7 @@ from trainer.recipe import (
     RecipeError,
     Task,
     count_rows_in,
+    infer_source,
     resolve_local_path,
 )
 
@@ -196,7 +197,10 @@ def read_files(fs: Any, paths: list[str], labels: list[str], head_rows: int = CH
     """
     import pyarrow as pa
 
-    tables, records, parts, head = [], [], [], []
+    tables: list[Any] = []
+    records: list[dict[str, Any]] = []
+    parts: list[tuple[str, int, tuple[int, ...]]] = []
+    head: list[dict[str, Any]] = []
     for path, label in zip(paths, labels, strict=True):
         suffix = _suffix(path)
         lines: tuple[int, ...] = ()
@@ -355,9 +359,9 @@ def format_rows(
 
     `task`: a tutorial task, or the recipe's DataSpec (any `data.format`)."""
     spec = task if isinstance(task, DataSpec) else None
-    data_format = spec.format if spec is not None else DataFormat(task)
+    data_format = spec.format if spec is not None else DataFormat(str(task))
     has_images = _has_images(rows, data_format)
-    formatter = row_formatter(spec, has_images) if spec is not None else formatter_for(Task(task))
+    formatter = row_formatter(spec, has_images) if spec is not None else formatter_for(Task(str(task)))
     images_root = resolve_image_dir(image_dir)
     user_format = data_format in USER_FORMATS
     if tokenizer is not None:
@@ -564,7 +568,7 @@ def preview(recipe_name: str, rows: int = 3) -> None:
 def spec_for_file(path: str, data_format: str | None) -> DataSpec:
     """A DataSpec for a bare data file or URL: `data_format` as given, else read from the first row's fields."""
     if data_format is None:
-        probe = DataSpec(format=DataFormat.MESSAGES, path=path)  # source and suffix checks only
+        probe = DataSpec(format=DataFormat.MESSAGES, path=path, source=infer_source(path))  # for its files only
         fields = {name for row in read_rows(probe).head for name in row}
         if "messages" in fields:
             data_format = DataFormat.MESSAGES
@@ -575,7 +579,7 @@ def spec_for_file(path: str, data_format: str | None) -> DataSpec:
                 f"{path}: its rows have {sorted(fields)}, neither `messages` nor `prompt` + `completion`. Fix: pass "
                 "--format, or check a recipe whose data.columns maps these fields (docs/own-data.md)"
             )
-    return DataSpec(format=data_format, path=path)
+    return DataSpec(format=DataFormat(data_format), path=path, source=infer_source(path))
 
 
 def check_tokenizer(recipe: Any, tokenizer: str | None) -> tuple[Any, str]:

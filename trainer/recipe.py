@@ -469,7 +469,8 @@ class Recipe(_Strict):
     @property
     def max_new_tokens(self) -> int:
         """The evaluation's generation budget: `evaluation.max_new_tokens`, else the task's default."""
-        return self.evaluation.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(self.data.task, USER_FORMAT_MAX_NEW_TOKENS)
+        default = DEFAULT_MAX_NEW_TOKENS[self.data.task] if self.data.task else USER_FORMAT_MAX_NEW_TOKENS
+        return self.evaluation.max_new_tokens or default
 
     @model_validator(mode="after")
     def _vision_tower(self) -> Recipe:
