@@ -612,3 +612,46 @@ def test_check_a_recipe_refuses_images_for_a_text_model(tiny_gemma3_dir: Path, t
     with pytest.raises(DataError, match=r"rows\.jsonl row 1 \(line 1\), field images: the rows carry images but model"):
         check(TEMPLATE, sets)
     assert check(TEMPLATE, [*sets, "model.text_only=false"]).startswith(f"ok: 3 rows in {path}")
+
+
+def test_image_rows_in_a_bucket_reach_the_vision_collator_with_the_answer_alone_trained(
+    fake_gcs: type[FakeGCS],
+) -> None:
+    """messages + images from gs:// (rows and images through fsspec) -> PIL images -> the W2 collator's batch."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    from tests.trainer.test_collator import tiny_vision_model, tiny_vision_processor
+    from trainer.collators import VisionSFTCollator
+
+    rows = []
+    for i, colour in enumerate(["red", "green", "blue"]):
+        png = io.BytesIO()
+        Image.new("RGB", (8, 8), colour).save(png, format="PNG")
+        _put(f"gs://team-data/photos/{i}.png", png.getvalue())
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": colour}]},
+                ],
+                "images": [f"{i}.png"],
+            }
+        )
+    _put("gs://team-data/photos/rows.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    split = prepare_datasets(
+        DataSpec(format="messages", path="gs://team-data/photos/rows.jsonl", image_dir="gs://team-data/photos")
+    )
+    examples = list(split.train)  # shuffled: each row's image still goes with its answer
+    pixels = {"red": (255, 0, 0), "green": (0, 128, 0), "blue": (0, 0, 255)}
+    answers = [e["messages"][-1]["content"][0]["text"] for e in examples]
+    assert sorted(answers) == sorted(pixels)
+    assert [e["images"][0].getpixel((0, 0)) for e in examples] == [pixels[a] for a in answers]
+    processor = tiny_vision_processor()
+    batch = VisionSFTCollator(processor)(examples)
+    for row, answer in enumerate(answers):
+        kept = batch["labels"][row][batch["labels"][row] != -100].tolist()
+        assert processor.tokenizer.decode(kept) == answer + "<end_of_turn>\n"
+    assert torch.isfinite(tiny_vision_model(processor)(**batch).loss)
