@@ -567,6 +567,16 @@ def preview(recipe_name: str, rows: int = 3) -> None:
 
 def spec_for_file(path: str, data_format: str | None) -> DataSpec:
     """A DataSpec for a bare data file or URL: `data_format` as given, else read from the first row's fields."""
+    from pydantic import ValidationError
+
+    try:
+        return _spec_for_file(path, data_format)
+    except ValidationError as exc:
+        problems = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
+        raise DataError(f"{path}: {problems}") from None
+
+
+def _spec_for_file(path: str, data_format: str | None) -> DataSpec:
     if data_format is None:
         probe = DataSpec(format=DataFormat.MESSAGES, path=path, source=infer_source(path))  # for its files only
         fields = {name for row in read_rows(probe).head for name in row}
@@ -654,7 +664,11 @@ def main(argv: list[str] | None = None) -> int:
     checking = commands.add_parser("check", help="check a recipe's data, or a data file / URL, as the trainer would")
     checking.add_argument("target", metavar="RECIPE_OR_FILE", help="a recipe (name or .yaml path) or a data file/URL")
     checking.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    checking.add_argument("--format", choices=[f.value for f in USER_FORMATS], help="a data file's format")
+    checking.add_argument(
+        "--format",
+        choices=[DataFormat.MESSAGES.value, DataFormat.PROMPT_COMPLETION.value],
+        help="a data file's format (a column mapping needs a recipe: data.columns)",
+    )
     checking.add_argument("--tokenizer", help="model id or folder whose tokenizer measures the rows (local only)")
     checking.add_argument("--rows", type=int, default=CHECK_ROWS, help="how many of the first rows to check")
     args = parser.parse_args(argv)

@@ -576,6 +576,8 @@ def require_valid_run(recipe: Recipe, name_or_path: str) -> Recipe:
     problems = check_run(recipe)
     if problems:
         where = recipe_path(name_or_path)
+        if where.parent != RECIPES_DIR:  # a recipe file: the fixes' command lines name the file, not the name
+            problems = [p.replace(f"--recipe {recipe.name} ", f"--recipe {name_or_path} ") for p in problems]
         raise RecipeError("\n".join([f"recipe {where} is invalid:", *(f"  {p}" for p in problems)]))
     return recipe
 

@@ -655,3 +655,15 @@ def test_image_rows_in_a_bucket_reach_the_vision_collator_with_the_answer_alone_
         kept = batch["labels"][row][batch["labels"][row] != -100].tolist()
         assert processor.tokenizer.decode(kept) == answer + "<end_of_turn>\n"
     assert torch.isfinite(tiny_vision_model(processor)(**batch).loss)
+
+
+def test_a_file_that_is_no_data_file_is_one_message(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(DataError, match=r"notes\.txt': local data must be a \.jsonl, \.json, \.parquet, \.csv file"):
+        check(str(tmp_path / "notes.txt"), data_format="messages")
+
+
+def test_the_fix_of_a_recipe_file_names_the_file() -> None:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TEMPLATE, ["training.max_steps=-1", "training.save_steps=50"])
+    assert f"`python -m trainer --recipe {TEMPLATE} --set training.save_steps=N`" in str(info.value)
