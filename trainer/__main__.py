@@ -3,11 +3,13 @@
     .venv/bin/python -m trainer --recipe emoji-local
     .venv/bin/python -m trainer --recipe emoji-local --set training.max_steps=5 --set output.dir=/tmp/emoji
     .venv/bin/python -m trainer --list
+    .venv/bin/python -m trainer --recipe path/to/my-recipe.yaml     # a recipe file anywhere (docs/own-data.md)
 
 Parses arguments and the recipe (schema), exits 0 with the earlier result when `output.dir` already
 holds a finished run, else validates the run the recipe describes and calls the typed `trainer.train.main`.
-A problem the user can fix (bad recipe, bad override, missing data file, full disk) is printed
-as one clear message without a traceback, with exit code 2.
+A problem the user can fix (bad recipe, bad override, missing data file, a bad row among the first
+ones checked before the model loads, full disk) is printed as one clear message without a
+traceback, with exit code 2.
 """
 
 from __future__ import annotations

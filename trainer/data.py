@@ -1,10 +1,21 @@
-"""Training data: load a recipe's rows, split them reproducibly and format them for SFT.
+"""Training data: load a recipe's rows, check them, split them reproducibly and format them for SFT.
 
     .venv/bin/python -c "from trainer.data import preview; preview('emoji-local')"
+    .venv/bin/python -m trainer.data check my-recipe.yaml        # or a data file: check data.jsonl
+    (`trainer.data` is this module: the folder trainer/data/ beside it holds samples and has no
+    __init__.py, and Python's path finder takes a module file over a folder without one)
 
 Decisions:
-- Rows come from the Hugging Face Hub (`datasets.load_dataset(path, split=…, revision=…)`, the
-  cloud path) or from a local .jsonl/.json/.parquet file resolved against the repository root.
+- Rows come from the Hugging Face Hub (`datasets.load_dataset(path, split=…, revision=…)`), or from
+  files: a local .jsonl/.json/.parquet/.csv file resolved against the repository root, or any fsspec
+  URL (`gs://bucket/tickets/*.jsonl`, several files through a glob). Local files and URLs are read by
+  one function (`read_files`) through fsspec (a local path is fsspec's `file` filesystem), so a
+  `memory://` or `file://` URL in a test takes the path a `gs://` one takes on the cluster.
+- Before the model loads, the first CHECK_ROWS rows of a standard format (`data.format` messages,
+  prompt-completion, columns) are checked in file order (format, roles, empty turns, images that
+  do not open, length against `max_length`): any bad one stops the run with a `DataError` naming
+  the file, the row and the field (exit 2 from `python -m trainer`). The tutorial tasks keep
+  skipping such rows, as they always did.
 - The split is reproducible: a seeded shuffle, then `max_rows`, then the FIRST `eval_rows` are
   held out. The same recipe always trains and evaluates on the same rows.
 - Bad rows never crash a run: rows with missing or empty fields, or longer than `max_length`
@@ -32,8 +43,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.formatting import FormattingError, formatter_for
-from trainer.recipe import REPO_ROOT, DataSource, DataSpec, RecipeError, Task, resolve_local_path
+from trainer.formatting import FormattingError, formatter_for, row_formatter
+from trainer.recipe import (
+    REPO_ROOT,
+    USER_FORMATS,
+    DataFormat,
+    DataSource,
+    DataSpec,
+    RecipeError,
+    Task,
+    count_rows_in,
+    infer_source,
+    resolve_local_path,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -42,7 +64,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SKIP_COLUMN = "_skip_reason"
-_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_RAW_IMAGES = "_row_images"
+_GLOB = ("*", "?", "[")
+# how many rows of a standard format are checked before the model loads (each is formatted, its images opened
+# and its length measured: a second or two for a hundred rows)
+CHECK_ROWS = 100
+
+
+class DataError(RecipeError):
+    """Data the run cannot train on, with the file, row and field it is about and how to fix it."""
 
 
 @dataclass
@@ -75,15 +105,168 @@ class DataSplit:
     report: SkipReport
 
 
+@dataclass(frozen=True)
+class RowOrigin:
+    """Where a loaded dataset's rows came from, in order: (label, rows, first JSON Lines line numbers) per file."""
+
+    parts: tuple[tuple[str, int, tuple[int, ...]], ...]
+
+    def where(self, index: int) -> str:
+        """`FILE row N` (1-based; `line L` too for JSON Lines) for the row at `index` of the whole dataset."""
+        for label, count, lines in self.parts:
+            if index < count:
+                line = f" (line {lines[index]})" if index < len(lines) else ""
+                return f"{label} row {index + 1}{line}"
+            index -= count
+        return f"row {index + 1}"
+
+
+@dataclass
+class LoadedRows:
+    """The rows a recipe names: the first CHECK_ROWS as they were read (`head`: Python values, a missing field
+    missing), where every row came from, and the Arrow dataset, built on first use (`dataset()`).
+
+    The check reads `head`, not the dataset: rows that do not share one schema cannot become one Arrow table, and
+    a malformed row is exactly such a row."""
+
+    head: list[dict[str, Any]]
+    origin: RowOrigin
+    _build: Any = field(repr=False)
+    _dataset: Any = field(default=None, repr=False)
+
+    def dataset(self) -> Dataset:
+        if self._dataset is None:
+            self._dataset = self._build()
+        return self._dataset
+
+
 def load_rows(spec: DataSpec) -> Dataset:
     """The raw rows named by the recipe, before shuffling or formatting."""
-    import datasets
+    return read_rows(spec).dataset()
 
+
+def read_rows(spec: DataSpec, head_rows: int = CHECK_ROWS) -> LoadedRows:
+    """The rows of a Hub split, or of the files of a local path or URL (in order), with where each came from."""
     if spec.source is DataSource.HUB:
-        return datasets.load_dataset(spec.path, split=spec.split, revision=spec.revision)
-    path = resolve_local_path(spec.path)
-    builder = _LOCAL_BUILDERS[path.suffix]
-    return datasets.load_dataset(builder, data_files=str(path), split="train")
+        import datasets
+
+        rows = datasets.load_dataset(spec.path, split=spec.split, revision=spec.revision)
+        label = f"Hub dataset {spec.path} (split {spec.split}, revision {spec.revision or 'main'})"
+        head = rows.select(range(min(head_rows, len(rows)))).to_list()
+        return LoadedRows(head, RowOrigin(((label, len(rows), ()),)), lambda: rows)
+    if spec.source is DataSource.LOCAL:
+        from fsspec.implementations.local import LocalFileSystem
+
+        return read_files(LocalFileSystem(), [str(resolve_local_path(spec.path))], [spec.path], head_rows)
+    fs, paths = expand_url(spec.path)
+    return read_files(fs, paths, [fs.unstrip_protocol(p) for p in paths], head_rows)
+
+
+def expand_url(url: str) -> tuple[Any, list[str]]:
+    """The fsspec filesystem of `url` and the files it names (a glob's matches, sorted); DataError if none."""
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, root = url_to_fs(url)
+    except (ImportError, ValueError) as exc:  # an unknown protocol, or its package (gcsfs) is not installed
+        raise DataError(f"data.path={url!r}: fsspec cannot open it ({exc})") from None
+    paths = sorted(fs.glob(root)) if any(c in root for c in _GLOB) else ([root] if fs.isfile(root) else [])
+    if not paths:
+        raise DataError(f"data.path={url!r} names no file. Fix: check the URL (ls it: fsspec `ls` / gcloud storage ls)")
+    return fs, paths
+
+
+def count_url_rows(url: str) -> int:
+    """Rows behind a URL, counted as `read_files` reads them (parquet from its footer only)."""
+    fs, paths = expand_url(url)
+    total = 0
+    for path in paths:
+        with fs.open(path, "rb") as handle:
+            total += count_rows_in(handle, _suffix(path))
+    return total
+
+
+def _suffix(path: str) -> str:
+    return "." + path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
+
+
+def read_files(fs: Any, paths: list[str], labels: list[str], head_rows: int = CHECK_ROWS) -> LoadedRows:
+    """Every row of `paths` on `fs`, in order: parquet as Arrow tables; JSON Lines, JSON and CSV as records.
+
+    A JSON Lines line that is not JSON is a DataError naming the file and line; CSV values stay strings.
+    """
+    import pyarrow as pa
+
+    tables: list[Any] = []
+    records: list[dict[str, Any]] = []
+    parts: list[tuple[str, int, tuple[int, ...]]] = []
+    head: list[dict[str, Any]] = []
+    for path, label in zip(paths, labels, strict=True):
+        suffix = _suffix(path)
+        lines: tuple[int, ...] = ()
+        with fs.open(path, "rb") as handle:
+            if suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                table = pq.read_table(handle)
+                tables.append(table)
+                count = table.num_rows
+                head.extend(table.slice(0, max(head_rows - len(head), 0)).to_pylist())
+            else:
+                rows, lines = _read_records(handle, suffix, label)
+                records.extend(rows)
+                count = len(rows)
+                head.extend(rows[: max(head_rows - len(head), 0)])
+        parts.append((label, count, lines[:head_rows]))
+    if tables and records:
+        raise DataError(f"data.path mixes parquet and other files ({labels}): use one kind")
+
+    def build() -> Dataset:
+        from datasets import Dataset
+
+        try:
+            if tables:
+                return Dataset(pa.concat_tables(tables, promote_options="default"))
+            return Dataset.from_list(records)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+            raise DataError(
+                f"the rows of {', '.join(labels)} do not share one schema ({exc}). Fix: give every row the same "
+                "fields with the same types (a turn's content is either always a string or always a list of parts)"
+            ) from None
+
+    return LoadedRows(head, RowOrigin(tuple(parts)), build)
+
+
+def _read_records(handle: Any, suffix: str, label: str) -> tuple[list[dict[str, Any]], tuple[int, ...]]:
+    import io
+    import json
+
+    if suffix == ".csv":
+        import csv
+
+        return list(csv.DictReader(io.TextIOWrapper(handle, encoding="utf-8", newline=""))), ()
+    if suffix == ".json":
+        data = json.loads(handle.read().decode("utf-8"))
+        if isinstance(data, dict):  # {"column": [values]}: the column-oriented JSON datasets also reads
+            data = [dict(zip(data, values, strict=True)) for values in zip(*data.values(), strict=True)]
+        return list(data), ()
+    if suffix != ".jsonl":
+        raise DataError(f"{label}: cannot read a {suffix or 'suffix-less'} file; use .jsonl, .json, .parquet or .csv")
+    rows, lines = [], []
+    for number, line in enumerate(handle, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{label} line {number}: not valid JSON ({exc.msg}). Fix: one JSON object per line"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(f"{label} line {number}: a {type(row).__name__}, not a JSON object ({{...}} per line)")
+        rows.append(row)
+        lines.append(number)
+    return rows, tuple(lines)
 
 
 def split_rows(rows: Dataset, spec: DataSpec) -> tuple[Dataset, Dataset | None]:
@@ -167,28 +350,41 @@ def fingerprint_tokenizers_by_digest(tokenizer: Any) -> None:
 
 def format_rows(
     rows: Dataset,
-    task: Task | str,
+    task: Task | str | DataSpec,
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_length: int | None = None,
     image_dir: str | None = None,
 ) -> tuple[Dataset, SkipReport]:
-    """Format every row into a conversation; drop (and count) the rows that cannot be trained on."""
-    formatter = formatter_for(task)
+    """Format every row into a conversation; drop (and count) the rows that cannot be trained on.
+
+    `task`: a tutorial task, or the recipe's DataSpec (any `data.format`)."""
+    spec = task if isinstance(task, DataSpec) else None
+    data_format = spec.format if spec is not None else DataFormat(str(task))
+    has_images = _has_images(rows, data_format)
+    formatter = row_formatter(spec, has_images) if spec is not None else formatter_for(Task(str(task)))
     images_root = resolve_image_dir(image_dir)
+    user_format = data_format in USER_FORMATS
     if tokenizer is not None:
         fingerprint_tokenizers_by_digest(tokenizer)
 
+    # An output column named like an input one keeps the input's type inference: PIL images written back into
+    # a column of path strings become {bytes, path} structs instead of datasets' Image feature (datasets 5.2).
+    if "images" in rows.column_names:
+        rows = rows.rename_column("images", _RAW_IMAGES)
+
     def format_one(row: dict[str, Any]) -> dict[str, Any]:
+        if _RAW_IMAGES in row:
+            row = {**row, "images": row.pop(_RAW_IMAGES)}
         try:
             example = formatter(row)
+            if images_root is not None or user_format:
+                example = _with_open_images(example, images_root)
         except FormattingError as exc:
-            return {**_empty_example(task), _SKIP_COLUMN: exc.reason}
-        if images_root is not None:
-            example["images"] = [open_image(image, images_root) for image in example["images"]]
+            return {**_empty_example(has_images), _SKIP_COLUMN: exc.reason}
         if tokenizer is not None and max_length is not None:
             length = conversation_length(tokenizer, example["messages"])
             if length > max_length:
-                return {**_empty_example(task), _SKIP_COLUMN: f"longer than max_length={max_length}"}
+                return {**_empty_example(has_images), _SKIP_COLUMN: f"longer than max_length={max_length}"}
         return {**example, _SKIP_COLUMN: ""}
 
     mapped = rows.map(format_one, remove_columns=rows.column_names, desc="formatting")
@@ -197,40 +393,157 @@ def format_rows(
     return kept, SkipReport(total=len(rows), reasons=reasons)
 
 
-def resolve_image_dir(image_dir: str | None) -> Path | None:
+def _has_images(rows: Dataset, data_format: DataFormat) -> bool:
+    """The vision tutorial always carries images; a standard format does when its rows have an `images` column."""
+    if data_format is DataFormat.PRODUCT_DESCRIPTION:
+        return True
+    return data_format in USER_FORMATS and "images" in rows.column_names
+
+
+def _with_open_images(example: dict[str, Any], root: Path | str | None) -> dict[str, Any]:
+    if "images" not in example:
+        return example
+    opened = []
+    for i, image in enumerate(example["images"]):
+        try:
+            opened.append(open_image(image, root))
+        except FormattingError as exc:
+            raise FormattingError(exc.reason, exc.detail, f"images[{i}]") from None
+        except Exception as exc:  # PIL's UnidentifiedImageError, a missing file, a fsspec error: the image is bad
+            raise FormattingError("image does not open", f"{image!r}: {exc}", f"images[{i}]") from None
+    return {**example, "images": opened}
+
+
+def resolve_image_dir(image_dir: str | None) -> Path | str | None:
+    """`data.image_dir`: a URL as it is, else a local folder (absolute, or relative to the repository root)."""
     if image_dir is None:
         return None
+    if "://" in image_dir:
+        return image_dir.rstrip("/")
     path = Path(image_dir) if Path(image_dir).is_absolute() else REPO_ROOT / image_dir
     if not path.is_dir():
         raise RecipeError(f"data.image_dir={image_dir!r}: {path} is not a folder")
     return path
 
 
-def open_image(image: Any, root: Path | None) -> Any:
-    """Local rows name their image by a path relative to `data.image_dir`; Hub rows already carry images."""
-    if not isinstance(image, str) or root is None:
-        return image
+def open_image(image: Any, root: Path | str | None) -> Any:
+    """An image of a row, opened: a PIL image as it is; `{bytes, path}` (a parquet Image column) from its bytes;
+    a path string absolute, a URL through fsspec, else relative to `data.image_dir`.
+
+    Hub rows of the vision tutorial already carry PIL images (and keep them as they are)."""
     from PIL import Image
 
-    return Image.open(root / image).convert("RGB")
+    if isinstance(image, dict) and image.get("bytes"):
+        import io
+
+        return _loaded(Image.open(io.BytesIO(image["bytes"])))
+    if isinstance(image, dict) and image.get("path"):
+        image = image["path"]
+    if not isinstance(image, str):
+        return image
+    if "://" in image or (isinstance(root, str) and not Path(image).is_absolute()):
+        import fsspec
+
+        url = image if "://" in image else f"{root}/{image}"
+        with fsspec.open(url, "rb") as handle:
+            return _loaded(Image.open(handle))
+    if Path(image).is_absolute():
+        return _loaded(Image.open(image))
+    if root is None:
+        raise FormattingError("relative image path without data.image_dir", f"{image!r}: set data.image_dir")
+    return _loaded(Image.open(Path(root) / image))
 
 
-def _empty_example(task: Task | str) -> dict[str, Any]:
+def _loaded(image: Any) -> Any:
+    """Decoded now (PIL opens lazily): a truncated file fails here, in the check, not in the collator."""
+    return image.convert("RGB")
+
+
+def _empty_example(has_images: bool) -> dict[str, Any]:
     """A placeholder with the same columns as a real example, for rows that are filtered out right after."""
-    if Task(task) is Task.PRODUCT_DESCRIPTION:
-        return {"messages": [], "images": []}
-    return {"messages": []}
+    return {"messages": [], "images": []} if has_images else {"messages": []}
+
+
+def check_first_rows(
+    loaded: LoadedRows,
+    spec: DataSpec,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    max_length: int | None = None,
+    limit: int = CHECK_ROWS,
+    text_only: bool | None = None,
+) -> int:
+    """Format the first `limit` rows as training will (images opened, length measured); DataError on a bad one.
+
+    The error names the first bad row (file, row, field), what is wrong and the fix, and counts the others among
+    the rows checked. `text_only`: the recipe's `model.text_only`, when the caller knows it (rows with images need
+    a vision model). Returns how many rows were checked."""
+    head = loaded.head[:limit]
+    has_images = spec.format is DataFormat.PRODUCT_DESCRIPTION or any("images" in row for row in head)
+    with_images = next((i for i, row in enumerate(head) if row.get("images")), None)
+    if text_only and with_images is not None:
+        raise DataError(
+            f"{loaded.origin.where(with_images)}, field images: the rows carry images but model.text_only is true "
+            "(the text model never sees them). Fix: model.text_only: false with a Gemma 3 4B+ or Gemma 4 checkpoint, "
+            "or drop the images column"
+        )
+    formatter = row_formatter(spec, has_images)
+    root = resolve_image_dir(spec.image_dir)
+    bad: list[tuple[int, FormattingError]] = []
+    for index, row in enumerate(head):
+        try:
+            example = _with_open_images(formatter(row), root)
+            if tokenizer is not None and max_length is not None:
+                length = conversation_length(tokenizer, example["messages"])
+                if length > max_length:
+                    raise FormattingError(
+                        f"longer than max_length={max_length}",
+                        f"{length} tokens once the chat template is applied; raise training.max_length or shorten "
+                        "the row",
+                        "(the whole row)",
+                    )
+        except FormattingError as exc:
+            bad.append((index, exc))
+    if bad:
+        index, first = bad[0]
+        others = Counter(exc.reason for _, exc in bad[1:])
+        more = (
+            f" {len(bad) - 1} more of the first {len(head)} rows fail too ("
+            + ", ".join(f"{n} {reason}" for reason, n in others.most_common())
+            + ")."
+            if others
+            else ""
+        )
+        detail = f" ({first.detail})" if first.detail else ""
+        raise DataError(
+            f"{loaded.origin.where(index)}, field {first.field or '(row)'}: {first.reason}{detail} [data.format="
+            f"{spec.format.value}].{more} Fix the row (docs/own-data.md shows each format's rows); "
+            f"`python -m trainer.data check RECIPE` checks the data on your machine"
+        )
+    return len(head)
 
 
 def prepare_datasets(
     spec: DataSpec, tokenizer: PreTrainedTokenizerBase | None = None, max_length: int | None = None
 ) -> DataSplit:
-    """Load, split and format the recipe's data; logs one summary line of skipped rows."""
-    train_rows, eval_rows = split_rows(load_rows(spec), spec)
-    train, report = format_rows(train_rows, spec.task, tokenizer, max_length, spec.image_dir)
+    """Load, check (a standard format's first rows), split and format the recipe's data; logs skipped rows."""
+    loaded = read_rows(spec)
+    checked = check_first_rows(loaded, spec, tokenizer, max_length) if spec.format in USER_FORMATS else 0
+    rows = loaded.dataset()
+    if checked:
+        log.info("data: %d rows from %s; the first %d are well-formed", len(rows), spec.path, checked)
+    if spec.rows is not None and spec.source is not DataSource.HUB and spec.rows != len(rows):
+        log.warning(
+            "data.rows=%d but %s holds %d rows: the recipe's step plan counted %d (the run trains on all of them)",
+            spec.rows,
+            spec.path,
+            len(rows),
+            spec.rows,
+        )
+    train_rows, eval_rows = split_rows(rows, spec)
+    train, report = format_rows(train_rows, spec, tokenizer, max_length, spec.image_dir)
     evaluation = None
     if eval_rows is not None:
-        evaluation, eval_report = format_rows(eval_rows, spec.task, tokenizer, max_length, spec.image_dir)
+        evaluation, eval_report = format_rows(eval_rows, spec, tokenizer, max_length, spec.image_dir)
         report = report.merge(eval_report)
     (log.warning if report.skipped else log.info)("%s", report.summary())
     if len(train) == 0:
@@ -246,3 +559,130 @@ def preview(recipe_name: str, rows: int = 3) -> None:
     for example in split.train.select(range(min(rows, len(split.train)))):
         print(example["messages"])
     print(split.report.summary())
+
+
+# --------------------------------------------------------------------------------------
+# `python -m trainer.data check RECIPE_OR_FILE`: the trainer's data checks, on a laptop
+
+
+def spec_for_file(path: str, data_format: str | None) -> DataSpec:
+    """A DataSpec for a bare data file or URL: `data_format` as given, else read from the first row's fields."""
+    from pydantic import ValidationError
+
+    try:
+        return _spec_for_file(path, data_format)
+    except ValidationError as exc:
+        problems = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
+        raise DataError(f"{path}: {problems}") from None
+
+
+def _spec_for_file(path: str, data_format: str | None) -> DataSpec:
+    if data_format is None:
+        probe = DataSpec(format=DataFormat.MESSAGES, path=path, source=infer_source(path))  # for its files only
+        fields = {name for row in read_rows(probe).head for name in row}
+        if "messages" in fields:
+            data_format = DataFormat.MESSAGES
+        elif {"prompt", "completion"} <= fields:
+            data_format = DataFormat.PROMPT_COMPLETION
+        else:
+            raise DataError(
+                f"{path}: its rows have {sorted(fields)}, neither `messages` nor `prompt` + `completion`. Fix: pass "
+                "--format, or check a recipe whose data.columns maps these fields (docs/own-data.md)"
+            )
+    return DataSpec(format=DataFormat(data_format), path=path, source=infer_source(path))
+
+
+def check_tokenizer(recipe: Any, tokenizer: str | None) -> tuple[Any, str]:
+    """The tokenizer the length check uses, and a note: `--tokenizer`, else the recipe's model if it is on this
+    machine (a folder, the built local 270M, or a Hub id in the local cache); never a download."""
+    from transformers import AutoTokenizer
+
+    from trainer.local_model import LOCAL_MODEL_PREFIX, cache_root, is_built
+
+    if tokenizer is None and recipe is not None:
+        name = recipe.model.name_or_path
+        if name.startswith(LOCAL_MODEL_PREFIX):
+            folder = cache_root() / name[len(LOCAL_MODEL_PREFIX) :]
+            tokenizer = str(folder) if is_built(folder) else None
+        else:
+            tokenizer = name
+    if tokenizer is None:
+        return None, "lengths not measured (no tokenizer: pass --tokenizer MODEL_OR_FOLDER)"
+    try:
+        loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        return None, f"lengths not measured ({tokenizer} is not on this machine: {type(exc).__name__})"
+    if not loaded.chat_template:
+        from trainer.local_model import trl_chat_template
+
+        loaded.chat_template = trl_chat_template(recipe.model.chat_template if recipe else "gemma3")
+    return loaded, f"lengths measured with {tokenizer}'s tokenizer"
+
+
+def check(
+    target: str,
+    overrides: list[str] | None = None,
+    data_format: str | None = None,
+    tokenizer: str | None = None,
+    limit: int = CHECK_ROWS,
+) -> str:
+    """What `python -m trainer.data check` prints on success; a DataError / RecipeError otherwise."""
+    from trainer.recipe import check_run, parse_recipe, step_plan
+
+    is_recipe = target.endswith((".yaml", ".yml")) or ("/" not in target and "." not in target)
+    recipe = parse_recipe(target, overrides or []) if is_recipe else None
+    spec = recipe.data if recipe is not None else spec_for_file(target, data_format)
+    max_length = recipe.training.max_length if recipe is not None else None
+    loaded, note = check_tokenizer(recipe, tokenizer)
+    if recipe is None and loaded is not None:
+        note += " (no max_length: check a recipe to compare)"
+    rows = read_rows(spec, limit)
+    if spec.format in USER_FORMATS:
+        text_only = recipe.model.text_only if recipe is not None else None
+        checked = check_first_rows(rows, spec, loaded, max_length, limit, text_only)
+        count = len(rows.dataset())
+        lines = [f"ok: {count} rows in {spec.path} (data.format={spec.format.value}); the first {checked} checked"]
+    else:
+        count = len(rows.dataset())
+        lines = [f"ok: {count} rows in {spec.path} (tutorial task {spec.format.value}: bad rows are skipped)"]
+    lines.append(f"  {note}")
+    if recipe is not None:
+        problems = check_run(recipe)
+        if problems:
+            raise RecipeError("\n".join([f"recipe {target} is invalid:", *(f"  {p}" for p in problems)]))
+        plan = step_plan(recipe)
+        lines.append(f"  {plan.train_rows} training rows, {plan.total_updates} optimizer steps")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.data", description="Check training data before a run.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    checking = commands.add_parser("check", help="check a recipe's data, or a data file / URL, as the trainer would")
+    checking.add_argument("target", metavar="RECIPE_OR_FILE", help="a recipe (name or .yaml path) or a data file/URL")
+    checking.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    checking.add_argument(
+        "--format",
+        choices=[DataFormat.MESSAGES.value, DataFormat.PROMPT_COMPLETION.value],
+        help="a data file's format (a column mapping needs a recipe: data.columns)",
+    )
+    checking.add_argument("--tokenizer", help="model id or folder whose tokenizer measures the rows (local only)")
+    checking.add_argument("--rows", type=int, default=CHECK_ROWS, help="how many of the first rows to check")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        print(check(args.target, args.overrides, args.format, args.tokenizer, args.rows))
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    # runpy executes this file as __main__, a second copy of the module: run the imported one's main instead
+    from trainer.data import main as _main
+
+    raise SystemExit(_main())

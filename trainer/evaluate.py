@@ -15,6 +15,8 @@ Scores:
 - product descriptions (image + name + category): **ROUGE-L F1**, the longest common subsequence of
   lower-cased words over prediction and reference (precision = LCS / prediction words, recall = LCS /
   reference words). It rewards saying the reference's facts in its order; it cannot judge style.
+- your own data (`data.format` messages, prompt-completion, columns): **ROUGE-L F1** as the text
+  overlap, and `exact_match` (the same text, runs of whitespace aside).
 - every task: **held-out loss**, the mean cross-entropy of the reference answer's tokens given the
   prompt (the same tokens the training loss covers; image tokens are part of the prompt).
 
@@ -243,21 +245,22 @@ def answer_losses(model: PreTrainedModel, processing_class: Any, conversations: 
 def held_out_rows(recipe: Recipe, max_samples: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(conversation, raw row) pairs from the recipe's eval split, capped at `max_samples`; bad rows skipped."""
     from trainer.data import load_rows, open_image, resolve_image_dir, split_rows
-    from trainer.formatting import FormattingError, formatter_for
+    from trainer.formatting import FormattingError, row_formatter
 
     _, raw = split_rows(load_rows(recipe.data), recipe.data)
     if raw is None:
         raise RecipeError(f"recipe {recipe.name} holds out no rows (data.eval_rows is 0): nothing to evaluate on")
-    formatter, pairs = formatter_for(recipe.data.task), []
+    has_images = recipe.data.task is Task.PRODUCT_DESCRIPTION or "images" in raw.column_names
+    formatter, pairs = row_formatter(recipe.data, has_images), []
     images_root = resolve_image_dir(recipe.data.image_dir)
     for row in raw.select(range(min(max_samples, len(raw)))):
         try:
             conversation = formatter(row)
-        except FormattingError as exc:
+            if "images" in conversation:
+                conversation["images"] = [open_image(image, images_root) for image in conversation["images"]]
+        except (FormattingError, OSError) as exc:  # OSError: an image that does not open
             log.warning("evaluation skips a row: %s", exc)
             continue
-        if "images" in conversation:
-            conversation["images"] = [open_image(image, images_root) for image in conversation["images"]]
         pairs.append((conversation, row))
     return pairs
 
@@ -284,6 +287,8 @@ def rouge_l_f1(prediction: str, reference: str) -> float:
 
 
 _METRIC = {Task.EMOJI: "emoji_f1", Task.TEXT_TO_SQL: "execution_match", Task.PRODUCT_DESCRIPTION: "rouge_l_f1"}
+# data.format messages / prompt-completion / columns (no task): ROUGE-L F1 as the text overlap, and exact_match
+GENERIC_METRIC = "rouge_l_f1"
 
 
 def evaluate(
@@ -317,7 +322,7 @@ def evaluate(
         "recipe": recipe.name,
         "samples": len(predictions),
         "max_new_tokens": recipe.max_new_tokens,
-        _METRIC[recipe.data.task]: sum(scores) / len(scores) if scores else None,
+        _METRIC.get(recipe.data.task, GENERIC_METRIC): sum(scores) / len(scores) if scores else None,
         "held_out_loss": loss_sum / loss_tokens if loss_tokens else None,
         "held_out_perplexity": math.exp(loss_sum / loss_tokens) if loss_tokens else None,
         "predictions": predictions,
@@ -325,6 +330,10 @@ def evaluate(
     if recipe.data.task is Task.EMOJI:
         results["exact_match"] = sum(
             "".join(p["prediction"].split()) == "".join(p["reference"].split()) for p in predictions
+        ) / max(len(predictions), 1)
+    if recipe.data.task is None:  # the same text up to runs of whitespace
+        results["exact_match"] = sum(
+            " ".join(p["prediction"].split()) == " ".join(p["reference"].split()) for p in predictions
         ) / max(len(predictions), 1)
     out_path = Path(out) if out else Path(model_dir) / "eval_results.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -339,10 +348,10 @@ def _prompt_text(conversation: dict[str, Any]) -> str:
     return "".join(part.get("text") or "" for part in content if part.get("type") == "text")
 
 
-def _score(task: Task, prediction: str, reference: str, row: dict[str, Any]) -> float:
+def _score(task: Task | None, prediction: str, reference: str, row: dict[str, Any]) -> float:
     if task is Task.EMOJI:
         return emoji_f1(prediction, reference)
-    if task is Task.PRODUCT_DESCRIPTION:
+    if task is Task.PRODUCT_DESCRIPTION or task is None:
         return rouge_l_f1(prediction, reference)
     from trainer.sql_eval import execution_match
 

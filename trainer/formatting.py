@@ -12,6 +12,18 @@ Decisions:
   share one Arrow schema; the image itself travels in `images`, in the order of the image
   parts, which is what trl's vision collator expects.
 - No tokenisation here: length limits need a tokenizer and are checked by the data loader.
+- The standard formats (`data.format` messages, prompt-completion, columns) become the same
+  `{"messages": [...]}` conversation as the tutorial tasks, so the loss is masked the one way the
+  trainer masks every conversation (trainer/train.py `choose_loss_mode`: trl's assistant-only loss,
+  or its completion-only loss on the last assistant turn). A prompt-completion row therefore has
+  exactly one assistant turn, in its completion: a prompt with an assistant turn would be trained
+  on too under assistant-only loss, which trl's prompt-completion format never does.
+  Plain-string prompt/completion become one user and one assistant turn: the model is trained on
+  the chat template it is served with (vLLM's chat endpoint applies it).
+- A row's turns keep string content when the row has no images, and become lists of content parts
+  (text, image) when the dataset has an `images` column, so all rows share one Arrow schema.
+- Every error names the field it is about (`FormattingError.field`, e.g. `messages[2].role`), so
+  the data loader can say which file, row and field a bad row is.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainer.recipe import Task
+from trainer.recipe import ColumnsSpec, DataFormat, DataSpec, Task
 
 Row = Mapping[str, Any]
 Conversation = dict[str, Any]
@@ -45,23 +57,23 @@ PRODUCT_PROMPT = (
 
 
 class FormattingError(ValueError):
-    """A row that cannot become a training example; `reason` is the short label used in skip summaries."""
+    """A row that cannot become a training example; `reason` is the short label used in skip summaries.
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    `field` names the part of the row it is about (`messages[1].content`), `detail` says more."""
+
+    def __init__(self, reason: str, detail: str = "", field: str | None = None) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail, self.field = reason, detail, field
 
 
 class MissingFieldError(FormattingError):
     def __init__(self, field: str, row: Row) -> None:
-        super().__init__(f"missing field {field!r}", f"row has {sorted(row)}")
-        self.field = field
+        super().__init__(f"missing field {field!r}", f"row has {sorted(row)}", field)
 
 
 class EmptyFieldError(FormattingError):
     def __init__(self, field: str) -> None:
-        super().__init__(f"empty field {field!r}")
-        self.field = field
+        super().__init__(f"empty field {field!r}", field=field)
 
 
 def require_text(row: Row, field: str) -> str:
@@ -130,6 +142,144 @@ FORMATTERS: dict[Task, Callable[[Row], Conversation]] = {
 
 def formatter_for(task: Task | str) -> Callable[[Row], Conversation]:
     return FORMATTERS[Task(task)]
+
+
+def row_formatter(spec: DataSpec, has_images: bool = False) -> Callable[[Row], Conversation]:
+    """The formatter of `data.format`; `has_images`: the dataset has an `images` column (content becomes parts)."""
+    if spec.task is not None:
+        return FORMATTERS[spec.task]
+    if spec.format is DataFormat.MESSAGES:
+        return lambda row: format_messages(row, has_images)
+    if spec.format is DataFormat.PROMPT_COMPLETION:
+        return lambda row: format_prompt_completion(row, has_images)
+    assert spec.columns is not None  # DataSpec requires it for format: columns
+    columns = spec.columns
+    return lambda row: format_columns(row, columns)
+
+
+# --------------------------------------------------------------------------------------
+# The standard formats: trl's conversational and prompt-completion rows, and a column mapping
+
+ROLES = ("system", "user", "assistant")
+
+
+def format_messages(row: Row, has_images: bool = False) -> Conversation:
+    """trl's conversational row: `messages` (a list of {role, content}), optional `images` (one per image part)."""
+    if row.get("messages") is None:
+        raise MissingFieldError("messages", row)
+    turns = _turns(row["messages"], "messages")
+    _require_answer(turns, "messages")
+    return _conversation(turns, row, has_images)
+
+
+def format_prompt_completion(row: Row, has_images: bool = False) -> Conversation:
+    """trl's prompt-completion row: two strings, or two lists of turns (the completion: one assistant turn)."""
+    for name in ("prompt", "completion"):
+        if row.get(name) is None:
+            raise MissingFieldError(name, row)
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        turns = [
+            {"role": "user", "content": _content(require_text(row, "prompt"), "prompt")},
+            {"role": "assistant", "content": _content(require_text(row, "completion"), "completion")},
+        ]
+        return _conversation(turns, row, has_images)
+    if isinstance(prompt, str) or isinstance(completion, str):
+        raise FormattingError(
+            "prompt and completion differ in kind",
+            "both are strings, or both are lists of {role, content} turns",
+            "prompt" if isinstance(prompt, str) else "completion",
+        )
+    before, answer = _turns(prompt, "prompt"), _turns(completion, "completion")
+    for i, turn in enumerate(before):
+        if turn["role"] == "assistant":
+            raise FormattingError(
+                "assistant turn in prompt",
+                "prompt-completion trains the completion only; for a multi-turn conversation whose every assistant "
+                "turn is trained use data.format: messages",
+                f"prompt[{i}].role",
+            )
+    if len(answer) != 1 or answer[0]["role"] != "assistant":
+        raise FormattingError(
+            "completion is not one assistant turn",
+            f"got roles {[turn['role'] for turn in answer]}",
+            "completion",
+        )
+    _require_answer([*before, *answer], "prompt")
+    return _conversation([*before, *answer], row, has_images)
+
+
+def format_columns(row: Row, columns: ColumnsSpec) -> Conversation:
+    """A flat row through `data.columns`: [system,] user = the prompt template filled, assistant = the answer."""
+    values = {name: require_text(row, name) for name in columns.needed}
+    turns = [] if columns.system is None else [{"role": "system", "content": columns.system.format_map(values)}]
+    turns.append({"role": "user", "content": columns.prompt.format_map(values)})
+    turns.append({"role": "assistant", "content": values[columns.answer]})
+    return {"messages": turns}
+
+
+def _turns(value: Any, field: str) -> list[dict[str, Any]]:
+    """Validated turns: each a {role, content} with a known role and non-empty content (text or parts)."""
+    if not isinstance(value, list | tuple) or not value:
+        raise FormattingError("not a list of turns", "a non-empty list of {role, content}", field)
+    turns = []
+    for i, turn in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(turn, Mapping):
+            raise FormattingError("turn is not a {role, content} mapping", f"got {type(turn).__name__}", where)
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            raise FormattingError(f"unknown role {role!r}", f"use one of {list(ROLES)}", f"{where}.role")
+        if role == "system" and (i > 0 or field == "completion"):
+            raise FormattingError("system turn not first", "a system prompt opens the conversation", f"{where}.role")
+        turns.append({"role": role, "content": _content(content, f"{where}.content")})
+    return turns
+
+
+def _content(content: Any, field: str) -> list[dict[str, Any]]:
+    """Content as a list of parts ({type: text, text} / {type: image}); empty text is an empty turn."""
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list | tuple):
+        raise FormattingError("content is not text", "a string, or a list of {type: text|image} parts", field)
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str) and part["text"].strip():
+            parts.append(_text_part(part["text"]))
+        elif kind == "image":
+            parts.append({"type": "image"})
+        elif kind != "text":
+            raise FormattingError("unknown content part", f"got {part!r}; parts are {{type: text|image}}", field)
+    if not parts:
+        raise FormattingError("empty turn", "the turn has no text", field)
+    return parts
+
+
+def _require_answer(turns: list[dict[str, Any]], field: str) -> None:
+    if turns[-1]["role"] != "assistant":
+        raise FormattingError("last turn is not the assistant's", "a row ends with the answer to train on", field)
+    if not any(turn["role"] == "user" for turn in turns):
+        raise FormattingError("no user turn", "the assistant answers a user turn", field)
+
+
+def _conversation(turns: list[dict[str, Any]], row: Row, has_images: bool) -> Conversation:
+    """String content for a text dataset, parts plus `images` for a dataset with an images column."""
+    images = row.get("images")
+    images = [] if images is None else list(images)
+    placeholders = sum(part["type"] == "image" for turn in turns for part in turn["content"])
+    if placeholders != len(images):
+        raise FormattingError(
+            "image count differs from image parts",
+            f"{placeholders} {{type: image}} parts, {len(images)} images",
+            "images",
+        )
+    if has_images:
+        return {"messages": turns, "images": images}
+    if placeholders:
+        raise FormattingError("image part without an images column", "add the images to the row", "messages")
+    as_text = [{"role": t["role"], "content": "".join(p["text"] for p in t["content"])} for t in turns]
+    return {"messages": as_text}
 
 
 def prompt_messages(conversation: Conversation) -> list[dict[str, Any]]:

@@ -78,9 +78,36 @@ class Task(StrEnum):
     PRODUCT_DESCRIPTION = "product-description"
 
 
+class DataFormat(StrEnum):
+    """What one row is: a standard format (trl's conversational / prompt-completion, a column mapping) or a tutorial task."""
+
+    MESSAGES = "messages"
+    PROMPT_COMPLETION = "prompt-completion"
+    COLUMNS = "columns"
+    EMOJI = "emoji"
+    TEXT_TO_SQL = "text-to-sql"
+    PRODUCT_DESCRIPTION = "product-description"
+
+
+USER_FORMATS = frozenset({DataFormat.MESSAGES, DataFormat.PROMPT_COMPLETION, DataFormat.COLUMNS})
+
+
 class DataSource(StrEnum):
     HUB = "hub"
     LOCAL = "local"
+    URL = "url"  # any fsspec URL (gs://, s3://, https://, file://, memory://), globs allowed
+
+
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def infer_source(path: str) -> DataSource:
+    """A URL (`scheme://`), else a data file (by suffix, or absolute), else a Hub dataset id."""
+    if "://" in path:
+        return DataSource.URL
+    if path.endswith(DATA_FILE_SUFFIXES) or Path(path).is_absolute():
+        return DataSource.LOCAL
+    return DataSource.HUB
 
 
 class ModelSpec(_Strict):
@@ -161,24 +188,102 @@ class LoraSpec(_Strict):
         return v
 
 
+class ColumnsSpec(_Strict):
+    """A flat table's row as one exchange: `prompt` is a template over the row's columns, `answer` a column."""
+
+    prompt: str = Field(description="the user turn, a template over the row's columns: 'Classify: {ticket}'")
+    answer: str = Field(description="the column holding the assistant's answer")
+    system: str | None = Field(None, description="an optional system prompt (a template too)")
+
+    @field_validator("prompt", "system")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        if v is not None:
+            template_columns(v)  # raises on a template str.format cannot fill from named columns
+        return v
+
+    @property
+    def needed(self) -> list[str]:
+        """Every column a row must have: the template's, then the answer's."""
+        names = template_columns(self.prompt) + (template_columns(self.system) if self.system else [])
+        return list(dict.fromkeys([*names, self.answer]))
+
+
+def template_columns(template: str) -> list[str]:
+    """The column names a `str.format` template reads (`{name}`); positional `{}` and `{0}` are refused."""
+    import string
+
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(
+            f"template {template!r} is not a str.format template ({exc}): write {{column}}, {{{{ for a brace"
+        ) from None
+    for name in fields:
+        if not name or name.isdigit():
+            raise ValueError(
+                f"template {template!r} has a positional field {{{name}}}: name a column, e.g. {{question}}"
+            )
+    return list(dict.fromkeys(fields))
+
+
 class DataSpec(_Strict):
-    task: Task
-    source: DataSource
-    path: str = Field(description="Hub dataset id, or a .jsonl/.parquet file relative to the repository root")
+    """Where the rows are (`path`, `source`) and what one row is (`format`); see docs/own-data.md.
+
+    `task` is the older name of `format` for the tutorial tasks (the shipped recipes use it): either key
+    may be given, `format` is always set after validation, `task` only for a tutorial task.
+    `source` may be left out: `infer_source` reads it from `path`.
+    """
+
+    format: DataFormat = Field(
+        description="messages | prompt-completion | columns | emoji | text-to-sql | product-description"
+    )
+    task: Task | None = Field(None, description="the tutorial task (older name of data.format; set from it)")
+    source: DataSource = Field(description="hub | local | url; inferred from data.path when left out")
+    path: str = Field(
+        description="Hub dataset id, a .jsonl/.json/.parquet/.csv file (absolute or relative to the repository "
+        "root), or an fsspec URL (gs://bucket/prefix/*.jsonl; globs allowed)"
+    )
+    columns: ColumnsSpec | None = Field(None, description="the mapping of data.format: columns")
     split: str = "train"
     revision: str | None = None
     rows: int | None = Field(
         None,
         gt=0,
-        description="rows in the Hub split (the dataset page shows it); validation computes optimizer steps "
-        "from it. Required for a Hub dataset; a local file is counted instead",
+        description="rows in the Hub split (the dataset page shows it) or behind the URL; validation computes "
+        "optimizer steps from it. Required for a Hub dataset; a local file is counted instead, and so is a URL "
+        "that does not declare it (through fsspec, so the validating machine must be able to read it)",
     )
     max_rows: int | None = Field(None, gt=0, description="rows taken after the seeded shuffle (train + eval)")
     eval_rows: int = Field(0, ge=0, description="rows held out for evaluation, taken after the shuffle")
     seed: int = 42
     image_dir: str | None = Field(
-        None, description="folder that relative image paths in local rows are resolved against"
+        None, description="folder (or URL) that relative image paths in the rows are resolved against"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format_and_source(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        fmt, task = raw.get("format"), raw.get("task")
+        if fmt is None and task is None:
+            raise ValueError(
+                f"data.format is missing: one of {[f.value for f in DataFormat]} (docs/own-data.md shows a row of each)"
+            )
+        if fmt is not None and task is not None and str(fmt) != str(task):
+            raise ValueError(
+                f"data.format={fmt!r} and data.task={task!r} disagree: data.task is the older name of data.format, "
+                "keep one of them"
+            )
+        raw["format"] = fmt if fmt is not None else task
+        tutorial = str(raw["format"]) in {t.value for t in Task}
+        if tutorial or str(raw["format"]) in {f.value for f in DataFormat}:
+            raw["task"] = raw["format"] if tutorial else None  # `task: messages` reads as `format: messages`
+        if raw.get("source") is None and isinstance(raw.get("path"), str):
+            raw["source"] = infer_source(raw["path"])
+        return raw
 
     @model_validator(mode="after")
     def _rows(self) -> DataSpec:
@@ -187,14 +292,74 @@ class DataSpec(_Strict):
                 f"data.eval_rows={self.eval_rows} leaves nothing to train on with data.max_rows={self.max_rows}; "
                 "lower eval_rows or raise max_rows"
             )
-        if self.source is DataSource.LOCAL and not self.path.endswith((".jsonl", ".json", ".parquet")):
-            raise ValueError(f"data.path={self.path!r}: local data must be a .jsonl, .json or .parquet file")
+        if self.format is DataFormat.COLUMNS and self.columns is None:
+            raise ValueError(
+                "data.format=columns needs data.columns: {prompt: 'template over {column}s', answer: COLUMN} "
+                "(system: optional)"
+            )
+        if self.columns is not None and self.format is not DataFormat.COLUMNS:
+            raise ValueError(
+                f"data.columns is set but data.format={self.format.value}: remove it, or use format: columns"
+            )
+        is_url = "://" in self.path
+        if (self.source is DataSource.URL) != is_url:
+            raise ValueError(
+                f"data.path={self.path!r} with data.source={self.source.value}: a URL (scheme://) is source url, "
+                "a file or Hub id is not; leave data.source out and it is read from data.path"
+            )
+        if self.source is DataSource.LOCAL and not self.path.endswith(DATA_FILE_SUFFIXES):
+            raise ValueError(
+                f"data.path={self.path!r}: local data must be a {', '.join(DATA_FILE_SUFFIXES)} file "
+                "(several files: a file:// URL with a glob)"
+            )
+        if self.source is DataSource.URL and not self.path.rstrip("*").endswith(DATA_FILE_SUFFIXES):
+            raise ValueError(
+                f"data.path={self.path!r}: a URL must name {', '.join(DATA_FILE_SUFFIXES)} files "
+                "(e.g. gs://bucket/tickets/*.jsonl): the suffix says how to read them"
+            )
         if self.source is DataSource.HUB and self.rows is None:
             raise ValueError(
                 f"data.rows is required for the Hub dataset {self.path!r}: declare the split's row count "
                 "(the dataset page on huggingface.co shows it) so validation can compute the optimizer steps"
             )
+        if self.source is DataSource.HUB and self.format in USER_FORMATS and not self.revision:
+            raise ValueError(
+                f"data.revision is required for the Hub dataset {self.path!r}: pin the commit the run trains on "
+                "(the dataset page's 'Files and versions' tab shows it; a branch name moves)"
+            )
         return self
+
+    @property
+    def data_urls(self) -> list[str]:
+        """Every URL the trainer reads data from: `path` and a URL `image_dir` (what a read grant must cover)."""
+        urls = [self.path] if self.source is DataSource.URL else []
+        if self.image_dir and "://" in self.image_dir:
+            urls.append(self.image_dir.rstrip("/") + "/")
+        return urls
+
+    @property
+    def gcs_read_scopes(self) -> list[tuple[str, str]]:
+        """(bucket, object prefix) of every gs:// URL in `data_urls`: a read grant on exactly these covers the data.
+
+        The prefix is the URL's object path up to its first glob character (`gs://b/t/*.jsonl` -> ("b", "t/")), a
+        single file's whole name, or an image folder with its trailing slash; Hub, local and other URLs: none."""
+        scopes = []
+        for url in self.data_urls:
+            if url.startswith("gs://"):
+                bucket, _, objects = url[len("gs://") :].partition("/")
+                scopes.append((bucket, re.split(r"[*?\[]", objects, maxsplit=1)[0]))
+        return scopes
+
+    def repository_files(self) -> list[Path]:
+        """The files and folders of this repository the data needs at run time (what an image must carry).
+
+        A local `path` (resolved as `resolve_local_path` does) and a local `image_dir`; Hub and URL data need none.
+        Raises RecipeError when a local file is missing."""
+        needed = [resolve_local_path(self.path)] if self.source is DataSource.LOCAL else []
+        if self.image_dir and "://" not in self.image_dir:
+            folder = Path(self.image_dir) if Path(self.image_dir).is_absolute() else REPO_ROOT / self.image_dir
+            needed.append(folder)
+        return needed
 
 
 class TrainingSpec(_Strict):
@@ -256,6 +421,7 @@ class OutputSpec(_Strict):
 # How many new tokens evaluation may generate when the recipe does not say: an emoji answer is a
 # handful of tokens; a SQL query or a product description can run to hundreds.
 DEFAULT_MAX_NEW_TOKENS = {Task.EMOJI: 32, Task.TEXT_TO_SQL: 512, Task.PRODUCT_DESCRIPTION: 512}
+USER_FORMAT_MAX_NEW_TOKENS = 256  # data.format messages / prompt-completion / columns: set evaluation.max_new_tokens
 
 
 class EvaluationSpec(_Strict):
@@ -324,7 +490,8 @@ class Recipe(_Strict):
     @property
     def max_new_tokens(self) -> int:
         """The evaluation's generation budget: `evaluation.max_new_tokens`, else the task's default."""
-        return self.evaluation.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[self.data.task]
+        default = DEFAULT_MAX_NEW_TOKENS[self.data.task] if self.data.task else USER_FORMAT_MAX_NEW_TOKENS
+        return self.evaluation.max_new_tokens or default
 
     @model_validator(mode="after")
     def _vision_tower(self) -> Recipe:
@@ -430,6 +597,8 @@ def require_valid_run(recipe: Recipe, name_or_path: str) -> Recipe:
     problems = check_run(recipe)
     if problems:
         where = recipe_path(name_or_path)
+        if where.parent != RECIPES_DIR:  # a recipe file: the fixes' command lines name the file, not the name
+            problems = [p.replace(f"--recipe {recipe.name} ", f"--recipe {name_or_path} ") for p in problems]
         raise RecipeError("\n".join([f"recipe {where} is invalid:", *(f"  {p}" for p in problems)]))
     return recipe
 
@@ -457,16 +626,47 @@ def resolve_local_path(path: str) -> Path:
 
 
 def count_local_rows(path: Path) -> int:
-    """Rows of a local .jsonl/.json/.parquet data file (pyarrow only for parquet)."""
-    if path.suffix == ".jsonl":
-        with path.open("rb") as handle:
-            return sum(1 for line in handle if line.strip())
-    if path.suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+    """Rows of a local .jsonl/.json/.parquet/.csv data file (pyarrow only for parquet)."""
+    with path.open("rb") as handle:
+        return count_rows_in(handle, path.suffix)
+
+
+def count_rows_in(handle: Any, suffix: str) -> int:
+    """Rows of one open (binary) data file, read the way trainer/data.py reads it."""
+    if suffix == ".jsonl":
+        return sum(1 for line in handle if line.strip())
+    if suffix == ".json":
+        data = json.loads(handle.read().decode("utf-8"))
         return len(data) if isinstance(data, list) else len(next(iter(data.values()), []))
+    if suffix == ".csv":
+        import csv
+        import io
+
+        return sum(1 for _ in csv.DictReader(io.TextIOWrapper(handle, encoding="utf-8", newline="")))
     import pyarrow.parquet as pq
 
-    return int(pq.read_metadata(path).num_rows)
+    return int(pq.read_metadata(handle).num_rows)
+
+
+def data_rows(data: DataSpec) -> int:
+    """The rows the recipe's data holds: a local file counted, else declared (`data.rows`: a Hub split; a URL
+    may), else a URL counted.
+
+    A URL is counted through fsspec (trainer/data.py `expand_url`), so the machine that validates the recipe
+    must be able to read it; where it cannot (`make plan` before a grant exists), `data.rows` says it."""
+    if data.source is DataSource.LOCAL:
+        return count_local_rows(resolve_local_path(data.path))
+    if data.rows is not None:
+        return data.rows
+    try:
+        from trainer.data import count_url_rows
+
+        return count_url_rows(data.path)
+    except (ImportError, OSError) as exc:
+        raise RecipeError(
+            f"data.path={data.path!r}: cannot read it here to count its rows ({type(exc).__name__}: {exc}). "
+            "Fix: declare the count as data.rows: N (then the steps are computed from it)"
+        ) from None
 
 
 @functools.cache
@@ -519,12 +719,15 @@ def _updates_per_epoch(sequences: int, batch: int, accumulation: int, world_size
 def step_plan(recipe: Recipe) -> StepPlan:
     """The optimizer updates of the recipe's run, computed from its data (see the module docstring)."""
     data, t = recipe.data, recipe.training
-    rows = data.rows if data.source is DataSource.HUB else count_local_rows(resolve_local_path(data.path))
-    assert rows is not None  # DataSpec requires rows for a Hub dataset
+    rows = data_rows(data)
     train_rows = max(min(rows, data.max_rows or rows) - data.eval_rows, 0)
-    lengths = sample_token_lengths()["tasks"][data.task.value]["conversation"]
+    # A tutorial task's conversation lengths were measured on its sample; a user format's are not known before a
+    # tokenizer reads the rows: every row is counted as fitting and unpacked (the trainer drops longer rows).
+    lengths = sample_token_lengths()["tasks"][data.task.value]["conversation"] if data.task else [0]
     fitting = [n for n in lengths if n <= t.max_length]  # the loader skips longer rows
     kept = round(train_rows * len(fitting) / len(lengths))
+    if data.task is None:
+        fitting = []  # no packing estimate either: per_sequence stays 1
     per_sequence = len(fitting) / pack_best_fit_decreasing(fitting, t.max_length) if t.packing and fitting else 1.0
     sequences = math.ceil(kept / per_sequence)
     world = recipe.distributed.world_size
