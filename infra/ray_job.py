@@ -15,7 +15,10 @@ Decisions
   and resumes from the run's checkpoints).
 - `rayCluster: standing`: a RayCluster `gemma-tuning` (as in the seed tutorial) stays up for
   interactive use and the RayJob targets it with `clusterSelector`; its GPU workers bill until
-  the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it.
+  the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it. No
+  `backoffLimit` there: KubeRay >= 1.6 refuses it with `clusterSelector`, so trainingRetries does not
+  apply (a failed run is started again by hand; it resumes from its checkpoints). The offline
+  validation applies KubeRay's own rules (`infra.validate_manifests.kuberay_rule_errors`).
 - Workers = total GPUs (nodes x gpusPerNode), one `gpu-group` worker per node holding all its
   GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`) and, with more
   than one node, kept in one zone by a required pod affinity that selects the GPU workers only
@@ -35,7 +38,7 @@ Decisions
   first).
 - Checkpoints: Ray Train's storage path `gs://BUCKET/ray/<name>`; the final adapter goes to
   `gs://BUCKET/runs/<name>` (`output.dir`), as for the Job. Writes use the pods' Workload Identity.
-- The add-on installs the KubeRay CRDs on its own schedule (CLOUD-FACTS §3), so the RayJob and the
+- The add-on installs the KubeRay CRDs on its own schedule (not ready at cluster creation for sure), so the RayJob and the
   standing RayCluster depend on `infra.crd_wait.CrdWait`, which returns once `rayjobs.ray.io` and
   `rayclusters.ray.io` are Established (it runs `kubectl` where `pulumi up` runs). They also wait for
   every IAM grant to the trainer's and the nodes' service accounts.
@@ -233,14 +236,15 @@ def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
         "entrypoint": entrypoint(spec),
         "submissionMode": "K8sJobMode",
         "activeDeadlineSeconds": spec.timeout_seconds,
-        "backoffLimit": spec.retries,
     }
     if spec.standing_cluster is None:
+        job_spec["backoffLimit"] = spec.retries
         job_spec["rayClusterSpec"] = render_ray_cluster_spec(spec)
         job_spec["shutdownAfterJobFinishes"] = True
         job_spec["ttlSecondsAfterFinished"] = CLUSTER_TTL_AFTER_FINISHED_S
     else:
-        # KubeRay rejects a TTL without shutdownAfterJobFinishes; a standing cluster is never shut down by a job.
+        # KubeRay rejects a TTL without shutdownAfterJobFinishes (a standing cluster is never shut down by a job),
+        # and from v1.6 any backoffLimit > 0 with clusterSelector (validation.go ValidateRayJobSpec, PR #4527).
         job_spec["clusterSelector"] = {"ray.io/cluster": spec.standing_cluster}
         job_spec["shutdownAfterJobFinishes"] = False
     return {
