@@ -205,6 +205,22 @@ def kept_bucket(cfg: StackConfig) -> str | None:
     return name if any(b.name == name for b in found.buckets or []) else None
 
 
+# Written last by a finished run at the top of its folder; must equal trainer.checkpoints.RUN_MARKER
+# (tests/infra/test_finished_runs.py). infra/ cannot import trainer.checkpoints: the program's venv has no fsspec.
+RUN_MARKER = "_RUN_COMPLETE.json"
+
+
+def finished_run(cfg: StackConfig, bucket_kept: bool, folder: str) -> str | None:
+    """`gs://BUCKET/FOLDER/_RUN_COMPLETE.json` when the run in `folder` (relative to the bucket) has finished,
+    else None. A fresh bucket holds no run, so it is listed only when it existed before this `up` (kept by a
+    destroy, or in the stack): `objects.list` by the marker's name answers "absent" without an error."""
+    if not bucket_kept:
+        return None
+    marker = f"{folder}/{RUN_MARKER}"
+    found = gcp.storage.get_bucket_objects(bucket=bucket_name(cfg), prefix=marker)
+    return f"gs://{bucket_name(cfg)}/{marker}" if any(o.name == marker for o in found.bucket_objects or []) else None
+
+
 @dataclass
 class FoundationArgs:
     cfg: StackConfig
@@ -225,6 +241,8 @@ class Foundation(pulumi.ComponentResource):
     node_account: gcp.serviceaccount.Account | None
     build_account: gcp.serviceaccount.Account | None
     bucket: gcp.storage.Bucket
+    bucket_kept: bool
+    """The bucket existed before this `up` (kept by a destroy, or in the stack): it may hold finished runs."""
     bucket_name: pulumi.Output[str]
     bucket_uri: pulumi.Output[str]
     build_staging_bucket: gcp.storage.Bucket | None
@@ -275,6 +293,7 @@ class Foundation(pulumi.ComponentResource):
         self.build_account = self.accounts.get(Identity.BUILD)
 
         adopt = kept_bucket(cfg)
+        self.bucket_kept = adopt is not None
         self.bucket = gcp.storage.Bucket(
             f"{name}-bucket",
             project=cfg.project,

@@ -59,7 +59,7 @@ import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
-from infra.foundation import Identity
+from infra.foundation import Identity, finished_run
 from infra.gke_workload import (
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
@@ -308,6 +308,8 @@ class RayTrainingArgs:
     after: list[pulumi.Resource] = field(default_factory=list)
     """What the Ray objects need in place besides the namespace pieces: the KubeRay CRDs Established
     (`infra.crd_wait`), the APIs and every IAM grant to the trainer's and the nodes' service accounts."""
+    bucket_kept: bool = False
+    """`Foundation.bucket_kept`: the bucket may hold this run finished (then no RayJob is declared)."""
 
 
 class RayTraining(pulumi.ComponentResource):
@@ -316,8 +318,11 @@ class RayTraining(pulumi.ComponentResource):
     job_name: str
     checkpoints: pulumi.Output[str]
     run_dir: pulumi.Output[str]
-    ray_job: k8s.apiextensions.CustomResource
+    ray_job: k8s.apiextensions.CustomResource | None
+    """None when the run has finished already (`finished`): KubeRay starts no cluster for it."""
     ray_cluster: k8s.apiextensions.CustomResource | None
+    finished: str | None
+    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
 
     def __init__(self, name: str, args: RayTrainingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:k8s:RayTraining", name, None, opts)
@@ -338,9 +343,14 @@ class RayTraining(pulumi.ComponentResource):
                 f"{name}-raycluster", "RayCluster", fill_slots(render_ray_cluster(spec), slots), args.provider, depends
             )
             depends = [*depends, self.ray_cluster]
-        self.ray_job = self._custom_resource(
-            f"{name}-rayjob", "RayJob", fill_slots(render_ray_job(spec), slots), args.provider, depends
-        )
+        # A finished run (an `up` after `destroy` with the bucket kept) gets no RayJob: its ephemeral cluster would
+        # take the GPU nodes only for the entry point to find the marker and exit.
+        self.finished = finished_run(cfg, args.bucket_kept, f"{RUNS_PREFIX}/{spec.name}")
+        self.ray_job = None
+        if self.finished is None:
+            self.ray_job = self._custom_resource(
+                f"{name}-rayjob", "RayJob", fill_slots(render_ray_job(spec), slots), args.provider, depends
+            )
         self.register_outputs({"job_name": self.job_name, "checkpoints": self.checkpoints, "run_dir": self.run_dir})
 
     def _custom_resource(
@@ -401,6 +411,7 @@ def declare(
                 *foundation.grants_to(Identity.TRAINER),
                 *foundation.grants_to(Identity.NODES),
             ],
+            bucket_kept=foundation.bucket_kept,
         ),
     )
     ns, job_name = cfg.namespace, training.job_name
@@ -418,4 +429,6 @@ def declare(
     }
     if standing is not None:
         outputs["rayCluster"] = standing
+    if training.finished is not None:
+        outputs["trainingState"] = f"finished ({training.finished}): no RayJob started"
     return outputs
