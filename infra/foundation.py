@@ -101,12 +101,16 @@ _WORKLOAD_APIS = {
 # What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
 ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
 # What must be enabled before the first `pulumi up` can read anything (README, "The cloud path"): the preflight
-# reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists.
+# reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists,
+# and the Cloud Quotas API lists a service's quotas only once that service is enabled in the project: the
+# services whose GPU quotas it reads (Cloud Run for `dev`, Compute Engine for the GKE stacks) come first too.
 BOOTSTRAP_APIS = (
     "cloudresourcemanager.googleapis.com",
     "serviceusage.googleapis.com",
     "storage.googleapis.com",
     "cloudquotas.googleapis.com",
+    "run.googleapis.com",
+    "compute.googleapis.com",
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from infra.foundation import BOOTSTRAP_APIS
@@ -98,6 +100,56 @@ class TestBootstrap:
         called = {_INVOKE_APIS[module] for module in modules & set(_INVOKE_APIS)}
         assert "cloudquotas.googleapis.com" in called, "the check must see the quota read"
         assert called <= set(BOOTSTRAP_APIS), called - set(BOOTSTRAP_APIS)
+
+
+EMPTY_PROJECT_VARIANTS = [
+    (stack, over)
+    for stack in stack_names()
+    for over in ([{}, {"servingEnabled": True, "gpuZonalRedundancy": True}] if stack == "dev" else [{}])
+]
+
+
+class TestEmptyProject:
+    """A new project: GPU quota 0 (Cloud Run gives none), and quotas listed only for services that are on."""
+
+    @pytest.mark.parametrize("stack,extra", EMPTY_PROJECT_VARIANTS)
+    def test_every_service_whose_quota_the_preflight_reads_is_enabled_first(
+        self, stack: str, extra: dict[str, object]
+    ) -> None:
+        gke = stack != "dev"
+        overrides = {**PREBUILT, **extra, **({"capacity": "spot"} if gke else {})}
+        run = run_stack(stack, overrides=overrides, remove=("reservationName",) if gke else (), assume_trained=True)
+        services = {a["service"] for t, a in run.invokes if t == "gcp:cloudquota/getSQuotaInfo:getSQuotaInfo"}
+        assert services, "the preflight reads a GPU quota"
+        assert services <= set(BOOTSTRAP_APIS), services - set(BOOTSTRAP_APIS)
+
+    def test_quota_zero_stops_with_the_request_the_readme_shows(self) -> None:
+        from infra.catalog import CLOUD_RUN_GPU_QUOTA
+        from infra.offline import mock_quota_info
+
+        quota = CLOUD_RUN_GPU_QUOTA[("nvidia-l4", False)]
+        with pytest.raises(Exception) as failed:
+            run_stack(
+                "dev",
+                overrides={"gcp:project": "MY_PROJECT"},
+                quotas={quota: mock_quota_info("run.googleapis.com", quota, 0)},
+            )
+        message = str(failed.value)
+        assert "is 0" in message and "answers by email" in message and failed.value.declared_resources == []
+        request = re.search(r"gcloud quotas preferences create \S.*?--email=YOU@example\.com", message)
+        assert request is not None, message
+        readme = (REPO_ROOT / "README.md").read_text()
+        cloud_path = readme[readme.index("## The cloud path") :]
+        assert request.group(0) in cloud_path.splitlines(), "README shows the command the preflight prints"
+        assert "answers by email" in cloud_path, "and says how the answer comes"
+
+    def test_a_quota_not_listed_names_the_service_to_enable(self) -> None:
+        from infra.catalog import CLOUD_RUN_GPU_QUOTA
+
+        quota = CLOUD_RUN_GPU_QUOTA[("nvidia-l4", False)]
+        with pytest.raises(Exception) as failed:
+            run_stack("dev", overrides={"gcp:project": "MY_PROJECT"}, quotas={quota: {}})
+        assert "gcloud services enable run.googleapis.com --project MY_PROJECT" in str(failed.value)
 
 
 # The API behind the provider module of an invoke token (`gcp:<module>/<fn>:<fn>`) the program calls in a
