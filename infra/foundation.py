@@ -37,6 +37,11 @@ Decisions
   terraform-provider-google #13786).
 - The bucket outlives `pulumi destroy` by default (`retain_on_delete`): trained models
   are never deleted silently. `bucketForceDestroy: true` removes it with its contents.
+  Soft delete (Cloud Storage keeps, and bills, a deleted object 7 days by default) is off unless
+  `bucketSoftDeleteDays` (7 to 90) turns it on: checkpoint rotation deletes GBs on every save, and
+  a force-destroyed bucket would bill a week for its models (https://cloud.google.com/storage/docs/soft-delete).
+  The build staging bucket has none. An import compares the policy too: a bucket kept from before
+  this key existed has the 7-day default, so adopt it with `bucketSoftDeleteDays: 7`.
   Because its name is fixed, the next `pulumi up` of the stack would get 409 on create; so
   when the bucket already exists in the project the program declares it with
   `import_=<name>`: after a destroy the engine adopts it (models included); while it is in the
@@ -306,6 +311,9 @@ class Foundation(pulumi.ComponentResource):
             uniform_bucket_level_access=True,
             public_access_prevention="enforced",
             force_destroy=cfg.bucket_force_destroy,
+            soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(
+                retention_duration_seconds=cfg.bucket_soft_delete_days * 86400
+            ),
             labels=cfg.resource_labels,
             opts=pulumi.ResourceOptions(
                 parent=self,
@@ -462,8 +470,9 @@ class Foundation(pulumi.ComponentResource):
             location=cfg.region,
             uniform_bucket_level_access=True,
             public_access_prevention="enforced",
-            # Only build contexts live here: nothing to keep, and they age out.
+            # Only build contexts live here: nothing to keep, and they age out (no soft delete either).
             force_destroy=True,
+            soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(retention_duration_seconds=0),
             lifecycle_rules=[
                 gcp.storage.BucketLifecycleRuleArgs(
                     action=gcp.storage.BucketLifecycleRuleActionArgs(type="Delete"),

@@ -207,3 +207,32 @@ class TestNodeIdentity:
         node = f"serviceAccount:{run.by_name('gft-a4-gemma4-nodes-sa').outputs['email']}"
         grants = [r.urn for r in run.resources if r.custom and r.plain_inputs().get("member") == node]
         assert grants and set(grants) <= set(cluster.dependencies)
+
+
+class TestSoftDelete:
+    """Soft delete is a per-bucket decision: off for the model bucket unless bucketSoftDeleteDays, never on staging."""
+
+    @staticmethod
+    def retention(run: object, name: str) -> int:
+        bucket = run.by_name(name).plain_inputs()  # type: ignore[attr-defined]
+        return int(bucket["softDeletePolicy"]["retentionDurationSeconds"])
+
+    @pytest.mark.parametrize("stack", stack_names())
+    def test_model_bucket_has_none_by_default(self, stack: str) -> None:
+        assert self.retention(run_stack(stack), f"gft-{stack}-bucket") == 0
+
+    def test_days_set_the_retention(self) -> None:
+        run = run_stack("dev", overrides={"bucketSoftDeleteDays": 30, "imageBuild": "cloud-build"})
+        assert self.retention(run, "gft-dev-bucket") == 30 * 86400
+        assert self.retention(run, "gft-dev-build-staging") == 0, "build contexts: nothing to restore"
+
+    @pytest.mark.parametrize("days", [1, 6, 91, -1])
+    def test_a_retention_cloud_storage_refuses_fails_before_any_resource(self, days: int) -> None:
+        with pytest.raises(Exception) as failed:
+            run_stack("dev", overrides={"bucketSoftDeleteDays": days})
+        message = str(failed.value)
+        assert f"bucketSoftDeleteDays={days}" in message and "7 to 90" in message and "Fix:" in message
+        assert failed.value.declared_resources == []  # type: ignore[attr-defined]
+
+    def test_documented_in_the_readme(self) -> None:
+        assert "bucketSoftDeleteDays" in (REPO_ROOT / "README.md").read_text()
