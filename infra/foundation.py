@@ -32,6 +32,10 @@ Decisions
   same email with its CI bindings intact (those bindings would point at the deleted account).
   The display name is ignored after creation (`ignore_changes`): an adopted account keeps the
   setup's, and `pulumi up` never needs `iam.serviceAccounts.update`.
+- `grants_to(identity)` ends with a step that waits `IAM_PROPAGATION_S` (120 s, IAM's "typically 2
+  minutes") once the identity's grants exist, and the Workload Identity binding has its own: the
+  first `pulumi up` takes two minutes longer, and a grant that takes longer than that (IAM: 7
+  minutes or more, rarely) fails its consumer once; `pulumi up` again then succeeds.
 - `grants_to(identity)` lists every grant to one identity, so a workload can wait for all of
   them (a Cloud Run Job that references a secret cannot be created before its accessor grant,
   terraform-provider-google #13786).
@@ -77,6 +81,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import pulumi
+import pulumi_command as command
 import pulumi_gcp as gcp
 
 from infra.config import ImageBuild, StackConfig, Workload
@@ -230,6 +235,28 @@ def finished_run(cfg: StackConfig, bucket_kept: bool, folder: str) -> str | None
     return f"gs://{bucket_name(cfg)}/{marker}" if any(o.name == marker for o in found.bucket_objects or []) else None
 
 
+# IAM grants reach every Google service only after a while: "typically 2 minutes", "7 minutes or longer" for
+# some (https://cloud.google.com/iam/docs/access-change-propagation). A consumer of a fresh grant that is a
+# provider resource (a Cloud Run Job that reads a secret, a GKE Job whose pods write the bucket) cannot retry,
+# so it waits on this step, which runs once when its grants are created or change (`triggers`).
+IAM_PROPAGATION_S = 120
+IAM_WAIT_SCRIPT = 'sleep "$IAM_PROPAGATION_S"  # infra/foundation.py iam_propagation_wait'
+
+
+def iam_propagation_wait(
+    name: str, grants: list[pulumi.Resource], parent: pulumi.Resource | None = None
+) -> command.local.Command:
+    """A step that returns `IAM_PROPAGATION_S` after `grants` exist; depend on it to use them."""
+    return command.local.Command(
+        f"{name}-iam-propagation",
+        create=IAM_WAIT_SCRIPT,
+        interpreter=["/bin/bash", "-c"],
+        environment={"IAM_PROPAGATION_S": str(IAM_PROPAGATION_S)},
+        triggers=[g.urn for g in grants],
+        opts=pulumi.ResourceOptions(parent=parent, depends_on=grants),
+    )
+
+
 @dataclass
 class FoundationArgs:
     cfg: StackConfig
@@ -268,6 +295,8 @@ class Foundation(pulumi.ComponentResource):
         self._cfg = cfg
         self._name = name
         self._grants: dict[Identity, list[pulumi.Resource]] = {identity: [] for identity in Identity}
+        self._waits: dict[Identity, command.local.Command] = {}
+        self._name = name
         child = pulumi.ResourceOptions(parent=self)
 
         self.apis = [
@@ -380,8 +409,14 @@ class Foundation(pulumi.ComponentResource):
         )
 
     def grants_to(self, identity: Identity) -> list[pulumi.Resource]:
-        """Every IAM grant this foundation makes to `identity` (empty when the stack has no such identity)."""
-        return list(self._grants[identity])
+        """Every IAM grant this foundation makes to `identity` and the step that waits until they have propagated
+        (`iam_propagation_wait`, one per identity); empty when the stack has no such identity."""
+        grants = self._grants[identity]
+        if not grants:
+            return []
+        if identity not in self._waits:
+            self._waits[identity] = iam_propagation_wait(f"{self._name}-{identity.value}", list(grants), parent=self)
+        return [*grants, self._waits[identity]]
 
     def _member(self, identity: Identity) -> pulumi.Output[str]:
         return self.accounts[identity].email.apply(lambda e: f"serviceAccount:{e}")
