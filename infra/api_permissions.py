@@ -43,6 +43,7 @@ from infra.cloud_run import EXECUTE_SCRIPT
 from infra.config import StackConfig
 from infra.crd_wait import WAIT_SCRIPT
 from infra.foundation import (
+    IAM_WAIT_SCRIPT,
     Identity,
     account_email,
     api_key_secret_id,
@@ -468,6 +469,7 @@ COMMANDS: dict[str, Command] = {
             ),
         ),
     ),
+    IAM_WAIT_SCRIPT: Command("sleep until fresh IAM grants have propagated (infra/foundation.py)", ()),
     WAIT_SCRIPT: Command(
         "kubectl get / wait crd (infra/crd_wait.py)",
         (

@@ -73,7 +73,7 @@ import pulumi_gcp as gcp
 
 from infra.catalog import CLOUD_RUN_GPUS
 from infra.config import LoadedConfig, StackConfig
-from infra.foundation import Foundation, Identity
+from infra.foundation import Foundation, Identity, finished_run
 from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
@@ -176,8 +176,11 @@ class CloudRunTraining(pulumi.ComponentResource):
     """The Cloud Run GPU Job that runs one recipe, and the command that starts one execution per run."""
 
     job: gcp.cloudrunv2.Job
-    execution: command.local.Command
+    execution: command.local.Command | None
+    """None when the run has finished already (`finished`): nothing is started."""
     run_id: str
+    finished: str | None
+    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
 
     def __init__(
         self,
@@ -190,6 +193,7 @@ class CloudRunTraining(pulumi.ComponentResource):
     ) -> None:
         super().__init__("gemma-finetune:gcp:CloudRunTraining", name, None, opts)
         self.run_id = run_id(cfg, image_content)
+        self.finished = finished_run(cfg, foundation.bucket_kept, run_prefix(cfg, self.run_id))
         envs: list[gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs] = []
         if foundation.hf_secret is not None and foundation.hf_secret_version is not None:
             envs.append(
@@ -256,15 +260,18 @@ class CloudRunTraining(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=depends),
         )
         # One execution per run id, after the Job (and so its template) is in place. `triggers` replaces the
-        # command when the run changes; the environment is stable, so nothing else re-runs it.
-        self.execution = command.local.Command(
-            f"{name}-execution",
-            create=EXECUTE_SCRIPT,
-            interpreter=["/bin/bash", "-c"],
-            environment={"JOB": self.job.name, "PROJECT": cfg.project, "REGION": cfg.region},
-            triggers=[self.run_id],
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.job]),
-        )
+        # command when the run changes; the environment is stable, so nothing else re-runs it. A run that has
+        # finished (an `up` after `destroy` with the bucket kept) starts no execution: no GPU for a run that is done.
+        self.execution = None
+        if self.finished is None:
+            self.execution = command.local.Command(
+                f"{name}-execution",
+                create=EXECUTE_SCRIPT,
+                interpreter=["/bin/bash", "-c"],
+                environment={"JOB": self.job.name, "PROJECT": cfg.project, "REGION": cfg.region},
+                triggers=[self.run_id],
+                opts=pulumi.ResourceOptions(parent=self, depends_on=[self.job]),
+            )
         self.register_outputs({"job_name": self.job.name, "run_id": self.run_id})
 
 
@@ -501,6 +508,8 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
         # Safe by hand: the Job carries no execution token, so `pulumi up` / `pulumi refresh` stay clean after it.
         "rerunTraining": execute_command(cfg),
     }
+    if training.finished is not None:
+        outputs["trainingState"] = f"finished ({training.finished}): no execution started"
     if cfg.serving_enabled:
         assert images.serving_image is not None
         if cfg.serving_public and not cfg.serving_api_key_set:

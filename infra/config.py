@@ -172,6 +172,7 @@ class StackConfig(BaseModel):
 
     labels: list[str] = Field(default_factory=list)
     bucket_force_destroy: bool = Field(False, alias="bucketForceDestroy")
+    bucket_soft_delete_days: int = Field(0, alias="bucketSoftDeleteDays")
     deletion_protection: bool = Field(False, alias="deletionProtection")
     release_channel: str = Field("REGULAR", alias="releaseChannel")
     namespace: str = Field(
@@ -273,6 +274,16 @@ class StackConfig(BaseModel):
             raise ValueError(
                 f"image {v!r} is not pinned by digest; give REGISTRY/PATH@sha256:<64 hex> "
                 "(find it with `gcloud artifacts docker images describe IMAGE:TAG --format='value(image_summary.digest)'`)"
+            )
+        return v
+
+    @field_validator("bucket_soft_delete_days")
+    @classmethod
+    def _soft_delete_days(cls, v: int) -> int:
+        if v != 0 and not 7 <= v <= 90:
+            raise ValueError(
+                f"bucketSoftDeleteDays={v} is not 0 (soft delete off) or 7 to 90 days, the retention Cloud Storage "
+                f"allows. Fix: {_set('bucketSoftDeleteDays', '7')}, or pulumi config rm bucketSoftDeleteDays (off)"
             )
         return v
 

@@ -170,7 +170,9 @@ def price_document(cfg: StackConfig) -> dict[str, Any] | None:
 def declare_price_file(
     name: str, cfg: StackConfig, bucket: pulumi.Input[str], run_dir: pulumi.Input[str], after: list[pulumi.Resource]
 ) -> gcp.storage.BucketObject | None:
-    """The run's price document at `<run_dir>/_PRICE.json` (run_dir = gs://BUCKET/PATH)."""
+    """The run's price document at `<run_dir>/_PRICE.json` (run_dir = gs://BUCKET/PATH), where the trainer reads it
+    when the run ends. Retained on delete: a run folder belongs to its run, so neither `pulumi destroy` nor the
+    next run id (a replacement under a new name) takes the price from a run that may still be training."""
     document = price_document(cfg)
     if document is None:
         return None
@@ -183,7 +185,7 @@ def declare_price_file(
         name=path,
         content=json.dumps(document, indent=2, sort_keys=True),
         content_type="application/json",
-        opts=pulumi.ResourceOptions(depends_on=after),
+        opts=pulumi.ResourceOptions(depends_on=after, retain_on_delete=True),
     )
 
 

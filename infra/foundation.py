@@ -32,11 +32,20 @@ Decisions
   same email with its CI bindings intact (those bindings would point at the deleted account).
   The display name is ignored after creation (`ignore_changes`): an adopted account keeps the
   setup's, and `pulumi up` never needs `iam.serviceAccounts.update`.
+- `grants_to(identity)` ends with a step that waits `IAM_PROPAGATION_S` (120 s, IAM's "typically 2
+  minutes") once the identity's grants exist, and the Workload Identity binding has its own: the
+  first `pulumi up` takes two minutes longer, and a grant that takes longer than that (IAM: 7
+  minutes or more, rarely) fails its consumer once; `pulumi up` again then succeeds.
 - `grants_to(identity)` lists every grant to one identity, so a workload can wait for all of
   them (a Cloud Run Job that references a secret cannot be created before its accessor grant,
   terraform-provider-google #13786).
 - The bucket outlives `pulumi destroy` by default (`retain_on_delete`): trained models
   are never deleted silently. `bucketForceDestroy: true` removes it with its contents.
+  Soft delete (Cloud Storage keeps, and bills, a deleted object 7 days by default) is off unless
+  `bucketSoftDeleteDays` (7 to 90) turns it on: checkpoint rotation deletes GBs on every save, and
+  a force-destroyed bucket would bill a week for its models (https://cloud.google.com/storage/docs/soft-delete).
+  The build staging bucket has none. An import compares the policy too: a bucket kept from before
+  this key existed has the 7-day default, so adopt it with `bucketSoftDeleteDays: 7`.
   Because its name is fixed, the next `pulumi up` of the stack would get 409 on create; so
   when the bucket already exists in the project the program declares it with
   `import_=<name>`: after a destroy the engine adopts it (models included); while it is in the
@@ -72,6 +81,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import pulumi
+import pulumi_command as command
 import pulumi_gcp as gcp
 
 from infra.config import ImageBuild, StackConfig, Workload
@@ -101,12 +111,16 @@ _WORKLOAD_APIS = {
 # What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
 ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
 # What must be enabled before the first `pulumi up` can read anything (README, "The cloud path"): the preflight
-# reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists.
+# reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists,
+# and the Cloud Quotas API lists a service's quotas only once that service is enabled in the project: the
+# services whose GPU quotas it reads (Cloud Run for `dev`, Compute Engine for the GKE stacks) come first too.
 BOOTSTRAP_APIS = (
     "cloudresourcemanager.googleapis.com",
     "serviceusage.googleapis.com",
     "storage.googleapis.com",
     "cloudquotas.googleapis.com",
+    "run.googleapis.com",
+    "compute.googleapis.com",
 )
 
 
@@ -205,6 +219,44 @@ def kept_bucket(cfg: StackConfig) -> str | None:
     return name if any(b.name == name for b in found.buckets or []) else None
 
 
+# Written last by a finished run at the top of its folder; must equal trainer.checkpoints.RUN_MARKER
+# (tests/infra/test_finished_runs.py). infra/ cannot import trainer.checkpoints: the program's venv has no fsspec.
+RUN_MARKER = "_RUN_COMPLETE.json"
+
+
+def finished_run(cfg: StackConfig, bucket_kept: bool, folder: str) -> str | None:
+    """`gs://BUCKET/FOLDER/_RUN_COMPLETE.json` when the run in `folder` (relative to the bucket) has finished,
+    else None. A fresh bucket holds no run, so it is listed only when it existed before this `up` (kept by a
+    destroy, or in the stack): `objects.list` by the marker's name answers "absent" without an error."""
+    if not bucket_kept:
+        return None
+    marker = f"{folder}/{RUN_MARKER}"
+    found = gcp.storage.get_bucket_objects(bucket=bucket_name(cfg), prefix=marker)
+    return f"gs://{bucket_name(cfg)}/{marker}" if any(o.name == marker for o in found.bucket_objects or []) else None
+
+
+# IAM grants reach every Google service only after a while: "typically 2 minutes", "7 minutes or longer" for
+# some (https://cloud.google.com/iam/docs/access-change-propagation). A consumer of a fresh grant that is a
+# provider resource (a Cloud Run Job that reads a secret, a GKE Job whose pods write the bucket) cannot retry,
+# so it waits on this step, which runs once when its grants are created or change (`triggers`).
+IAM_PROPAGATION_S = 120
+IAM_WAIT_SCRIPT = 'sleep "$IAM_PROPAGATION_S"  # infra/foundation.py iam_propagation_wait'
+
+
+def iam_propagation_wait(
+    name: str, grants: list[pulumi.Resource], parent: pulumi.Resource | None = None
+) -> command.local.Command:
+    """A step that returns `IAM_PROPAGATION_S` after `grants` exist; depend on it to use them."""
+    return command.local.Command(
+        f"{name}-iam-propagation",
+        create=IAM_WAIT_SCRIPT,
+        interpreter=["/bin/bash", "-c"],
+        environment={"IAM_PROPAGATION_S": str(IAM_PROPAGATION_S)},
+        triggers=[g.urn for g in grants],
+        opts=pulumi.ResourceOptions(parent=parent, depends_on=grants),
+    )
+
+
 @dataclass
 class FoundationArgs:
     cfg: StackConfig
@@ -225,6 +277,8 @@ class Foundation(pulumi.ComponentResource):
     node_account: gcp.serviceaccount.Account | None
     build_account: gcp.serviceaccount.Account | None
     bucket: gcp.storage.Bucket
+    bucket_kept: bool
+    """The bucket existed before this `up` (kept by a destroy, or in the stack): it may hold finished runs."""
     bucket_name: pulumi.Output[str]
     bucket_uri: pulumi.Output[str]
     build_staging_bucket: gcp.storage.Bucket | None
@@ -241,6 +295,8 @@ class Foundation(pulumi.ComponentResource):
         self._cfg = cfg
         self._name = name
         self._grants: dict[Identity, list[pulumi.Resource]] = {identity: [] for identity in Identity}
+        self._waits: dict[Identity, command.local.Command] = {}
+        self._name = name
         child = pulumi.ResourceOptions(parent=self)
 
         self.apis = [
@@ -275,6 +331,7 @@ class Foundation(pulumi.ComponentResource):
         self.build_account = self.accounts.get(Identity.BUILD)
 
         adopt = kept_bucket(cfg)
+        self.bucket_kept = adopt is not None
         self.bucket = gcp.storage.Bucket(
             f"{name}-bucket",
             project=cfg.project,
@@ -283,6 +340,9 @@ class Foundation(pulumi.ComponentResource):
             uniform_bucket_level_access=True,
             public_access_prevention="enforced",
             force_destroy=cfg.bucket_force_destroy,
+            soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(
+                retention_duration_seconds=cfg.bucket_soft_delete_days * 86400
+            ),
             labels=cfg.resource_labels,
             opts=pulumi.ResourceOptions(
                 parent=self,
@@ -349,8 +409,14 @@ class Foundation(pulumi.ComponentResource):
         )
 
     def grants_to(self, identity: Identity) -> list[pulumi.Resource]:
-        """Every IAM grant this foundation makes to `identity` (empty when the stack has no such identity)."""
-        return list(self._grants[identity])
+        """Every IAM grant this foundation makes to `identity` and the step that waits until they have propagated
+        (`iam_propagation_wait`, one per identity); empty when the stack has no such identity."""
+        grants = self._grants[identity]
+        if not grants:
+            return []
+        if identity not in self._waits:
+            self._waits[identity] = iam_propagation_wait(f"{self._name}-{identity.value}", list(grants), parent=self)
+        return [*grants, self._waits[identity]]
 
     def _member(self, identity: Identity) -> pulumi.Output[str]:
         return self.accounts[identity].email.apply(lambda e: f"serviceAccount:{e}")
@@ -439,8 +505,9 @@ class Foundation(pulumi.ComponentResource):
             location=cfg.region,
             uniform_bucket_level_access=True,
             public_access_prevention="enforced",
-            # Only build contexts live here: nothing to keep, and they age out.
+            # Only build contexts live here: nothing to keep, and they age out (no soft delete either).
             force_destroy=True,
+            soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(retention_duration_seconds=0),
             lifecycle_rules=[
                 gcp.storage.BucketLifecycleRuleArgs(
                     action=gcp.storage.BucketLifecycleRuleActionArgs(type="Delete"),

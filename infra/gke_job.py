@@ -48,7 +48,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
-from infra.foundation import Identity
+from infra.foundation import Identity, finished_run
 from infra.gke_workload import (
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
@@ -271,6 +271,8 @@ class TrainingJobArgs:
     after: list[pulumi.Resource] = field(default_factory=list)
     """What the pods need in place besides the namespace pieces: the APIs and every IAM grant to the
     trainer's and the nodes' service accounts (bucket access, image pulls)."""
+    bucket_kept: bool = False
+    """`Foundation.bucket_kept`: the bucket may hold this run finished (then no Job is declared)."""
 
 
 class TrainingJob(pulumi.ComponentResource):
@@ -278,8 +280,11 @@ class TrainingJob(pulumi.ComponentResource):
 
     job_name: str
     run_dir: pulumi.Output[str]
-    job: k8s.batch.v1.Job
+    job: k8s.batch.v1.Job | None
+    """None when the run has finished already (`finished`): no pod, no GPU node."""
     service: k8s.core.v1.Service | None
+    finished: str | None
+    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
 
     def __init__(self, name: str, args: TrainingJobArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:k8s:TrainingJob", name, None, opts)
@@ -292,9 +297,13 @@ class TrainingJob(pulumi.ComponentResource):
         manifests: list[dict[str, Any]] = [fill_slots(m, slots) for m in render_training_job(spec)]
         self.job_name = spec.name
         self.run_dir = pulumi.Output.from_input(fill_slots(spec.output_dir, slots))
+        self.finished = finished_run(cfg, args.bucket_kept, f"{RUNS_PREFIX}/{spec.name}")
+        self.service, self.job = None, None
+        if self.finished is not None:
+            self.register_outputs({"job_name": self.job_name, "run_dir": self.run_dir})
+            return
 
         depends: list[pulumi.Resource] = [*ns.ready, *args.after]
-        self.service = None
         if cfg.nodes > 1:
             service_manifest = manifests[0]
             self.service = k8s.core.v1.Service(
@@ -340,6 +349,7 @@ def declare(
             image_content=images.trainer_content,
             bucket_name=foundation.bucket_name,
             after=[*foundation.apis, *foundation.grants_to(Identity.TRAINER), *foundation.grants_to(Identity.NODES)],
+            bucket_kept=foundation.bucket_kept,
         ),
     )
     ns, job_name = cfg.namespace, job.job_name
@@ -353,4 +363,5 @@ def declare(
         "tensorboardLogs": job.run_dir.apply(lambda d: f"{d}/{TENSORBOARD_SUBDIR}"),
         "tensorboard": job.run_dir.apply(lambda d: f"tensorboard --logdir {d}/{TENSORBOARD_SUBDIR}"),
         "adapter": job.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
+        **({"trainingState": f"finished ({job.finished}): no Job started"} if job.finished else {}),
     }

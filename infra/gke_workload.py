@@ -41,7 +41,7 @@ import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
 from infra.config import Capacity, LoadedConfig, StackConfig
-from infra.foundation import Identity
+from infra.foundation import Identity, iam_propagation_wait
 from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from trainer.recipe import recipe_sha256
 
@@ -282,7 +282,8 @@ class TrainingNamespace(pulumi.ComponentResource):
             member=workload_identity_member(cfg.project, cfg.namespace, TRAINER_KSA),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[args.cluster]),
         )
-        self.ready = [namespace, ksa, binding]
+        # The pods act as the trainer account from their first second: wait for the binding to propagate.
+        self.ready = [namespace, ksa, binding, iam_propagation_wait(f"{name}-wi", [binding], parent=self)]
 
         self.hf_secret_name = None
         if args.hf_token is not None:

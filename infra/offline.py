@@ -557,7 +557,7 @@ class StackRun:
         raise AssertionError(f"no resource named {name} in stack {self.stack}: {[r.name for r in self.resources]}")
 
 
-def run_stack(
+def mock_engine(
     stack: str,
     overrides: dict[str, Any] | None = None,
     remove: tuple[str, ...] = (),
@@ -569,10 +569,9 @@ def run_stack(
     existing_buckets: tuple[str, ...] = (),
     quotas: dict[str, dict[str, Any] | ProviderError] | None = None,
     existing_accounts: tuple[str, ...] = (),
-) -> StackRun:
-    """Run the program for `stack` under mocks with its real stack file (plus overrides).
-
-    `preview=True` runs it as a first `pulumi preview` (see the module docstring)."""
+) -> tuple[Mocks, RecordingMonitor, _WarningRecorder]:
+    """Set the stack's configuration and the mock engine for one run, as the CLI would set the
+    configuration and the engine before it starts the program (`run_stack`'s arguments)."""
     values: dict[str, Any] = {_full_key(k): v for k, v in project_defaults().items()}
     values.update({_full_key(k): v for k, v in stack_file_config(stack).items()})
     secret_keys: list[str] = []
@@ -603,6 +602,38 @@ def run_stack(
     warnings = _WarningRecorder()
     pulumi.runtime.set_mocks(
         mocks, project=PROJECT, stack=stack, preview=preview, monitor=monitor, logger=warnings.logger
+    )
+    return mocks, monitor, warnings
+
+
+def run_stack(
+    stack: str,
+    overrides: dict[str, Any] | None = None,
+    remove: tuple[str, ...] = (),
+    hf_token: str | None = MOCK_HF_TOKEN,
+    preview: bool = False,
+    bucket_objects: dict[str, str] | None = None,
+    assume_trained: bool = False,
+    reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
+    existing_buckets: tuple[str, ...] = (),
+    quotas: dict[str, dict[str, Any] | ProviderError] | None = None,
+    existing_accounts: tuple[str, ...] = (),
+) -> StackRun:
+    """Run the program for `stack` under mocks with its real stack file (plus overrides).
+
+    `preview=True` runs it as a first `pulumi preview` (see the module docstring)."""
+    mocks, monitor, warnings = mock_engine(
+        stack,
+        overrides=overrides,
+        remove=remove,
+        hf_token=hf_token,
+        preview=preview,
+        bucket_objects=bucket_objects,
+        assume_trained=assume_trained,
+        reservations=reservations,
+        existing_buckets=existing_buckets,
+        quotas=quotas,
+        existing_accounts=existing_accounts,
     )
 
     from infra import config as stack_config

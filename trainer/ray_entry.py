@@ -413,10 +413,24 @@ def run(spec: RayRunSpec, loop: Callable[[dict[str, Any]], None] = train_loop_pe
     return trainer.fit()
 
 
+def finished_output(spec: RayRunSpec) -> str | None:
+    """The recipe's `output.dir` when it holds `_RUN_COMPLETE.json` (a finished run), else None: checked
+    before Ray starts any worker, from the marker alone."""
+    from trainer.checkpoints import OutputLocation
+    from trainer.recipe import parse_recipe
+
+    output_dir = parse_recipe(spec.recipe, spec.overrides).output.dir
+    return output_dir if OutputLocation.from_dir(output_dir).finished_run() is not None else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault(V2_ENV, "1")  # before ray.train is imported anywhere
     try:
         spec = parse_args(argv)
+        finished = finished_output(spec)
+        if finished is not None:
+            print(f"{finished} already holds a finished run: nothing to train (as `python -m trainer`)", flush=True)
+            return 0
         result = run(spec)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -193,7 +193,7 @@ class TestCrdWait:
 class TestWiring:
     def test_the_ray_stack_waits_with_the_clusters_kubeconfig_kept_secret(self) -> None:
         run = run_stack("ray-gemma3-vision", overrides=PREBUILT)
-        step = run.one("command:local:Command")
+        [step] = [s for s in run.of_type("command:local:Command") if "CrdWait" in s.parent]
         environment = step.inputs["environment"]
         assert is_secret(environment) or is_secret(environment["KUBECONFIG_DATA"]), "the kubeconfig stays a secret"
         assert step.plain_inputs()["environment"]["CRDS"].split() == list(KUBERAY_CRDS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from infra.foundation import BOOTSTRAP_APIS
@@ -102,6 +104,55 @@ class TestBootstrap:
         assert called <= set(BOOTSTRAP_APIS), called - set(BOOTSTRAP_APIS)
 
 
+EMPTY_PROJECT_VARIANTS = [
+    (stack, over)
+    for stack in stack_names()
+    for over in ([{}, {"servingEnabled": True, "gpuZonalRedundancy": True}] if stack == "dev" else [{}])
+]
+
+
+class TestEmptyProject:
+    """A new project: GPU quota 0 (Cloud Run gives none), and quotas listed only for services that are on."""
+
+    @pytest.mark.parametrize("stack,extra", EMPTY_PROJECT_VARIANTS)
+    def test_every_service_whose_quota_the_preflight_reads_is_enabled_first(
+        self, stack: str, extra: dict[str, object]
+    ) -> None:
+        gke = stack != "dev"
+        overrides = {**PREBUILT, **extra, **({"capacity": "spot"} if gke else {})}
+        run = run_stack(stack, overrides=overrides, remove=("reservationName",) if gke else (), assume_trained=True)
+        services = {a["service"] for t, a in run.invokes if t == "gcp:cloudquota/getSQuotaInfo:getSQuotaInfo"}
+        assert services, "the preflight reads a GPU quota"
+        assert services <= set(BOOTSTRAP_APIS), services - set(BOOTSTRAP_APIS)
+
+    def test_quota_zero_stops_with_the_request_the_readme_shows(self) -> None:
+        from infra.catalog import CLOUD_RUN_GPU_QUOTA
+        from infra.offline import mock_quota_info
+
+        quota = CLOUD_RUN_GPU_QUOTA[("nvidia-l4", False)]
+        with pytest.raises(Exception) as failed:
+            run_stack(
+                "dev",
+                overrides={"gcp:project": "MY_PROJECT"},
+                quotas={quota: mock_quota_info("run.googleapis.com", quota, 0)},
+            )
+        message = str(failed.value)
+        assert "is 0" in message and "answers by email" in message and failed.value.declared_resources == []
+        request = re.search(r"gcloud quotas preferences create \S.*?--email=YOU@example\.com", message)
+        assert request is not None, message
+        cloud_path = (REPO_ROOT / "docs" / "cloud-path.md").read_text()
+        assert request.group(0) in cloud_path.splitlines(), "docs/cloud-path.md shows the command the preflight prints"
+        assert "answers by email" in cloud_path, "and says how the answer comes"
+
+    def test_a_quota_not_listed_names_the_service_to_enable(self) -> None:
+        from infra.catalog import CLOUD_RUN_GPU_QUOTA
+
+        quota = CLOUD_RUN_GPU_QUOTA[("nvidia-l4", False)]
+        with pytest.raises(Exception) as failed:
+            run_stack("dev", overrides={"gcp:project": "MY_PROJECT"}, quotas={quota: {}})
+        assert "gcloud services enable run.googleapis.com --project MY_PROJECT" in str(failed.value)
+
+
 # The API behind the provider module of an invoke token (`gcp:<module>/<fn>:<fn>`) the program calls in a
 # project that may be fresh (a reservation's project runs VMs already, so its compute reads are left out).
 _INVOKE_APIS = {"cloudquota": "cloudquotas.googleapis.com", "storage": "storage.googleapis.com"}
@@ -157,3 +208,32 @@ class TestNodeIdentity:
         node = f"serviceAccount:{run.by_name('gft-a4-gemma4-nodes-sa').outputs['email']}"
         grants = [r.urn for r in run.resources if r.custom and r.plain_inputs().get("member") == node]
         assert grants and set(grants) <= set(cluster.dependencies)
+
+
+class TestSoftDelete:
+    """Soft delete is a per-bucket decision: off for the model bucket unless bucketSoftDeleteDays, never on staging."""
+
+    @staticmethod
+    def retention(run: object, name: str) -> int:
+        bucket = run.by_name(name).plain_inputs()  # type: ignore[attr-defined]
+        return int(bucket["softDeletePolicy"]["retentionDurationSeconds"])
+
+    @pytest.mark.parametrize("stack", stack_names())
+    def test_model_bucket_has_none_by_default(self, stack: str) -> None:
+        assert self.retention(run_stack(stack), f"gft-{stack}-bucket") == 0
+
+    def test_days_set_the_retention(self) -> None:
+        run = run_stack("dev", overrides={"bucketSoftDeleteDays": 30, "imageBuild": "cloud-build"})
+        assert self.retention(run, "gft-dev-bucket") == 30 * 86400
+        assert self.retention(run, "gft-dev-build-staging") == 0, "build contexts: nothing to restore"
+
+    @pytest.mark.parametrize("days", [1, 6, 91, -1])
+    def test_a_retention_cloud_storage_refuses_fails_before_any_resource(self, days: int) -> None:
+        with pytest.raises(Exception) as failed:
+            run_stack("dev", overrides={"bucketSoftDeleteDays": days})
+        message = str(failed.value)
+        assert f"bucketSoftDeleteDays={days}" in message and "7 to 90" in message and "Fix:" in message
+        assert failed.value.declared_resources == []  # type: ignore[attr-defined]
+
+    def test_documented_where_destroy_is(self) -> None:
+        assert "bucketSoftDeleteDays" in (REPO_ROOT / "docs" / "operations.md").read_text()

@@ -163,3 +163,18 @@ class TestMockCloud:
         Mocks(existing_accounts=("gft-dev-train",)).new_resource(
             MockResourceArgs(typ=ACCOUNT, name="a", inputs=adopt, provider="", resource_id="")
         )
+
+
+@pytest.mark.parametrize("stack", stack_names())
+def test_nothing_pulumi_deletes_lives_in_a_run_folder(stack: str) -> None:
+    """A run folder belongs to its run: `destroy`, or the next run id replacing an object under a new name,
+    must not delete a file of it (the trainer reads `_PRICE.json` when the run ends)."""
+    run = up(stack)
+    folder = str(run.outputs.get("runUri") or run.outputs["runDir"]).removeprefix(f"{run.outputs['bucket']}/")
+    inside = [
+        r
+        for r in run.of_type("gcp:storage/bucketObject:BucketObject")
+        if str(r.plain_inputs()["name"]).startswith(f"{folder}/")
+    ]
+    assert inside, "the price file lies in the run folder"
+    assert [r.name for r in inside if not r.retain_on_delete] == []

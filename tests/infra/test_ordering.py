@@ -6,7 +6,8 @@ Cloud Build run) is created only after, directly or transitively:
   pods use through Workload Identity, the GKE nodes' account that pulls its image),
 - the secret it reads (Secret Manager version or Kubernetes Secret),
 - every API the stack enables,
-- for a custom kind (RayJob, RayCluster), a step that waits until the kind's CRD is Established.
+- for a custom kind (RayJob, RayCluster), a step that waits until the kind's CRD is Established,
+- for each of those grants, a step that waits for it to propagate (IAM: typically 2 minutes) and comes after it.
 
 The graph is the one the engine orders by: each registration's dependencies (explicit `depends_on` and
 the resources its inputs come from; `depends_on` a component reaches only the children it had then) plus
@@ -21,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from infra.foundation import IAM_PROPAGATION_S
+from infra.foundation import IAM_WAIT_SCRIPT as IAM_WAIT
 from infra.offline import MOCK_PROJECT_NUMBER, Recorded, StackRun
 from tests.infra.conftest import Variant
 
@@ -178,7 +181,16 @@ def violations(run: StackRun) -> list[str]:
         for crd in sorted(needs.crds):
             if not crd_waits(run, crd) & before:
                 problems.append(f"{runner.urn} does not wait for crd/{crd} to be Established")
+        waits = propagation_waits(run, graph)
+        for grant in sorted(grants):
+            if not any(grant in granted and wait in before for wait, granted in waits.items()):
+                problems.append(f"{runner.urn} does not wait for IAM grant {grant} to propagate")
     return problems
+
+
+def propagation_waits(run: StackRun, graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each step that waits for IAM propagation (infra.foundation.iam_propagation_wait) -> what it comes after."""
+    return {r.urn: ancestors(graph, r.urn) for r in run.of_type(BUILD) if r.plain_inputs().get("create") == IAM_WAIT}
 
 
 # The 16 variant runs (a shared session fixture) take about 15 s on 2 busy cores.
@@ -212,11 +224,22 @@ class TestTheCheckCanFail:
     def test_a_missing_edge_is_reported(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
         run = next(r for v, r in user_variant_runs if v.stack == "ray-gemma3-vision")
         assert violations(run) == []
+        crd_steps = crd_waits(run, "rayjobs.ray.io")
         cut = [
-            replace(r, dependencies=[d for d in r.dependencies if "command:local" not in d])
+            replace(r, dependencies=[d for d in r.dependencies if d not in crd_steps])
             if r.type == "kubernetes:ray.io/v1:RayJob"
             else r
             for r in run.resources
         ]
         problems = violations(replace(run, resources=cut))
         assert problems and all("crd/rayjobs.ray.io" in p for p in problems), problems
+
+    def test_a_workload_that_does_not_wait_for_propagation_is_reported(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        run = next(r for v, r in user_variant_runs if v.stack == "dev")
+        assert violations(run) == [] and IAM_PROPAGATION_S >= 120  # IAM docs: typically 2 minutes
+        waits = set(propagation_waits(run, dependency_graph(run)))
+        cut = [replace(r, dependencies=[d for d in r.dependencies if d not in waits]) for r in run.resources]
+        problems = violations(replace(run, resources=cut))
+        assert problems and all("to propagate" in p for p in problems), problems

@@ -1,0 +1,148 @@
+"""A fresh clone's first `pulumi up`, replayed the way the Pulumi CLI installs and starts the program.
+
+The steps are pulumi/pulumi v3.259.0's, read in its source:
+- pkg/engine/project.go `getPwdMain`: `main` is joined to the project root (the folder of
+  Pulumi.yaml); a directory becomes the program directory (`ProgramDirectory`, also the `--pwd`)
+  and the entry point ".".
+- sdk/python/cmd/pulumi-language-python/main.go `parseOptions`: `runtime.options.toolchain` and
+  `.virtualenv`; `GetRequiredPackages` (run by `pulumi preview/up`) calls the toolchain's
+  `EnsureVenv` with `req.Info.ProgramDirectory`; `pulumi install` calls `InstallDependencies`
+  with the same directory.
+- sdk/python/toolchain/toolchain.go `ResolveToolchain`: `pip` -> `newPip(Root, Virtualenv)`;
+  pip.go `resolveVirtualEnvironmentPath`: a relative virtualenv lies under the project root.
+- pip.go `EnsureVenv`: nothing when the folder holds `bin/python` (later runs never install
+  again), else `InstallDependencies(cwd=ProgramDirectory)`: `python3 -m venv VENV`
+  (`CommandPath`: `$PULUMI_PYTHON_CMD`, else python3, else python), then, with the venv
+  activated (`ActivateVirtualEnv`: PATH, VIRTUAL_ENV, no PYTHONHOME) and `Dir = cwd`,
+  `VENV/bin/python -m pip install --upgrade pip setuptools wheel`; returns early when
+  `cwd/requirements.txt` does not exist (the quiet skip of pulumi/pulumi#17075); else
+  `VENV/bin/python -m pip install -r requirements.txt`.
+- `Run`: `ValidateVenv`, then the venv's python runs `pulumi-language-python-exec`, replayed by
+  tests/infra/pulumi_exec_replay.py under the project's mocks.
+
+The copy holds what a clone holds: the files git tracks, plus files not yet committed that git
+does not ignore (so a new file counts before its commit); never `.venv`, `build/`. pip reads the
+machine's own configuration (index, find-links, wheel cache), as under Pulumi.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.offline import REPO_ROOT, stack_names
+
+REPLAY = Path(__file__).with_name("pulumi_exec_replay.py")
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The files a clone of this tree would hold, copied to `dest`."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in filter(None, listed):
+        rel = raw.decode()
+        src = REPO_ROOT / rel
+        if not src.is_file() or src.is_symlink():  # deleted in the work tree, or the .venv link
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+    return dest
+
+
+def program_directory(root: Path, main: str | None) -> Path:
+    """pkg/engine/project.go getPwdMain: the pwd (ProgramDirectory) for `main`."""
+    if not main:
+        return root
+    path = Path(main) if os.path.isabs(main) else Path(os.path.normpath(root / main))
+    return path if path.is_dir() else path.parent
+
+
+def activated(venv: Path) -> dict[str, str]:
+    """toolchain.go ActivateVirtualEnv. PYTHONPATH is dropped too: a test runner's would leak the dev venv."""
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONHOME", "PYTHONPATH"}}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    return env
+
+
+def base_python() -> str:
+    """pip.go CommandPath: $PULUMI_PYTHON_CMD, else python3, else python, on PATH."""
+    for cmd in [os.environ["PULUMI_PYTHON_CMD"]] if os.environ.get("PULUMI_PYTHON_CMD") else ["python3", "python"]:
+        if found := shutil.which(cmd):
+            return found
+    return sys.executable
+
+
+def install_like_pulumi(root: Path) -> tuple[Path, Path, list[list[str]]]:
+    """Pulumi's EnsureVenv -> InstallDependencies for the project at `root`; returns the program
+    directory, the venv and the pip commands it ran."""
+    project = yaml.safe_load((root / "Pulumi.yaml").read_text())
+    runtime = project["runtime"]
+    assert isinstance(runtime, dict) and runtime["name"] == "python"
+    options = runtime.get("options") or {}
+    assert options.get("toolchain", "pip") == "pip", "this replay follows pip's toolchain (pip.go)"
+    program_dir = program_directory(root, project.get("main"))
+    virtualenv = options.get("virtualenv")
+    assert virtualenv, "without `virtualenv` Pulumi installs into the ambient Python"
+    venv = Path(virtualenv) if os.path.isabs(virtualenv) else root / virtualenv
+    assert not (venv / "bin" / "python").exists()  # EnsureVenv: a fresh clone has none
+    subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, capture_output=True)
+    ran = []
+    steps = [["--upgrade", "pip", "setuptools", "wheel"]]
+    if (program_dir / "requirements.txt").exists():
+        steps.append(["-r", "requirements.txt"])
+    for args in steps:
+        cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args]
+        done = subprocess.run(cmd, cwd=program_dir, env=activated(venv), capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(cmd)} in {program_dir}:\n{done.stderr[-3000:]}"
+        ran.append(cmd)
+    return program_dir, venv, ran
+
+
+@pytest.mark.slow
+def test_fresh_clone_installs_and_runs_the_program_as_pulumi_does(tmp_path: Path) -> None:
+    root = fresh_copy(tmp_path / "gemma-finetune")
+    program_dir, venv, ran = install_like_pulumi(root)
+    assert program_dir == root / "infra"
+    stacks = stack_names()
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), str(REPLAY), str(root), str(program_dir), *stacks],
+        cwd=program_dir,
+        env=activated(venv),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (
+        f"pip ran {[c[-2:] for c in ran]} in {program_dir} (Pulumi installs its requirements.txt only):\n"
+        + done.stderr[-4000:]
+    )
+    runs = {r["stack"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert set(runs) == set(stacks)
+    for stack, run in runs.items():
+        assert Path(run["pulumi_file"]).is_relative_to(venv), run["pulumi_file"]  # the SDK of that venv
+        assert run["resources"] > 10, (stack, run)
+        assert "gcp:storage/bucket:Bucket" in run["types"], stack
+        assert {"bucket", "trainerImage"} <= set(run["outputs"]), (stack, run["outputs"])
+    # no dev requirement came along: the program runs without them
+    listed = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"],
+        env=activated(venv),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    installed = {p["name"].lower().replace("_", "-") for p in json.loads(listed)}
+    assert {"pulumi", "pulumi-gcp"} <= installed
+    assert not installed & {"torch", "transformers", "pytest", "ray"}, installed
