@@ -214,8 +214,13 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
     }
 
 
+# A standing cluster holds its GPUs until deleted, by the user's choice (rayCluster: standing): the policy pack's
+# deadline rule passes such a workload only with this label (infra/policy/policies.py LONG_RUNNING_LABEL).
+LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
+
+
 def render_ray_cluster(spec: RayRunSpec) -> dict[str, Any]:
-    """The standing RayCluster (rayCluster: standing)."""
+    """The standing RayCluster (rayCluster: standing): long-running by choice, and labelled so."""
     assert spec.standing_cluster is not None
     return {
         "apiVersion": RAY_API_VERSION,
@@ -223,7 +228,7 @@ def render_ray_cluster(spec: RayRunSpec) -> dict[str, Any]:
         "metadata": {
             "name": spec.standing_cluster,
             "namespace": spec.namespace,
-            "labels": {**spec.labels, **spec.cost_labels},
+            "labels": {**spec.labels, **spec.cost_labels, LONG_RUNNING_LABEL: "true"},
             "annotations": dict(SKIP_AWAIT),
         },
         "spec": render_ray_cluster_spec(spec),

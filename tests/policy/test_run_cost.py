@@ -154,6 +154,17 @@ class TestItCatchesWhatRaisesTheCost:
         job_props["metadata"]["labels"]["gemma-finetune/max-run-cost-usd"] = "1000"
         assert "runs on a standing RayCluster" in violations(job.type, job_props)[RULE][0]
 
+    def test_the_standing_variant_passes_the_whole_pack(self) -> None:
+        """`rayCluster: standing` is a choice the user made in config: its cluster holds GPUs until deleted by
+        design, so it carries the long-running label the deadline rule asks for, and the pack passes it."""
+        stack_run = run_stack("ray-gemma3-vision", overrides={**PREBUILT, "rayCluster": "standing"})
+        for kind in (RAY_CLUSTER, RAY_JOB):
+            resource = stack_run.one(kind)
+            assert not run_pack(resource.type, resource.plain_inputs()), resource.urn
+        from infra import ray_job
+
+        assert ray_job.LONG_RUNNING_LABEL == policies.LONG_RUNNING_LABEL
+
     def test_without_a_limit_the_rule_is_silent(self) -> None:
         resource = workload(run_stack("a4-gemma4", overrides=PREBUILT))
         props = copy.deepcopy(resource.plain_inputs())
