@@ -149,9 +149,15 @@ def score_every_position(model: Any) -> None:
 
 
 def new_sft_trainer(**kwargs: Any) -> SFTTrainer:
-    """trl's SFTTrainer with the labels-only LM head: the one place this package builds a trainer."""
+    """trl's SFTTrainer with the labels-only LM head: the one place this package builds a trainer.
+
+    trl's Triton kernels run only where Triton can build its driver stub (trainer/triton_build.py).
+    """
     from trl import SFTTrainer
 
+    from trainer.triton_build import use_triton_only_where_it_builds
+
+    use_triton_only_where_it_builds()
     trainer = SFTTrainer(**kwargs)
     score_labelled_positions_only(trainer.model)
     return trainer
