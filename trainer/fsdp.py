@@ -17,6 +17,13 @@ Decisions:
 - `save_adapter_fsdp_safe` gathers every adapter tensor in full (DTensor.full_tensor(), a
   collective every rank joins) before rank 0 writes the PEFT adapter. Saving "the adapter"
   from a sharded model otherwise writes rank 0's shard only, with no error.
+- LoRA gradients are accumulated and reduced in fp32 (`reduce_gradients_in_fp32`). accelerate 1.15's
+  FSDP2 policy from `mixed_precision: bf16` is `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`
+  (utils/dataclasses.py `set_mixed_precision`; the config file has no key for it), and torch's
+  `FSDPParam.init_dtype_attrs` (_fsdp_param.py) then drops the reduce dtype as "no cast needed": the
+  gradients of the fp32 adapter (accelerate upcasts trainable parameters) were summed over the
+  accumulation micro-steps and reduce-scattered over the ranks in bf16 (8 mantissa bits). Compute stays
+  bf16; the reduction of the small adapter in fp32 costs next to nothing.
 - `fsdp2_loads_persistent_buffers` makes accelerate's RAM-efficient FSDP2 loading work for models
   with persistent buffers. accelerate 1.15's `fsdp2_load_full_state_dict` broadcasts every
   state-dict entry as if it were a sharded parameter and fails on a buffer ("'Tensor' object has
@@ -192,6 +199,26 @@ def render_accelerate_config(
     elif strategy != "none":
         raise FsdpConfigError(f"strategy={strategy!r}: use fsdp or none")
     return config
+
+
+def reduce_gradients_in_fp32(fsdp_plugin: Any) -> None:
+    """Make an FSDP2 plugin's policy accumulate and reduce gradients in fp32; compute dtypes unchanged.
+
+    Call it before accelerate prepares the model (`fully_shard` reads the policy then). FSDP1 plugins
+    and None (no FSDP) are left alone.
+    """
+    if fsdp_plugin is None or getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        return
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    current = fsdp_plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+        param_dtype=current.param_dtype,
+        reduce_dtype=torch.float32,
+        output_dtype=current.output_dtype,
+        cast_forward_inputs=current.cast_forward_inputs,
+    )
 
 
 # --------------------------------------------------------------------------------------
