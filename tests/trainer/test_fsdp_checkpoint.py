@@ -209,3 +209,11 @@ def test_a_checkpoint_holds_the_adapter_and_resumes(tiny_gemma4_dir: Path, tmp_p
     assert output.count(f"resuming from {checkpoint}") == NPROC, output[-4000:]
     resumed = torch.load(out_dir / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin", weights_only=True)
     assert resumed.keys() == adapter.keys() and any(not torch.equal(resumed[k], adapter[k]) for k in adapter)
+
+    # resumed from the checkpoint's adapter and optimizer, not from a fresh adapter: the same weights as an
+    # uninterrupted 2-step run (a load that matched no key would pass strict=False silently)
+    straight_dir = tmp_path / "straight"
+    launch(tmp_path, tiny_gemma4_dir, straight_dir, max_steps=2, gather_log=tmp_path / "gathers-3.jsonl")
+    straight = torch.load(straight_dir / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin", weights_only=True)
+    for key, tensor in straight.items():
+        torch.testing.assert_close(resumed[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
