@@ -9,7 +9,8 @@ Parses arguments and the recipe (schema), exits 0 with the earlier result when `
 holds a finished run, else validates the run the recipe describes and calls the typed `trainer.train.main`.
 A problem the user can fix (bad recipe, bad override, missing data file, a bad row among the first
 ones checked before the model loads, full disk) is printed as one clear message without a
-traceback, with exit code 2.
+traceback, with exit code 2. A SIGTERM during training saves that step's checkpoint and exits 143
+(trainer/preemption.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
+from trainer.preemption import Preempted
 from trainer.recipe import RecipeError, list_recipes, parse_recipe, require_valid_run
 
 USER_ERRORS: tuple[type[Exception], ...] = (RecipeError,)
@@ -66,6 +69,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Preempted as exc:
+        print(f"preempted: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT
     print(json.dumps(result.summary, indent=2))
     print(f"adapter: {result.adapter_dir}")
     if result.merged_dir:

@@ -30,9 +30,11 @@ Decisions:
   descriptions 512, emoji 32), in left-padded batches of `evaluation.batch_size`: the same outputs as
   one prompt at a time (tests/trainer/test_evaluate.py checks it), fewer forward passes.
 - The held-out loss of a batch is one forward over its left-padded rows, positions counted from each
-  row's first token as for the row alone, with logits only for the answers' positions
-  (`logits_to_keep`): the same numbers as a forward per row (tests/trainer/test_evaluate.py), one
-  pass over the weights instead of one per row, and a fraction of the 262,144-word LM head.
+  row's first token as for the row alone, scored by trl's fused LM head on the answers' positions only,
+  as training scores them (trl `add_fused_lm_head` + trainer/lm_head.py): no logits tensor at all, where
+  the model's own head held `[batch, answer positions, 262,144]` fp32 logits (~1 GB per 1,024 positions)
+  and their log-softmax. The same numbers as a forward per row with the model's own loss
+  (tests/trainer/test_evaluate.py), one pass over the weights instead of one per row.
 - The held-out rows are exactly the recipe's eval split (seeded shuffle, first `eval_rows`), so a
   model is never scored on rows it trained on. Returns a dict and writes it as JSON (`--out`, default
   `<model>/eval_results.json`).
@@ -203,13 +205,31 @@ def generate(model: PreTrainedModel, processing_class: Any, messages: list[dict]
     return generate_batch(model, processing_class, [{"messages": messages}], max_new_tokens)[0]
 
 
+_EVAL_FUSED_HEAD = "_gemma_ft_eval_fused_head"
+
+
+def fused_head_model(model: Any) -> Any:
+    """The model to call with `fused_lm_head=True`: `model`, or the base inside a PEFT wrapper (its LoRA layers stay
+    in it), with trl's fused LM head scoring labelled positions only. Added once; generation is unchanged."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trainer.lm_head import score_labelled_positions_only
+
+    owner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(owner, _EVAL_FUSED_HEAD, False):
+        add_fused_lm_head(owner)
+        score_labelled_positions_only(owner)
+        setattr(owner, _EVAL_FUSED_HEAD, True)
+    return owner
+
+
 def answer_losses(model: PreTrainedModel, processing_class: Any, conversations: list[dict]) -> list[tuple[float, int]]:
     """(summed cross-entropy, token count) of each reference answer given its prompt (and images): one forward.
 
     The conversations are left-padded together, so every answer ends at the last position; positions
-    count from each row's first real token, as for the row alone, and only the last positions' logits
-    are computed (`logits_to_keep`): the LM head projects onto the whole vocabulary, so one batched
-    forward with the answer positions only replaces a forward with full logits per row.
+    count from each row's first real token, as for the row alone. Only the answer tokens carry a label,
+    and trl's fused head projects only the hidden states that predict them, in vocabulary tiles
+    (`fused_head_model`): the `[batch, length, vocab]` logits are never built.
     """
     import torch
 
@@ -227,18 +247,17 @@ def answer_losses(model: PreTrainedModel, processing_class: Any, conversations: 
     inputs = _encode(processing_class, fulls, images, model.device)
     real = inputs["attention_mask"].sum(dim=1)
     answers = [max(0, int(n) - int(p)) for n, p in zip(real, prompt_lengths, strict=True)]
-    widest = max(answers)
-    if widest == 0:
+    if max(answers) == 0:
         return [(0.0, 0) for _ in conversations]
     inputs["position_ids"] = (inputs["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(**inputs, logits_to_keep=widest + 1, use_cache=False).logits[:, -(widest + 1) : -1].float()
-    targets = inputs["input_ids"][:, -widest:]
-    token_loss = -torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    in_answer = torch.arange(widest, device=targets.device) >= torch.tensor(
-        [widest - a for a in answers], device=targets.device
+    length = inputs["input_ids"].shape[1]
+    in_answer = torch.arange(length, device=inputs["input_ids"].device) >= torch.tensor(
+        [length - a for a in answers], device=inputs["input_ids"].device
     ).unsqueeze(1)
-    sums = torch.where(in_answer, token_loss, 0.0).sum(dim=1)  # a pad position's value never reaches a sum
+    labels = torch.where(in_answer, inputs["input_ids"], -100)  # left-padded: the answers are each row's last tokens
+    with torch.no_grad():
+        log_probs = fused_head_model(model)(**inputs, labels=labels, fused_lm_head=True).log_probs  # 0 off-answer
+    sums = -log_probs.float().sum(dim=1)
     return [(float(total), count) for total, count in zip(sums, answers, strict=True)]
 
 

@@ -17,6 +17,23 @@ Decisions:
 - `save_adapter_fsdp_safe` gathers every adapter tensor in full (DTensor.full_tensor(), a
   collective every rank joins) before rank 0 writes the PEFT adapter. Saving "the adapter"
   from a sharded model otherwise writes rank 0's shard only, with no error.
+- LoRA gradients are accumulated and reduced in fp32 (`reduce_gradients_in_fp32`). accelerate 1.15's
+  FSDP2 policy from `mixed_precision: bf16` is `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`
+  (utils/dataclasses.py `set_mixed_precision`; the config file has no key for it), and torch's
+  `FSDPParam.init_dtype_attrs` (_fsdp_param.py) then drops the reduce dtype as "no cast needed": the
+  gradients of the fp32 adapter (accelerate upcasts trainable parameters) were summed over the
+  accumulation micro-steps and reduce-scattered over the ranks in bf16 (8 mantissa bits). Compute stays
+  bf16; the reduction of the small adapter in fp32 costs next to nothing.
+- A checkpoint under FSDP gathers and writes the adapter, not the model (`checkpoints_without_the_base`).
+  transformers 5.23 `_save_checkpoint` calls `save_model`, which with FULL_STATE_DICT gathers the whole
+  model to rank 0's CPU (`Accelerator.get_state_dict`: `get_model_state_dict(full_state_dict=True,
+  cpu_offload=True)`, 62 GB for Gemma 4 31B) only to write the adapter out of it; then
+  `_save_optimizer_and_scheduler` saves the "adapter only" again (`save_fsdp_model(adapter_only=True)`),
+  which leaves out the frozen parameters by name but still gathers and writes the tied LM head (262,144 x
+  5,376) and the buffers. A checkpoint now holds the trainable parameters (`gather_adapter_state_dict`)
+  in transformers' FSDP model file, which is what a resume loads (`load_fsdp_model`, strict=False), plus
+  accelerate's FSDP optimizer file, the scheduler, RNG and trainer state. The run's final adapter is
+  saved by `save_adapter_fsdp_safe` (trainer/train.py `save_adapter`).
 - `fsdp2_loads_persistent_buffers` makes accelerate's RAM-efficient FSDP2 loading work for models
   with persistent buffers. accelerate 1.15's `fsdp2_load_full_state_dict` broadcasts every
   state-dict entry as if it were a sharded parameter and fails on a buffer ("'Tensor' object has
@@ -195,6 +212,59 @@ def render_accelerate_config(
     elif strategy != "none":
         raise FsdpConfigError(f"strategy={strategy!r}: use fsdp or none")
     return config
+
+
+def reduce_gradients_in_fp32(fsdp_plugin: Any) -> None:
+    """Make an FSDP2 plugin's policy accumulate and reduce gradients in fp32; compute dtypes unchanged.
+
+    Call it before accelerate prepares the model (`fully_shard` reads the policy then). FSDP1 plugins
+    and None (no FSDP) are left alone.
+    """
+    if fsdp_plugin is None or getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        return
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    current = fsdp_plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+        param_dtype=current.param_dtype,
+        reduce_dtype=torch.float32,
+        output_dtype=current.output_dtype,
+        cast_forward_inputs=current.cast_forward_inputs,
+    )
+
+
+def checkpoints_without_the_base(trainer: Any) -> None:
+    """Under FSDP, a checkpoint gathers and writes the adapter's parameters only (module docstring).
+
+    The trainer's `save_model` writes nothing for a checkpoint, and its `_save_optimizer_and_scheduler`
+    writes the adapter as transformers' FSDP model file (what `load_fsdp_model` resumes from, strict=False),
+    then accelerate's FSDP optimizer file and the scheduler, as transformers does.
+    """
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return
+    save_model = trainer.save_model
+
+    def save_model_unless_checkpoint(output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not _internal_call:  # a checkpoint (or Trainer.push_to_hub, unused): the adapter is saved below
+            save_model(output_dir, _internal_call=_internal_call)
+
+    def save_adapter_optimizer_and_scheduler(output_dir: str) -> None:
+        import torch
+        from accelerate.utils import save_fsdp_optimizer
+        from transformers.trainer import FSDP_MODEL_NAME, SCHEDULER_NAME
+
+        adapter = gather_adapter_state_dict(trainer.model)  # a collective: every rank, adapter shards only
+        plugin = trainer.accelerator.state.fsdp_plugin
+        Path(output_dir).mkdir(parents=True, exist_ok=True)  # save_model made it; accelerate's writers expect it
+        if trainer.args.should_save:
+            torch.save(adapter, Path(output_dir) / f"{FSDP_MODEL_NAME}.bin")
+        save_fsdp_optimizer(plugin, trainer.accelerator, trainer.optimizer, trainer.model, output_dir)
+        if trainer.args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    trainer.save_model = save_model_unless_checkpoint
+    trainer._save_optimizer_and_scheduler = save_adapter_optimizer_and_scheduler
 
 
 # --------------------------------------------------------------------------------------

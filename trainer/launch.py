@@ -30,6 +30,9 @@ Decisions:
 - The processes over all nodes must be the recipe's `distributed.world_size` (the run it describes is
   sized for that many ranks, `trainer.recipe.world_size_problem`); another count exits 2 with the
   `--set distributed.world_size=N` that re-sizes the recipe.
+- On SIGTERM the ranks save a checkpoint, then stop (trainer/preemption.py): torchrun, which passes the signal
+  on, is told to wait for them up to WORKER_SHUTDOWN_S instead of its 30 s (`$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`,
+  unless already set), so the pod's grace period decides.
 - A recipe whose `output.dir` already holds a finished run (`_RUN_COMPLETE.json`, see
   trainer/checkpoints.py) launches nothing and exits 0, before the model config is read and before
   the run checks that read the data (`trainer.recipe.require_valid_run`).
@@ -69,6 +72,11 @@ NODE_RANK_ENV = "JOB_COMPLETION_INDEX"
 MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"
 DEFAULT_PORT = 29500
+# torchrun kills its workers this long after passing them a SIGTERM (torch/distributed/launcher/api.py reads
+# the variable; 30 s by default): long enough that the pod's terminationGracePeriodSeconds is the bound on
+# the checkpoint a SIGTERM saves (trainer/preemption.py)
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+WORKER_SHUTDOWN_S = 3600
 _MIXED_PRECISION = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "no"}
 
 
@@ -202,7 +210,10 @@ def plan(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Laun
     config_path = args.config_out or Path(tempfile.mkdtemp(prefix="accelerate-")) / "accelerate_config.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=True))
-    env = {"ACCELERATE_USE_CPU": "true"} if args.cpu else {}
+    extra = {"ACCELERATE_USE_CPU": "true"} if args.cpu else {}
+    if SHUTDOWN_TIMEOUT_ENV not in env:
+        extra[SHUTDOWN_TIMEOUT_ENV] = str(WORKER_SHUTDOWN_S)
+    env = extra
     return LaunchPlan(config, config_path, accelerate_command(config_path, args.recipe, args.overrides), env)
 
 

@@ -149,9 +149,19 @@ def score_every_position(model: Any) -> None:
 
 
 def new_sft_trainer(**kwargs: Any) -> SFTTrainer:
-    """trl's SFTTrainer with the labels-only LM head: the one place this package builds a trainer."""
+    """trl's SFTTrainer with the labels-only LM head: the one place this package builds a trainer.
+
+    trl's Triton kernels run only where Triton can build its driver stub (trainer/triton_build.py);
+    under FSDP2 the LoRA gradients are reduced in fp32 and checkpoints gather no base weights (trainer/fsdp.py).
+    """
     from trl import SFTTrainer
 
+    from trainer.fsdp import checkpoints_without_the_base, reduce_gradients_in_fp32
+    from trainer.triton_build import use_triton_only_where_it_builds
+
+    use_triton_only_where_it_builds()
     trainer = SFTTrainer(**kwargs)
+    reduce_gradients_in_fp32(getattr(trainer.accelerator.state, "fsdp_plugin", None))  # before prepare() shards
+    checkpoints_without_the_base(trainer)
     score_labelled_positions_only(trainer.model)
     return trainer

@@ -41,6 +41,8 @@ Decisions:
   a timeout of STARTUP_TIMEOUT (2 h), right after loading; later collectives keep `ddp_timeout`.
 - A run whose process count (torchrun's WORLD_SIZE, else 1) is not the recipe's
   `distributed.world_size` stops before loading anything (`trainer.recipe.world_size_problem`).
+- A SIGTERM during training saves the step's checkpoint on every rank and stops (trainer/preemption.py):
+  `main` raises `Preempted` instead of exporting, so a restarted pod resumes from that step.
 - `training.extra` is passed verbatim to SFTConfig, so any trl/transformers argument can be set
   from a recipe without a code change.
 
@@ -63,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
 from trainer.cost_line import SUMMARY_COST_KEY, run_cost_line
+from trainer.preemption import Preempted, preemption_callback
 from trainer.recipe import Recipe, RecipeError, world_size_problem
 
 if TYPE_CHECKING:
@@ -318,11 +321,18 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         raise RecipeError(problem)
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
-    trainer, tokenizer = build_trainer(recipe, location, callbacks)
+    preemption = preemption_callback()
+    trainer, tokenizer = build_trainer(recipe, location, [*callbacks, preemption])
     resume_from = find_resume_checkpoint(location, trainer.args)
     if resume_from is not None:
         log.info("resuming from %s", resume_from)
-    train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    preemption.install()
+    try:
+        train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    finally:
+        preemption.uninstall()
+    if preemption.stopped_at is not None:
+        raise Preempted(preemption.stopped_at)
     eval_loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else None
 
     adapter_dir = location.local / "adapter"

@@ -182,6 +182,54 @@ def test_batched_answer_losses_equal_each_row_alone(tiny_merged: Path, tmp_path:
     _assert_losses_match_one_row_at_a_time(model, tokenizer, [c for c, _ in held_out_rows(recipe, 5)])
 
 
+@pytest.mark.parametrize("adapter", [False, True])
+def test_answer_losses_build_no_logits(
+    tiny_merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter: bool
+) -> None:
+    """The held-out loss never calls the model's LM head (which returns `[batch, positions, vocab]` logits): the
+    fused head projects exactly the hidden states that predict an answer token, as training does, and the loss
+    is the full-logit one (the test above). Generation afterwards is the model's own, unchanged."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from trainer.cpu_logprob import LabelledRowsLogProb
+
+    recipe = load_recipe("emoji-local")
+    model_dir = tiny_merged
+    if adapter:  # a PEFT adapter folder: the fused head goes on the base inside the wrapper
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        peft_model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(tiny_merged), LoraConfig(r=2, target_modules=["q_proj"])
+        )
+        peft_model.save_pretrained(tmp_path / "adapter")
+        config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = str(tiny_merged)
+        (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+        model_dir = tmp_path / "adapter"
+    model, tokenizer = load_for_eval(model_dir, recipe, device="cpu")
+    conversations = [c for c, _ in held_out_rows(recipe, 5)]
+    before = generate_batch(model, tokenizer, [{"messages": m} for m in [c["messages"][:-1] for c in conversations]], 8)
+
+    head_outputs: list[tuple[int, ...]] = []
+    model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: head_outputs.append(tuple(out.shape)))
+    rows: list[int] = []
+    for kernel in (ChunkedLogProbFunction, LabelledRowsLogProb):
+
+        def spy(ctx, hidden, *args, _forward=kernel.forward):  # type: ignore[no-untyped-def]
+            rows.append(int(hidden.shape[0]))
+            return _forward(ctx, hidden, *args)
+
+        monkeypatch.setattr(kernel, "forward", staticmethod(spy))
+    losses = answer_losses(model, tokenizer, conversations)
+    assert head_outputs == [], f"the LM head built logits {head_outputs}"
+    assert rows == [sum(tokens for _, tokens in losses)] and rows[0] > 0
+    assert all(total > 0 for total, _ in losses)
+    monkeypatch.undo()
+    after = generate_batch(model, tokenizer, [{"messages": m} for m in [c["messages"][:-1] for c in conversations]], 8)
+    assert after == before and head_outputs, "generation uses the model's own head, as before"
+
+
 def _sql_recipe(tmp_path: Path):  # type: ignore[no-untyped-def]
     recipe_file = tmp_path / "sql-batch.yaml"
     recipe_file.write_text(

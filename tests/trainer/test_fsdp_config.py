@@ -158,3 +158,54 @@ class TestAccelerateReadsIt:
         assert plugin.cpu_ram_efficient_loading is True
         assert plugin.activation_checkpointing is False
         assert launched_env[1]["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+    def test_lora_gradients_are_accumulated_and_reduced_in_fp32(self, launched_env):
+        """The policy accelerate renders from the config, after the trainer's FSDP setup, given to torch's own
+        `fully_shard` (one gloo rank on the CPU): 32 accumulation micro-steps without gradient sync, then one
+        with it, as accelerate's accumulation runs them. The adapter's gradient is summed in fp32 (the bf16 sum
+        of the default policy is off by up to 2%), computed from bf16 activations as before."""
+        import torch
+        import torch.distributed as dist
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from trainer.fsdp import reduce_gradients_in_fp32
+
+        plugin = FullyShardedDataParallelPlugin()
+        plugin.set_mixed_precision(launched_env[1]["ACCELERATE_MIXED_PRECISION"])  # as AcceleratorState does
+        reduce_gradients_in_fp32(plugin)  # trainer.lm_head.new_sft_trainer, before accelerate prepares the model
+        policy = plugin.mixed_precision_policy
+        assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
+            torch.bfloat16,
+            torch.float32,
+            torch.bfloat16,
+        )
+
+        torch.manual_seed(0)
+        steps = 32
+        inputs = [torch.randn(4, 16) for _ in range(steps + 1)]
+        adapter = torch.nn.Linear(16, 8, bias=False)  # fp32: accelerate upcasts trainable parameters
+        start = adapter.weight.detach().clone()
+        reference = torch.zeros_like(start, dtype=torch.float64)  # each micro-step's bf16 gradient, summed exactly
+        for x in inputs:
+            w = start.to(torch.bfloat16).requires_grad_()
+            (x.to(torch.bfloat16) @ w.t()).float().square().sum().backward()
+            reference += w.grad.double()
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            fully_shard(adapter, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy)
+            adapter.set_requires_gradient_sync(False)
+            for x in inputs[:-1]:
+                adapter(x).float().square().sum().backward()
+            (param,) = adapter._get_fsdp_state()._fsdp_param_group.fsdp_params
+            assert param.reduce_dtype == torch.float32
+            assert param.unsharded_accumulated_grad.dtype == torch.float32
+            adapter.set_requires_gradient_sync(True)
+            adapter(inputs[-1]).float().square().sum().backward()
+            grad = adapter.weight.grad.to_local()
+        finally:
+            dist.destroy_process_group()
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad.double(), reference, rtol=1e-6, atol=1e-6)

@@ -106,10 +106,11 @@ class TestPlan:
         """accelerate's multi-process launcher does not pass `use_cpu` on: the launcher exports the variable."""
         four = ("--set", "distributed.world_size=4")
         p = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4", "--cpu", *four)
-        assert p.config["use_cpu"] is True and p.env == {"ACCELERATE_USE_CPU": "true"}
+        shutdown = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3600"}  # torchrun waits for a SIGTERM's checkpoint
+        assert p.config["use_cpu"] is True and p.env == {"ACCELERATE_USE_CPU": "true", **shutdown}
         assert "ACCELERATE_USE_CPU=true" in p.render()
         gpu = make_plan(gemma4_model_dir, tmp_path, "--nproc-per-node", "4", *four)
-        assert gpu.config["use_cpu"] is False and gpu.env == {}
+        assert gpu.config["use_cpu"] is False and gpu.env == shutdown
 
     def test_no_fsdp_recipe_renders_data_parallel(self, tmp_path):
         argv = ["--recipe", "emoji-gemma3-1b", "--nproc-per-node", "4", "--set", "distributed.world_size=4"]

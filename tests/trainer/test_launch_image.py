@@ -3,7 +3,8 @@
 Why it matters: there is no Docker engine in CI, so the Dockerfile is checked statically:
 hadolint, the library pins against requirements-dev.txt (the versions these tests exercise),
 and the properties the workloads rely on (non-root numeric user, no compiler in the final
-stage, the package and its recipes/data in the build context).
+stage, the package and its recipes/data in the build context), and what Triton builds at its
+first kernel launch (trl's fused LM head launches one on every CUDA step).
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def test_final_stage_properties():
     text = DOCKERFILE.read_text()
     final = final_stage(text)
     assert text.count("\nFROM ") >= 2, "multi-stage build expected"
-    for compiler in ("build-essential", "gcc", "g++", "-dev ", "cudnn-devel", "-devel"):
-        assert compiler not in final, f"{compiler} in the final stage"
+    # a C compiler for Triton's driver stub only (test_final_stage_can_build_tritons_driver_stub), no toolchain
+    for toolchain in ("build-essential", "g++", "nvcc", "cudnn-devel", "-devel"):
+        assert toolchain not in final, f"{toolchain} in the final stage"
     assert "runtime" in re.search(r"ARG CUDA_RUNTIME_IMAGE=(\S+)", text).group(1)
     user = re.findall(r"^USER (\S+)", final, flags=re.M)
     assert user and user[-1].split(":")[0].isdigit() and user[-1].split(":")[0] != "0"
@@ -86,3 +88,52 @@ def test_build_context_keeps_package_recipes_and_data():
     ignored = [line.strip() for line in (REPO / "trainer" / ".dockerignore").read_text().splitlines()]
     for needed in ("recipes", "data", "*.py", "*.yaml", "*.jsonl", "requirements-gpu.txt"):
         assert needed not in ignored
+
+
+def apt_packages(stage: str) -> set[str]:
+    """Every package an `apt-get install` of this stage names."""
+    found: set[str] = set()
+    for command in re.findall(r"apt-get install ((?:[^\n]|\\\n)*?)(?:&&|$)", stage, flags=re.M):
+        found |= {word for word in command.replace("\\\n", " ").split() if not word.startswith("-") and word != "\\"}
+    return found
+
+
+def test_final_stage_can_build_tritons_driver_stub():
+    """Triton 3.7 compiles triton/backends/nvidia/driver.c at the first launch (triton/runtime/build.py `_build`):
+    $CC, gcc or clang, with Python.h from the running Python's include folder and the C library's headers.
+    On Ubuntu 24.04 the package of each binary has its name, Python.h of python3.X is python3.X-dev
+    (/usr/include/python3.X, the `posix_prefix` include), the C headers libc6-dev."""
+    from trainer.triton_build import COMPILERS, PYTHON_HEADER
+
+    final = final_stage(DOCKERFILE.read_text())
+    packages = apt_packages(final)
+    pythons = {p for p in packages if re.fullmatch(r"python3\.\d+", p)}
+    assert len(pythons) == 1, f"one Python in the final stage: {sorted(packages)}"
+    python = pythons.pop()
+    assert f"{python} -m venv" in DOCKERFILE.read_text(), f"the virtualenv is not made with {python}"
+    assert "ENV CC=" not in final, "Triton would use $CC instead of the compiler installed here"
+    assert packages & set(COMPILERS), f"no compiler Triton looks for ({COMPILERS}) in {sorted(packages)}"
+    assert PYTHON_HEADER == "Python.h" and f"{python}-dev" in packages, (
+        f"no {python}-dev (Python.h): {sorted(packages)}"
+    )
+    assert "libc6-dev" in packages, f"no libc6-dev (stdio.h, dlfcn.h for driver.c): {sorted(packages)}"
+    assert "--no-install-recommends" in final
+
+
+def test_triton_build_needs_are_read_from_tritons_source():
+    """Where Triton is installed (the image, a GPU machine), the compilers and header trainer/triton_build.py
+    checks are the ones in Triton's own build step and driver source."""
+    triton = pytest.importorskip("triton", reason="Triton ships with CUDA torch only")
+    import inspect
+
+    from triton.runtime import build
+
+    from trainer.triton_build import COMPILERS, PYTHON_HEADER
+
+    source = inspect.getsource(build._build)
+    assert 'os.environ.get("CC")' in source
+    for name in COMPILERS:
+        assert f'shutil.which("{name}")' in source
+    assert 'sysconfig.get_paths(scheme=scheme)["include"]' in source and "posix_local" in source
+    driver_c = Path(triton.__file__).parent / "backends" / "nvidia" / "driver.c"
+    assert f"#include <{PYTHON_HEADER}>" in driver_c.read_text()

@@ -273,6 +273,9 @@ def test_the_trainer_uses_it_and_trains_the_same(
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
     for name, weight in trl_run["weights"].items():
         torch.testing.assert_close(ours["weights"][name], weight, rtol=1e-5, atol=1e-6)
+    from trl.kernels import chunked_logprob  # and trl's Triton kernel only where it builds (test_triton_build.py)
+
+    assert getattr(chunked_logprob._use_triton, "_gemma_ft_builds_only", False)
 
 
 def test_the_vision_trainer_uses_it(tiny_gemma3_vision_dir: Path, tmp_path: Path, projected_rows: list[int]) -> None:

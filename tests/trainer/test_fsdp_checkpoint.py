@@ -1,0 +1,219 @@
+"""A W1 checkpoint under FSDP2 holds the adapter and what resuming needs, and gathers none of the base weights.
+
+Why it matters: transformers' checkpoint (`Trainer._save_checkpoint` → `save_model`) under FSDP with
+FULL_STATE_DICT gathers the WHOLE model to rank 0's CPU (`Accelerator.get_state_dict`:
+`get_model_state_dict(full_state_dict=True, cpu_offload=True)`), 62 GB for Gemma 4 31B at every
+`save_steps`, to keep a ~0.5 GB adapter. Now a checkpoint is transformers' adapter-only FSDP model file,
+the optimizer, scheduler, RNG and trainer state (trainer/fsdp.py `checkpoints_without_the_base`).
+
+The run is `python -m trainer` on the W1 recipe and a tiny Gemma 4, 2 ranks started by accelerate's own
+launcher with the config `trainer.launch` renders (FSDP2, FULL_STATE_DICT, RAM-efficient loading), gloo
+on loopback. accelerate shards with FSDP only on GPUs, so a sitecustomize module gives accelerate's state
+the view it has on a GPU node (FSDP, the plugin from the launcher's FSDP_* variables), as
+tests/trainer/test_ram_efficient_loading.py does; the model really is sharded by accelerate's
+`fsdp2_prepare_model` (torch `fully_shard` on CPU). Spies record every gather (torch's
+`get_model_state_dict` with full_state_dict, `DTensor.full_tensor`) and the policy each `fully_shard` got.
+The first launch stops after checkpoint-1 (`max_steps=1`), the second resumes from it to step 2.
+(The old checkpoint wrote the PEFT adapter out of the whole gathered model, and an "adapter-only" FSDP file
+holding the tied LM head and the buffers too.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from serving.local_server import free_port
+from tests.trainer.inject import AFTER_IMPORT
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "text-to-sql-gemma4-31b"
+NPROC = 2
+
+# Imported by every process of the run (first on PYTHONPATH); acts in the torchrun workers only.
+FSDP_ON_CPU = (
+    AFTER_IMPORT
+    + """
+import json
+import os
+
+if "LOCAL_RANK" in os.environ:
+
+    def _fsdp_view(state_module):
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        init = state_module.AcceleratorState.__init__
+
+        def init_as_on_gpus(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            # every time: accelerate's state is initialised again (AcceleratedOptimizer) from the process' view
+            if self.distributed_type == DistributedType.MULTI_CPU:
+                self.distributed_type = DistributedType.FSDP
+                if getattr(self, "fsdp_plugin", None) is None:
+                    self.fsdp_plugin = FullyShardedDataParallelPlugin()  # from accelerate launch's FSDP_* variables
+                    if self._mixed_precision != "no":
+                        self.fsdp_plugin.set_mixed_precision(self._mixed_precision)
+
+        state_module.AcceleratorState.__init__ = init_as_on_gpus
+
+    def _spy_gathers(module):
+        get = module.get_model_state_dict
+
+        def spied(model, *args, options=None, **kwargs):
+            state_dict = get(model, *args, options=options, **kwargs)
+            if options is not None and options.full_state_dict:
+                record = {"rank": int(os.environ["RANK"]), "keys": sorted(state_dict)}
+                with open(os.environ["GATHER_LOG"], "a") as out:
+                    out.write(json.dumps(record) + "\\n")
+            return state_dict
+
+        module.get_model_state_dict = spied
+
+    def _spy_full_tensor(module):
+        full_tensor = module.DTensor.full_tensor
+
+        def spied(self, *args, **kwargs):
+            with open(os.environ["GATHER_LOG"], "a") as out:
+                out.write(json.dumps({"rank": int(os.environ["RANK"]), "full_tensor": self.numel()}) + "\\n")
+            return full_tensor(self, *args, **kwargs)
+
+        module.DTensor.full_tensor = spied
+
+    def _spy_fully_shard(module):
+        fully_shard = module.fully_shard
+
+        def spied(target, *args, mp_policy=None, **kwargs):
+            with open(os.environ["GATHER_LOG"], "a") as out:
+                out.write(json.dumps({"rank": int(os.environ["RANK"]), "reduce_dtype": str(mp_policy.reduce_dtype)}) + "\\n")
+            return fully_shard(target, *args, mp_policy=mp_policy, **kwargs)
+
+        module.fully_shard = spied
+
+    _after_import("accelerate.state", _fsdp_view)
+    _after_import("torch.distributed.fsdp", _spy_fully_shard)
+    _after_import("torch.distributed.checkpoint.state_dict", _spy_gathers)
+    _after_import("torch.distributed.tensor", _spy_full_tensor)
+"""
+)
+
+
+def overrides(model_dir: Path, out_dir: Path, max_steps: int) -> list[str]:
+    return [
+        f"model.name_or_path={model_dir}",
+        "model.dtype=float32",
+        "data.source=local",
+        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.max_rows=40",
+        "data.eval_rows=0",
+        f"training.max_steps={max_steps}",
+        "training.save_steps=1",
+        "training.save_total_limit=null",
+        "training.eval_steps=null",
+        "training.logging_steps=1",
+        "training.gradient_accumulation_steps=1",
+        "training.optim=adamw_torch",
+        "training.report_to=[]",
+        f"distributed.world_size={NPROC}",
+        f"output.dir={out_dir}",
+    ]
+
+
+def launch(tmp_path: Path, model_dir: Path, out_dir: Path, max_steps: int, gather_log: Path) -> str:
+    from trainer import launch as launcher
+
+    argv = ["--recipe", RECIPE, "--nproc-per-node", str(NPROC), "--main-process-port", str(free_port())]
+    argv += ["--config-out", str(tmp_path / f"accelerate-{max_steps}.yaml")]
+    for item in overrides(model_dir, out_dir, max_steps):
+        argv += ["--set", item]
+    plan = launcher.plan(launcher.parse_args(argv), env={})
+    fsdp = plan.config["fsdp_config"]
+    assert plan.config["distributed_type"] == "FSDP" and fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    inject = tmp_path / "inject"
+    inject.mkdir(exist_ok=True)
+    (inject / "sitecustomize.py").write_text(FSDP_ON_CPU)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{inject}{os.pathsep}{REPO}",
+        "ACCELERATE_USE_CPU": "true",  # the CPU processes, over gloo; the sitecustomize makes it FSDP
+        "GATHER_LOG": str(gather_log),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    done = subprocess.run(plan.command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    output = done.stdout + done.stderr
+    (tmp_path / f"launch-{max_steps}.log").write_text(output)
+    assert done.returncode == 0, output[-8000:]
+    return output
+
+
+def gathers(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_checkpoint_holds_the_adapter_and_resumes(tiny_gemma4_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    out_dir = tmp_path / "run"
+    first_log = tmp_path / "gathers-1.jsonl"
+    launch(tmp_path, tiny_gemma4_dir, out_dir, max_steps=1, gather_log=first_log)
+    checkpoint = out_dir / "checkpoints" / "checkpoint-1"
+    written = sorted(p.name for p in checkpoint.iterdir())
+    print(json.dumps({"checkpoint-1": written, "gathers": gathers(first_log)}, indent=1)[:4000])
+
+    # what a checkpoint writes: the adapter in transformers' FSDP model file, the optimizer (accelerate's
+    # FSDP optimizer file), scheduler, every rank's RNG state, the trainer state, our marker; no model
+    assert set(written) == {
+        "pytorch_model_fsdp.bin",
+        "optimizer.bin",
+        "scheduler.pt",
+        "trainer_state.json",
+        "_CHECKPOINT_COMPLETE.json",
+        *(f"rng_state_{rank}.pth" for rank in range(NPROC)),
+    }, written
+    adapter = torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=True)
+    assert adapter and all(".lora_" in key for key in adapter), sorted(adapter)[:5]
+    # what the run gathered: the adapter, once for checkpoint-1 and once for the final adapter, on each rank;
+    # no full state dict of the model (the old checkpoint: every frozen weight, then the tied LM head)
+    adapter_numel = sum(t.numel() for t in adapter.values())
+    final = load_file(out_dir / "adapter" / "adapter_model.safetensors")
+    assert sum(t.numel() for t in final.values()) == adapter_numel
+    recorded = gathers(first_log)
+    for rank in range(NPROC):
+        gathered = sum(r["full_tensor"] for r in recorded if r["rank"] == rank and "full_tensor" in r)
+        assert gathered == 2 * adapter_numel, (
+            f"rank {rank} gathered {gathered} elements, the adapter has {adapter_numel}"
+        )
+    # the trainer's FSDP setup: accelerate sharded every block with fp32 gradient reduction (test_fsdp_config.py)
+    policies = [r["reduce_dtype"] for r in recorded if "reduce_dtype" in r]
+    assert len(policies) > NPROC and set(policies) == {"torch.float32"}, policies
+    full_state_dicts = [r for r in recorded if "keys" in r]
+    for record in full_state_dicts:
+        assert all(".lora_" in key for key in record["keys"]), f"a full state dict gathered {record['keys'][:5]}"
+
+    # and it resumes: the second launch (max_steps=2) loads adapter, optimizer and RNG states, trains step 2
+    # (the first run's marker removed: a finished output.dir is not trained again)
+    (out_dir / "_RUN_COMPLETE.json").unlink()
+    second_log = tmp_path / "gathers-2.jsonl"
+    output = launch(tmp_path, tiny_gemma4_dir, out_dir, max_steps=2, gather_log=second_log)
+    summary = json.loads((out_dir / "run_summary.json").read_text())
+    assert summary["resumed_from_step"] == 1 and summary["steps"] == 2, summary
+    assert output.count(f"resuming from {checkpoint}") == NPROC, output[-4000:]
+    resumed = torch.load(out_dir / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin", weights_only=True)
+    assert resumed.keys() == adapter.keys() and any(not torch.equal(resumed[k], adapter[k]) for k in adapter)
+
+    # resumed from the checkpoint's adapter and optimizer, not from a fresh adapter: the same weights as an
+    # uninterrupted 2-step run (a load that matched no key would pass strict=False silently)
+    straight_dir = tmp_path / "straight"
+    launch(tmp_path, tiny_gemma4_dir, straight_dir, max_steps=2, gather_log=tmp_path / "gathers-3.jsonl")
+    straight = torch.load(straight_dir / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin", weights_only=True)
+    for key, tensor in straight.items():
+        torch.testing.assert_close(resumed[key], tensor, rtol=1e-5, atol=1e-6, msg=key)

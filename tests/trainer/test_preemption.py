@@ -1,0 +1,198 @@
+"""A SIGTERM to a 2-rank W1 run (through the real launcher) saves the step it had; the restart resumes at that step.
+
+Why it matters: a Spot or flex-start preemption (or a node drain) gives the pod SIGTERM and a grace period;
+without a handler every rank died at once and the retry lost up to `save_steps` updates. Kubernetes signals
+the container's main process: here that is the launcher's process (`trainer.launch` execs `accelerate launch`,
+whose torchrun agent passes the signal to the ranks). The run is the W1 recipe on a tiny Gemma 4, 2 processes
+over gloo (`--cpu`), output to a `file://` bucket, `save_steps` beyond the run so that only the SIGTERM saves.
+A sitecustomize module makes each optimizer step take 0.3 s longer and records the steps reached, so the
+signal lands mid-run. The first launch must exit 143 after marking the checkpoint of the step in progress
+(not finishing the run); the second launch, from an empty staging folder, resumes from that step and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serving.local_server import free_port
+from tests.trainer.inject import AFTER_IMPORT
+from tests.trainer.test_multirank_resume import marked_checkpoints
+from trainer.checkpoints import RUN_MARKER
+
+REPO = Path(__file__).resolve().parents[2]
+NPROC = 2
+MAX_STEPS = 40
+SAVE_STEPS = 1000  # no scheduled checkpoint: only the SIGTERM saves
+SIGNAL_AT_STEP = 3
+
+SLOW_STEPS = (
+    AFTER_IMPORT
+    + """
+import os
+
+if "LOCAL_RANK" in os.environ and os.environ.get("STEP_LOG"):
+    import time
+
+    def _slow(module):
+        on_step_end = module.DefaultFlowCallback.on_step_end
+
+        def slow_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.3)
+            with open(os.environ["STEP_LOG"], "a") as out:
+                out.write(f"{os.environ['RANK']} {state.global_step}\\n")
+            return on_step_end(self, args, state, control, **kwargs)
+
+        module.DefaultFlowCallback.on_step_end = slow_step_end
+
+    _after_import("transformers.trainer_callback", _slow)
+"""
+)
+
+
+def command(model_dir: Path, url: str, tmp_path: Path, name: str) -> list[str]:
+    overrides = [
+        f"model.name_or_path={model_dir}",
+        "model.dtype=float32",
+        "data.source=local",
+        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.max_rows=110",
+        "data.eval_rows=0",
+        f"training.max_steps={MAX_STEPS}",
+        f"training.save_steps={SAVE_STEPS}",
+        "training.eval_steps=null",
+        "training.logging_steps=1",
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=1",
+        "training.report_to=[]",
+        f"distributed.world_size={NPROC}",
+        f"output.dir={url}",
+    ]
+    argv = [sys.executable, "-m", "trainer.launch", "--recipe", "text-to-sql-gemma4-31b"]
+    argv += ["--nproc-per-node", str(NPROC), "--cpu", "--main-process-port", str(free_port())]
+    argv += ["--config-out", str(tmp_path / f"accelerate-{name}.yaml")]
+    for item in overrides:
+        argv += ["--set", item]
+    return argv
+
+
+def environment(tmp_path: Path, staging: Path, step_log: Path | None) -> dict[str, str]:
+    inject = tmp_path / "inject"
+    inject.mkdir(exist_ok=True)
+    (inject / "sitecustomize.py").write_text(SLOW_STEPS)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{inject}{os.pathsep}{REPO}",
+        "GEMMA_FT_STAGING": str(staging),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env.pop("STEP_LOG", None)
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)  # the launcher's own setting
+    if step_log is not None:
+        env["STEP_LOG"] = str(step_log)
+    return env
+
+
+def steps_reached(step_log: Path) -> int:
+    """The step every rank has finished (the minimum over the ranks' latest)."""
+    latest: dict[str, int] = {}
+    if step_log.exists():
+        for line in step_log.read_text().splitlines():
+            rank, step = line.split()
+            latest[rank] = max(latest.get(rank, 0), int(step))
+    return min(latest.values()) if len(latest) == NPROC else 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_saves_the_step_it_had_and_the_restart_resumes_there(tiny_gemma4_dir: Path, tmp_path: Path) -> None:
+    remote = tmp_path / "bucket" / "run"
+    url = f"file://{remote}"
+    step_log = tmp_path / "steps.log"
+    first_log = tmp_path / "first.log"
+
+    # 1. SIGTERM to the launcher's process (the container's main process) once every rank passed step 3
+    with first_log.open("w") as out:
+        proc = subprocess.Popen(
+            command(tiny_gemma4_dir, url, tmp_path, "first"),
+            cwd=REPO,
+            env=environment(tmp_path, tmp_path / "node-1", step_log),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 420
+        while steps_reached(step_log) < SIGNAL_AT_STEP:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(
+                    f"the run did not reach step {SIGNAL_AT_STEP} (rc {proc.poll()}):\n{first_log.read_text()[-6000:]}"
+                )
+            time.sleep(0.05)
+        signalled_at = steps_reached(step_log)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    log = first_log.read_text()
+    assert rc != 0, log[-4000:]
+    assert "preempted: stopped by SIGTERM after saving checkpoint-" in log, log[-6000:]
+    assert not (remote / RUN_MARKER).exists(), "the preempted run must not look finished"
+
+    # the checkpoint of the step in progress when the signal came, marked (complete) in the bucket
+    marked = marked_checkpoints(remote)
+    assert len(marked) == 1, sorted(marked)
+    (saved,) = marked
+    assert signalled_at <= saved <= signalled_at + 2 < MAX_STEPS, (signalled_at, saved)
+    files = {p.name for p in marked[saved].iterdir()}
+    assert {"adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= files
+    assert {f"rng_state_{rank}.pth" for rank in range(NPROC)} <= files
+
+    # 2. The retried pod, on a new node: resumes at that step and finishes
+    done = subprocess.run(
+        command(tiny_gemma4_dir, url, tmp_path, "second"),
+        cwd=REPO,
+        env=environment(tmp_path, tmp_path / "node-2", None),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-8000:]
+    summary = json.loads((remote / "run_summary.json").read_text())
+    assert summary["resumed_from_step"] == saved and summary["steps"] == MAX_STEPS, summary
+    assert (remote / RUN_MARKER).is_file()
+
+
+def test_a_sigterm_asks_the_trainer_to_save_and_stop_at_the_step_end() -> None:
+    """One process: the handler only records the signal; the step end turns it into save + stop, once."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from trainer.preemption import preemption_callback
+
+    callback = preemption_callback()
+    args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    state, control = TrainerState(global_step=7), TrainerControl()
+    before = signal.getsignal(signal.SIGTERM)
+    callback.install()
+    try:
+        callback.on_step_end(args, state, control)
+        assert not (control.should_save or control.should_training_stop)  # no signal, no change
+        os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the handler only sets the flag
+        callback.on_step_end(args, state, control)
+    finally:
+        callback.uninstall()
+    assert control.should_save and control.should_training_stop and callback.stopped_at == 7
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's only
