@@ -14,7 +14,8 @@ Decisions:
   It also refuses a flag that carries a credential (`--api-key`, `--hf-token`): container args
   are plain text in the Pulumi state and the revision; the API key comes from Secret Manager.
   vLLM's parser keeps argparse's `allow_abbrev`, so a prefix of a refused flag (`--api-k`, `--po`)
-  is refused as that flag, ambiguous prefixes included, and the value is never echoed.
+  is refused as that flag, ambiguous prefixes included, and the value is never echoed; so is vLLM's
+  dotted JSON form (`--override-generation-config.temperature 0.7` sets `--override-generation-config`).
 - A server with an API key also gets `--middleware serving.api_key_guard.ApiKeyGuard`
   (`api_key_guard`): vLLM's own check covers only /v1, /v2, /inference and /cohere, and
   /invocations serves completions without the key (vllm-project/vllm#58144); the guard asks
@@ -289,10 +290,14 @@ def extra_arg_problem(arg: str) -> str | None:
 
 
 def _flag_name(arg: str) -> str:
-    """`--max_model_len=8` -> `--max-model-len` (vLLM accepts both spellings)."""
+    """`--max_model_len=8` -> `--max-model-len` (vLLM accepts both spellings); `--x.key` -> `--x`.
+
+    vLLM's FlexibleArgumentParser.parse_args (vllm/utils/argparse_utils.py, v0.28.0) reads `--NAME.key VALUE` as
+    `--NAME '{"key": VALUE}'` and appends it after every other arg, so it sets (and, being last, wins over) `--NAME`.
+    """
     name = arg.split("=", 1)[0]
     if name.startswith("--"):
-        name = "--" + name[2:].replace("_", "-")
+        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
     return name
 
 

@@ -170,6 +170,28 @@ class TestExtraArgs:
             assert refused in message and reason in message, message
             assert "sk-secret-1" not in message and "9000" not in message and "evil" not in message
 
+    @pytest.mark.parametrize(
+        ("args", "refused", "reason"),
+        [
+            (["--override-generation-config.temperature", "0.7"], "--override-generation-config", "fixed"),
+            (["--override_generation_config.top_k=64"], "--override-generation-config", "fixed"),
+            (["--override-gen.temperature", "0.7"], "--override-generation-config", "fixed"),
+            (["--api-key.k", "sk-secret-1"], "--api-key", "plain text"),
+            (["--hf-token.x=sk-secret-1"], "--hf-token", "plain text"),
+            (["--middleware.x", "evil.Mw"], "--middleware", "before the API key guard"),
+            (["--max-model-len.x=9000"], "--max-model-len", "duplicates the typed field `max_model_len`"),
+        ],
+    )
+    def test_dotted_json_keys_are_refused_like_the_flag(self, args: list[str], refused: str, reason: str) -> None:
+        """vLLM's FlexibleArgumentParser.parse_args (vllm/utils/argparse_utils.py, v0.28.0) turns
+        `--NAME.key value` into `--NAME '{"key": value}'` appended after every other arg, so the last one wins:
+        `--override-generation-config.temperature 0.7` would replace the served greedy default."""
+        with pytest.raises(VllmConfigError) as info:
+            load_config({"extra_args": args})
+        message = str(info.value)
+        assert refused in message and reason in message, message
+        assert "sk-secret-1" not in message and "9000" not in message and "evil" not in message
+
     def test_flags_that_are_no_prefix_of_a_refused_one_pass(self) -> None:
         extra = [
             "--no-enable-prefix-caching",
