@@ -232,6 +232,24 @@ SECRET_FLAGS: dict[str, str] = {
 }
 
 
+# vLLM flags that add routes meant for local development (vLLM v0.28.0), which every caller of the service could use:
+# refused in extra_args, like VLLM_SERVER_DEV_MODE and VLLM_ALLOW_RUNTIME_LORA_UPDATING in servingEnv (infra/config.py).
+_PROFILE_ROUTES = (
+    "/start_profile and /stop_profile, with which any caller starts a profile written to the instance's in-memory "
+    "disk (vllm/entrypoints/serve/profile/api_router.py attaches them whenever a profiler is configured: 'This should "
+    "ONLY be used for local development!')"
+)
+_FAULT_TOLERANCE_ROUTES = (
+    "/fault_tolerance/apply, with which any caller sends the engine recovery instructions "
+    "(vllm/entrypoints/serve/fault_tolerance/api_router.py, registered by build_app when fault tolerance is on)"
+)
+DEVELOPMENT_ROUTE_FLAGS: dict[str, str] = {
+    "--profiler-config": _PROFILE_ROUTES,
+    "--enable-fault-tolerance": _FAULT_TOLERANCE_ROUTES,
+    "--fault-tolerance-config": _FAULT_TOLERANCE_ROUTES,
+}
+
+
 def _expansions(name: str, flags: Iterable[str]) -> list[str]:
     """The flags among `flags` that `name` stands for: itself, or every flag it is a prefix of.
 
@@ -261,7 +279,7 @@ def typed_flag(arg: str) -> tuple[str, str] | None:
 
 
 def extra_arg_problem(arg: str) -> str | None:
-    """Why `arg` may not be an extra vLLM arg (a credential, `--middleware`, a typed field's flag), or None.
+    """Why `arg` may not be an extra vLLM arg (a credential, a development route, `--middleware`, a typed field's flag).
 
     The message names the flag as written (before any `=`), never the value: it may be a secret.
     """
@@ -269,6 +287,10 @@ def extra_arg_problem(arg: str) -> str | None:
     flag = secret_flag(arg)
     if flag is not None:
         return f"{flag}, whose value would be plain text in the container's arguments; use {SECRET_FLAGS[flag]}"
+    development = _expansions(_flag_name(arg), DEVELOPMENT_ROUTE_FLAGS)
+    if development:
+        flag = development[0]
+        return f"{flag}, which adds {DEVELOPMENT_ROUTE_FLAGS[flag]}; every caller of the service could use them"
     typed = typed_flag(arg)
     if typed is None:
         return None
