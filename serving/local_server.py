@@ -38,8 +38,9 @@ Decisions:
   `max_tokens` longer than the context refused with vLLM's 400 message; errors as vLLM's ErrorResponse
   (`{"error": {"message", "type", "param", "code"}}`); the text as decoded, untrimmed, streamed or not.
 - A bad `Content-Length` is answered 400, one above `MAX_BODY_BYTES` 413, a body that does not arrive within
-  `BODY_READ_TIMEOUT_S` 408: no request holds a thread. A client that closes a stream stops its generation at
-  the next token, which releases the lock for the next request.
+  `BODY_READ_TIMEOUT_S` 408: no request holds a thread. A client that closes a stream, or the connection of a
+  request it no longer waits for (an openai client that timed out and retries), stops its generation at the next
+  token, which releases the lock for the next request (vLLM cancels both: `with_cancellation`).
 
 It does not batch, sample several choices (`n`), return logprobs or serve LoRA adapters; it is
 not for production traffic.
@@ -54,6 +55,7 @@ import json
 import logging
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -464,6 +466,36 @@ class _Engine:
             worker.join(timeout=30)
 
 
+@contextlib.contextmanager
+def _cancel_when_client_leaves(sock: socket.socket, cancel: threading.Event) -> Iterator[None]:
+    """Set `cancel` once the client closes its connection while the body of the block runs (a generation).
+
+    vLLM cancels a request whose client went away, streamed or not (`with_cancellation` on its chat and completion
+    routes, v0.28.0); without this a client that timed out and retried would wait behind the answer nobody reads.
+    A peek that reads no bytes from a readable socket is the client's end of the connection (data it pipelines is
+    left unread for the next request)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                readable, _, _ = select.select([sock], [], [], 0.1)
+                if readable and not sock.recv(1, socket.MSG_PEEK):
+                    cancel.set()
+                    return
+            except (OSError, ValueError):  # reset, or closed under us
+                cancel.set()
+                return
+
+    watcher = threading.Thread(target=watch, name="disconnect-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=1)
+
+
 def _sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
     """`generate` settings for the request alone: every one is passed, so the model's generation_config.json
     (the base's do_sample, top_k 64, top_p 0.95) never adds its own, as vLLM's `--generation-config vllm` does not."""
@@ -714,7 +746,13 @@ def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
                 if request.stream:
                     self._stream(engine.stream(job))
                 else:
-                    self._send(200, engine.generate(job))
+                    with _cancel_when_client_leaves(self.connection, job.cancel):
+                        answer = engine.generate(job)
+                    if job.cancel.is_set():  # nobody to answer
+                        self.close_connection = True
+                        log.info("the client closed the connection; generation stopped")
+                        return
+                    self._send(200, answer)
             except _BadRequest as exc:
                 self._error(exc.status, str(exc), exc.param)
             except json.JSONDecodeError as exc:

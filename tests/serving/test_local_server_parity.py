@@ -245,6 +245,26 @@ class TestStreams:
         assert status == 200, answer
         assert waited < 3, f"the next request waited {waited:.1f} s behind the abandoned stream"
 
+    def test_an_abandoned_request_stops_generating_and_frees_the_model(self, server: Server) -> None:
+        """vLLM cancels a request whose client went away, streamed or not (`with_cancellation` on the chat and
+        completion routes, vllm/entrypoints/openai/*/api_router.py, v0.28.0): an openai client that timed out and
+        retries must not wait behind the answer nobody reads."""
+        data = json.dumps({"model": "gemma", "prompt": "x", "max_tokens": 400}).encode()
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        with scripted(server.engine, "a" * 390, delay_s=0.02):  # about 8 s if it ran to the end
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                sock.sendall(request)
+                time.sleep(0.5)  # generating now
+            started = time.monotonic()  # the client has gone; the next request must not wait for the rest
+            status, answer = server.post("/v1/completions", {"model": "gemma", "prompt": "y", "max_tokens": 2}, 10)
+            waited = time.monotonic() - started
+        assert status == 200, answer
+        assert waited < 3, f"the next request waited {waited:.1f} s behind the abandoned request"
+
     def test_streamed_and_whole_answers_are_the_same_text_untrimmed(self, server: Server) -> None:
         """vLLM returns the decoded text as it is; the local server trimmed the whole answer and not the stream."""
         for kind, path, body in (
