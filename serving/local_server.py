@@ -34,7 +34,7 @@ Decisions:
 - Where a client notices, it follows vLLM v0.28.0: the served sampling defaults (greedy; serving/vllm_args.py);
   `stop` (the text is cut before it, `finish_reason` "stop", `stop_reason` the string; streamed text is held
   back by the longest stop string less one character) and `seed`; `max_tokens` at least 1 and at most the context
-  (`max_position_embeddings`), none meaning the rest of it for chat and 16 for completions; a prompt plus
+  (the service's `--max-model-len`, `SERVED_MAX_MODEL_LEN`, or the model's `max_position_embeddings` if less), none meaning the rest of it for chat and 16 for completions; a prompt plus
   `max_tokens` longer than the context refused with vLLM's 400 message; errors as vLLM's ErrorResponse
   (`{"error": {"message", "type", "param", "code"}}`); the text as decoded, untrimmed, streamed or not.
 - A bad `Content-Length` is answered 400, one above `MAX_BODY_BYTES` 413, a body that does not arrive within
@@ -74,7 +74,7 @@ from types import TracebackType
 from typing import Any
 
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
-from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME, served_sampling_defaults
+from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME, SERVED_MAX_MODEL_LEN, served_sampling_defaults
 
 log = logging.getLogger("serving.local_server")
 
@@ -241,9 +241,12 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
 class _Engine:
     """The model and tokenizer, loaded once; generation is serialised (one CPU, one request at a time)."""
 
-    def __init__(self, model_dir: Path, served_model_name: str) -> None:
+    def __init__(
+        self, model_dir: Path, served_model_name: str, max_model_len: int | None = SERVED_MAX_MODEL_LEN
+    ) -> None:
         self.model_dir = model_dir
         self.served_model_name = served_model_name
+        self.context_limit = max_model_len
         self.created = int(time.time())
         self.ready = threading.Event()
         self.load_error: str | None = None
@@ -262,8 +265,10 @@ class _Engine:
             raise LocalServerError(f"the tokenizer in {self.model_dir} has no chat template; the export must save one")
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
-        # vLLM's max_model_len for a model served without --max-model-len: the config's max_position_embeddings
-        self.max_model_len = int(self.model.config.max_position_embeddings)
+        # the service's --max-model-len (servingMaxModelLen), or the model's max_position_embeddings if that is
+        # less (vLLM refuses a longer --max-model-len) or no limit was given (vLLM's own default)
+        positions = int(self.model.config.max_position_embeddings)
+        self.max_model_len = min(positions, self.context_limit) if self.context_limit else positions
         log.info("model %s loaded in %.1f s", self.model_dir, time.monotonic() - started)
         self.ready.set()
 
@@ -796,6 +801,7 @@ def serve(
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
     require_marker: bool = True,
     parent_pid: int | None = None,
+    max_model_len: int | None = SERVED_MAX_MODEL_LEN,
 ) -> int:
     """Run the server in the foreground until SIGTERM/SIGINT; returns the process exit code."""
     check_loopback(host)
@@ -804,7 +810,7 @@ def serve(
     except ModelNotReadyError as exc:
         log.error("%s", exc)
         return EXIT_MODEL_NOT_READY
-    engine = _Engine(model_dir, served_model_name)
+    engine = _Engine(model_dir, served_model_name, max_model_len)
     try:
         httpd = open_server(host, port, _make_handler(engine))
     except PortBusyError as exc:
@@ -989,6 +995,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=DEFAULT_SERVED_MODEL_NAME)
     p.add_argument("--no-require-marker", action="store_true", help=f"serve a folder without {COMPLETION_MARKER}")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=SERVED_MAX_MODEL_LEN,
+        help=f"context length, as the service's --max-model-len (servingMaxModelLen, default {SERVED_MAX_MODEL_LEN}); "
+        "0: the model's own",
+    )
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -1004,6 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
             args.served_model_name,
             not args.no_require_marker,
             args.parent_pid,
+            args.max_model_len or None,
         )
     except LocalServerError as exc:
         log.error("%s", exc)

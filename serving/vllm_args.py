@@ -72,6 +72,9 @@ MODEL_MOUNT_PATH = "/mnt/models"
 DEFAULT_MODEL_PATH = f"{MODEL_MOUNT_PATH}/merged"
 DEFAULT_SERVED_MODEL_NAME = "gemma"
 DEFAULT_PORT = 8000
+# The context the Cloud Run service serves by default (`--max-model-len`; the stack's servingMaxModelLen), which the
+# local server applies too: a prompt vLLM refuses for its length is refused there as well.
+SERVED_MAX_MODEL_LEN = 4096
 # vLLM accepts only these values for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -305,3 +306,19 @@ class TestErrorShape:
         }
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=USER)
+
+
+def test_the_context_is_the_services_unless_the_model_has_less(tmp_path: Path, server: Server) -> None:
+    """The Cloud Run service runs vLLM with `--max-model-len` servingMaxModelLen (4096 by default), not the
+    model's 32768 positions: a 5,000-token prompt gets vLLM's 400 there, so it must get it here too."""
+    from infra.config import StackConfig
+
+    service_default = StackConfig.model_fields["serving_max_model_len"].default
+    model = build_tiny_gemma(tmp_path / "long", marker=False, max_position_embeddings=2 * service_default)
+    engine = _Engine(model, "gemma")
+    engine.load()
+    assert engine.max_model_len == service_default
+    with pytest.raises(local_server._BadRequest, match=f"maximum context length is {service_default} tokens"):
+        engine.prepare(local_server.parse_completion_request({"prompt": "a" * (service_default + 5)}, "gemma"))
+    # a model with a shorter context keeps its own (vLLM refuses a --max-model-len above the model's)
+    assert server.engine.max_model_len == CONTEXT < service_default
