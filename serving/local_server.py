@@ -55,7 +55,6 @@ import json
 import logging
 import os
 import queue
-import select
 import signal
 import socket
 import subprocess
@@ -477,18 +476,19 @@ def _cancel_when_client_leaves(sock: socket.socket, cancel: threading.Event) -> 
 
     vLLM cancels a request whose client went away, streamed or not (`with_cancellation` on its chat and completion
     routes, v0.28.0); without this a client that timed out and retried would wait behind the answer nobody reads.
-    A peek that reads no bytes from a readable socket is the client's end of the connection (data it pipelines is
-    left unread for the next request)."""
+    A non-blocking peek that reads no bytes is the client's end of the connection (data it pipelines is left unread
+    for the next request)."""
     done = threading.Event()
 
     def watch() -> None:
-        while not done.is_set():
+        while not done.wait(0.1):
             try:
-                readable, _, _ = select.select([sock], [], [], 0.1)
-                if readable and not sock.recv(1, socket.MSG_PEEK):
+                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                     cancel.set()
                     return
-            except (OSError, ValueError):  # reset, or closed under us
+            except (BlockingIOError, InterruptedError):  # nothing to read: the client is still there
+                continue
+            except OSError:  # reset, or closed under us
                 cancel.set()
                 return
 
