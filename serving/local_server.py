@@ -42,8 +42,8 @@ Decisions:
   request it no longer waits for (an openai client that timed out and retries), stops its generation at the next
   token, which releases the lock for the next request (vLLM cancels both: `with_cancellation`).
 
-It does not batch, sample several choices (`n`), return logprobs or serve LoRA adapters; it is
-not for production traffic.
+It does not batch, sample several choices (`n`), return logprobs, apply penalties, `min_p` or `logit_bias`
+(refused with 400 unless neutral) or serve LoRA adapters; it is not for production traffic.
 """
 
 from __future__ import annotations
@@ -549,6 +549,14 @@ def _common(body: Any, served_model_name: str, default_max_tokens: int | None) -
     for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "best_of"):
         if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
             raise _BadRequest(f"{unsupported} is not supported by the local server", param=unsupported)
+    # vLLM applies these (SamplingParams); generate() here does not, so only their neutral values are accepted
+    for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0)):
+        if body.get(name) not in (None, neutral):
+            raise _BadRequest(
+                f"{name}={body[name]!r} is not supported by the local server (only {neutral})", param=name
+            )
+    if body.get("logit_bias"):
+        raise _BadRequest("logit_bias is not supported by the local server", param="logit_bias")
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(param)
     if max_tokens is None:

@@ -145,6 +145,30 @@ def _raw(server: Server, data: bytes, timeout: float = 10) -> bytes:
         return got
 
 
+class TestSamplingItCannotApply:
+    """vLLM applies these (SamplingParams, v0.28.0); the local server does not, so it must say so, not answer as if
+    they were applied. Their neutral values (what the openai client sends when asked for them) pass."""
+
+    @pytest.mark.parametrize(
+        ("param", "value", "neutral"),
+        [
+            ("frequency_penalty", 0.5, 0.0),
+            ("presence_penalty", -1.0, 0.0),
+            ("repetition_penalty", 1.3, 1.0),
+            ("min_p", 0.1, 0.0),
+            ("logit_bias", {"42": 5}, {}),
+        ],
+    )
+    def test_refused_unless_neutral(self, server: Server, param: str, value: Any, neutral: Any) -> None:
+        body = {"model": "gemma", "prompt": "x", "max_tokens": 1}
+        status, answer = server.post("/v1/completions", {**body, param: value})
+        assert status == 400, answer
+        assert (answer["error"]["param"], answer["error"]["type"]) == (param, "BadRequestError")
+        assert "not supported by the local server" in answer["error"]["message"]
+        status, answer = server.post("/v1/completions", {**body, param: neutral})
+        assert status == 200, answer
+
+
 class TestStopAndSeed:
     def test_stop_strings_end_the_answer_before_them(self, server: Server) -> None:
         """The script decodes as "a b S T O P c d": the answer ends before the stop string, which is not in it."""
