@@ -30,7 +30,7 @@ Decisions
   object-content read errors with. The chosen marker is then read and its inventory checked
   against a listing of the run's folder (serving/completion.py, names only: a listing has no
   sizes); the entrypoint checks sizes and readability when the revision starts.
-- The startup probe is serving/startup.py's window (120 s initial delay + 24 x 10 s = 360 s);
+- The startup probe is serving/startup.py's window (`STARTUP_WINDOW`: 30 s initial delay + 24 x 10 s = 270 s);
   the container gets the window, the marker wait (0: the served run's marker is already listed,
   so it is not a stack setting) and the longest wait startup.py allows as env, and the
   entrypoint refuses a longer one.
@@ -414,7 +414,7 @@ class VllmService(pulumi.ComponentResource):
                             cpu_idle=False,
                             startup_cpu_boost=True,
                         ),
-                        # serving/startup.py states the window and why (first probe at 120 s, 360 s in all, marker wait included)
+                        # serving/startup.py states the window and why (STARTUP_WINDOW: first probe at 30 s, 270 s in all)
                         startup_probe=gcp.cloudrunv2.ServiceTemplateContainerStartupProbeArgs(
                             initial_delay_seconds=STARTUP_WINDOW.initial_delay_s,
                             period_seconds=STARTUP_WINDOW.period_s,

@@ -31,7 +31,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
-from serving.vllm_args import VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda_major
+from serving.vllm_args import SERVED_MAX_MODEL_LEN, VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda_major
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import RecipeError, list_recipes, load_recipe, world_size_problem
 
@@ -158,7 +158,7 @@ class StackConfig(BaseModel):
     serving_public: bool = Field(False, alias="servingPublic")
     serving_invokers: list[str] = Field(default_factory=list, alias="servingInvokers")
     serving_max_instances: int = Field(1, alias="servingMaxInstances", gt=0, le=10)
-    serving_max_model_len: int = Field(4096, alias="servingMaxModelLen", gt=0)
+    serving_max_model_len: int = Field(SERVED_MAX_MODEL_LEN, alias="servingMaxModelLen", gt=0)
     serving_extra_args: list[str] = Field(default_factory=list, alias="servingExtraArgs")
     serving_run_id: str | None = Field(None, alias="servingRunId")
     serving_vllm_image: str = Field(VLLM_IMAGE, alias="servingVllmImage")

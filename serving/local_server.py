@@ -34,15 +34,16 @@ Decisions:
 - Where a client notices, it follows vLLM v0.28.0: the served sampling defaults (greedy; serving/vllm_args.py);
   `stop` (the text is cut before it, `finish_reason` "stop", `stop_reason` the string; streamed text is held
   back by the longest stop string less one character) and `seed`; `max_tokens` at least 1 and at most the context
-  (`max_position_embeddings`), none meaning the rest of it for chat and 16 for completions; a prompt plus
+  (the service's `--max-model-len`, `SERVED_MAX_MODEL_LEN`, or the model's `max_position_embeddings` if less), none meaning the rest of it for chat and 16 for completions; a prompt plus
   `max_tokens` longer than the context refused with vLLM's 400 message; errors as vLLM's ErrorResponse
   (`{"error": {"message", "type", "param", "code"}}`); the text as decoded, untrimmed, streamed or not.
 - A bad `Content-Length` is answered 400, one above `MAX_BODY_BYTES` 413, a body that does not arrive within
-  `BODY_READ_TIMEOUT_S` 408: no request holds a thread. A client that closes a stream stops its generation at
-  the next token, which releases the lock for the next request.
+  `BODY_READ_TIMEOUT_S` 408: no request holds a thread. A client that closes a stream, or the connection of a
+  request it no longer waits for (an openai client that timed out and retries), stops its generation at the next
+  token, which releases the lock for the next request (vLLM cancels both: `with_cancellation`).
 
-It does not batch, sample several choices (`n`), return logprobs or serve LoRA adapters; it is
-not for production traffic.
+It does not batch, sample several choices (`n`), return logprobs, apply penalties, `min_p` or `logit_bias`
+(refused with 400 unless neutral) or serve LoRA adapters; it is not for production traffic.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from types import TracebackType
 from typing import Any
 
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
-from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME, served_sampling_defaults
+from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME, SERVED_MAX_MODEL_LEN, served_sampling_defaults
 
 log = logging.getLogger("serving.local_server")
 
@@ -239,9 +240,12 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
 class _Engine:
     """The model and tokenizer, loaded once; generation is serialised (one CPU, one request at a time)."""
 
-    def __init__(self, model_dir: Path, served_model_name: str) -> None:
+    def __init__(
+        self, model_dir: Path, served_model_name: str, max_model_len: int | None = SERVED_MAX_MODEL_LEN
+    ) -> None:
         self.model_dir = model_dir
         self.served_model_name = served_model_name
+        self.context_limit = max_model_len
         self.created = int(time.time())
         self.ready = threading.Event()
         self.load_error: str | None = None
@@ -260,8 +264,10 @@ class _Engine:
             raise LocalServerError(f"the tokenizer in {self.model_dir} has no chat template; the export must save one")
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
-        # vLLM's max_model_len for a model served without --max-model-len: the config's max_position_embeddings
-        self.max_model_len = int(self.model.config.max_position_embeddings)
+        # the service's --max-model-len (servingMaxModelLen), or the model's max_position_embeddings if that is
+        # less (vLLM refuses a longer --max-model-len) or no limit was given (vLLM's own default)
+        positions = int(self.model.config.max_position_embeddings)
+        self.max_model_len = min(positions, self.context_limit) if self.context_limit else positions
         log.info("model %s loaded in %.1f s", self.model_dir, time.monotonic() - started)
         self.ready.set()
 
@@ -464,6 +470,37 @@ class _Engine:
             worker.join(timeout=30)
 
 
+@contextlib.contextmanager
+def _cancel_when_client_leaves(sock: socket.socket, cancel: threading.Event) -> Iterator[None]:
+    """Set `cancel` once the client closes its connection while the body of the block runs (a generation).
+
+    vLLM cancels a request whose client went away, streamed or not (`with_cancellation` on its chat and completion
+    routes, v0.28.0); without this a client that timed out and retried would wait behind the answer nobody reads.
+    A non-blocking peek that reads no bytes is the client's end of the connection (data it pipelines is left unread
+    for the next request)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            try:
+                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    cancel.set()
+                    return
+            except (BlockingIOError, InterruptedError):  # nothing to read: the client is still there
+                continue
+            except OSError:  # reset, or closed under us
+                cancel.set()
+                return
+
+    watcher = threading.Thread(target=watch, name="disconnect-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=1)
+
+
 def _sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
     """`generate` settings for the request alone: every one is passed, so the model's generation_config.json
     (the base's do_sample, top_k 64, top_p 0.95) never adds its own, as vLLM's `--generation-config vllm` does not."""
@@ -512,6 +549,14 @@ def _common(body: Any, served_model_name: str, default_max_tokens: int | None) -
     for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "best_of"):
         if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
             raise _BadRequest(f"{unsupported} is not supported by the local server", param=unsupported)
+    # vLLM applies these (SamplingParams); generate() here does not, so only their neutral values are accepted
+    for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0)):
+        if body.get(name) not in (None, neutral):
+            raise _BadRequest(
+                f"{name}={body[name]!r} is not supported by the local server (only {neutral})", param=name
+            )
+    if body.get("logit_bias"):
+        raise _BadRequest("logit_bias is not supported by the local server", param="logit_bias")
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(param)
     if max_tokens is None:
@@ -714,7 +759,13 @@ def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
                 if request.stream:
                     self._stream(engine.stream(job))
                 else:
-                    self._send(200, engine.generate(job))
+                    with _cancel_when_client_leaves(self.connection, job.cancel):
+                        answer = engine.generate(job)
+                    if job.cancel.is_set():  # nobody to answer
+                        self.close_connection = True
+                        log.info("the client closed the connection; generation stopped")
+                        return
+                    self._send(200, answer)
             except _BadRequest as exc:
                 self._error(exc.status, str(exc), exc.param)
             except json.JSONDecodeError as exc:
@@ -758,6 +809,7 @@ def serve(
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
     require_marker: bool = True,
     parent_pid: int | None = None,
+    max_model_len: int | None = SERVED_MAX_MODEL_LEN,
 ) -> int:
     """Run the server in the foreground until SIGTERM/SIGINT; returns the process exit code."""
     check_loopback(host)
@@ -766,7 +818,7 @@ def serve(
     except ModelNotReadyError as exc:
         log.error("%s", exc)
         return EXIT_MODEL_NOT_READY
-    engine = _Engine(model_dir, served_model_name)
+    engine = _Engine(model_dir, served_model_name, max_model_len)
     try:
         httpd = open_server(host, port, _make_handler(engine))
     except PortBusyError as exc:
@@ -951,6 +1003,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=DEFAULT_SERVED_MODEL_NAME)
     p.add_argument("--no-require-marker", action="store_true", help=f"serve a folder without {COMPLETION_MARKER}")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=SERVED_MAX_MODEL_LEN,
+        help=f"context length, as the service's --max-model-len (servingMaxModelLen, default {SERVED_MAX_MODEL_LEN}); "
+        "0: the model's own",
+    )
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -966,6 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
             args.served_model_name,
             not args.no_require_marker,
             args.parent_pid,
+            args.max_model_len or None,
         )
     except LocalServerError as exc:
         log.error("%s", exc)

@@ -14,7 +14,8 @@ Decisions:
   It also refuses a flag that carries a credential (`--api-key`, `--hf-token`): container args
   are plain text in the Pulumi state and the revision; the API key comes from Secret Manager.
   vLLM's parser keeps argparse's `allow_abbrev`, so a prefix of a refused flag (`--api-k`, `--po`)
-  is refused as that flag, ambiguous prefixes included, and the value is never echoed.
+  is refused as that flag, ambiguous prefixes included, and the value is never echoed; so is vLLM's
+  dotted JSON form (`--override-generation-config.temperature 0.7` sets `--override-generation-config`).
 - A server with an API key also gets `--middleware serving.api_key_guard.ApiKeyGuard`
   (`api_key_guard`): vLLM's own check covers only /v1, /v2, /inference and /cohere, and
   /invocations serves completions without the key (vllm-project/vllm#58144); the guard asks
@@ -71,6 +72,9 @@ MODEL_MOUNT_PATH = "/mnt/models"
 DEFAULT_MODEL_PATH = f"{MODEL_MOUNT_PATH}/merged"
 DEFAULT_SERVED_MODEL_NAME = "gemma"
 DEFAULT_PORT = 8000
+# The context the Cloud Run service serves by default (`--max-model-len`; the stack's servingMaxModelLen), which the
+# local server applies too: a prompt vLLM refuses for its length is refused there as well.
+SERVED_MAX_MODEL_LEN = 4096
 # vLLM accepts only these values for --max-lora-rank.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -231,6 +235,24 @@ SECRET_FLAGS: dict[str, str] = {
 }
 
 
+# vLLM flags that add routes meant for local development (vLLM v0.28.0), which every caller of the service could use:
+# refused in extra_args, like VLLM_SERVER_DEV_MODE and VLLM_ALLOW_RUNTIME_LORA_UPDATING in servingEnv (infra/config.py).
+_PROFILE_ROUTES = (
+    "/start_profile and /stop_profile, with which any caller starts a profile written to the instance's in-memory "
+    "disk (vllm/entrypoints/serve/profile/api_router.py attaches them whenever a profiler is configured: 'This should "
+    "ONLY be used for local development!')"
+)
+_FAULT_TOLERANCE_ROUTES = (
+    "/fault_tolerance/apply, with which any caller sends the engine recovery instructions "
+    "(vllm/entrypoints/serve/fault_tolerance/api_router.py, registered by build_app when fault tolerance is on)"
+)
+DEVELOPMENT_ROUTE_FLAGS: dict[str, str] = {
+    "--profiler-config": _PROFILE_ROUTES,
+    "--enable-fault-tolerance": _FAULT_TOLERANCE_ROUTES,
+    "--fault-tolerance-config": _FAULT_TOLERANCE_ROUTES,
+}
+
+
 def _expansions(name: str, flags: Iterable[str]) -> list[str]:
     """The flags among `flags` that `name` stands for: itself, or every flag it is a prefix of.
 
@@ -260,7 +282,7 @@ def typed_flag(arg: str) -> tuple[str, str] | None:
 
 
 def extra_arg_problem(arg: str) -> str | None:
-    """Why `arg` may not be an extra vLLM arg (a credential, `--middleware`, a typed field's flag), or None.
+    """Why `arg` may not be an extra vLLM arg (a credential, a development route, `--middleware`, a typed field's flag).
 
     The message names the flag as written (before any `=`), never the value: it may be a secret.
     """
@@ -268,6 +290,10 @@ def extra_arg_problem(arg: str) -> str | None:
     flag = secret_flag(arg)
     if flag is not None:
         return f"{flag}, whose value would be plain text in the container's arguments; use {SECRET_FLAGS[flag]}"
+    development = _expansions(_flag_name(arg), DEVELOPMENT_ROUTE_FLAGS)
+    if development:
+        flag = development[0]
+        return f"{flag}, which adds {DEVELOPMENT_ROUTE_FLAGS[flag]}; every caller of the service could use them"
     typed = typed_flag(arg)
     if typed is None:
         return None
@@ -289,10 +315,14 @@ def extra_arg_problem(arg: str) -> str | None:
 
 
 def _flag_name(arg: str) -> str:
-    """`--max_model_len=8` -> `--max-model-len` (vLLM accepts both spellings)."""
+    """`--max_model_len=8` -> `--max-model-len` (vLLM accepts both spellings); `--x.key` -> `--x`.
+
+    vLLM's FlexibleArgumentParser.parse_args (vllm/utils/argparse_utils.py, v0.28.0) reads `--NAME.key VALUE` as
+    `--NAME '{"key": VALUE}'` and appends it after every other arg, so it sets (and, being last, wins over) `--NAME`.
+    """
     name = arg.split("=", 1)[0]
     if name.startswith("--"):
-        name = "--" + name[2:].replace("_", "-")
+        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
     return name
 
 

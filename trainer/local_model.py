@@ -16,7 +16,7 @@ Decisions:
   build never leaves something that looks like a model.
 - No Hub access at any point.
 - Every file of the cached model is readable by everyone (safetensors saves 0600): the cache is
-  shared by the users of a machine and mounted into the serving image, which runs as uid 10001.
+  shared by the users of a machine and mounted into the serving image, which runs as uid 2000 (gid 0).
 
     python -m trainer.local_model            # build (or find) the model and print its folder
 """

@@ -283,6 +283,14 @@ class TestPinnedRun:
 
 
 class TestStartupWindow:
+    def test_the_programs_docstring_states_the_window_it_renders(self) -> None:
+        """infra/cloud_run.py said 120 s + 24 x 10 s = 360 s after serving/startup.py moved to 30 s and 270 s."""
+        import infra.cloud_run
+
+        w = STARTUP_WINDOW
+        stated = f"{w.initial_delay_s} s initial delay + {w.failure_threshold} x {w.period_s} s = {w.total_s} s"
+        assert stated in " ".join((infra.cloud_run.__doc__ or "").split())
+
     def test_probe_starts_early_and_spans_the_stated_window_within_cloud_run_limits(self) -> None:
         """A ready vLLM must not sit idle on a billed L4: the first probe comes within FIRST_PROBE_WITHIN_S.
 

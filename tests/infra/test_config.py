@@ -235,3 +235,9 @@ def test_serving_env_leaves_ld_library_path_to_the_image_and_names_the_cuda_swit
     assert "servingEnv sets LD_LIBRARY_PATH" in msg and "VLLM_ENABLE_CUDA_COMPATIBILITY=1" in msg, msg
     cfg = validate({**CLOUD_RUN, "servingEnv": ["VLLM_ENABLE_CUDA_COMPATIBILITY=1"]}, "dev", True)
     assert cfg.serving_env == ["VLLM_ENABLE_CUDA_COMPATIBILITY=1"]
+
+
+def test_serving_extra_args_open_no_development_routes() -> None:
+    """The same rule for the stack's servingExtraArgs: vLLM's profiler routes would be open to every invoker."""
+    msg = fails({**CLOUD_RUN, "servingExtraArgs": ["--profiler-config.profiler", "torch"]})
+    assert "servingExtraArgs[0]" in msg and "/start_profile" in msg, msg

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,6 +145,30 @@ def _raw(server: Server, data: bytes, timeout: float = 10) -> bytes:
         return got
 
 
+class TestSamplingItCannotApply:
+    """vLLM applies these (SamplingParams, v0.28.0); the local server does not, so it must say so, not answer as if
+    they were applied. Their neutral values (what the openai client sends when asked for them) pass."""
+
+    @pytest.mark.parametrize(
+        ("param", "value", "neutral"),
+        [
+            ("frequency_penalty", 0.5, 0.0),
+            ("presence_penalty", -1.0, 0.0),
+            ("repetition_penalty", 1.3, 1.0),
+            ("min_p", 0.1, 0.0),
+            ("logit_bias", {"42": 5}, {}),
+        ],
+    )
+    def test_refused_unless_neutral(self, server: Server, param: str, value: Any, neutral: Any) -> None:
+        body = {"model": "gemma", "prompt": "x", "max_tokens": 1}
+        status, answer = server.post("/v1/completions", {**body, param: value})
+        assert status == 400, answer
+        assert (answer["error"]["param"], answer["error"]["type"]) == (param, "BadRequestError")
+        assert "not supported by the local server" in answer["error"]["message"]
+        status, answer = server.post("/v1/completions", {**body, param: neutral})
+        assert status == 200, answer
+
+
 class TestStopAndSeed:
     def test_stop_strings_end_the_answer_before_them(self, server: Server) -> None:
         """The script decodes as "a b S T O P c d": the answer ends before the stop string, which is not in it."""
@@ -245,6 +270,26 @@ class TestStreams:
         assert status == 200, answer
         assert waited < 3, f"the next request waited {waited:.1f} s behind the abandoned stream"
 
+    def test_an_abandoned_request_stops_generating_and_frees_the_model(self, server: Server) -> None:
+        """vLLM cancels a request whose client went away, streamed or not (`with_cancellation` on the chat and
+        completion routes, vllm/entrypoints/openai/*/api_router.py, v0.28.0): an openai client that timed out and
+        retries must not wait behind the answer nobody reads."""
+        data = json.dumps({"model": "gemma", "prompt": "x", "max_tokens": 400}).encode()
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        with scripted(server.engine, "a" * 390, delay_s=0.02):  # about 8 s if it ran to the end
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                sock.sendall(request)
+                time.sleep(0.5)  # generating now
+            started = time.monotonic()  # the client has gone; the next request must not wait for the rest
+            status, answer = server.post("/v1/completions", {"model": "gemma", "prompt": "y", "max_tokens": 2}, 10)
+            waited = time.monotonic() - started
+        assert status == 200, answer
+        assert waited < 3, f"the next request waited {waited:.1f} s behind the abandoned request"
+
     def test_streamed_and_whole_answers_are_the_same_text_untrimmed(self, server: Server) -> None:
         """vLLM returns the decoded text as it is; the local server trimmed the whole answer and not the stream."""
         for kind, path, body in (
@@ -285,3 +330,19 @@ class TestErrorShape:
         }
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=USER)
+
+
+def test_the_context_is_the_services_unless_the_model_has_less(tmp_path: Path, server: Server) -> None:
+    """The Cloud Run service runs vLLM with `--max-model-len` servingMaxModelLen (4096 by default), not the
+    model's 32768 positions: a 5,000-token prompt gets vLLM's 400 there, so it must get it here too."""
+    from infra.config import StackConfig
+
+    service_default = StackConfig.model_fields["serving_max_model_len"].default
+    model = build_tiny_gemma(tmp_path / "long", marker=False, max_position_embeddings=2 * service_default)
+    engine = _Engine(model, "gemma")
+    engine.load()
+    assert engine.max_model_len == service_default
+    with pytest.raises(local_server._BadRequest, match=f"maximum context length is {service_default} tokens"):
+        engine.prepare(local_server.parse_completion_request({"prompt": "a" * (service_default + 5)}, "gemma"))
+    # a model with a shorter context keeps its own (vLLM refuses a --max-model-len above the model's)
+    assert server.engine.max_model_len == CONTEXT < service_default

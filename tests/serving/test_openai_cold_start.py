@@ -1,7 +1,7 @@
 """The official `openai` client against a Cloud Run cold start, scaled down in time (1 s here = 100 s there).
 
 A fake Cloud Run front end on 127.0.0.1 holds each request for up to the queue time (60 s there), then answers
-429, until the instance is ready after the whole startup window (360 s there); a request held when it becomes
+429, until the instance is ready after the whole startup window (270 s there); a request held when it becomes
 ready is answered. The client's own backoff constants are scaled by the same factor, so every ratio is the one
 the cloud has. The settings the README shows (`serving.startup.OPENAI_COLD_START`) must get an answer; the
 client's defaults must not.

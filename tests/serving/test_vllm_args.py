@@ -170,6 +170,28 @@ class TestExtraArgs:
             assert refused in message and reason in message, message
             assert "sk-secret-1" not in message and "9000" not in message and "evil" not in message
 
+    @pytest.mark.parametrize(
+        ("args", "refused", "reason"),
+        [
+            (["--override-generation-config.temperature", "0.7"], "--override-generation-config", "fixed"),
+            (["--override_generation_config.top_k=64"], "--override-generation-config", "fixed"),
+            (["--override-gen.temperature", "0.7"], "--override-generation-config", "fixed"),
+            (["--api-key.k", "sk-secret-1"], "--api-key", "plain text"),
+            (["--hf-token.x=sk-secret-1"], "--hf-token", "plain text"),
+            (["--middleware.x", "evil.Mw"], "--middleware", "before the API key guard"),
+            (["--max-model-len.x=9000"], "--max-model-len", "duplicates the typed field `max_model_len`"),
+        ],
+    )
+    def test_dotted_json_keys_are_refused_like_the_flag(self, args: list[str], refused: str, reason: str) -> None:
+        """vLLM's FlexibleArgumentParser.parse_args (vllm/utils/argparse_utils.py, v0.28.0) turns
+        `--NAME.key value` into `--NAME '{"key": value}'` appended after every other arg, so the last one wins:
+        `--override-generation-config.temperature 0.7` would replace the served greedy default."""
+        with pytest.raises(VllmConfigError) as info:
+            load_config({"extra_args": args})
+        message = str(info.value)
+        assert refused in message and reason in message, message
+        assert "sk-secret-1" not in message and "9000" not in message and "evil" not in message
+
     def test_flags_that_are_no_prefix_of_a_refused_one_pass(self) -> None:
         extra = [
             "--no-enable-prefix-caching",
@@ -376,3 +398,31 @@ class TestServedSamplingDefaults:
     def test_extra_args_cannot_change_them(self, flag: str) -> None:
         with pytest.raises(ValidationError, match="served sampling defaults are fixed"):
             VllmServerConfig(extra_args=[flag])
+
+
+class TestNoDevelopmentRoutes:
+    """`extra_args` may not add vLLM routes meant for local development, which every caller of the service could
+    use (vLLM v0.28.0): the profiler's /start_profile and /stop_profile (vllm/entrypoints/serve/profile/api_router.py,
+    attached whenever --profiler-config names a profiler) and /fault_tolerance/apply
+    (vllm/entrypoints/serve/fault_tolerance/api_router.py, with --enable-fault-tolerance or --fault-tolerance-config)."""
+
+    @pytest.mark.parametrize(
+        ("args", "refused", "route"),
+        [
+            (["--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp/p"}'], "--profiler-config", "/start_profile"),
+            (["--profiler-config.profiler", "torch"], "--profiler-config", "/start_profile"),
+            (["--profiler_config={}"], "--profiler-config", "/start_profile"),
+            (["--enable-fault-tolerance"], "--enable-fault-tolerance", "/fault_tolerance/apply"),
+            (["--fault-tolerance-config", "{}"], "--fault-tolerance-config", "/fault_tolerance/apply"),
+        ],
+    )  # fmt: skip
+    def test_refused_with_the_routes_they_open(self, args: list[str], refused: str, route: str) -> None:
+        with pytest.raises(VllmConfigError) as info:
+            load_config({"extra_args": args})
+        message = str(info.value)
+        assert refused in message and route in message, message
+
+    def test_turning_them_off_passes(self) -> None:
+        assert load_config({"extra_args": ["--no-enable-fault-tolerance"]}).extra_args == [
+            "--no-enable-fault-tolerance"
+        ]

@@ -35,7 +35,7 @@ def test_local_model_is_built_once_with_chat_template_and_stop_token(monkeypatch
     generation = json.loads((model_dir / "generation_config.json").read_text())
     assert 106 in generation["eos_token_id"]  # <end_of_turn>
     assert "<start_of_turn>" in (model_dir / "chat_template.jinja").read_text()
-    # the cache is shared with other users and mounted into the serving image (uid 10001);
+    # the cache is shared with other users and mounted into the serving image (uid 2000);
     # safetensors saves 0600, so the build makes every file readable
     assert all(p.stat().st_mode & 0o444 == 0o444 for p in model_dir.iterdir() if p.is_file())
 
