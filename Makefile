@@ -26,7 +26,7 @@ export OMP_WAIT_POLICY := PASSIVE
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-# uv installs the pinned set in a fraction of pip's time (README "Development"), from the sources pip is
+# uv installs the pinned set in a fraction of pip's time (docs/development.md; timings in bench/RESULTS.md), from the sources pip is
 # configured with (.ci/uv_install.py: a machine's CPU build of torch lies in pip's find-links); pip does it
 # all when uv cannot be had. uv is removed again afterwards: the venv holds what pip's would.
 $(STAMP): requirements.txt requirements-dev.txt

@@ -2,7 +2,7 @@
 """`uv pip install` into the running interpreter's environment, from the package sources pip is configured with.
 
 `make venv` installs the requirements with uv when uv can be had: the same pins in a fraction of pip's
-time (pip spends most of its minutes resolving; README "Development" has the numbers). uv reads neither
+time (pip spends most of its minutes resolving; bench/RESULTS.md has the numbers). uv reads neither
 pip's configuration files nor its PIP_* variables (docs.astral.sh/uv/pip/compatibility/, "Configuration
 files and environment variables"), and a machine may point pip at local wheels (a CPU build of torch in
 `find-links`) or extra indexes; an install that saw only PyPI could resolve differently. So the options

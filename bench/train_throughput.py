@@ -14,7 +14,7 @@ optimizer steps, sequences per step: a CPU cannot run 128 packed rows per update
 bundled sample instead of the Hub dataset) and the learning rate (the same on both sides, so their losses
 compare). When the recipe changes, the benchmark follows; the JSON names the recipe.
 
-SEED is the workload's seed as ../shared/SEEDS.md describes it, through trl's plain `SFTTrainer` as its pinned
+SEED is the workload's seed as its source tutorial sets it (docs/seeds.md), through trl's plain `SFTTrainer` as its pinned
 libraries resolve today (`SEED_SIDES`): W1 for text-to-SQL (batch 2 padded to the longest, gradient
 checkpointing, `adamw_torch`, sdpa, LoRA r16 on q/k/v/o/gate/up/down), W3 for emoji (batch 1, no packing,
 LoRA r8 on q/v; its QLoRA and `paged_adamw_32bit` need CUDA bitsandbytes, so fp32 / bf16 LoRA and
@@ -165,7 +165,7 @@ class RunStats:
 
 @dataclass(frozen=True)
 class SeedSide:
-    """A workload's seed training settings (../shared/SEEDS.md), as far as they run here."""
+    """A workload's seed training settings (its source tutorial, docs/seeds.md), as far as they run here."""
 
     workload: str
     micro_batch: int

@@ -23,7 +23,7 @@ Decisions
   (pulumi/pulumi-command provider/pkg/provider/local/commandController.go: "If in preview, don't run the
   command").
 - `read` counts for `pulumi up`: providers read a resource back after creating or updating it, an `import_`
-  is a read, and `pulumi refresh` (the recovery README gives after an interrupted deploy) reads everything.
+  is a read, and `pulumi refresh` (the recovery docs/ci.md gives after an interrupted deploy) reads everything.
 - The engine, not the provider, decides some calls: a resource with `retain_on_delete` is never deleted,
   one with `import_` is read instead of created, and an `ignore_changes` on every field an update could send
   means no update. The provider's own options decide others (`no_delete_when`, `force_delete`).

@@ -1,6 +1,6 @@
 """What Google Cloud offers, as the stack configuration checks it.
 
-Facts come from shared/CLOUD-FACTS.md (GKE Autopilot GPU table, Cloud Run GPU pages);
+Facts come from Google's docs (GKE "Deploy GPU workloads in Autopilot", how-to/autopilot-gpus; the Cloud Run GPU pages, run/docs/configuring/services/gpu and jobs/gpu);
 each entry names the machine family so an error can tell the user what they asked for.
 The tables are data, not behaviour: adding a GPU is adding a row.
 """
@@ -60,7 +60,7 @@ CLOUD_RUN_GPUS: dict[str, CloudRunGpu] = {
     )
 }
 
-# Quota each Cloud Run GPU setting draws on (run.googleapis.com; the `region` dimension); see README
+# Quota each Cloud Run GPU setting draws on (run.googleapis.com; the `region` dimension); see docs/cloud-path.md
 # "Cloud Run GPU quota". Sources: Cloud Run docs "GPU zonal redundancy for services"
 # (cloud.google.com/run/docs/configuring/services/gpu-zonal-redundancy: one quota with zonal redundancy, one
 # without, requested separately); the ids as Cloud Run's own errors and public code quote them ("You do not have

@@ -50,12 +50,12 @@ Decisions
   key). Scale to zero, `servingMaxInstances` GPUs at most.
 - No Direct VPC egress: the service reads the model through its Cloud Storage volume over
   Google's network, and a subnet used by Direct VPC egress cannot be deleted for 1-2 hours
-  after the service is (Cloud Run docs, CLOUD-FACTS §11), which would break `pulumi destroy`.
+  after the service is (Cloud Run docs, Direct VPC egress: wait 1-2 h before deleting the subnet), which would break `pulumi destroy`.
   Nothing here measured a gain from it.
-- Jobs cannot use GPU zonal redundancy (CLOUD-FACTS §6): the Job always disables it; the
-  Service follows `gpuZonalRedundancy` (default off: the cheaper quota, see README).
+- Jobs cannot use GPU zonal redundancy (Cloud Run jobs GPU docs: "unable to offer GPU enabled instances with zonal redundancy"): the Job always disables it; the
+  Service follows `gpuZonalRedundancy` (default off: the cheaper quota, see docs/cloud-path.md).
 
-Not here: Cloud Run GPU task timeouts above one hour are UNCONFIRMED (CLOUD-FACTS §6), so the
+Not here: Cloud Run GPU task timeouts above one hour are UNCONFIRMED (one snapshot of the Cloud Run jobs GPU page caps GPU tasks at 1 h), so the
 default deadline is 60 minutes; raise `trainingTimeoutMinutes` only after checking.
 """
 
@@ -443,7 +443,7 @@ class VllmService(pulumi.ComponentResource):
             ),
             opts=pulumi.ResourceOptions(
                 parent=self,
-                # A Service that references a secret fails to create without the accessor grant (CLOUD-FACTS §11):
+                # A Service that references a secret fails to create without the accessor grant (terraform-provider-google #13786, #13828):
                 # the key's grant is one of grants_to(SERVING).
                 depends_on=[
                     *foundation.apis,

@@ -6,8 +6,7 @@ Decisions
 - The ceiling is a true upper bound only where a deadline stops the GPUs, so it follows each workload's
   real deadline and retry semantics (the values the workload modules render):
   - gke-job: `activeDeadlineSeconds` bounds the whole Job, retries included ("the activeDeadlineSeconds
-    applies to the duration of the job, no matter how many Pods are created", kubernetes.io Job docs,
-    CLOUD-FACTS §5), so attempts = 1 whatever `backoffLimit` is.
+    applies to the duration of the job, no matter how many Pods are created", kubernetes.io Job docs), so attempts = 1 whatever `backoffLimit` is.
   - gke-ray (ephemeral): the RayJob deadline is per attempt: a retry deletes the cluster and starts over with
     a fresh `Status.StartTime` (KubeRay rayjob_controller.go: Retrying -> New -> `initRayJobStatusIfNeed`
     sets StartTime; `checkActiveDeadlineAndUpdateStatusIfNeeded` measures from it), so attempts =

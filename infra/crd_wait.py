@@ -2,9 +2,9 @@
 
 Decisions
 - The GKE Ray operator add-on installs `rayjobs.ray.io` and `rayclusters.ray.io` itself, at a time
-  no document states (CLOUD-FACTS §3). pulumi-kubernetes retries the create of an object whose kind
+  no document states (GKE docs, add-on/ray-on-gke/how-to/enable-ray-on-gke, say nothing of it). pulumi-kubernetes retries the create of an object whose kind
   the API server does not know yet for about a minute only, and `customTimeouts` cover only the await
-  after a create (CLOUD-FACTS §11). So a pulumi-command step runs `kubectl` on the machine that runs
+  after a create (pulumi/pulumi-kubernetes provider/pkg/await). So a pulumi-command step runs `kubectl` on the machine that runs
   `pulumi up`: it polls until each CRD exists, then `kubectl wait --for=condition=Established` (the
   condition the API server sets once it serves the kind). The Ray objects depend on this step.
 - Not pulumi-kubernetes' `pulumi.com/waitFor` annotation (v4.18+, pulumi/pulumi-kubernetes#3134): it

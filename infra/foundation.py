@@ -4,7 +4,7 @@ Decisions
 - Only the APIs the chosen workload needs are enabled, and none is disabled on destroy
   (other things in the project may use them). `cloudresourcemanager.googleapis.com` is one of
   them, but the program reads through it (every `projects.Service` read checks the project)
-  before it can enable it: README's cloud path enables it (and Service Usage, Cloud
+  before it can enable it: the README's cloud path enables it (and Service Usage, Cloud
   Storage, which the bucket check below calls, and Cloud Quotas, which `infra.preflight` reads
   before anything is declared) once, before the first `pulumi up` (`BOOTSTRAP_APIS`).
 - One Google service account per identity (`Identity`): the trainer; the vLLM server when

@@ -13,7 +13,7 @@ Decisions
 - The Hugging Face token lives in the Kubernetes Secret `hf-secret` (key `hf_api_token`, as in
   the seed tutorial), written from the secret Output so it stays encrypted in Pulumi state;
   containers read it only through `secretKeyRef`.
-- Capacity is chosen with pod nodeSelectors (CLOUD-FACTS §1): every GPU pod names the accelerator,
+- Capacity is chosen with pod nodeSelectors (GKE docs how-to/autopilot-gpus, consume-reservations, autopilot-spot-pods): every GPU pod names the accelerator,
   its count and the `latest` driver; reservation adds the reservation name, `specific` affinity
   (+ the owning project for shared reservations); spot and flex-start add their one label;
   on-demand adds nothing. No tolerations: Autopilot adds the GPU and Spot ones itself.
@@ -76,7 +76,7 @@ class PerGpuShare:
     ephemeral_gib: int
 
 
-# The largest Autopilot pod on each GPU machine is UNCONFIRMED (CLOUD-FACTS §1), so these stay well
+# The largest Autopilot pod on each GPU machine is UNCONFIRMED (GKE's autopilot-resource-requests table could not be read), so these stay well
 # below the machines: 8 x B200 -> 96 vCPU / 1200Gi / 352Gi of an a4-highgpu-8g's 224 vCPU / 3,968 GB /
 # 12,000 GiB local SSD (1200Gi memory and ~350Gi disk are what the seed tutorial ran with).
 # Autopilot bills GPU pods per node, so asking for less than the node costs nothing extra.

@@ -182,7 +182,7 @@ RUNTIMES: tuple[Runtime, ...] = (
                 "storage.buckets.get",
                 Scope.BUCKET,
                 "Ray Train's storage_path gs://… goes through pyarrow.fs.GcsFileSystem, whose create_dir reads "
-                "the bucket's metadata first (Arrow cpp/src/arrow/filesystem/gcsfs.cc; CLOUD-FACTS §11)",
+                "the bucket's metadata first (Arrow cpp/src/arrow/filesystem/gcsfs.cc, CreateDirMarkerRecursive)",
             ),
         ),
     ),

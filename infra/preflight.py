@@ -12,7 +12,7 @@ Decisions
   (default) stops on any problem, including one the caller may not read (the message names the missing
   permission and `pulumi config set preflight warn`), `warn` logs them as warnings and goes on, `off` skips
   them. `check_cost_ceiling` asks nothing and always applies: `maxRunCostUsd` is the stack's own limit.
-- `capacity: reservation`: GKE Autopilot consumes SPECIFIC reservations only (CLOUD-FACTS §1), in the
+- `capacity: reservation`: GKE Autopilot consumes SPECIFIC reservations only (GKE docs about-custom-compute-classes, consume-reservations), in the
   cluster's region, of the machine type that carries the stack's GPU (`infra.catalog`), with at least
   `nodes` machines. A placeholder or a typo would otherwise leave the GPU pods Pending until the
   training deadline, once per retry. Reservations are zonal and the data source needs the zone, so the
@@ -32,7 +32,7 @@ Decisions
   (`infra.catalog.GKE_GPU_QUOTAS`: spot and flex-start draw on preemptible quota; on-demand also on
   `GPUS-ALL-REGIONS-per-project`). Cloud Run: the training Job draws 1 GPU on the no-zonal-redundancy
   quota; the service (`servingEnabled`) draws servingMaxInstances + 1 (a new revision starts before the
-  old one stops; CLOUD-FACTS §6) on the quota `gpuZonalRedundancy` selects; on one quota they add up. The
+  old one stops: a deploy can briefly need one more GPU, a field report on Cloud Run GPU quota) on the quota `gpuZonalRedundancy` selects; on one quota they add up. The
   limit comes from the Cloud Quotas API (`gcp.cloudquota.get_s_quota_info`, pulumi-gcp 10.2:
   `dimensionsInfos[].dimensions` / `details[].value` / `applicableLocations`): the row whose dimensions
   all match (region, GPU family) and are the most specific wins (a row without a dimension applies to the

@@ -1,6 +1,6 @@
 """The one price table: what an hour of a training node, a training instance or a serving instance costs.
 
-    .venv/bin/python -m infra.pricing          # the table as Markdown (README "What it costs" is this)
+    .venv/bin/python -m infra.pricing          # the table as Markdown (docs/costs.md shows this)
 
 Every figure carries its source, the date the source stated it and how sure it is (`Status`):
 PUBLISHED (Google's own pricing page), SECONDARY (a public transcription of Google's Cloud Billing
@@ -12,8 +12,8 @@ overridden before a ceiling can be enforced.
 
 Decisions
 - One unit per consumer: a GKE node-hour (the whole machine: Autopilot bills GPU Pods of the Accelerator
-  class per node, CLOUD-FACTS §1) and a Cloud Run instance-hour (GPU + its vCPUs + its memory, billed per
-  second while the instance lives: instance-based billing, CLOUD-FACTS §6). Hourly prices are rounded UP to
+  class per node, GKE docs how-to/autopilot-gpus) and a Cloud Run instance-hour (GPU + its vCPUs + its memory, billed per
+  second while the instance lives: instance-based billing, Cloud Run GPU docs). Hourly prices are rounded UP to
   whole cents (`HourlyPrice.cents`), so the figure stays an upper bound and fits in a resource label, where
   the policy pack reads it (`cost_labels`).
 - Figures are for us-central1, the stacks' region. Another region uses the us-central1 figure and says so
@@ -151,7 +151,7 @@ CLOUD_RUN_MEMORY_SECOND = Price(
     "2026-08",
     Status.SECONDARY,
 )
-# GPU-second by (GPU, zonal redundancy). Jobs run without zonal redundancy (CLOUD-FACTS §6).
+# GPU-second by (GPU, zonal redundancy). Jobs run without zonal redundancy (Cloud Run jobs GPU docs).
 CLOUD_RUN_GPU_SECOND: dict[tuple[str, bool], Price] = {
     ("nvidia-l4", False): Price(
         0.0001867,
@@ -262,7 +262,7 @@ def cost_labels(cfg: StackConfig, hourly: HourlyPrice | None, kubernetes: bool) 
 
 
 def all_prices() -> list[tuple[str, Price]]:
-    """Every figure of the table with the row it prices (the README table and its test)."""
+    """Every figure of the table with the row it prices (the docs/costs.md table and its test)."""
     rows: list[tuple[str, Price]] = []
     for (gpu, count), rates in GKE_NODE_HOUR.items():
         machine = GKE_ACCELERATORS[gpu].machine_type(count)
@@ -276,7 +276,7 @@ def all_prices() -> list[tuple[str, Price]]:
     return rows
 
 
-# How a capacity without its own figure is priced (rendered under the README table).
+# How a capacity without its own figure is priced (rendered under the docs/costs.md table).
 RULES = (
     f"Spot without a figure: the on-demand figure, an upper bound ({_SPOT_RULE}).",
     "Flex-start (DWS): the on-demand figure, an upper bound (its own rate was not found; Google describes it as "

@@ -15,7 +15,7 @@ Steps, each timed and explained if it fails:
 
 Decisions:
 - The recipe's own 60 steps by default (`--max-steps` for fewer). How long it takes, and under
-  which conditions that was measured, is stated once, in README.md.
+  which conditions that was measured, is stated once, in bench/RESULTS.md.
 - The "before" model is the packaged 270M, which looks like the pre-trained base (no chat template,
   no finetune tag in its GGUF metadata; trainer/local_model.py): most of its F1 0.00 -> ~0.9 is the
   model learning the chat format and the answer's form, not emoji.
@@ -543,7 +543,7 @@ def _write_summary(demo: DemoResult, path: Path) -> None:
 
 
 NEXT_STEPS = """\
-Next steps: the same pipeline on Google Cloud (README.md has the details)
+Next steps: the same pipeline on Google Cloud (README.md and docs/ have the details)
   make plan STACK=dev                          # offline: what `pulumi up` would create (Cloud Run L4, Gemma 3 1B)
   make plan STACK=a4-gemma4                    # GKE A4 (8 x B200), Gemma 4 31B, FSDP
   make plan STACK=ray-gemma3-vision            # GKE + Ray, Gemma 3 4B vision, QLoRA

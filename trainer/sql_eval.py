@@ -30,7 +30,7 @@ Decisions:
   - the predicted and the gold query must each be exactly ONE statement; a prediction may change
     tables only when the gold query does; statements sqlglot cannot parse (it passes them through as
     `exp.Command`, e.g. VACUUM, REPLACE INTO, CREATE TRIGGER) are rejected, never executed.
-  (sqlglot's Command fallback and VACUUM INTO: ../shared/CLOUD-FACTS.md §11; the authorizer action
+  (sqlglot's Command fallback: unknown statements parse to exp.Command, and SQLite's VACUUM INTO writes a file; the authorizer action
   codes and the attach limit: https://sqlite.org/c3ref/set_authorizer.html, https://sqlite.org/limits.html.)
 - A query runs on a fresh copy of the context database, so a DELETE/UPDATE/INSERT/CREATE gold query is
   compared by the tables (contents and columns), views and indexes it leaves behind.

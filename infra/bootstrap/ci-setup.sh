@@ -13,7 +13,7 @@
 # that stack's accounts and grants), or after changing this script: every step checks first or is
 # idempotent in gcloud itself.
 #
-# Decisions (README.md, "CI and PR previews", has the table; ci-identities.yaml the reason of each grant;
+# Decisions (docs/ci.md has the table; ci-identities.yaml the reason of each grant;
 # infra/permissions.py proves them against what the program declares)
 # - A dedicated project for the stacks is strongly recommended: Artifact Registry, Cloud Run and GKE do not
 #   support IAM Conditions on resource names, so those grants cover the project.
@@ -42,7 +42,7 @@
 #   keys of the stacks it runs (docs/ci.md, "Stacks and their keys").
 #
 # Not here: GitHub settings (environments, reviewers, variables: printed at the end), creating stacks
-# (`pulumi stack init`, README "New stacks"), grants in another project that owns a stack's reservation
+# (`pulumi stack init`, docs/ci.md "New stacks"), grants in another project that owns a stack's reservation
 # (`reservationProject`: give the CI identities compute.reservations.get and compute.zones.list there).
 set -euo pipefail
 
@@ -527,7 +527,7 @@ cat <<EOF
 Done. In GitHub ($GITHUB_REPO), Settings:
   Secrets and variables > Actions > Variables: GCP_PROJECT_ID=$PROJECT_ID  GCP_PROJECT_NUMBER=$PROJECT_NUMBER
   State backend: $backend_line
-  Environments: preview-gke, deploy, destroy, each with Required reviewers (see README for the GitHub plans);
+  Environments: preview-gke, deploy, destroy, each with Required reviewers (see docs/ci.md for the GitHub plans);
     deploy and destroy: Deployment branches = main only (a pull request's job must not reach their secrets)
 New stacks: commit Pulumi.<stack>.yaml and rerun this script: it creates the stack on its own key (bucket backend).
 EOF

@@ -104,7 +104,7 @@ def test_ours_is_the_shipped_recipe(name: str) -> None:
 
 
 def test_seed_side_is_the_workloads_seed() -> None:
-    """Why: each recipe is compared with its own workload's seed (../shared/SEEDS.md), through plain SFTTrainer."""
+    """Why: each recipe is compared with its own workload's seed (its source tutorial, docs/seeds.md), through plain SFTTrainer."""
     from trainer.recipe import load_recipe
 
     w1 = train_throughput.seed_config(load_recipe("text-to-sql-gemma4-31b"), 4)

@@ -228,7 +228,7 @@ class TestJobName:
 
 
 class TestCapacity:
-    """Each capacity mode renders exactly the nodeSelector GKE Autopilot expects (CLOUD-FACTS §1)."""
+    """Each capacity mode renders exactly the nodeSelector GKE Autopilot expects (GKE docs how-to/autopilot-gpus, consume-reservations, autopilot-spot-pods)."""
 
     BASE: ClassVar[dict[str, str]] = {
         "cloud.google.com/gke-accelerator": "nvidia-b200",

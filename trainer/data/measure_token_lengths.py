@@ -10,7 +10,7 @@ chat template, exactly as the data loader measures them (`trainer.data.conversat
 - `conversation`: tokens of the whole rendered conversation (what packing and `max_length` see).
   For product descriptions the image's expansion is added: Gemma 3's processor replaces the
   `<start_of_image>` of the template by "\\n\\n<start_of_image>" + 256 `<image_soft_token>` +
-  "<end_of_image>\\n\\n" (../shared/CLOUD-FACTS.md §10), 256 + the tokens of the two "\\n\\n" + 1 more.
+  "<end_of_image>\\n\\n" (transformers models/gemma3/processing_gemma3.py), 256 + the tokens of the two "\\n\\n" + 1 more.
 - `answer`: tokens of the reference answer plus the `<end_of_turn>` that ends it (what generation
   must be allowed to produce).
 
@@ -35,7 +35,7 @@ SAMPLES = {
     "text-to-sql": "trainer/data/text_to_sql.jsonl",
     "product-description": "trainer/data/products.jsonl",
 }
-MM_TOKENS_PER_IMAGE = 256  # Gemma 3 processor image_seq_length (CLOUD-FACTS §10)
+MM_TOKENS_PER_IMAGE = 256  # Gemma 3 processor image_seq_length (transformers processing_gemma3.py)
 
 
 def measure() -> dict[str, Any]:
