@@ -105,6 +105,7 @@ def overrides(model_dir: Path, out_dir: Path, max_steps: int) -> list[str]:
     return [
         f"model.name_or_path={model_dir}",
         "model.dtype=float32",
+        "distributed.strategy=fsdp",  # FSDP checkpoints are the point; the memory model would pick DDP here
         "data.source=local",
         "data.path=trainer/data/text_to_sql.jsonl",
         "data.max_rows=40",

@@ -136,7 +136,8 @@ def test_cli_dry_run(gemma4_model_dir, tmp_path):
     cmd = [
         sys.executable, "-m", "trainer.launch", "--recipe", RECIPE, "--nproc-per-node", "8", "--nnodes", "2",
         "--main-process-ip", "job-0.svc", "--set", f"model.name_or_path={gemma4_model_dir}",
-        "--set", "distributed.world_size=16", "--config-out", str(tmp_path / "acc.yaml"), "--dry-run",
+        "--set", "distributed.world_size=16", "--set", "distributed.strategy=fsdp",
+        "--config-out", str(tmp_path / "acc.yaml"), "--dry-run",
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

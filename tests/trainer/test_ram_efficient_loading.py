@@ -69,6 +69,8 @@ def overrides(model_dir: str, out_dir: str) -> list[str]:
         "training.max_steps=1",
         "training.report_to=[]",
         "distributed.world_size=2",
+        # FSDP is what this test is about; the memory model would pick DDP for the tiny model
+        "distributed.strategy=fsdp",
         f"output.dir={out_dir}",
     ]
 
