@@ -28,7 +28,6 @@ Decisions
   kubeconfig is unknown in every preview that creates or updates the cluster. The path changes
   exactly when another cluster is meant (project, region, name); a cluster replaced under the
   same path (only an `enable_autopilot` change would do it here) keeps its provider.
-
 - The cluster lives in the stack's own VPC `gft-<stack>-net` (custom mode, no subnets of its own)
   and one regional subnet `gft-<stack>-nodes` with named secondary ranges for Pods and Services
   (`ip_allocation_policy`), Private Google Access on; never in the project's `default` network,
