@@ -315,11 +315,44 @@ RESOURCES: dict[str, Calls] = {
         read=("run.services.getIamPolicy",),
         delete=("run.services.getIamPolicy", "run.services.setIamPolicy"),
     ),
+    "gcp:compute/network:Network": Calls(
+        ("project", "project"),
+        f"{_TF}/compute/resource_compute_network.go (networks.insert, get, patch of routingMode, delete; global "
+        "operations are polled); Compute Engine IAM reference: compute.networks.create/get/update/delete",
+        create_on_project=("compute.networks.create",),
+        create=("compute.networks.get", "compute.globalOperations.get"),
+        read=("compute.networks.get",),
+        update=("compute.networks.update", "compute.globalOperations.get"),
+        delete=("compute.networks.delete", "compute.globalOperations.get"),
+    ),
+    "gcp:compute/subnetwork:Subnetwork": Calls(
+        ("project", "project"),
+        f"{_TF}/compute/resource_compute_subnetwork.go (subnetworks.insert, get, patch of the secondary ranges, "
+        "setPrivateIpGoogleAccess, delete; region operations are polled); a subnet is inserted into its network, "
+        "which needs compute.networks.updatePolicy on it (Compute Engine IAM reference, subnetworks.insert)",
+        create_on_project=("compute.subnetworks.create", "compute.networks.updatePolicy"),
+        create=("compute.subnetworks.get", "compute.regionOperations.get"),
+        read=("compute.subnetworks.get",),
+        update=(
+            "compute.subnetworks.update",
+            "compute.subnetworks.setPrivateIpGoogleAccess",
+            "compute.regionOperations.get",
+        ),
+        delete=("compute.subnetworks.delete", "compute.regionOperations.get"),
+    ),
     "gcp:container/cluster:Cluster": Calls(
         ("project", "project"),
         "GKE docs, reference/api-permissions: clusters.create needs container.clusters.create and "
-        "iam.serviceAccounts.actAs on the node service account; operations are polled",
-        create=("container.clusters.create", "container.clusters.get", "container.operations.get"),
+        "iam.serviceAccounts.actAs on the node service account; operations are polled. In the stack's own subnet "
+        "the caller also uses the network and subnet (compute.networks.use, compute.subnetworks.use: UNCONFIRMED for "
+        "a subnet of the cluster's own project; the Shared VPC guide asks them of the service project's GKE agent)",
+        create=(
+            "container.clusters.create",
+            "container.clusters.get",
+            "container.operations.get",
+            "compute.networks.use",
+            "compute.subnetworks.use",
+        ),
         read=("container.clusters.get",),
         update=("container.clusters.update", "container.operations.get"),
         delete=("container.clusters.delete", "container.operations.get"),

@@ -28,8 +28,16 @@ Decisions
   kubeconfig is unknown in every preview that creates or updates the cluster. The path changes
   exactly when another cluster is meant (project, region, name); a cluster replaced under the
   same path (only an `enable_autopilot` change would do it here) keeps its provider.
+- The cluster lives in the stack's own VPC `gft-<stack>-net` (custom mode, no subnets of its own)
+  and one regional subnet `gft-<stack>-nodes` with named secondary ranges for Pods and Services
+  (`ip_allocation_policy`), Private Google Access on; never in the project's `default` network,
+  which organisations with `compute.skipDefaultNetworkCreation` do not have and whose 0.0.0.0/0
+  SSH/RDP/ICMP rules would reach the nodes. The VPC has no firewall rule of ours: only its implied
+  deny-ingress and the rules GKE itself creates and deletes with the cluster. Nodes keep public IPs,
+  so no Cloud NAT (docs/decisions/gke-network.md). The cluster takes the subnet's id as an input, so
+  `up` creates network -> subnet -> cluster and `destroy` deletes them in reverse.
 
-Not here: node pools (Autopilot has none to manage), private clusters / authorized networks
+Not here: node pools (Autopilot has none to manage), private nodes / Cloud NAT and authorized networks
 (the default public endpoint is protected by IAM), Kubernetes objects (see `infra.gke_workload`).
 """
 
@@ -51,10 +59,30 @@ NODE_OAUTH_SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 AUTH_PLUGIN = "gke-gcloud-auth-plugin"
 AUTH_API_VERSION = "client.authentication.k8s.io/v1beta1"
 
+# The subnet's ranges (RFC 1918), the sizes GoogleCloudPlatform/cluster-toolkit examples/gke-a4/gke-a4.yaml uses
+# for A4: /18 for nodes, /14 for Pods, /20 for Services. Each stack has its own VPC and peers with nothing, so the
+# stacks may share them.
+NODE_RANGE = "192.168.0.0/18"
+POD_RANGE_NAME = "pods"
+POD_RANGE = "10.4.0.0/14"
+SERVICE_RANGE_NAME = "services"
+SERVICE_RANGE = "10.0.32.0/20"
+# One region: regional dynamic routing is enough (no Cloud Router here); it is also Compute Engine's default.
+ROUTING_MODE = "REGIONAL"
+
 
 def cluster_name(cfg: StackConfig) -> str:
     """GKE cluster names are at most 40 characters; stack names are at most 20."""
     return f"gft-{cfg.stack}"
+
+
+def network_name(cfg: StackConfig) -> str:
+    """VPC and subnet names are at most 63 characters; stack names are at most 20."""
+    return f"gft-{cfg.stack}-net"
+
+
+def subnet_name(cfg: StackConfig) -> str:
+    return f"gft-{cfg.stack}-nodes"
 
 
 def cluster_identifier(cfg: StackConfig) -> str:
@@ -108,15 +136,22 @@ class AutopilotClusterArgs:
     cfg: StackConfig
     """The validated stack configuration (region, release channel, deletion protection, workload)."""
     depends_on: list[pulumi.Resource] = field(default_factory=list)
-    """The foundation's API enablements (the cluster cannot be created before container.googleapis.com is on)
-    and the node account's grants (nodes log and pull images from their first minute)."""
+    """The foundation's API enablements (the cluster cannot be created before container.googleapis.com is on,
+    the network before compute.googleapis.com) and the node account's grants (nodes log and pull images from
+    their first minute)."""
+    apis: list[pulumi.Resource] | None = None
+    """What the network and subnet wait for: compute.googleapis.com among them (None: `depends_on`). Without the
+    grants they are created while the grants propagate."""
     node_service_account: pulumi.Input[str] | None = None
     """Email of the service account the nodes run as; None keeps GKE's default (Compute Engine's)."""
 
 
 class AutopilotCluster(pulumi.ComponentResource):
-    """A regional GKE Autopilot cluster (+ Ray operator add-on for gke-ray) and its Kubernetes provider."""
+    """A regional GKE Autopilot cluster (+ Ray operator add-on for gke-ray) in the stack's own VPC, and its
+    Kubernetes provider."""
 
+    network: gcp.compute.Network
+    subnet: gcp.compute.Subnetwork
     cluster: gcp.container.Cluster
     name: pulumi.Output[str]
     kubeconfig: pulumi.Output[str]
@@ -129,6 +164,32 @@ class AutopilotCluster(pulumi.ComponentResource):
         cfg = args.cfg
         self.workload_pool = workload_pool(cfg.project)
         self.get_credentials = get_credentials_command(cfg)
+
+        after_apis = pulumi.ResourceOptions(parent=self, depends_on=args.depends_on if args.apis is None else args.apis)
+        self.network = gcp.compute.Network(
+            f"{name}-net",
+            name=network_name(cfg),
+            project=cfg.project,
+            description=f"gemma-finetune {cfg.stack}: the GKE cluster's network",
+            auto_create_subnetworks=False,
+            routing_mode=ROUTING_MODE,
+            opts=after_apis,
+        )
+        self.subnet = gcp.compute.Subnetwork(
+            f"{name}-nodes",
+            name=subnet_name(cfg),
+            project=cfg.project,
+            region=cfg.region,
+            network=self.network.id,
+            description=f"gemma-finetune {cfg.stack}: GKE nodes, with the Pod and Service ranges",
+            ip_cidr_range=NODE_RANGE,
+            secondary_ip_ranges=[
+                gcp.compute.SubnetworkSecondaryIpRangeArgs(range_name=POD_RANGE_NAME, ip_cidr_range=POD_RANGE),
+                gcp.compute.SubnetworkSecondaryIpRangeArgs(range_name=SERVICE_RANGE_NAME, ip_cidr_range=SERVICE_RANGE),
+            ],
+            private_ip_google_access=True,
+            opts=after_apis,
+        )
 
         addons = None
         if cfg.workload is Workload.GKE_RAY:
@@ -164,6 +225,11 @@ class AutopilotCluster(pulumi.ComponentResource):
             location=cfg.region,
             description=f"gemma-finetune {cfg.stack}: {cfg.workload} training on {cfg.gpu_type}",
             enable_autopilot=True,
+            network=self.network.id,
+            subnetwork=self.subnet.id,
+            ip_allocation_policy=gcp.container.ClusterIpAllocationPolicyArgs(
+                cluster_secondary_range_name=POD_RANGE_NAME, services_secondary_range_name=SERVICE_RANGE_NAME
+            ),
             workload_identity_config=gcp.container.ClusterWorkloadIdentityConfigArgs(workload_pool=self.workload_pool),
             release_channel=gcp.container.ClusterReleaseChannelArgs(channel=cfg.release_channel),
             deletion_protection=cfg.deletion_protection,

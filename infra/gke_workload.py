@@ -331,6 +331,7 @@ def declare_gke_base(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundat
         AutopilotClusterArgs(
             cfg=cfg,
             depends_on=[*foundation.apis, *foundation.grants_to(Identity.NODES)],
+            apis=list(foundation.apis),
             node_service_account=foundation.node_account.email,
         ),
     )

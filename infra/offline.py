@@ -403,6 +403,14 @@ class Mocks(pulumi_mocks.Mocks):
             state.update(name=rid, version="1")
         elif typ == "gcp:artifactregistry/repository:Repository":
             state.update(name=plain["repositoryId"])
+        elif typ == "gcp:compute/network:Network":
+            # The provider's ID formats (terraform-provider-google google/services/compute: resource_compute_network.go
+            # and resource_compute_subnetwork.go, `id`)
+            rid = f"projects/{project}/global/networks/{plain['name']}"
+            state.update(selfLink=f"https://www.googleapis.com/compute/v1/{rid}")
+        elif typ == "gcp:compute/subnetwork:Subnetwork":
+            rid = f"projects/{project}/regions/{plain['region']}/subnetworks/{plain['name']}"
+            state.update(selfLink=f"https://www.googleapis.com/compute/v1/{rid}")
         elif typ == "gcp:container/cluster:Cluster":
             state.update(
                 endpoint="192.0.2.10",  # TEST-NET-1: never reachable, never contacted

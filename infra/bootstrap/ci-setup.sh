@@ -308,6 +308,7 @@ fi
 if $has_gke; then
   grant_project gft-ci-preview-gke "$custom/gftCiBucketLister"
   grant_project gft-ci-preview-gke roles/storage.bucketViewer "$buckets"
+  grant_project gft-ci-preview-gke roles/storage.objectViewer "$buckets"
   grant_project gft-ci-preview-gke roles/container.developer
   if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
   if $has_gpu_quota; then grant_project gft-ci-preview-gke "$custom/gftCiQuotaReader"; fi
@@ -316,8 +317,8 @@ fi
 # deploy.yml's preview job: what the previews above may do, for every stack, and nothing the apply does
 grant_project gft-ci-deploy-preview "$custom/gftCiBucketLister"
 grant_project gft-ci-deploy-preview roles/storage.bucketViewer "$buckets"
+grant_project gft-ci-deploy-preview roles/storage.objectViewer "$buckets"
 if $has_cloud_run; then
-  grant_project gft-ci-deploy-preview roles/storage.objectViewer "$buckets"
   grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"
 fi
 if $has_gke; then
@@ -326,19 +327,21 @@ if $has_gke; then
   if $has_gpu_quota; then grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"; fi
 fi
 
-grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
 grant_project gft-ci-deploy "$custom/gftCiBucketLister"
 grant_project gft-ci-deploy "$custom/gftCiBucketCreator"
 grant_project gft-ci-deploy roles/storage.admin "$buckets"
 grant_project gft-ci-deploy roles/artifactregistry.admin
 grant_project gft-ci-deploy "$custom/gftCiAccountCreator"
 if $has_cloud_run; then
+  # GKE stacks: roles/compute.networkAdmin holds serviceusage.services.list
+  grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
   grant_project gft-ci-deploy "$custom/gftCiSecretCreator"
   grant_project gft-ci-deploy roles/secretmanager.admin "$secrets"
   grant_project gft-ci-deploy roles/run.admin
 fi
 if $has_gke; then
   grant_project gft-ci-deploy roles/container.clusterAdmin
+  grant_project gft-ci-deploy roles/compute.networkAdmin
   grant_project gft-ci-deploy roles/container.developer
   grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" \
     "$(grants_only roles/container.defaultNodeServiceAccount roles/logging.logWriter)" gft-ci-grant-project-log-roles

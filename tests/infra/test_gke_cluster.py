@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+from functools import cache
 from typing import Any
 
 import pytest
@@ -12,11 +14,18 @@ from tests.infra.conftest import PREBUILT
 
 CLUSTER = "gcp:container/cluster:Cluster"
 PROVIDER = "pulumi:providers:kubernetes"
+NETWORK = "gcp:compute/network:Network"
+SUBNET = "gcp:compute/subnetwork:Subnetwork"
 
 
 @pytest.fixture(scope="module")
 def a4() -> StackRun:
     return run_stack("a4-gemma4", overrides=PREBUILT)
+
+
+@cache
+def planned(stack: str) -> StackRun:
+    return run_stack(stack, overrides=PREBUILT)
 
 
 def cluster_inputs(stack_run: StackRun) -> dict[str, Any]:
@@ -54,6 +63,65 @@ class TestClusterArguments:
 
     def test_component(self, a4: StackRun) -> None:
         assert a4.one(CLUSTER).parent.endswith("gemma-finetune:gcp:AutopilotCluster::gft-a4-gemma4")
+
+
+@pytest.mark.parametrize("stack", ["a4-gemma4", "ray-gemma3-vision"])
+class TestOwnNetwork:
+    """The cluster sits in the stack's own VPC and subnet, never in the project's `default` network (which
+    `compute.skipDefaultNetworkCreation` leaves out, and whose 0.0.0.0/0 SSH/RDP/ICMP rules reach every VM)."""
+
+    def test_custom_mode_vpc_named_for_the_stack(self, stack: str) -> None:
+        run = planned(stack)
+        network = run.one(NETWORK).plain_inputs()
+        assert network["name"] == f"gft-{stack}-net" and len(network["name"]) <= 63
+        assert network["autoCreateSubnetworks"] is False, "auto mode would add a subnet in every region"
+        assert network["routingMode"] == "REGIONAL"
+        assert network["project"] == "my-gcp-project"
+
+    def test_regional_subnet_with_pod_and_service_ranges(self, stack: str) -> None:
+        run = planned(stack)
+        subnet = run.one(SUBNET).plain_inputs()
+        assert subnet["name"] == f"gft-{stack}-nodes"
+        assert subnet["network"] == f"projects/my-gcp-project/global/networks/gft-{stack}-net"
+        assert subnet["region"] == cluster_inputs(run)["location"], "the regional cluster's region"
+        assert subnet["privateIpGoogleAccess"] is True
+        ranges = {r["rangeName"]: ipaddress.ip_network(r["ipCidrRange"]) for r in subnet["secondaryIpRanges"]}
+        nodes = ipaddress.ip_network(subnet["ipCidrRange"])
+        assert set(ranges) == {"pods", "services"}
+        every = [nodes, *ranges.values()]
+        assert all(n.is_private for n in every)
+        assert not any(a.overlaps(b) for i, a in enumerate(every) for b in every[i + 1 :]), "ranges must not overlap"
+
+    def test_cluster_names_the_stack_network_subnet_and_ranges(self, stack: str) -> None:
+        run = planned(stack)
+        inputs = cluster_inputs(run)
+        assert inputs["network"] == f"projects/my-gcp-project/global/networks/gft-{stack}-net"
+        assert inputs["subnetwork"] == f"projects/my-gcp-project/regions/us-central1/subnetworks/gft-{stack}-nodes"
+        names = {r["rangeName"] for r in run.one(SUBNET).plain_inputs()["secondaryIpRanges"]}
+        policy = inputs["ipAllocationPolicy"]
+        assert policy == {"clusterSecondaryRangeName": "pods", "servicesSecondaryRangeName": "services"}
+        assert set(policy.values()) <= names, "the cluster names ranges the subnet has"
+
+    def test_no_default_network_anywhere(self, stack: str) -> None:
+        run = planned(stack)
+        for r in run.resources:
+            for key in ("network", "subnetwork"):
+                value = str(r.plain_inputs().get(key) or "")
+                assert value.rsplit("/", 1)[-1] != "default", f"{r.urn} {key}={value!r}"
+        assert cluster_inputs(run).get("network"), "an absent network is the default network"
+
+    def test_network_and_subnet_wait_for_the_compute_api(self, stack: str) -> None:
+        run = planned(stack)
+        api = run.by_name(f"gft-{stack}-api-compute")
+        for typ in (NETWORK, SUBNET):
+            resource = run.one(typ)
+            assert api.urn in resource.dependencies, typ
+            assert resource.parent.endswith(f"gemma-finetune:gcp:AutopilotCluster::gft-{stack}")
+
+
+def test_cloud_run_stack_declares_no_network() -> None:
+    run = planned("dev")
+    assert not run.of_type(NETWORK) and not run.of_type(SUBNET)
 
 
 class TestProvider:

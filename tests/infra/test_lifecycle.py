@@ -13,6 +13,9 @@ outputs point; and it must adopt the kept accounts, as the first `up` in a proje
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import pairwise
+
 import pytest
 from pulumi.runtime.mocks import MockResourceArgs
 
@@ -178,3 +181,93 @@ def test_nothing_pulumi_deletes_lives_in_a_run_folder(stack: str) -> None:
     ]
     assert inside, "the price file lies in the run folder"
     assert [r.name for r in inside if not r.retain_on_delete] == []
+
+
+NETWORK = "gcp:compute/network:Network"
+SUBNET = "gcp:compute/subnetwork:Subnetwork"
+CLUSTER = "gcp:container/cluster:Cluster"
+
+
+def delete_schedule(run: StackRun) -> list[set[str]]:
+    """The rounds in which `pulumi destroy` deletes the stack's resources, first round first.
+
+    A transcription of the engine's scheduler (pulumi/pulumi v3.259.0 pkg/resource/deploy/step_generator.go
+    `ScheduleDeletes`): every resource in the state is condemned; repeatedly, those whose dependencies are all
+    gone from the condemned set form a round; the list of rounds is then reversed, so a resource is deleted only
+    after everything that depends on it. Its dependencies are those of `DependenciesOf`
+    (pkg/resource/graph/dependency_graph.go): the registered dependencies, the provider, the parent, and the
+    children a component dependency registered before it. A `retain_on_delete` resource takes its round too
+    (its step calls no provider)."""
+    order = {r.urn: i for i, r in enumerate(run.resources)}
+    children: dict[str, list[str]] = {}
+    for r in run.resources:
+        children.setdefault(r.parent, []).append(r.urn)
+    custom = {r.urn: r.custom for r in run.resources}
+
+    def dependencies_of(r: Recorded) -> set[str]:
+        direct = set(r.dependencies) | ({r.provider.rsplit("::", 1)[0]} if r.provider else set())
+        found = {d for d in direct if d in order and order[d] < order[r.urn]}
+        for d in list(found):
+            if not custom[d]:
+                found |= {c for c in children.get(d, []) if order[c] < order[r.urn]}
+        if r.parent in order:
+            found.add(r.parent)
+        return found
+
+    deps = {r.urn: dependencies_of(r) for r in run.resources}
+    condemned = set(order)
+    rounds: list[set[str]] = []
+    while condemned:
+        free = {urn for urn in condemned if not deps[urn] & condemned}
+        assert free, f"a dependency cycle among {sorted(condemned)}"
+        condemned -= free
+        rounds.append(free)
+    rounds.reverse()
+    return rounds
+
+
+def destroy_order_problems(run: StackRun) -> list[str]:
+    """`destroy` deletes the cluster before its subnet and the subnet before the VPC (a subnet in use by the
+    cluster's nodes, or a VPC with a subnet, cannot be deleted: Compute Engine answers `resourceInUseByAnotherResource`)."""
+    rounds = delete_schedule(run)
+    when = {urn: i for i, round_ in enumerate(rounds) for urn in round_}
+    chain = [run.one(CLUSTER), run.one(SUBNET), run.one(NETWORK)]
+    return [
+        f"{after.urn} is not deleted after {before.urn}"
+        for before, after in pairwise(chain)
+        if not when[before.urn] < when[after.urn]
+    ]
+
+
+GKE_STACKS = [s for s in stack_names() if s != "dev"]
+
+
+@pytest.mark.parametrize("stack", GKE_STACKS)
+class TestDestroyRemovesTheNetwork:
+    def test_cluster_then_subnet_then_network(self, stack: str) -> None:
+        assert destroy_order_problems(up(stack)) == []
+
+    def test_nothing_of_the_network_is_kept(self, stack: str) -> None:
+        first = up(stack)
+        kept = [r.urn for r in (*first.of_type(NETWORK), *first.of_type(SUBNET)) if r.retain_on_delete]
+        assert first.of_type(NETWORK) and first.of_type(SUBNET) and kept == []
+        second = up(stack, existing=kept_after_destroy(first), accounts=accounts_kept_after_destroy(first))
+        assert all(r.import_id == "" for r in (*second.of_type(NETWORK), *second.of_type(SUBNET))), "created anew"
+
+    def test_the_check_can_fail(self, stack: str) -> None:
+        """A cluster that depended on what the subnet depends on, and not on the subnet, would be deleted in the
+        subnet's round, in parallel: the subnet's delete then fails while the cluster's nodes still use it."""
+        run = up(stack)
+        subnet = run.one(SUBNET)
+        cut = [replace(r, dependencies=list(subnet.dependencies)) if r.type == CLUSTER else r for r in run.resources]
+        problems = destroy_order_problems(replace(run, resources=cut))
+        assert problems and "Subnetwork" in problems[0], problems
+
+
+def test_the_schedule_deletes_dependents_first() -> None:
+    """The transcription itself: the Kubernetes objects go before the cluster whose provider they use."""
+    run = up("a4-gemma4")
+    when = {urn: i for i, round_ in enumerate(delete_schedule(run)) for urn in round_}
+    cluster = run.one(CLUSTER).urn
+    objects = [r.urn for r in run.resources if r.type.startswith("kubernetes:")]
+    assert objects and all(when[o] < when[cluster] for o in objects)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -243,3 +244,43 @@ class TestTheCheckCanFail:
         cut = [replace(r, dependencies=[d for d in r.dependencies if d not in waits]) for r in run.resources]
         problems = violations(replace(run, resources=cut))
         assert problems and all("to propagate" in p for p in problems), problems
+
+
+NETWORK = "gcp:compute/network:Network"
+SUBNET = "gcp:compute/subnetwork:Subnetwork"
+CLUSTER = "gcp:container/cluster:Cluster"
+
+
+def network_order_problems(run: StackRun) -> list[str]:
+    """`up` creates the compute API, then the VPC, then its subnet, then the cluster in it."""
+    graph = dependency_graph(run)
+    (network,), (subnet,), (cluster,) = run.of_type(NETWORK), run.of_type(SUBNET), run.of_type(CLUSTER)
+    api = next(
+        r
+        for r in run.of_type("gcp:projects/service:Service")
+        if r.plain_inputs()["service"] == "compute.googleapis.com"
+    )
+    chain = [api, network, subnet, cluster]
+    return [
+        f"{later.urn} is not created after {earlier.urn}"
+        for earlier, later in pairwise(chain)
+        if earlier.urn not in ancestors(graph, later.urn)
+    ]
+
+
+@pytest.mark.slow
+class TestNetworkOrder:
+    def test_api_then_network_then_subnet_then_cluster(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+        gke = [(v, r) for v, r in user_variant_runs if r.of_type(CLUSTER)]
+        assert gke, "no GKE variant to check"
+        problems = [f"[{v.label}] {p}" for v, r in gke for p in network_order_problems(r)]
+        assert problems == [], "\n".join(problems)
+
+    def test_a_cluster_that_names_no_subnet_is_reported(
+        self, user_variant_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        run = next(r for v, r in user_variant_runs if r.of_type(CLUSTER))
+        subnet = run.one(SUBNET).urn
+        cut = [replace(r, dependencies=[d for d in r.dependencies if d != subnet]) for r in run.resources]
+        problems = network_order_problems(replace(run, resources=cut))
+        assert problems and all("Cluster" in p.split(" is not")[0] for p in problems), problems

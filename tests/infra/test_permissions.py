@@ -336,10 +336,10 @@ class TestTheProofCanFail:
         assert problem.startswith("test: roles/browser") and "only what other grants give" in problem
 
     def test_a_resource_type_without_a_row_fails_the_proof(self, ray: StackRun) -> None:
-        network = Recorded(
-            type="gcp:compute/network:Network",
-            name="vpc",
-            urn="urn:pulumi:s::p::gcp:compute/network:Network::vpc",
+        firewall = Recorded(
+            type="gcp:compute/firewall:Firewall",
+            name="open",
+            urn="urn:pulumi:s::p::gcp:compute/firewall:Firewall::open",
             parent="",
             custom=True,
             inputs={"project": "my-gcp-project"},
@@ -349,8 +349,8 @@ class TestTheProofCanFail:
             protect=False,
             custom_timeouts={},
         )
-        with pytest.raises(ValueError, match="resource type gcp:compute/network:Network is unknown"):
-            deploy_needs(replace(ray, resources=[*ray.resources, network]))
+        with pytest.raises(ValueError, match="resource type gcp:compute/firewall:Firewall is unknown"):
+            deploy_needs(replace(ray, resources=[*ray.resources, firewall]))
 
     def test_an_invoke_without_a_row_fails_the_proof(self, ray: StackRun) -> None:
         account = ("gcp:billing/getAccount:getAccount", {"billingAccount": "012345-6789AB-CDEF01"})
