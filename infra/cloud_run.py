@@ -98,7 +98,7 @@ gcloud run jobs execute "$JOB" --project "$PROJECT" --region "$REGION" --async
 def run_id(cfg: StackConfig, image_content: str) -> str:
     """12 hex characters that change exactly when the image content, the recipe file or the overrides change."""
     payload = json.dumps(
-        {"image": image_content, "recipe": recipe_sha256(cfg.recipe), "overrides": cfg.recipe_overrides},
+        {"image": image_content, "recipe": recipe_sha256(cfg.recipe_source), "overrides": cfg.recipe_overrides},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
@@ -155,7 +155,7 @@ def service_limits(cfg: StackConfig) -> dict[str, str]:
 
 
 def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
-    base_model = load_recipe(cfg.recipe, cfg.recipe_overrides).model.name_or_path
+    base_model = load_recipe(cfg.recipe_source, cfg.recipe_overrides).model.name_or_path
     return VllmServerConfig(
         model=f"{MODEL_MOUNT}/{run_prefix(cfg, rid)}/merged",
         served_model_name=cfg.recipe,
