@@ -165,6 +165,7 @@ class StackConfig(BaseModel):
     serving_max_model_len: int = Field(4096, alias="servingMaxModelLen", gt=0)
     serving_extra_args: list[str] = Field(default_factory=list, alias="servingExtraArgs")
     serving_run_id: str | None = Field(None, alias="servingRunId")
+    serving_max_eval_loss: float | None = Field(None, alias="servingMaxEvalLoss", gt=0)
     serving_vllm_image: str = Field(VLLM_IMAGE, alias="servingVllmImage")
     serving_env: list[str] = Field(default_factory=list, alias="servingEnv")
     serving_concurrency: int | None = Field(None, alias="servingConcurrency", gt=0, le=1000)
@@ -601,6 +602,12 @@ def _url_rows_problem(cfg: StackConfig) -> str | None:
         data = parse_recipe(cfg.recipe_source, cfg.recipe_overrides).data
     except RecipeError:
         return None  # _hf_token_problem reports it
+    buckets = sorted({bucket for bucket, _ in data.gcs_read_scopes})
+    if len(buckets) > 1:
+        return (
+            f"recipe {cfg.recipe!r} reads data from {len(buckets)} buckets ({', '.join(buckets)}): a stack grants "
+            "the trainer read access on one (infra/data_access.py). Fix: keep data.path and data.image_dir in one bucket"
+        )
     if data.data_urls and data.rows is None:
         return (
             f"recipe {cfg.recipe!r} reads {data.path} without data.rows: a stack plans the optimizer steps "
