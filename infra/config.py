@@ -421,6 +421,11 @@ class StackConfig(BaseModel):
             ]
             if self.workload is not Workload.CLOUD_RUN or not self.serving_enabled:
                 missing = [k for k in missing if k != "servingImage"]
+            if self.recipe_file or self.recipe.endswith(RECIPE_FILE_SUFFIXES):  # after or before the renaming
+                problems.append(
+                    f"recipe={self.recipe_file or self.recipe!r} is a recipe file, which only an image this stack builds carries "
+                    f"(infra/images.py trainer_spec). Fix: {_set('imageBuild', 'cloud-build')}, or a shipped recipe"
+                )
             if missing:
                 problems.append(
                     f"imageBuild=prebuilt needs {', '.join(missing)} (an image pinned by digest). "

@@ -130,3 +130,12 @@ def test_the_gke_run_names_follow_the_file(own_dir: Path, stack: str, template: 
     assert recipe.stem in first or recipe.stem[:20] in first, first
     recipe.write_text(recipe.read_text().replace("seed: 42", "seed: 7"))
     assert run_stack(stack, overrides={"recipe": _rel(recipe)}).outputs[output] != first
+
+
+def test_a_prebuilt_image_cannot_carry_a_recipe_file(own_dir: Path) -> None:
+    from tests.infra.conftest import PREBUILT
+
+    (own_dir / "tickets-dev.yaml").write_text(dev_recipe())
+    with pytest.raises(ConfigError, match="only an image this stack builds carries") as raised:
+        run_stack("dev", overrides={"recipe": _rel(own_dir / "tickets-dev.yaml"), **PREBUILT})
+    assert "Fix: pulumi config set imageBuild cloud-build" in str(raised.value)
