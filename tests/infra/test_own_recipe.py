@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import ConfigError
-from infra.images import STAGED_CONTEXTS, TRAINER, content_hash, trainer_spec
+from infra.images import STAGED_CONTEXTS, TRAINER, content_hash, stage_context, trainer_spec
 from infra.offline import REPO_ROOT, run_stack
 
 TEMPLATE = REPO_ROOT / "trainer/recipes/templates/my-data-dev.yaml"
@@ -67,12 +67,15 @@ def test_its_content_changes_the_run_id(own_dir: Path) -> None:
     assert run_stack("dev", overrides={"recipe": _rel(recipe)}).outputs["runId"] != first
 
 
-def test_the_image_context_holds_it_where_the_trainer_finds_it(own_dir: Path) -> None:
+def test_the_image_context_holds_it_where_the_trainer_finds_it(own_dir: Path, tmp_path: Path) -> None:
     recipe = own_dir / "tickets-dev.yaml"
     recipe.write_text(dev_recipe())
     run = run_stack("dev", overrides={"recipe": _rel(recipe), "imageBuild": "cloud-build"})
     assert run.cfg is not None
-    staged = STAGED_CONTEXTS / "trainer"
+    build_env = run.by_name("gft-dev-trainer-cloudbuild").plain_inputs()["environment"]
+    assert (Path.cwd() / build_env["CONTEXT"]).resolve() == STAGED_CONTEXTS / "trainer"
+    # staged again into a folder of this test's own: another xdist worker may restage the shared one meanwhile
+    staged = stage_context(trainer_spec(run.cfg), tmp_path / "contexts")
     assert (staged / "recipes" / "tickets-dev.yaml").read_bytes() == recipe.read_bytes()
     assert (staged / TICKETS.removeprefix("trainer/")).is_file(), "the data it reads is in the context too"
     spec = trainer_spec(run.cfg)
