@@ -69,8 +69,8 @@ test: lint-files ## lint + every test (slow ones too: CI runs them)
 test-fast: $(STAMP) ## the tests not marked slow
 	$(PY) -m pytest -q -m "not slow" tests
 
-demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query it
-	$(PY) -m serving.demo
+demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query it [DATA=my.jsonl] [RECIPE=my.yaml]
+	$(PY) -m serving.demo $(if $(DATA),--data "$(DATA)") $(if $(RECIPE),--recipe "$(RECIPE)")
 
 plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4 [SET="maxRunCostUsd=500 nodes=2"]
 	$(PY) -m infra.plan --stack $(STACK) $(foreach kv,$(SET),--set $(kv))

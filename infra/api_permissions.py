@@ -42,6 +42,7 @@ from typing import Any
 from infra.cloud_run import EXECUTE_SCRIPT
 from infra.config import StackConfig
 from infra.crd_wait import WAIT_SCRIPT
+from infra.data_access import data_read_scopes
 from infra.foundation import (
     IAM_WAIT_SCRIPT,
     Identity,
@@ -63,6 +64,7 @@ class Scope(StrEnum):
     RESERVATION_PROJECT = "the project that owns the reservation (reservationProject)"
     BUCKET = "the stack's bucket"
     BUILD_STAGING = "the build staging bucket"
+    DATA = "the bucket of the recipe's gs:// data (infra/data_access.py)"
     HF_SECRET = "the HF token secret"
     API_KEY_SECRET = "the vLLM API key secret"
     REGISTRY = "the image repository"
@@ -93,6 +95,10 @@ class Need:
     grants_roles: frozenset[str] = frozenset()
     """For a change of the project's IAM policy: the roles whose grants it changes (an IAM Condition on
     `iam.googleapis.com/modifiedGrantsByRole` may limit them)."""
+    resource: str | None = None
+    """The resource name IAM Conditions see where the scope alone does not say it (an object of the data)."""
+    list_prefix: str | None = None
+    """For storage.objects.list: the prefix listed (the `storage.googleapis.com/objectListPrefix` attribute)."""
 
 
 def scopes(cfg: StackConfig) -> dict[tuple[str, str], Scope]:
@@ -107,6 +113,7 @@ def scopes(cfg: StackConfig) -> dict[tuple[str, str], Scope]:
     }
     if cfg.reservation_project and cfg.reservation_project != cfg.project:
         found[("project", cfg.reservation_project)] = Scope.RESERVATION_PROJECT
+    found.update({("bucket", bucket): Scope.DATA for bucket, _ in data_read_scopes(cfg)})
     if cfg.billing_account:
         found[("billing-account", cfg.billing_account)] = Scope.BILLING_ACCOUNT
     found.update({("account", account_email(cfg, identity)): scope for identity, scope in ACCOUNT_SCOPES.items()})

@@ -76,6 +76,7 @@ from infra.config import LoadedConfig, StackConfig
 from infra.foundation import Foundation, Identity, finished_run
 from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
+from infra.serving_gate import RUN_SUMMARY, gate, run_loss
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
 from serving.startup import COLD_START_VLLM, STARTUP_WINDOW
 from serving.vllm_args import VLLM_HEALTH_PATH, Dtype, VllmServerConfig, model_type_of, render_args
@@ -98,7 +99,7 @@ gcloud run jobs execute "$JOB" --project "$PROJECT" --region "$REGION" --async
 def run_id(cfg: StackConfig, image_content: str) -> str:
     """12 hex characters that change exactly when the image content, the recipe file or the overrides change."""
     payload = json.dumps(
-        {"image": image_content, "recipe": recipe_sha256(cfg.recipe), "overrides": cfg.recipe_overrides},
+        {"image": image_content, "recipe": recipe_sha256(cfg.recipe_source), "overrides": cfg.recipe_overrides},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
@@ -155,7 +156,7 @@ def service_limits(cfg: StackConfig) -> dict[str, str]:
 
 
 def vllm_config(cfg: StackConfig, rid: str) -> VllmServerConfig:
-    base_model = load_recipe(cfg.recipe, cfg.recipe_overrides).model.name_or_path
+    base_model = load_recipe(cfg.recipe_source, cfg.recipe_overrides).model.name_or_path
     return VllmServerConfig(
         model=f"{MODEL_MOUNT}/{run_prefix(cfg, rid)}/merged",
         served_model_name=cfg.recipe,
@@ -341,6 +342,30 @@ def check_listed_export(cfg: StackConfig, rid: str, marker_text: str, listed: li
     return rid
 
 
+def finished_runs(cfg: StackConfig, markers: list[Any]) -> list[str]:
+    """The run ids of the listed completion markers of this recipe, oldest first."""
+    pattern, runs = _marker_pattern(cfg), {}
+    for obj in markers:
+        match = pattern.match(_field(obj, "name"))
+        if match:
+            runs[match.group(1)] = _updated(_field(obj, "updated"))
+    return sorted(runs, key=lambda r: (runs[r], r))
+
+
+def gated(cfg: StackConfig, finished: list[str], summaries: list[str | None]) -> str:
+    """The run the serving gate serves; warns (with the override) when it is not the newest finished run."""
+    losses = {rid: run_loss(text) for rid, text in zip(finished, summaries, strict=True)}
+    try:
+        decision = gate(finished, losses, cfg.serving_max_eval_loss)
+    except ValueError as exc:
+        raise pulumi.RunError(str(exc)) from None
+    if decision.warning:
+        pulumi.log.warn(decision.warning)
+    if decision.note:
+        pulumi.log.info(decision.note)
+    return decision.served
+
+
 def served_run(cfg: StackConfig, bucket: pulumi.Output[str], training_run: pulumi.Output[str]) -> pulumi.Output[str]:
     """The pinned run id, verified complete in the bucket, or a `pulumi.RunError` that says what to do."""
     markers = gcp.storage.get_bucket_objects_output(
@@ -349,9 +374,28 @@ def served_run(cfg: StackConfig, bucket: pulumi.Output[str], training_run: pulum
         match_glob=f"runs/{cfg.recipe}-*/merged/{COMPLETION_MARKER}",
     ).bucket_objects
 
+    # the serving gate (infra/serving_gate.py) reads the finished runs' summaries: listed first, since reading an
+    # object that is not there fails the data source with a 404
+    summaries = gcp.storage.get_bucket_objects_output(
+        bucket=bucket, prefix=f"runs/{cfg.recipe}-", match_glob=f"runs/{cfg.recipe}-*/{RUN_SUMMARY}"
+    ).bucket_objects
+
     def verified(parts: list[Any]) -> pulumi.Output[str]:
-        listing, current, bucket_name = parts
+        listing, current, bucket_name, listed = parts
         rid = choose_served_run(cfg, listing, current, bucket_name)
+        if cfg.serving_run_id is not None:
+            return check(rid, bucket_name)
+        finished = finished_runs(cfg, listing)
+        names = {_field(obj, "name") for obj in listed}
+        texts = [
+            gcp.storage.get_bucket_object_content_output(bucket=bucket_name, name=name).content
+            if name in names
+            else None
+            for name in (f"{run_prefix(cfg, r)}/{RUN_SUMMARY}" for r in finished)
+        ]
+        return pulumi.Output.all(*texts).apply(lambda read: check(gated(cfg, finished, read), bucket_name))
+
+    def check(rid: str, bucket_name: str) -> pulumi.Output[str]:
         folder = f"{run_prefix(cfg, rid)}/merged/"
         marker = gcp.storage.get_bucket_object_content_output(bucket=bucket_name, name=folder + COMPLETION_MARKER)
         files = gcp.storage.get_bucket_objects_output(bucket=bucket_name, prefix=folder).bucket_objects
@@ -359,7 +403,7 @@ def served_run(cfg: StackConfig, bucket: pulumi.Output[str], training_run: pulum
             lambda p: check_listed_export(cfg, rid, p[0], p[1], bucket_name)
         )
 
-    return pulumi.Output.all(markers, training_run, bucket).apply(verified)
+    return pulumi.Output.all(markers, training_run, bucket, summaries).apply(verified)
 
 
 class VllmService(pulumi.ComponentResource):

@@ -25,15 +25,16 @@ import json
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import pulumi
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
 from serving.vllm_args import SERVED_MAX_MODEL_LEN, VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda_major
 from trainer.ray_entry import RAY_VERSION
-from trainer.recipe import RecipeError, list_recipes, load_recipe, world_size_problem
+from trainer.recipe import REPO_ROOT, RecipeError, list_recipes, load_recipe, parse_recipe, world_size_problem
 
 PROJECT_NAMESPACE = "gemma-finetune"
 
@@ -141,7 +142,10 @@ class StackConfig(BaseModel):
     region: str = Field(alias="gcp:region", description="region for the cluster, bucket, registry and Cloud Run")
 
     workload: Workload = Field(description="gke-job | gke-ray | cloud-run")
-    recipe: str = Field(description="a recipe under trainer/recipes/ (file stem)")
+    recipe: str = Field(
+        description="a recipe under trainer/recipes/ (file stem), or a repository-relative recipe file "
+        "(path/to/recipe.yaml: after validation `recipe` is its stem and `recipe_file` the path)"
+    )
     recipe_overrides: list[str] = Field(default_factory=list, alias="recipeOverrides")
 
     gpu_type: str | None = Field(None, alias="gpuType")
@@ -161,6 +165,7 @@ class StackConfig(BaseModel):
     serving_max_model_len: int = Field(SERVED_MAX_MODEL_LEN, alias="servingMaxModelLen", gt=0)
     serving_extra_args: list[str] = Field(default_factory=list, alias="servingExtraArgs")
     serving_run_id: str | None = Field(None, alias="servingRunId")
+    serving_max_eval_loss: float | None = Field(None, alias="servingMaxEvalLoss", gt=0)
     serving_vllm_image: str = Field(VLLM_IMAGE, alias="servingVllmImage")
     serving_env: list[str] = Field(default_factory=list, alias="servingEnv")
     serving_concurrency: int | None = Field(None, alias="servingConcurrency", gt=0, le=1000)
@@ -227,9 +232,38 @@ class StackConfig(BaseModel):
             )
         return v
 
+    _recipe_file: str | None = PrivateAttr(None)
+
+    @property
+    def recipe_file(self) -> str | None:
+        """The user's recipe file, relative to the repository root (`pulumi config set recipe PATH`), or None."""
+        return self._recipe_file
+
+    @property
+    def recipe_source(self) -> str:
+        """What `load_recipe` / `recipe_sha256` read: the recipe file (absolute) or the shipped name."""
+        return str(REPO_ROOT / self._recipe_file) if self._recipe_file else self.recipe
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _recipe_file_to_name(cls, data: Any, handler: Any) -> StackConfig:
+        """A recipe file becomes its stem in `recipe` (run names, GCS prefixes, labels, the served model name)
+        and travels as `trainer/recipes/<stem>.yaml` in the trainer image (infra/images.py `trainer_spec`)."""
+        cfg = handler(data)
+        if not cfg.recipe.endswith(RECIPE_FILE_SUFFIXES):
+            return cfg
+        named = cfg.model_copy(update={"recipe": Path(cfg.recipe).stem})
+        named._recipe_file = Path(cfg.recipe).as_posix()
+        return named
+
     @field_validator("recipe")
     @classmethod
     def _recipe_exists(cls, v: str) -> str:
+        if v.endswith(RECIPE_FILE_SUFFIXES):
+            problem = recipe_file_problem(v)
+            if problem:
+                raise ValueError(problem)
+            return v
         if v not in list_recipes():
             close = difflib.get_close_matches(v, list_recipes(), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -398,6 +432,11 @@ class StackConfig(BaseModel):
             ]
             if self.workload is not Workload.CLOUD_RUN or not self.serving_enabled:
                 missing = [k for k in missing if k != "servingImage"]
+            if self.recipe_file or self.recipe.endswith(RECIPE_FILE_SUFFIXES):  # after or before the renaming
+                problems.append(
+                    f"recipe={self.recipe_file or self.recipe!r} is a recipe file, which only an image this stack builds carries "
+                    f"(infra/images.py trainer_spec). Fix: {_set('imageBuild', 'cloud-build')}, or a shipped recipe"
+                )
             if missing:
                 problems.append(
                     f"imageBuild=prebuilt needs {', '.join(missing)} (an image pinned by digest). "
@@ -533,6 +572,67 @@ _WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     Workload.CLOUD_RUN: {"gpuType": "nvidia-l4", "gpusPerNode": 1},
 }
 
+RECIPE_FILE_SUFFIXES = (".yaml", ".yml")
+_RECIPE_STEM = re.compile(r"^[a-z][a-z0-9-]{0,39}$")  # a GCS prefix, a Kubernetes name part and label value
+
+
+def recipe_file_problem(value: str) -> str | None:
+    """Why `recipe=PATH` cannot run in a stack, or None. The file must lie in this repository, named by a path
+    relative to its root (the image carries it and the run id hashes it: the same from any checkout), with a
+    stem that can name runs, and every local file its data needs under trainer/ (the image's build context)."""
+    fix = _set("recipe", "path/to/recipe.yaml") + " (a path relative to the repository root)"
+    path = Path(value)
+    full = (REPO_ROOT / path).resolve()
+    if path.is_absolute() or not full.is_relative_to(REPO_ROOT.resolve()):
+        return f"recipe={value!r} is not inside this repository: the trainer image carries repository files only. Fix: {fix}"
+    if not full.is_file():
+        return f"recipe={value!r}: no such file under the repository root {REPO_ROOT}. Fix: {fix}"
+    if not _RECIPE_STEM.match(path.stem):
+        return (
+            f"recipe={value!r}: the file name {path.stem!r} names the runs (bucket prefixes, Kubernetes names), so it "
+            "must be 1-40 lowercase letters, digits or '-', starting with a letter. Fix: rename the file"
+        )
+    shipped = REPO_ROOT / "trainer" / "recipes" / f"{path.stem}.yaml"
+    if path.stem in list_recipes() and full != shipped.resolve():
+        return f"recipe={value!r} has the name of the shipped recipe {path.stem!r}. Fix: rename the file"
+    try:
+        recipe = parse_recipe(str(full))
+        local = recipe.data.repository_files()
+    except RecipeError as exc:
+        return f"recipe={value!r}: {exc}"
+    trainer_dir = (REPO_ROOT / "trainer").resolve()
+    outside = [str(f) for f in local if not f.resolve().is_relative_to(trainer_dir)]
+    if outside:
+        return (
+            f"recipe={value!r} reads {', '.join(outside)}, outside trainer/: the trainer image carries trainer/ only. "
+            "Fix: move the data under trainer/data/ (and point data.path there), or upload it to a bucket "
+            "(data.path: gs://BUCKET/PREFIX/*.jsonl with data.rows)"
+        )
+    return None
+
+
+def _url_rows_problem(cfg: StackConfig) -> str | None:
+    """Data behind a URL needs `data.rows`: without it the recipe counts the rows through fsspec at load, which the
+    program cannot do (no gcsfs, no read grant for whoever previews)."""
+    try:
+        data = parse_recipe(cfg.recipe_source, cfg.recipe_overrides).data
+    except RecipeError:
+        return None  # _hf_token_problem reports it
+    buckets = sorted({bucket for bucket, _ in data.gcs_read_scopes})
+    if len(buckets) > 1:
+        return (
+            f"recipe {cfg.recipe!r} reads data from {len(buckets)} buckets ({', '.join(buckets)}): a stack grants "
+            "the trainer read access on one (infra/data_access.py). Fix: keep data.path and data.image_dir in one bucket"
+        )
+    if data.data_urls and data.rows is None:
+        return (
+            f"recipe {cfg.recipe!r} reads {data.path} without data.rows: a stack plans the optimizer steps "
+            "before the bucket can be read. Fix: data.rows: N in the recipe (the row count of the files), or "
+            f"`pulumi config set --path 'recipeOverrides[{len(cfg.recipe_overrides)}]' data.rows=N`"
+        )
+    return None
+
+
 _LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "servingEnv", "labels", "budgetEmails"}
 _SECRET_KEYS = {"hfToken": "hf_token", "servingApiKey": "serving_api_key"}
 
@@ -618,7 +718,7 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
         )
     except ValidationError as exc:
         raise ConfigError(_render(stack, [_describe(e) for e in exc.errors()])) from None
-    token_problem = _hf_token_problem(cfg) or _world_size_problem(cfg)
+    token_problem = _url_rows_problem(cfg) or _hf_token_problem(cfg) or _world_size_problem(cfg)
     if token_problem:
         raise ConfigError(_render(stack, [token_problem]))
     return cfg
@@ -628,7 +728,7 @@ def _world_size_problem(cfg: StackConfig) -> str | None:
     """The stack starts `total_gpus` data-parallel ranks (gke-job: nodes x gpusPerNode processes, gke-ray: one Ray
     Train worker per GPU, cloud-run: one process); the recipe must be sized for that many (the trainer refuses
     another count at start, trainer.recipe.world_size_problem: here it fails before a GPU is rented)."""
-    recipe = load_recipe(cfg.recipe, cfg.recipe_overrides)  # loads: _hf_token_problem checked it
+    recipe = load_recipe(cfg.recipe_source, cfg.recipe_overrides)  # loads: _hf_token_problem checked it
     ranks = cfg.total_gpus
     problem = world_size_problem(
         recipe, ranks, f"this stack (nodes={cfg.nodes} x gpusPerNode={cfg.gpus_per_node or 1})"
@@ -646,7 +746,7 @@ def _world_size_problem(cfg: StackConfig) -> str | None:
 
 def _hf_token_problem(cfg: StackConfig) -> str | None:
     try:
-        recipe = load_recipe(cfg.recipe, cfg.recipe_overrides)
+        recipe = load_recipe(cfg.recipe_source, cfg.recipe_overrides)
     except RecipeError as exc:
         return f"recipeOverrides do not apply to recipe {cfg.recipe!r}: {exc}"
     reason = recipe.hf_token_reason()

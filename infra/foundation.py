@@ -365,6 +365,7 @@ class Foundation(pulumi.ComponentResource):
             self._grant_on_bucket(Identity.TRAINER, "trainer-meta", "roles/storage.bucketViewer")
         if Identity.SERVING in self.accounts:
             self._grant_on_bucket(Identity.SERVING, "serving", "roles/storage.objectViewer")
+        self._grant_data_read()
 
         self.hf_secret, self.hf_secret_version = None, None
         if args.hf_token is not None and reads_hf_secret(cfg):
@@ -465,6 +466,28 @@ class Foundation(pulumi.ComponentResource):
                 opts=pulumi.ResourceOptions(parent=self),
             )
         )
+
+    def _grant_data_read(self) -> None:
+        """The trainer reads the recipe's gs:// data: objectViewer on that bucket, limited to its prefix
+        (infra/data_access.py)."""
+        from infra.data_access import CONDITION_TITLE, READ_ROLE, data_read_scopes, read_condition
+
+        for index, (bucket, prefix) in enumerate(data_read_scopes(self._cfg)):
+            condition = read_condition(bucket, prefix)
+            self._grants[Identity.TRAINER].append(
+                gcp.storage.BucketIAMMember(
+                    f"{self._name}-data-read-{index}",
+                    bucket=bucket,
+                    role=READ_ROLE,
+                    member=self._member(Identity.TRAINER),
+                    condition=gcp.storage.BucketIAMMemberConditionArgs(
+                        title=CONDITION_TITLE, description=f"read gs://{bucket}/{prefix}*", expression=condition
+                    )
+                    if condition
+                    else None,
+                    opts=pulumi.ResourceOptions(parent=self),
+                )
+            )
 
     def _grant_on_registry(self, identity: Identity, suffix: str, role: str) -> None:
         self._grants[identity].append(

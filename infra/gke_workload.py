@@ -114,7 +114,7 @@ def run_name(prefix: str, cfg: StackConfig, image_content: str, max_len: int) ->
     identity = {
         "image": image_content,
         "recipe": cfg.recipe,
-        "recipe_sha256": recipe_sha256(cfg.recipe),
+        "recipe_sha256": recipe_sha256(cfg.recipe_source),
         "overrides": list(cfg.recipe_overrides),
         "gpu_type": cfg.gpu_type,
         "gpus_per_node": cfg.gpus_per_node,

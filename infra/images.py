@@ -59,6 +59,7 @@ Not here: pushing to other registries, multi-arch builds (the GPU nodes are amd6
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -107,6 +108,8 @@ class ImageSpec:
     context: Path
     dockerfile: Path
     content_paths: tuple[str, ...]
+    # files from elsewhere in the repository placed in the context: (path in the context, source file)
+    extra: tuple[tuple[str, Path], ...] = ()
 
 
 TRAINER = ImageSpec("trainer", REPO_ROOT / "trainer", REPO_ROOT / "trainer" / "Dockerfile", (".",))
@@ -118,6 +121,21 @@ SERVING = ImageSpec(
     REPO_ROOT / "serving" / "Dockerfile",
     ("Dockerfile", "entrypoint.sh", "completion.py", "__init__.py", "api_key_guard.py", ".dockerignore"),
 )
+
+
+def trainer_spec(cfg: StackConfig) -> ImageSpec:
+    """The trainer image of a stack: TRAINER, plus the stack's own recipe file (`pulumi config set recipe PATH`)
+    as `recipes/<stem>.yaml`, where `python -m trainer --recipe <stem>` finds it in the image. The data files
+    such a recipe reads are under trainer/ (infra/config.py `recipe_file_problem`), so they are in the context."""
+    if cfg.recipe_file is None:
+        return TRAINER
+    source = REPO_ROOT / cfg.recipe_file
+    return dataclasses.replace(TRAINER, extra=((f"recipes/{cfg.recipe}.yaml", source),))
+
+
+def _source(spec: ImageSpec, rel: Path) -> Path:
+    """Where the context file `rel` is read from: an `extra` file's source, else the context itself."""
+    return dict((Path(dest), source) for dest, source in spec.extra).get(rel, spec.context / rel)
 
 
 def _excluded(rel: Path) -> bool:
@@ -134,6 +152,7 @@ def context_files(spec: ImageSpec) -> list[Path]:
             rel = path.relative_to(spec.context)
             if not _excluded(rel):
                 files.append(rel)
+    files += [Path(dest) for dest, _ in spec.extra]
     dockerfile = spec.dockerfile.relative_to(spec.context)
     if dockerfile not in files:
         files.append(dockerfile)
@@ -145,7 +164,7 @@ def content_hash(spec: ImageSpec) -> str:
     digest = hashlib.sha256()
     for rel in context_files(spec):
         digest.update(rel.as_posix().encode() + b"\0")
-        digest.update((spec.context / rel).read_bytes())
+        digest.update(_source(spec, rel).read_bytes())
         digest.update(b"\0")
     return digest.hexdigest()
 
@@ -158,7 +177,7 @@ def stage_context(spec: ImageSpec, root: Path = STAGED_CONTEXTS) -> Path:
         shutil.rmtree(target)
     target.mkdir(parents=True)
     for rel in context_files(spec):
-        source, copy = spec.context / rel, target / rel
+        source, copy = _source(spec, rel), target / rel
         copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, copy)
         copy.chmod(EXECUTABLE_MODE if source.stat().st_mode & 0o111 else FILE_MODE)
@@ -239,8 +258,9 @@ class Images(pulumi.ComponentResource):
         super().__init__("gemma-finetune:gcp:Images", name, None, opts)
         self._args = args
         cfg = args.cfg
-        self.trainer_image = self._image(name, TRAINER, cfg.trainer_image)
-        self.trainer_content = image_content(TRAINER, cfg.image_build, cfg.trainer_image)
+        trainer = trainer_spec(cfg)
+        self.trainer_image = self._image(name, trainer, cfg.trainer_image)
+        self.trainer_content = image_content(trainer, cfg.image_build, cfg.trainer_image)
         self.serving_image = None
         if cfg.serving_enabled and cfg.workload is Workload.CLOUD_RUN:
             self.serving_image = self._image(name, SERVING, cfg.serving_image)

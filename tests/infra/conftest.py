@@ -70,6 +70,8 @@ class Variant:
 
 
 _NO_RESERVATION = ("reservationName",)
+OWN_DATA_RECIPE = "trainer/recipes/templates/my-data-dev.yaml"
+OWN_DATA_PATH = "data.path=gs://my-gcp-project-gft-data/tickets/train-*.jsonl"
 SERVING_ON = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}
 MOCK_API_KEY = "mock-vllm-api-key-not-a-real-credential"
 BUDGET = {"billingAccount": "012345-6789AB-CDEF01", "budgetUsd": 500, "budgetEmails": ["alice@example.com"]}
@@ -91,6 +93,8 @@ USER_VARIANTS: tuple[Variant, ...] = (
     Variant("dev, prebuilt, serving", "dev", {**SERVING_ON, **PREBUILT}, assume_trained=True),
     # A stack file with a budget is its own group for the setup: serving on, so it holds every grant dev needs.
     Variant("dev, budget, serving", "dev", {**SERVING_ON, **BUDGET}, assume_trained=True),
+    # The user's own recipe with its rows in another bucket of the project (infra/data_access.py): a prefix, a glob.
+    Variant("dev, data in another bucket", "dev", {"recipe": OWN_DATA_RECIPE, "recipeOverrides": [OWN_DATA_PATH]}),
     Variant("a4 (reservation)", "a4-gemma4"),
     Variant("a4, spot", "a4-gemma4", {"capacity": "spot"}, _NO_RESERVATION),
     Variant("a4, flex-start", "a4-gemma4", {"capacity": "flex-start"}, _NO_RESERVATION),

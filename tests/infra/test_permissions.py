@@ -473,3 +473,57 @@ class TestRoleData:
     def test_table_renders_every_listed_need(self) -> None:
         table = markdown()
         assert table.count("\n") == 1 + sum(len(r.needs) for r in RUNTIMES)
+
+
+class TestDataInAnotherBucket:
+    """The user's recipe reads gs:// rows outside the stack's bucket (infra/data_access.py): the trainer gets read
+    access to exactly that prefix; Hub and local data get no grant."""
+
+    @pytest.fixture(scope="class")
+    def data_run(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> StackRun:
+        return next(run for variant, run in user_variant_runs if variant.label == "dev, data in another bucket")
+
+    def _data_grants(self, run: StackRun) -> list[Grant]:
+        return [g for g in _grants(run) if g.scope is Scope.DATA]
+
+    def test_the_trainer_reads_exactly_the_prefix(self, data_run: StackRun) -> None:
+        assert data_run.cfg is not None
+        (grant,) = self._data_grants(data_run)
+        assert grant.member == f"serviceAccount:{account_email(data_run.cfg, Identity.TRAINER)}"
+        assert grant.role == "roles/storage.objectViewer"
+        data = "projects/_/buckets/my-gcp-project-gft-data"
+        inside = Need("storage.objects.get", Scope.DATA, "t", resource=f"{data}/objects/tickets/train-0.jsonl")
+        listing = Need("storage.objects.list", Scope.DATA, "t", resource=data, list_prefix="tickets/")
+        assert covers(grant, inside, data_run.cfg) and covers(grant, listing, data_run.cfg)
+        for outside in (
+            replace(inside, resource=f"{data}/objects/tickets/secret.jsonl"),  # same folder, not the prefix
+            replace(inside, resource=f"{data}/objects/payroll/train-0.jsonl"),
+            replace(listing, list_prefix="payroll/"),
+            replace(listing, list_prefix=""),  # the whole bucket
+            Need("storage.objects.create", Scope.DATA, "t", resource=f"{data}/objects/tickets/train-9.jsonl"),
+        ):
+            assert not covers(grant, outside, data_run.cfg), outside
+
+    def test_without_the_grant_the_trainer_cannot_read_its_data(self, data_run: StackRun) -> None:
+        problems = missing(data_run, [g for g in _all(data_run) if g.scope is not Scope.DATA])
+        assert any(f"lacks storage.objects.get on {Scope.DATA}" in p for p in problems), problems
+        assert any(f"lacks storage.objects.list on {Scope.DATA}" in p for p in problems), problems
+
+    def test_a_hub_or_local_dataset_gets_no_grant(self, user_variant_runs: list[tuple[Variant, StackRun]]) -> None:
+        for variant, run in user_variant_runs:
+            if variant.label != "dev, data in another bucket":
+                assert self._data_grants(run) == [], variant.label
+
+    def test_a_bucket_the_deploy_does_not_administer_is_reported(self) -> None:
+        """CI's deploy identity administers PROJECT-gft-* buckets only: a grant on another bucket needs its owner."""
+        from infra.offline import run_stack
+        from tests.infra.conftest import OWN_DATA_RECIPE
+
+        run = run_stack(
+            "dev", overrides={"recipe": OWN_DATA_RECIPE, "recipeOverrides": ["data.path=gs://team/t/x.jsonl"]}
+        )
+        (grant,) = self._data_grants(run)
+        assert grant.condition is not None and "objects/t/x.jsonl" in grant.condition
+        problems = missing(run, _all(run))
+        assert problems and all(CI_DEPLOY in p and f"on {Scope.DATA}" in p for p in problems), problems
+        assert any("storage.buckets.setIamPolicy" in p for p in problems)

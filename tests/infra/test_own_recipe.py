@@ -1,0 +1,144 @@
+"""The user's own recipe in a stack: `pulumi config set recipe path/to/recipe.yaml` (docs/own-data.md).
+
+The file lies anywhere in the repository; it travels in the trainer image as `recipes/<stem>.yaml` (where
+`python -m trainer --recipe <stem>` finds it), its bytes count in the run id, and its stem names the runs.
+Every test runs the real program under the project's mocks (infra/offline.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.config import ConfigError
+from infra.images import STAGED_CONTEXTS, TRAINER, content_hash, stage_context, trainer_spec
+from infra.offline import REPO_ROOT, run_stack
+
+TEMPLATE = REPO_ROOT / "trainer/recipes/templates/my-data-dev.yaml"
+TICKETS = "trainer/data/own/tickets-messages.jsonl"
+
+
+def dev_recipe(data_lines: str = f"path: {TICKETS}\n  eval_rows: 8") -> str:
+    """The dev template as a user edits it: their rows, a held-out set that fits them."""
+    text = TEMPLATE.read_text()
+    text = text.replace("path: gs://your-bucket/my-data/train-*.jsonl", data_lines.split("\n", 1)[0])
+    text = text.replace("  rows: 2000", "").replace("  eval_rows: 100", "  " + data_lines.split("\n", 1)[1].strip())
+    return text.replace("max_samples: 50", "max_samples: 8").replace("save_steps: 50", "save_steps: 4")
+
+
+@pytest.fixture
+def own_dir() -> Iterator[Path]:
+    """A folder of the repository outside trainer/recipes/ (under build/, which git ignores)."""
+    folder = REPO_ROOT / "build" / "own-recipe-tests" / uuid.uuid4().hex[:8]
+    folder.mkdir(parents=True)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(REPO_ROOT).as_posix()
+
+
+def _job_args(run: object) -> list[str]:
+    job = run.one("gcp:cloudrunv2/job:Job").plain_inputs()  # type: ignore[attr-defined]
+    return list(job["template"]["template"]["containers"][0]["args"])
+
+
+def test_a_recipe_file_outside_trainer_recipes_plans(own_dir: Path) -> None:
+    (own_dir / "tickets-dev.yaml").write_text(dev_recipe())
+    run = run_stack("dev", overrides={"recipe": _rel(own_dir / "tickets-dev.yaml")})
+    assert run.cfg is not None and run.cfg.recipe == "tickets-dev"
+    assert run.cfg.recipe_file == _rel(own_dir / "tickets-dev.yaml")
+    args = _job_args(run)
+    assert args[args.index("--recipe") + 1] == "tickets-dev"
+    assert any(a.endswith(f"/runs/tickets-dev-{run.outputs['runId']}") for a in args), args
+
+
+def test_its_content_changes_the_run_id(own_dir: Path) -> None:
+    recipe = own_dir / "tickets-dev.yaml"
+    recipe.write_text(dev_recipe())
+    first = run_stack("dev", overrides={"recipe": _rel(recipe)}).outputs["runId"]
+    assert run_stack("dev", overrides={"recipe": _rel(recipe)}).outputs["runId"] == first, "same bytes, same run"
+    recipe.write_text(dev_recipe().replace("learning_rate: 2.0e-4", "learning_rate: 1.0e-4"))
+    assert run_stack("dev", overrides={"recipe": _rel(recipe)}).outputs["runId"] != first
+
+
+def test_the_image_context_holds_it_where_the_trainer_finds_it(own_dir: Path, tmp_path: Path) -> None:
+    recipe = own_dir / "tickets-dev.yaml"
+    recipe.write_text(dev_recipe())
+    run = run_stack("dev", overrides={"recipe": _rel(recipe), "imageBuild": "cloud-build"})
+    assert run.cfg is not None
+    build_env = run.by_name("gft-dev-trainer-cloudbuild").plain_inputs()["environment"]
+    assert (Path.cwd() / build_env["CONTEXT"]).resolve() == STAGED_CONTEXTS / "trainer"
+    # staged again into a folder of this test's own: another xdist worker may restage the shared one meanwhile
+    staged = stage_context(trainer_spec(run.cfg), tmp_path / "contexts")
+    assert (staged / "recipes" / "tickets-dev.yaml").read_bytes() == recipe.read_bytes()
+    assert (staged / TICKETS.removeprefix("trainer/")).is_file(), "the data it reads is in the context too"
+    spec = trainer_spec(run.cfg)
+    build = run.by_name("gft-dev-trainer-cloudbuild").plain_inputs()
+    assert build["triggers"] == [content_hash(spec)[:16]] and content_hash(spec) != content_hash(TRAINER)
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("absolute", "is not inside this repository"),
+        ("data outside trainer", "outside trainer/"),
+        ("bad stem", "lowercase letters"),
+        ("shipped name", "has the name of the shipped recipe"),
+        ("missing", "no such file"),
+    ],
+)
+def test_a_recipe_file_that_cannot_travel_is_a_config_error(own_dir: Path, where: str, message: str) -> None:
+    name = {"bad stem": "Tickets_Dev.yaml", "shipped name": "emoji-gemma3-1b.yaml"}.get(where, "tickets-dev.yaml")
+    recipe = own_dir / name
+    text = dev_recipe()
+    if where == "data outside trainer":
+        shutil.copyfile(REPO_ROOT / TICKETS, own_dir / "tickets.jsonl")
+        text = text.replace(f"path: {TICKETS}", f"path: {_rel(own_dir / 'tickets.jsonl')}")
+    if where != "missing":
+        recipe.write_text(text)
+    value = str(recipe) if where == "absolute" else _rel(recipe)
+    with pytest.raises(ConfigError, match=message) as raised:
+        run_stack("dev", overrides={"recipe": value})
+    assert "Fix:" in str(raised.value)
+
+
+def test_bucket_data_without_rows_is_a_config_error(own_dir: Path) -> None:
+    """Counting the rows of gs:// data at load needs gcsfs and a read grant, which a plan does not have."""
+    recipe = own_dir / "tickets-dev.yaml"
+    recipe.write_text(dev_recipe("path: gs://team-data/tickets/*.jsonl\n  eval_rows: 8"))
+    with pytest.raises(ConfigError, match=r"without data\.rows") as raised:
+        run_stack("dev", overrides={"recipe": _rel(recipe)})
+    assert "Fix: data.rows: N" in str(raised.value)
+    plans = run_stack("dev", overrides={"recipe": _rel(recipe), "recipeOverrides": ["data.rows=64"]})
+    assert plans.cfg is not None and plans.cfg.recipe == "tickets-dev"
+
+
+@pytest.mark.parametrize(
+    ("stack", "template", "output"),
+    [
+        ("a4-gemma4", "my-data-a4-gemma4.yaml", "jobName"),
+        ("ray-gemma3-vision", "my-data-ray-vision.yaml", "rayJobName"),
+    ],
+)
+def test_the_gke_run_names_follow_the_file(own_dir: Path, stack: str, template: str, output: str) -> None:
+    recipe = own_dir / template.replace("my-data", "team")
+    recipe.write_text((REPO_ROOT / "trainer/recipes/templates" / template).read_text())
+    first = run_stack(stack, overrides={"recipe": _rel(recipe)}).outputs[output]
+    assert recipe.stem in first or recipe.stem[:20] in first, first
+    recipe.write_text(recipe.read_text().replace("seed: 42", "seed: 7"))
+    assert run_stack(stack, overrides={"recipe": _rel(recipe)}).outputs[output] != first
+
+
+def test_a_prebuilt_image_cannot_carry_a_recipe_file(own_dir: Path) -> None:
+    from tests.infra.conftest import PREBUILT
+
+    (own_dir / "tickets-dev.yaml").write_text(dev_recipe())
+    with pytest.raises(ConfigError, match="only an image this stack builds carries") as raised:
+        run_stack("dev", overrides={"recipe": _rel(own_dir / "tickets-dev.yaml"), **PREBUILT})
+    assert "Fix: pulumi config set imageBuild cloud-build" in str(raised.value)
