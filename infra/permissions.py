@@ -446,6 +446,7 @@ def resource_name(scope: Scope, cfg: StackConfig) -> str:
 
 
 _STARTS_WITH = re.compile(r"resource\.name\.startsWith\('([^']*)'\)")
+_EQUALS = re.compile(r"resource\.name == '([^']*)'")
 _GRANTS_BY_ROLE = re.compile(
     r"api\.getAttribute\('iam\.googleapis\.com/modifiedGrantsByRole', \[\]\)\.hasOnly\(\[([^\]]*)\]\)"
 )
@@ -454,7 +455,8 @@ _GRANTS_BY_ROLE = re.compile(
 def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool:
     """Whether a grant with this IAM Condition applies to the call behind `need`. Two forms only (anything else is
     an error, so a new form cannot pass unexamined):
-    - `resource.name.startsWith('…') || …` on the resource's name (IAM Conditions, resource attributes);
+    - `resource.name.startsWith('…') || resource.name == '…' || …` on the resource's name (IAM Conditions,
+      resource attributes);
     - `api.getAttribute('iam.googleapis.com/modifiedGrantsByRole', []).hasOnly([…])`: a policy change may
       modify grants of the listed roles only; a call that changes no grant (a read) gets the default `[]`
       (IAM docs, 'Set limits on granting roles')."""
@@ -464,10 +466,14 @@ def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool
     limited = _GRANTS_BY_ROLE.fullmatch(text)
     if limited:
         return need.grants_roles <= set(re.findall(r"'([^']+)'", limited.group(1)))
-    clauses = [_STARTS_WITH.fullmatch(clause.strip()) for clause in text.split("||")]
+    clauses = [_STARTS_WITH.fullmatch(c.strip()) or _EQUALS.fullmatch(c.strip()) for c in text.split("||")]
     if all(clauses):
         name = resource_name(need.scope, cfg)
-        return any(name.startswith(clause.group(1)) for clause in clauses if clause)
+        return any(
+            name.startswith(clause.group(1)) if clause.re is _STARTS_WITH else name == clause.group(1)
+            for clause in clauses
+            if clause
+        )
     raise ValueError(f"IAM Condition {condition!r} is in no form infra/permissions.py condition_holds evaluates")
 
 

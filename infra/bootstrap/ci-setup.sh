@@ -301,8 +301,6 @@ grants_only() {
 
 if $has_cloud_run; then
   grant_project gft-ci-preview "$custom/gftCiBucketLister"
-  grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
-  grant_project gft-ci-preview roles/storage.bucketViewer "$buckets"
   grant_project gft-ci-preview "$custom/gftCiQuotaReader"
 fi
 if $has_gke; then
@@ -373,6 +371,12 @@ while read -r stack workload stack_features; do
   ensure_account "gft-$stack-train" "gemma-finetune $stack: training workload"
   ensure_account "gft-$stack-build" "gemma-finetune $stack: Cloud Build image builds"
   if [[ "$workload" == cloud-run ]]; then
+    # the unreviewed PR preview reads this stack's model bucket by its exact name, no other stack's (ci-identities.yaml)
+    model_bucket="projects/_/buckets/$PROJECT_ID-gft-$stack"
+    grant_project gft-ci-preview roles/storage.objectViewer \
+      "resource.name == '$model_bucket' || resource.name.startsWith('$model_bucket/')" "gft-ci-preview-$stack-objects"
+    grant_project gft-ci-preview roles/storage.bucketViewer "resource.name == '$model_bucket'" \
+      "gft-ci-preview-$stack-bucket"
     ensure_account "gft-$stack-serve" "gemma-finetune $stack: vLLM serving"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-train")"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-serve")"
