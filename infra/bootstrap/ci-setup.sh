@@ -314,8 +314,9 @@ fi
 # deploy.yml's preview job: what the previews above may do, for every stack, and nothing the apply does
 grant_project gft-ci-deploy-preview "$custom/gftCiBucketLister"
 grant_project gft-ci-deploy-preview roles/storage.bucketViewer "$buckets"
+# the served run's markers (Cloud Run) and, on every stack whose bucket exists, the run's completion marker
+grant_project gft-ci-deploy-preview roles/storage.objectViewer "$buckets"
 if $has_cloud_run; then
-  grant_project gft-ci-deploy-preview roles/storage.objectViewer "$buckets"
   grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"
 fi
 if $has_gke; then
@@ -381,6 +382,10 @@ while read -r stack workload stack_features; do
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-train")"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-serve")"
   else
+    # a deployed stack's preview lists its run's completion marker (infra/foundation.py finished_run): its bucket only
+    model_bucket="projects/_/buckets/$PROJECT_ID-gft-$stack"
+    grant_project gft-ci-preview-gke roles/storage.objectViewer \
+      "resource.name == '$model_bucket' || resource.name.startsWith('$model_bucket/')" "gft-ci-preview-gke-$stack-objects"
     ensure_account "gft-$stack-node" "gemma-finetune $stack: GKE Autopilot nodes"
     grant_account gft-ci-deploy "$custom/gftCiWorkloadIdentityBinder" "$(account "gft-$stack-train")"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-node")"

@@ -788,16 +788,25 @@ class TestStacksOnTheirKeys:
         created = {call[3] for call in run.verbs("create") if call[:2] == ["kms", "keys"]}
         assert created == {stack_key(s) for s in stacks}
 
-    def test_an_unreviewed_preview_reads_only_its_own_stacks_bucket(self, first_run: tuple[Path, SetupRun]) -> None:
-        """Any PR runs gft-ci-preview: its Cloud Storage bindings, evaluated as CEL on `resource.name` (the bucket for a
-        bucket-level call such as objects.list, `…/objects/NAME` for an object), reach each Cloud Run stack's model
-        bucket and no GKE stack's (whose models it never needs), nor a stack whose name only starts with a Cloud Run
-        stack's."""
+    @pytest.mark.parametrize(
+        ("identity", "roles", "workloads"),
+        [
+            ("gft-ci-preview", ("roles/storage.",), {"cloud-run"}),
+            ("gft-ci-preview-gke", ("roles/storage.objectViewer",), {"gke-job", "gke-ray"}),
+        ],
+    )
+    def test_a_pr_preview_reads_only_its_own_stacks_bucket(
+        self, first_run: tuple[Path, SetupRun], identity: str, roles: tuple[str, ...], workloads: set[str]
+    ) -> None:
+        """A PR preview's Cloud Storage bindings, evaluated as CEL on `resource.name` (the bucket for a bucket-level
+        call such as objects.list, `…/objects/NAME` for an object), reach the bucket of each stack it previews (a
+        deployed stack's preview lists the run's completion marker: infra/foundation.py finished_run) and no other
+        stack's, nor a stack whose name only starts with one of its stacks'. gft-ci-preview runs unreviewed."""
         _, run = first_run
         conditions = [
             g.condition
             for g in run.grants()
-            if g.identity == "gft-ci-preview" and g.on == "project" and g.role.startswith("roles/storage.")
+            if g.identity == identity and g.on == "project" and g.role.startswith(roles)
         ]
         assert conditions and all(conditions), conditions
         env = celpy.Environment()
@@ -809,9 +818,9 @@ class TestStacksOnTheirKeys:
         project = VALUES["PROJECT_ID"]
         for stack, workload in ci_stacks.stacks().items():
             bucket = f"projects/_/buckets/{project}-gft-{stack}"
-            mine = workload == "cloud-run"
-            assert reads(bucket) is mine and reads(f"{bucket}/objects/runs/x/model.safetensors") is mine, stack
-            assert not reads(f"projects/_/buckets/{project}-gft-{stack}2"), stack
+            mine = workload in workloads
+            assert reads(bucket) is mine and reads(f"{bucket}/objects/runs/x/_RUN_COMPLETE.json") is mine, stack
+            assert not reads(f"projects/_/buckets/{project}-gft-{stack}2/objects/runs/x/model.safetensors"), stack
         assert not reads(f"projects/_/buckets/{project}-pulumi-state/objects/.pulumi/stacks/x.json")
 
     @pytest.mark.slow
