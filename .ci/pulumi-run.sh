@@ -102,10 +102,14 @@ qualified="$stack"
 if [[ -n "${PULUMI_ORG:-}" ]]; then
   qualified="${PULUMI_ORG}/gemma-finetune/${stack}"
 fi
-# bucket backend: the stack's own key (infra/bootstrap/ci-setup.sh creates it and the stack on it)
-provider=""
+# bucket backend: the stack's own key (infra/bootstrap/ci-setup.sh creates it and the stack on it). The hints
+# name the setup's default key ring; the check takes the key gft-STACK in any location and key ring of the project,
+# as the setup's KMS_LOCATION / KMS_KEYRING may place it (an org policy on resource locations can forbid `global`):
+# IAM on each key is the gate, this check only stops a stack on a passphrase or another stack's key early.
+provider="" provider_pattern=""
 if [[ -n "${PULUMI_BACKEND_URL:-}" && -n "${GCP_PROJECT_ID:-}" ]]; then
   provider="gcpkms://projects/$GCP_PROJECT_ID/locations/global/keyRings/gft-pulumi/cryptoKeys/gft-$stack"
+  provider_pattern="^gcpkms://projects/${GCP_PROJECT_ID//./\\.}/locations/[a-z0-9-]+/keyRings/[A-Za-z0-9_-]+/cryptoKeys/gft-${stack//./\\.}\$"
 fi
 policy=(--policy-pack infra/policy)
 common=(--stack "$qualified" --color never --non-interactive)
@@ -180,7 +184,7 @@ if [[ -n "$provider" ]]; then
   if grep -q '^encryptionsalt:' "$stack_file" 2>/dev/null; then
     current="a passphrase (encryptionsalt)"
   fi
-  if [[ "$current" != "$provider" ]]; then
+  if [[ ! "$current" =~ $provider_pattern ]]; then
     {
       echo "error: stack '$stack' is not on its KMS key: $stack_file names ${current:-no secretsprovider}."
       echo "error: CI has no passphrase and each identity decrypts only its stacks' own keys. Move the stack once"

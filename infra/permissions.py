@@ -480,6 +480,7 @@ _STARTS_WITH = re.compile(r"resource\.name\.startsWith\('([^']*)'\)")
 _LIST_PREFIX = re.compile(
     r"api\.getAttribute\('storage\.googleapis\.com/objectListPrefix', ''\)\.startsWith\('([^']*)'\)"
 )
+_EQUALS = re.compile(r"resource\.name == '([^']*)'")
 _GRANTS_BY_ROLE = re.compile(
     r"api\.getAttribute\('iam\.googleapis\.com/modifiedGrantsByRole', \[\]\)\.hasOnly\(\[([^\]]*)\]\)"
 )
@@ -488,7 +489,8 @@ _GRANTS_BY_ROLE = re.compile(
 def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool:
     """Whether a grant with this IAM Condition applies to the call behind `need`. Two forms only (anything else is
     an error, so a new form cannot pass unexamined):
-    - `resource.name.startsWith('…') || …` on the resource's name (IAM Conditions, resource attributes);
+    - `resource.name.startsWith('…') || resource.name == '…' || …` on the resource's name (IAM Conditions,
+      resource attributes);
     - `api.getAttribute('iam.googleapis.com/modifiedGrantsByRole', []).hasOnly([…])`: a policy change may
       modify grants of the listed roles only; a call that changes no grant (a read) gets the default `[]`
       (IAM docs, 'Set limits on granting roles')."""
@@ -499,15 +501,15 @@ def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool
     if limited:
         return need.grants_roles <= set(re.findall(r"'([^']+)'", limited.group(1)))
     parts = [clause.strip() for clause in text.split("||")]
-    names = [_STARTS_WITH.fullmatch(part) for part in parts]
+    names = [_STARTS_WITH.fullmatch(part) or _EQUALS.fullmatch(part) for part in parts]
     listed = [_LIST_PREFIX.fullmatch(part) for part in parts]
     if all(n or p for n, p in zip(names, listed, strict=True)):
         # a list call's listed prefix (absent on any other call: the attribute's default '' applies)
         prefix = need.list_prefix if need.list_prefix is not None else ""
         name = need.resource or resource_name(need.scope, cfg)
-        return any(name.startswith(n.group(1)) for n in names if n) or any(
-            prefix.startswith(p.group(1)) for p in listed if p
-        )
+        return any(
+            name.startswith(n.group(1)) if n.re is _STARTS_WITH else name == n.group(1) for n in names if n
+        ) or any(prefix.startswith(p.group(1)) for p in listed if p)
     raise ValueError(f"IAM Condition {condition!r} is in no form infra/permissions.py condition_holds evaluates")
 
 

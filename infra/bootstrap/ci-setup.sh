@@ -301,14 +301,11 @@ grants_only() {
 
 if $has_cloud_run; then
   grant_project gft-ci-preview "$custom/gftCiBucketLister"
-  grant_project gft-ci-preview roles/storage.objectViewer "$buckets"
-  grant_project gft-ci-preview roles/storage.bucketViewer "$buckets"
   grant_project gft-ci-preview "$custom/gftCiQuotaReader"
 fi
 if $has_gke; then
   grant_project gft-ci-preview-gke "$custom/gftCiBucketLister"
   grant_project gft-ci-preview-gke roles/storage.bucketViewer "$buckets"
-  grant_project gft-ci-preview-gke roles/storage.objectViewer "$buckets"
   grant_project gft-ci-preview-gke roles/container.developer
   if $has_reservation; then grant_project gft-ci-preview-gke "$custom/gftCiReservationReader"; fi
   if $has_gpu_quota; then grant_project gft-ci-preview-gke "$custom/gftCiQuotaReader"; fi
@@ -317,6 +314,7 @@ fi
 # deploy.yml's preview job: what the previews above may do, for every stack, and nothing the apply does
 grant_project gft-ci-deploy-preview "$custom/gftCiBucketLister"
 grant_project gft-ci-deploy-preview roles/storage.bucketViewer "$buckets"
+# the served run's markers (Cloud Run) and, on every stack whose bucket exists, the run's completion marker
 grant_project gft-ci-deploy-preview roles/storage.objectViewer "$buckets"
 if $has_cloud_run; then
   grant_project gft-ci-deploy-preview "$custom/gftCiQuotaReader"
@@ -376,10 +374,20 @@ while read -r stack workload stack_features; do
   ensure_account "gft-$stack-train" "gemma-finetune $stack: training workload"
   ensure_account "gft-$stack-build" "gemma-finetune $stack: Cloud Build image builds"
   if [[ "$workload" == cloud-run ]]; then
+    # the unreviewed PR preview reads this stack's model bucket by its exact name, no other stack's (ci-identities.yaml)
+    model_bucket="projects/_/buckets/$PROJECT_ID-gft-$stack"
+    grant_project gft-ci-preview roles/storage.objectViewer \
+      "resource.name == '$model_bucket' || resource.name.startsWith('$model_bucket/')" "gft-ci-preview-$stack-objects"
+    grant_project gft-ci-preview roles/storage.bucketViewer "resource.name == '$model_bucket'" \
+      "gft-ci-preview-$stack-bucket"
     ensure_account "gft-$stack-serve" "gemma-finetune $stack: vLLM serving"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-train")"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-serve")"
   else
+    # a deployed stack's preview lists its run's completion marker (infra/foundation.py finished_run): its bucket only
+    model_bucket="projects/_/buckets/$PROJECT_ID-gft-$stack"
+    grant_project gft-ci-preview-gke roles/storage.objectViewer \
+      "resource.name == '$model_bucket' || resource.name.startsWith('$model_bucket/')" "gft-ci-preview-gke-$stack-objects"
     ensure_account "gft-$stack-node" "gemma-finetune $stack: GKE Autopilot nodes"
     grant_account gft-ci-deploy "$custom/gftCiWorkloadIdentityBinder" "$(account "gft-$stack-train")"
     grant_account gft-ci-deploy roles/iam.serviceAccountUser "$(account "gft-$stack-node")"

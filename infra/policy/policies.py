@@ -23,8 +23,9 @@ Decisions
   public `predefinedAcl`), Cloud Run v1's `run.googleapis.com/invoker-iam-disabled` annotation (the v1 form of
   `invokerIamDisabled`, allowed on the same terms), a Kubernetes RoleBinding / ClusterRoleBinding to
   `system:authenticated`, `system:unauthenticated` or `system:anonymous` (every Google account is
-  `system:authenticated` on GKE), and a Kubernetes Service of type LoadBalancer (a public IP; the program
-  serves through Cloud Run, whose invoker IAM is the gate).
+  `system:authenticated` on GKE), and a Kubernetes Service of type LoadBalancer, an Ingress of any class but
+  `gce-internal` or a Gateway of an external class (each a public IP; the program serves through Cloud Run, whose
+  invoker IAM is the gate).
 - "GPU workload" means any resource that asks for a GPU (`nvidia.com/gpu` in a resource list, a GKE
   accelerator nodeSelector, a Cloud Run accelerator). It is judged by what bounds its pods, not by an
   allow-list of kinds: where a deadline field applies (Cloud Run job; Kubernetes Job, CronJob, JobSet, Pod,
@@ -104,6 +105,12 @@ K8S_SERVICE = "kubernetes:core/v1:Service"
 PUBLIC_K8S_SUBJECTS = frozenset({"system:authenticated", "system:unauthenticated", "system:anonymous"})
 # Cloud Storage canned ACLs that give everyone (or every Google account) access (JSON API, predefinedAcl).
 PUBLIC_PREDEFINED_ACLS = frozenset({"publicRead", "publicReadWrite", "authenticatedRead"})
+# GKE's Ingress controller gives every Ingress of class `gce`, or of no class, an external Application Load Balancer;
+# only `gce-internal` stays inside the VPC (GKE docs, "GKE Ingress for Application Load Balancers"). Gateway classes
+# whose load balancer is external say so in their name (GKE docs, "GatewayClass capabilities": gke-l7-global-external-
+# managed, gke-l7-regional-external-managed, gke-l7-gxlb).
+INTERNAL_INGRESS_CLASS = "gce-internal"
+INGRESS_CLASS_ANNOTATION = "kubernetes.io/ingress.class"
 # Where each workload keeps what the rules read; an unknown value at any of these hides the workload.
 WORKLOAD_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
     CLOUD_RUN_JOB: (("template",), ("template", "template")),
@@ -390,6 +397,26 @@ def _public_kubernetes(resource_type: str, props: Mapping[str, Any]) -> list[str
             "Service of type LoadBalancer opens a public IP to the pods behind it: use ClusterIP (kubectl "
             "port-forward) or serve through Cloud Run, whose invoker IAM is the gate"
         )
+    if (
+        resource_type.startswith("kubernetes:networking.k8s.io/")
+        and kind.startswith("Ingress")
+        and kind != "IngressClass"
+    ):
+        annotations = _dig(props, "metadata", "annotations")
+        annotated = annotations.get(INGRESS_CLASS_ANNOTATION) if isinstance(annotations, Mapping) else None
+        ingress_class = _dig(props, "spec", "ingressClassName") or annotated
+        if not is_unknown(ingress_class) and ingress_class != INTERNAL_INGRESS_CLASS:
+            problems.append(
+                f"Ingress of class {ingress_class or '(none: GKE takes gce)'} gets an external load balancer, a "
+                f"public IP to the pods behind it: use class {INTERNAL_INGRESS_CLASS}, or serve through Cloud Run"
+            )
+    if resource_type.startswith("kubernetes:gateway.networking.k8s.io/") and kind.startswith("Gateway"):
+        gateway_class = _dig(props, "spec", "gatewayClassName")
+        if isinstance(gateway_class, str) and ("external" in gateway_class or gateway_class == "gke-l7-gxlb"):
+            problems.append(
+                f"Gateway of class {gateway_class} gets an external load balancer, a public IP to the routes behind "
+                "it: use an internal class (gke-l7-rilb), or serve through Cloud Run"
+            )
     return problems
 
 
@@ -730,7 +757,7 @@ GUARD_RAILS: tuple[GuardRail, ...] = (
     GuardRail(
         "no-public-principals",
         "No allUsers/allAuthenticatedUsers (IAM or Cloud Storage ACLs), no Kubernetes binding to system:authenticated "
-        "or system:unauthenticated, no LoadBalancer Service; a public Cloud Run service (v2 invokerIamDisabled, v1 "
+        "or system:unauthenticated, no LoadBalancer Service, external Ingress or Gateway; a public Cloud Run service (v2 invokerIamDisabled, v1 "
         "invoker-iam-disabled annotation) only with the public=true label.",
         no_public_principals,
     ),

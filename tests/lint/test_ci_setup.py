@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import celpy
 import pytest
 
 from infra.api_permissions import Need, Scope
@@ -320,7 +321,9 @@ def expected_grants(found_stacks: dict[str, tuple[str, list[str]]], backend: str
             if not stacks:
                 continue
             condition = grant.get("condition")
-            if scope == "project":
+            if scope == "project" and "${STACK}" in (condition or ""):  # a binding per stack
+                grants |= {Grant(identity, role, "project", substitute(condition, stack)) for stack in stacks}
+            elif scope == "project":
                 grants.add(Grant(identity, role, "project", substitute(condition) if condition else None))
             elif scope == "state-bucket":
                 if backend == "bucket":
@@ -450,9 +453,10 @@ class TestLeastPrivilege:
             if grant["scope"] == "state-bucket":  # the lock objects of the state bucket, never the checkpoints
                 prefixes["storage"] = "projects/_/buckets/${PROJECT_ID}-pulumi-state/objects/.pulumi/locks/"
             assert service in prefixes, f"{identity}: IAM Conditions on {service} names are not relied on here"
-            clauses = re.findall(r"resource\.name\.startsWith\('([^']+)'\)", grant["condition"])
+            clause = r"resource\.name(?:\.startsWith\('([^']+)'\)| == '([^']+)')"
+            clauses = ["".join(found) for found in re.findall(clause, grant["condition"])]
             assert clauses and all(prefixes[service] in clause for clause in clauses), grant["condition"]
-            assert set(re.sub(r"resource\.name\.startsWith\('[^']+'\)", "", grant["condition"]).split()) <= {"||"}
+            assert set(re.sub(clause, "", grant["condition"]).split()) <= {"||"}
 
     def test_unreviewed_previews_only_read(self) -> None:
         """Any branch of the repository can run the Cloud Run preview: it must not write anything anywhere."""
@@ -783,6 +787,41 @@ class TestStacksOnTheirKeys:
             }
         created = {call[3] for call in run.verbs("create") if call[:2] == ["kms", "keys"]}
         assert created == {stack_key(s) for s in stacks}
+
+    @pytest.mark.parametrize(
+        ("identity", "roles", "workloads"),
+        [
+            ("gft-ci-preview", ("roles/storage.",), {"cloud-run"}),
+            ("gft-ci-preview-gke", ("roles/storage.objectViewer",), {"gke-job", "gke-ray"}),
+        ],
+    )
+    def test_a_pr_preview_reads_only_its_own_stacks_bucket(
+        self, first_run: tuple[Path, SetupRun], identity: str, roles: tuple[str, ...], workloads: set[str]
+    ) -> None:
+        """A PR preview's Cloud Storage bindings, evaluated as CEL on `resource.name` (the bucket for a bucket-level
+        call such as objects.list, `…/objects/NAME` for an object), reach the bucket of each stack it previews (a
+        deployed stack's preview lists the run's completion marker: infra/foundation.py finished_run) and no other
+        stack's, nor a stack whose name only starts with one of its stacks'. gft-ci-preview runs unreviewed."""
+        _, run = first_run
+        conditions = [
+            g.condition
+            for g in run.grants()
+            if g.identity == identity and g.on == "project" and g.role.startswith(roles)
+        ]
+        assert conditions and all(conditions), conditions
+        env = celpy.Environment()
+        programs = [env.program(env.compile(condition)) for condition in conditions]
+
+        def reads(name: str) -> bool:
+            return any(bool(program.evaluate({"resource": celpy.json_to_cel({"name": name})})) for program in programs)
+
+        project = VALUES["PROJECT_ID"]
+        for stack, workload in ci_stacks.stacks().items():
+            bucket = f"projects/_/buckets/{project}-gft-{stack}"
+            mine = workload in workloads
+            assert reads(bucket) is mine and reads(f"{bucket}/objects/runs/x/_RUN_COMPLETE.json") is mine, stack
+            assert not reads(f"projects/_/buckets/{project}-gft-{stack}2/objects/runs/x/model.safetensors"), stack
+        assert not reads(f"projects/_/buckets/{project}-pulumi-state/objects/.pulumi/stacks/x.json")
 
     @pytest.mark.slow
     def test_missing_stacks_are_created_and_others_moved_onto_their_key(self, tmp_path: Path) -> None:

@@ -466,6 +466,31 @@ class TestTheStacksKey:
         assert result.returncode == 0, result.stdout + result.stderr
         assert commands(calls) == ["login", "stack select", "preview"]
 
+    @pytest.mark.parametrize(
+        ("provider", "previews"),
+        [
+            ("gcpkms://projects/p/locations/europe-west4/keyRings/gft-state/cryptoKeys/gft-dev", True),
+            ("gcpkms://projects/p/locations/europe-west4/keyRings/gft-state/cryptoKeys/gft-dev-old", False),
+            ("gcpkms://projects/p/locations/europe-west4/keyRings/gft-state/cryptoKeys/gft-a4-gemma4", False),
+            ("gcpkms://projects/other/locations/global/keyRings/gft-pulumi/cryptoKeys/gft-dev", False),
+        ],
+        ids=["own-key-elsewhere", "a-longer-name", "another-stacks-key", "another-project"],
+    )
+    def test_the_setups_kms_location_and_key_ring_are_the_stacks_key(
+        self, tmp_path: Path, provider: str, previews: bool
+    ) -> None:
+        """ci-setup.sh takes KMS_LOCATION / KMS_KEYRING (an org policy on resource locations can forbid `global`):
+        a stack it created on gft-dev there is on its own key, and CI must preview it; another key still stops."""
+        checkout = tmp_path / "checkout"
+        checkout.mkdir()
+        (checkout / "Pulumi.dev.yaml").write_text(f"secretsprovider: {provider}\nencryptedkey: CiQA\nconfig: {{}}\n")
+        result, calls, _ = run(tmp_path, "preview", "dev", cwd=checkout, GCP_PROJECT_ID="p")
+        if previews:
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert commands(calls) == ["login", "stack select", "preview"]
+        else:
+            assert result.returncode == 3 and commands(calls) == ["login", "stack select"]
+
 
 def events_file(tmp_path: Path, *steps: tuple[str, str, list[str]]) -> Path:
     """An engine event log with these (op, urn, diffs) steps, as pulumi writes it with --event-log."""

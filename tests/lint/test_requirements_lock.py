@@ -3,11 +3,13 @@ satisfy the requirements they were made from, and pip really refuses a file whos
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -74,3 +76,35 @@ def test_a_wrong_hash_is_refused(tmp_path: Path) -> None:
     tampered.write_text(text.replace(digest, "0" * 64))
     result = _dry_run(tampered)
     assert result.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in result.stdout + result.stderr, name
+
+
+def _lock_jobs() -> list[tuple[str, str, str, Path]]:
+    """(workflow, job, setup-python's python-version, lock) for every job step that installs from a hashed lock."""
+    found = []
+    for workflow in sorted((REPO_ROOT / ".github" / "workflows").glob("*.yml")):
+        for name, job in yaml.safe_load(workflow.read_text())["jobs"].items():
+            steps = job.get("steps", [])
+            versions = [
+                str(step["with"]["python-version"])
+                for step in steps
+                if str(step.get("uses", "")).startswith("actions/setup-python@")
+            ]
+            for step in steps:
+                for lock in sorted(set(re.findall(r"--require-hashes .*?-r (\S+\.lock)", str(step.get("run", ""))))):
+                    found.append((workflow.name, name, versions[0] if versions else "", REPO_ROOT / lock))
+    return found
+
+
+def test_every_job_installs_its_lock_with_the_python_it_was_made_for() -> None:
+    """A lock holds one wheel per distribution, for the CPython it was made with (its header): grpcio, pydantic-core,
+    PyYAML and the other compiled wheels are per CPython minor version, so a job on another Python fails its
+    install (cp312 wheels have other hashes) before it ever authenticates."""
+    jobs = _lock_jobs()
+    assert {job for _, job, _, _ in jobs} >= {"preview", "preview-gke", "apply"}, jobs
+    for workflow, job, version, lock in jobs:
+        made_with = re.search(r"\(CPython (\d+\.\d+), linux\)", lock.read_text().splitlines()[0])
+        assert made_with, f"{lock.name}: the header names no CPython version"
+        assert version == made_with.group(1), (
+            f"{workflow} {job}: setup-python {version!r}, but {lock.name} was made with CPython {made_with.group(1)}: "
+            "rerun .ci/lock_requirements.py with the job's Python, or set the job's python-version"
+        )

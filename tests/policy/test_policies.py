@@ -788,6 +788,46 @@ class TestEveryWayOfMakingItPublic:
         service["spec"]["type"] = "ClusterIP"
         assert not run_pack(K8S_SERVICE_TYPE, service)
 
+    @pytest.mark.parametrize(
+        ("spec", "annotations", "public"),
+        [
+            ({}, {}, True),
+            ({"ingressClassName": "gce"}, {}, True),
+            ({}, {"kubernetes.io/ingress.class": "gce"}, True),
+            ({"ingressClassName": "gce-internal"}, {}, False),
+            ({}, {"kubernetes.io/ingress.class": "gce-internal"}, False),
+        ],
+        ids=["no-class", "gce", "gce-annotation", "internal", "internal-annotation"],
+    )
+    def test_an_ingress_with_an_external_load_balancer(
+        self, spec: dict[str, Any], annotations: dict[str, str], public: bool
+    ) -> None:
+        backend = {"service": {"name": "ray-head", "port": {"number": 8265}}}
+        ingress = {
+            "metadata": {"name": "dashboard", "annotations": annotations},
+            "spec": {**spec, "defaultBackend": backend},
+        }
+        found = run_pack("kubernetes:networking.k8s.io/v1:Ingress", ingress)
+        if public:
+            assert list(found) == [self.RULE] and "Ingress" in found[self.RULE][0], _report(found)
+        else:
+            assert not found, _report(found)
+
+    @pytest.mark.parametrize(
+        ("gateway_class", "public"),
+        [("gke-l7-global-external-managed", True), ("gke-l7-gxlb", True), ("gke-l7-rilb", False)],
+    )
+    def test_a_gateway_with_an_external_load_balancer(self, gateway_class: str, public: bool) -> None:
+        gateway = {
+            "metadata": {"name": "serving"},
+            "spec": {
+                "gatewayClassName": gateway_class,
+                "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}],
+            },
+        }
+        found = run_pack("kubernetes:gateway.networking.k8s.io/v1:Gateway", gateway)
+        assert (list(found) == [self.RULE]) is public, _report(found)
+
     def test_cloud_run_v1_invoker_iam_disabled(self) -> None:
         annotations = {"run.googleapis.com/invoker-iam-disabled": "true"}
         service = {
