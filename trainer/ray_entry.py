@@ -247,7 +247,7 @@ def build_vision_trainer(
     from trainer.modeling import load_model_and_tokenizer, lora_config
     from trainer.train import LossMode, sft_config
 
-    model, processor = load_model_and_tokenizer(recipe)
+    model, processor = load_model_and_tokenizer(recipe, location)
     max_length = recipe.training.max_length
     # The data loader's length check counts text tokens only; the collator counts the images too.
     split = prepare_datasets(recipe.data, getattr(processor, "tokenizer", processor), max_length)
@@ -341,7 +341,7 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     callbacks = [ray_report_callback(), preemption, *extra_callbacks]
     # Ray's report is each checkpoint's one upload (to storage_path, where a restarted worker group resumes
     # from); the trainer's mirror callback only marks it complete here: no remote to copy it to as well.
-    checkpoints_here = replace(location, remote=None)
+    checkpoints_here = replace(location, remote=None, base_remote=location.base_weights_url)
     if recipe.model.text_only:
         trainer, processor = build_trainer(recipe, checkpoints_here, callbacks)
     else:
