@@ -4,9 +4,10 @@ Decision: when `output.dir` is a URL and `model.name_or_path` a Hub id, the firs
 the node's file lock (`fcntl.flock`: the process group does not exist yet, so no collective can order the
 ranks) fetches the model folder into the node's staging folder: from `<output.dir>/_base/<id>@<revision>/`
 when that holds its marker, else from the Hub (`huggingface_hub.snapshot_download`, every node in parallel).
-Global rank 0 then copies its folder to the bucket, marker last (trainer/checkpoints.py `upload_dir`). The
-node's other ranks find the folder complete once they hold the lock. A retried pod (a new node, an empty
-disk) so reads the bucket, which is in the run's region, instead of the Hub.
+Global rank 0 (`RANK`, set by torchrun and by Ray Train: ray/train/torch/config.py) then copies its folder
+to the bucket, marker last (trainer/checkpoints.py `upload_dir`). The node's other ranks find the folder
+complete once they hold the lock. A retried pod (a new node, an empty disk) so reads the bucket instead of
+the Hub.
 
 The model is loaded from that folder, but keeps the Hub id as its `name_or_path` (`hub_name`), so peft writes
 the Hub id as the adapter's `base_model_name_or_path` (peft/peft_model.py `save_pretrained`), which serving and
