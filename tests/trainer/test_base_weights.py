@@ -49,7 +49,9 @@ def test_a_restart_reads_the_base_from_the_bucket_and_the_adapter_names_the_hub_
         [f"model.name_or_path={HUB_ID}", "model.dtype=float32", "quantization=null", f"output.dir={url}"],
     )
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no cache to fall back on
+    # no cache to fall back on, and none of the machine's written (huggingface_hub reads these at import)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(hub_constants, "HF_XET_CACHE", str(tmp_path / "xet-cache"))
     with hub_standin(models={HUB_ID: tiny_gemma3_dir}) as hub:
         # what HF_ENDPOINT sets when huggingface_hub is imported (huggingface_hub/constants.py)
         monkeypatch.setattr(hub_constants, "ENDPOINT", hub.url)
@@ -61,7 +63,7 @@ def test_a_restart_reads_the_base_from_the_bucket_and_the_adapter_names_the_hub_
         first = OutputLocation.from_dir(url, staging_root=tmp_path / "node-1")
         loaded, base = _adapter_base(recipe, first, tmp_path / "adapter-1")
         assert not hub.unexpected, hub.unexpected
-        assert any(r.startswith(f"GET /{HUB_ID}/resolve/{COMMIT}/") for r in hub.requests), hub.requests
+        assert any(r.startswith(f"GET /{HUB_ID}/resolve/{COMMIT}/") for r in hub.requests), "\n".join(hub.requests)
         staged = bucket / BASE_SUBDIR / f"{HUB_ID.replace('/', '--')}@main"
         assert (staged / BASE_MARKER).is_file() and (staged / "model.safetensors").is_file()
         for path in tiny_gemma3_dir.iterdir():  # the Hub's files, staged whole
