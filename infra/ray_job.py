@@ -27,6 +27,9 @@ Decisions
   small (8 vCPU / 32Gi / 9Gi ephemeral: Autopilot caps ephemeral storage on general-purpose pods,
   9Gi is what the seed ran with) and runs no Ray tasks (`num-cpus: "0"`). rayStartParams values are
   strings and the field is always present.
+- Preemption: GPU worker pods get a preStop hook and `terminationGracePeriodSeconds` as the Job's: the hook
+  writes a notice the trainer reads at each step end and holds SIGTERM (which stops every Ray process of the
+  pod within ~1 s) until the step's checkpoint is with Ray (trainer/preemption.py).
 - Pods run as non-root (the image's uid 1000) and use the Workload Identity service account.
 - Image = the trainer image by digest (Ray is inside it): no runtimeEnv pip installs, no minutes
   of idle GPUs while packages download. rayVersion comes from config and must match that Ray.
@@ -60,6 +63,7 @@ import pulumi_kubernetes as k8s
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
 from infra.foundation import Identity, finished_run
+from infra.gke_job import TERMINATION_GRACE_S
 from infra.gke_workload import (
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
@@ -78,6 +82,7 @@ from infra.gke_workload import (
     run_name,
 )
 from infra.pricing import cost_labels, gke_node_hour
+from trainer.preemption import prestop_command
 
 if TYPE_CHECKING:
     from infra.config import LoadedConfig
@@ -171,6 +176,8 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
     head = _ray_container("ray-head", spec, head_resources)
     head["ports"] = [dict(p) for p in HEAD_PORTS]
     worker = _ray_container("ray-worker", spec, spec.worker_resources)
+    # Preemption: the hook holds SIGTERM back until the trainer saved the step (trainer/preemption.py).
+    worker["lifecycle"] = {"preStop": {"exec": {"command": prestop_command(wait_s=TERMINATION_GRACE_S - 30)}}}
     run = spec.standing_cluster or spec.name
     head_labels = {**spec.labels, RUN_LABEL: run}
     worker_labels = {**spec.labels, **gpu_pod_labels(run)}
@@ -178,6 +185,7 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
         "serviceAccountName": spec.service_account,
         "nodeSelector": dict(spec.node_selector),
         "securityContext": dict(POD_SECURITY_CONTEXT),
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "containers": [worker],
     }
     if spec.nodes > 1:

@@ -58,8 +58,9 @@ NEEDS = {"ray-cluster": ("fixture", "ray_cluster"), "gemma3-270m": ("marker", "g
 # The groups that take longest, started first, longest first (seconds on 2 cores at load ~2-3, 2026-11-30,
 # each group's tests one at a time). Only the order of the run depends on this list.
 LONGEST_FIRST = (
+    # ~235: the cluster, a RayJob entrypoint, an interrupted Ray run; + ~240: a preempted one (2026-12-01)
+    "ray-cluster",
     "gemma3-270m",  # ~250: the demo end to end, a LoRA run on the 270M, its tokenizer
-    "ray-cluster",  # ~235: the cluster, a RayJob entrypoint, an interrupted Ray run
     "tests/trainer/test_multirank_resume.py",  # ~135: two launches of 4 ranks
     "tests/infra/",  # ~130: every stack planned under mocks, many times
     "tests/infra/test_pulumi_install.py",  # ~95 (~240 on a loaded machine): Pulumi's pip install into a fresh venv

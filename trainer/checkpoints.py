@@ -116,6 +116,12 @@ class OutputLocation:
 
     local: Path
     remote: str | None
+    # where the base model is staged (trainer/base_weights.py); `<remote>/_base` unless set
+    base_remote: str | None = None
+
+    @property
+    def base_weights_url(self) -> str | None:
+        return self.base_remote or (f"{self.remote}/_base" if self.remote else None)
 
     @classmethod
     def from_dir(cls, output_dir: str, staging_root: str | Path | None = None) -> OutputLocation:

@@ -41,6 +41,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from trainer.base_weights import hub_name, is_hub_id
 from trainer.local_model import resolve_model_path, trl_chat_template
 from trainer.recipe import LoraSpec, ModelSpec, QuantizationSpec, Recipe, RecipeError
 
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     import torch
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+
+    from trainer.checkpoints import OutputLocation
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +152,12 @@ def load_model(
         kwargs["quantization_config"] = bnb
         kwargs["dtype"] = bnb.bnb_4bit_compute_dtype
     if not loads_weights_on_this_rank(quantized=bnb is not None):
-        return _load_without_weights(path, spec, kwargs)
-    model = loader.from_pretrained(path, **kwargs)
-    log.info("loaded %s (%s, %s%s)", path, kwargs["dtype"], spec.attn_implementation, ", 4-bit" if bnb else "")
+        model = _load_without_weights(path, spec, kwargs)
+    else:
+        model = loader.from_pretrained(path, **kwargs)
+        log.info("loaded %s (%s, %s%s)", path, kwargs["dtype"], spec.attn_implementation, ", 4-bit" if bnb else "")
+    if path != spec.name_or_path and is_hub_id(spec.name_or_path):
+        hub_name(model, spec.name_or_path)  # staged in the bucket: the adapter still names the Hub id
     return model
 
 
@@ -204,9 +210,13 @@ def _parameters_to_empty_cpu(model: PreTrainedModel) -> None:
             module._parameters[name] = replaced[id(param)]
 
 
-def load_model_and_tokenizer(recipe: Recipe) -> tuple[PreTrainedModel, Any]:
-    """Base model + tokenizer/processor for a recipe (resolving `local:` models once)."""
+def load_model_and_tokenizer(recipe: Recipe, location: OutputLocation | None = None) -> tuple[PreTrainedModel, Any]:
+    """Base model + tokenizer/processor for a recipe (resolving `local:` models once; staged with `location`)."""
     path = resolve_model_path(recipe.model.name_or_path)
+    if location is not None:
+        from trainer.base_weights import stage_base_model
+
+        path = stage_base_model(path, recipe.model.revision, location)
     return load_model(recipe.model, recipe.quantization, path), load_tokenizer(recipe.model, path)
 
 

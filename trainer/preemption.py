@@ -11,14 +11,24 @@ marker last, trainer/checkpoints.py) and stops. `trainer.train.main` then raises
 adapter, no `_RUN_COMPLETE.json`; `python -m trainer` exits 143 (128 + SIGTERM) and the retried pod resumes
 from that step.
 
+Ray workers cannot be reached by the signal (docs/decisions/ray-preemption.md): in a KubeRay pod SIGTERM goes to
+`ray start --block`, which terminates the raylet and the other Ray processes with 1 s to exit before SIGKILL
+(ray/_private/node.py `_register_shutdown_hooks`, `_kill_process_impl`, Ray 2.48.0), and the training function
+runs in a worker thread, where no signal handler can be installed (ray/train/v2/_internal/execution/
+worker_group/thread_runner.py). So the Ray worker pods get a preStop hook (`prestop_command`, infra/ray_job.py):
+Kubernetes runs it before it sends SIGTERM; it writes a notice file, which the same callback reads at each step
+end (`notice=`), and waits for the trainer's acknowledgement that the checkpoint is with Ray (`ACK_SUFFIX`).
+
 Not done here: a signal while the model loads or the data is prepared stops the process as before (there is
-no step to keep); Ray workers (trainer/ray_entry.py) are stopped by Ray.
+no step to keep).
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,6 +37,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_CODE = 128 + signal.SIGTERM
+# The preStop hook's notice in a Ray worker container (its own /tmp: one per pod); the trainer's
+# acknowledgement is the same path + ACK_SUFFIX.
+NOTICE_FILE = "/tmp/gemma-finetune-preemption"
+ACK_SUFFIX = ".saved"
+
+
+def prestop_command(notice: str = NOTICE_FILE, wait_s: int = 25) -> list[str]:
+    """The preStop exec: write the notice, wait (at most `wait_s`) for the trainer's acknowledgement, clean up.
+
+    Kubernetes sends SIGTERM only once the hook returns (or the grace period ends), so the Ray processes of
+    the pod live until the checkpoint of the step in progress has been handed to Ray.
+    """
+    n, ack = shlex.quote(notice), shlex.quote(notice + ACK_SUFFIX)
+    script = (
+        f"touch {n}; i=0; while [ ! -e {ack} ] && [ $i -lt {wait_s * 5} ]; do sleep 0.2; i=$((i+1)); done; "
+        f"test -e {ack}; rc=$?; rm -f {n} {ack}; exit $rc"
+    )
+    return ["/bin/sh", "-c", script]
+
+
+def acknowledge(notice: str | Path) -> None:
+    """Tell the waiting preStop hook the checkpoint is saved (it then lets Kubernetes send SIGTERM)."""
+    Path(f"{notice}{ACK_SUFFIX}").touch()
 
 
 class Preempted(RuntimeError):
@@ -50,8 +83,11 @@ def _any_rank(flag: bool, device: Any) -> bool:
     return bool(tensor.item())
 
 
-def preemption_callback() -> TrainerCallback:
-    """A TrainerCallback that turns a SIGTERM into 'save this step, then stop'; `install()` / `uninstall()` the handler."""
+def preemption_callback(notice: str | Path | None = None) -> TrainerCallback:
+    """A TrainerCallback that turns a SIGTERM into 'save this step, then stop'; `install()` / `uninstall()` the handler.
+
+    With `notice`, the file's existence counts as the signal (the Ray path: a preStop hook writes it).
+    """
     from transformers import TrainerCallback
 
     class SaveOnSigterm(TrainerCallback):
@@ -74,6 +110,9 @@ def preemption_callback() -> TrainerCallback:
                 self._previous = None
 
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if notice is not None and not self.signalled and Path(notice).exists():
+                log.warning("preemption notice %s: saving a checkpoint at the end of this step, then stopping", notice)
+                self.signalled = True
             if self.stopped_at is None and _any_rank(self.signalled, args.device):
                 self.stopped_at = state.global_step
                 control.should_save = True

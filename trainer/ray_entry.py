@@ -34,6 +34,10 @@ Decisions:
   final adapter and run_summary.json still go to `output.dir`. One download per node on resume: local
   rank 0 copies Ray's checkpoint to the node's disk while the node's other ranks wait
   (`node_resume_checkpoint`).
+- Preemption (trainer/preemption.py, docs/decisions/ray-preemption.md): SIGTERM never reaches the training
+  thread of a Ray worker, so the worker pods' preStop hook writes a notice file; at the next step end every
+  rank agrees, the step's checkpoint is saved and reported to Ray, local rank 0 acknowledges (the hook
+  returns, Kubernetes sends SIGTERM) and the attempt fails with `Preempted`; Ray's restart resumes there.
 - Vision recipes (`model.text_only: false`) get trainer/collators.py's VisionSFTCollator:
   labels mask pad and image tokens by the processor's own ids, and the prompt when
   `training.assistant_only_loss` is on. `training.max_length` counts the image's soft tokens:
@@ -81,6 +85,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.preemption import NOTICE_FILE
 from trainer.recipe import Recipe, RecipeError, load_recipe, world_size_problem
 
 if TYPE_CHECKING:
@@ -111,9 +116,11 @@ class RayRunSpec:
     name: str | None = None
     max_failures: int = 2
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # where each worker looks for its pod's preStop notice (trainer/preemption.py)
+    preemption_notice: str = NOTICE_FILE
 
     def worker_config(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "overrides": list(self.overrides)}
+        return {"recipe": self.recipe, "overrides": list(self.overrides), "preemption_notice": self.preemption_notice}
 
 
 def _env_bool(value: str | None) -> bool:
@@ -240,7 +247,7 @@ def build_vision_trainer(
     from trainer.modeling import load_model_and_tokenizer, lora_config
     from trainer.train import LossMode, sft_config
 
-    model, processor = load_model_and_tokenizer(recipe)
+    model, processor = load_model_and_tokenizer(recipe, location)
     max_length = recipe.training.max_length
     # The data loader's length check counts text tokens only; the collator counts the images too.
     split = prepare_datasets(recipe.data, getattr(processor, "tokenizer", processor), max_length)
@@ -321,6 +328,7 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     from ray.train.huggingface.transformers import prepare_trainer
 
     from trainer.checkpoints import OutputLocation, upload_dir
+    from trainer.preemption import Preempted, acknowledge, preemption_callback
     from trainer.train import SUMMARY_FILE, build_trainer, run_summary
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -328,10 +336,12 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     recipe = load_recipe(config["recipe"], [*config["overrides"], *_cpu_overrides()])
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
-    callbacks = [ray_report_callback(), *extra_callbacks]
+    notice = config.get("preemption_notice", NOTICE_FILE)
+    preemption = preemption_callback(notice)  # after the report: its save is reported before the stop
+    callbacks = [ray_report_callback(), preemption, *extra_callbacks]
     # Ray's report is each checkpoint's one upload (to storage_path, where a restarted worker group resumes
     # from); the trainer's mirror callback only marks it complete here: no remote to copy it to as well.
-    checkpoints_here = replace(location, remote=None)
+    checkpoints_here = replace(location, remote=None, base_remote=location.base_weights_url)
     if recipe.model.text_only:
         trainer, processor = build_trainer(recipe, checkpoints_here, callbacks)
     else:
@@ -348,6 +358,12 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     finally:
         if resume is not None and trainer.args.local_process_index == 0:  # the node's copy, read at the start
             shutil.rmtree(resume.parent, ignore_errors=True)
+    if preemption.stopped_at is not None:
+        # checkpoint-N is with Ray (reported in that step's on_save, every rank): free the pod's preStop hook, then
+        # fail this attempt so that Ray's FailureConfig restarts the group from it.
+        if trainer.args.local_process_index == 0:
+            acknowledge(notice)
+        raise Preempted(preemption.stopped_at)
 
     adapter_dir = location.local / "adapter"
     trainer.save_model(str(adapter_dir))

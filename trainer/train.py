@@ -63,6 +63,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.base_weights import stage_base_model
 from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
 from trainer.cost_line import SUMMARY_COST_KEY, run_cost_line
 from trainer.preemption import Preempted, preemption_callback
@@ -219,7 +220,8 @@ def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
     from trainer.modeling import load_model, load_tokenizer, lora_config
 
     fsdp2_loads_persistent_buffers()  # else accelerate's FSDP2 prepare fails on Gemma 4 (trainer/fsdp.py)
-    model_path = resolve_model_path(recipe.model.name_or_path)
+    # staged once per run in the bucket (trainer/base_weights.py); per-node file lock, before the process group
+    model_path = stage_base_model(resolve_model_path(recipe.model.name_or_path), recipe.model.revision, location)
     tokenizer: Any = load_tokenizer(recipe.model, model_path)
     text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     split = prepare_datasets(recipe.data, text_tokenizer, recipe.training.max_length)

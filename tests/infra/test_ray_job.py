@@ -140,6 +140,16 @@ class TestEveryObjectValidates:
 
 
 class TestRayJob:
+    def test_gpu_workers_hold_sigterm_until_the_step_is_saved(self, ephemeral: StackRun) -> None:
+        """Preemption: the preStop hook writes the trainer's notice and waits (trainer/preemption.py)."""
+        from trainer.preemption import NOTICE_FILE, prestop_command
+
+        pod = worker_group(cluster_spec(ephemeral))["template"]["spec"]
+        (worker,) = pod["containers"]
+        command = worker["lifecycle"]["preStop"]["exec"]["command"]
+        assert command == prestop_command(NOTICE_FILE, wait_s=pod["terminationGracePeriodSeconds"] - 30)
+        assert pod["terminationGracePeriodSeconds"] >= 60
+
     def test_lifecycle(self, ephemeral: StackRun) -> None:
         spec = rayjob_of(ephemeral)["spec"]
         assert spec["shutdownAfterJobFinishes"] is True, "no GPU idles after the run"

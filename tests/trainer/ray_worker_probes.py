@@ -181,3 +181,41 @@ class InterruptedRun:
             ray.train.report = original_report
             transformers.Trainer._save_optimizer_and_scheduler = original_save  # type: ignore[method-assign]
             transformers.Trainer._save_rng_state = original_rng  # type: ignore[method-assign]
+
+
+PREEMPT_STEPS_FILE = "preempt-attempt-{attempt}-rank-{rank}.json"
+
+
+class SlowStepsRun:
+    """A picklable train loop: the product's loop with each step `step_delay_s` longer, its steps recorded.
+
+    For the preemption test: the steps are slow so that the pod's preStop notice lands mid-run.
+    """
+
+    def __init__(self, record_dir: str, step_delay_s: float) -> None:
+        self.record_dir = record_dir
+        self.step_delay_s = step_delay_s
+
+    def __call__(self, config: dict[str, Any]) -> None:
+        import ray.train
+        from transformers import TrainerCallback
+
+        from trainer.ray_entry import train_loop_per_worker
+
+        rank = ray.train.get_context().get_world_rank()
+        attempt = 1 if ray.train.get_checkpoint() is None else 2
+        path = Path(self.record_dir) / PREEMPT_STEPS_FILE.format(attempt=attempt, rank=rank)
+        delay = self.step_delay_s
+        record: dict[str, Any] = {"start_step": None, "steps": []}
+
+        class Slow(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+                record["start_step"] = state.global_step
+                path.write_text(json.dumps(record))
+
+            def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+                time.sleep(delay)
+                record["steps"].append(state.global_step)
+                path.write_text(json.dumps(record))
+
+        train_loop_per_worker(config, extra_callbacks=[Slow()])

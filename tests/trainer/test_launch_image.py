@@ -9,6 +9,7 @@ first kernel launch (trl's fused LM head launches one on every CUDA step).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -54,6 +55,30 @@ def test_library_pins_match_the_tested_versions():
     gpu, dev = pins(GPU_REQS), pins(DEV_REQS)
     mismatched = {name: (gpu.get(name), dev.get(name)) for name in SHARED if gpu.get(name) != dev.get(name)}
     assert not mismatched, f"trainer/requirements-gpu.txt vs requirements-dev.txt: {mismatched}"
+
+
+def test_torchvision_is_the_release_built_for_the_images_torch():
+    """Why: without torchvision transformers uses the slow PIL Gemma 3 image processor; a torchvision built for
+    another torch fails to load its C++ ops. The wheel's own `Requires-Dist: torch` is recorded, with where it
+    was read, in tests/trainer/torchvision_wheel.json: a torch bump without a torchvision bump fails here."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    wheel = json.loads((REPO / "tests" / "trainer" / "torchvision_wheel.json").read_text())
+    gpu = pins(GPU_REQS)
+    assert "torchvision" in gpu, "trainer/requirements-gpu.txt: no torchvision, so the slow PIL image processor"
+    torchvision, torch = Version(gpu["torchvision"]), Version(gpu["torch"])
+    assert torchvision.public == wheel["version"], (
+        f"torchvision=={torchvision}: tests/trainer/torchvision_wheel.json records {wheel['version']}; "
+        "Fix: read the new wheel's METADATA (pip download torchvision==X --no-deps) and record it"
+    )
+    assert torchvision.local == torch.local, f"torchvision {torchvision} and torch {torch}: one CUDA build"
+    # PEP 440: a requirement without a local label matches torch 2.13.0+cu128
+    assert torch in SpecifierSet(wheel["requires_dist_torch"]), (
+        f"torch=={torch} but torchvision {torchvision} requires torch{wheel['requires_dist_torch']}: "
+        "Fix: pin the torchvision release built for this torch"
+    )
+    assert "torchvision" not in pins(DEV_REQS), "the dev venv keeps the PIL processor (no torchvision there)"
 
 
 def test_torch_is_a_cuda_build_at_the_tested_version():

@@ -196,3 +196,34 @@ def test_a_sigterm_asks_the_trainer_to_save_and_stop_at_the_step_end() -> None:
         callback.uninstall()
     assert control.should_save and control.should_training_stop and callback.stopped_at == 7
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's only
+
+
+def test_the_ray_pods_prestop_notice_saves_and_stops_and_its_acknowledgement_frees_the_hook(tmp_path: Path) -> None:
+    """The worker pod's preStop command (infra/ray_job.py) writes the notice and holds SIGTERM back until the
+    trainer acknowledges the saved step; the callback treats the notice as the signal."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from trainer.preemption import acknowledge, preemption_callback, prestop_command
+
+    notice = tmp_path / "preemption"
+    callback = preemption_callback(notice)
+    args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    state, control = TrainerState(global_step=4), TrainerControl()
+    callback.on_step_end(args, state, control)
+    assert not (control.should_save or control.should_training_stop)
+
+    hook = subprocess.Popen(prestop_command(str(notice), wait_s=60))
+    try:
+        deadline = time.monotonic() + 10
+        while not notice.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        state.global_step = 5
+        callback.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop and callback.stopped_at == 5
+        assert hook.poll() is None, "the hook waits for the saved step"
+        acknowledge(notice)
+        assert hook.wait(timeout=10) == 0
+    finally:
+        if hook.poll() is None:
+            hook.kill()
+    assert not notice.exists() and not Path(f"{notice}.saved").exists()

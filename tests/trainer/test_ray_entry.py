@@ -41,7 +41,11 @@ class TestArguments:
         )  # fmt: skip
         assert (spec.num_workers, spec.use_gpu, spec.accelerator_type) == (16, True, "B200")
         assert spec.storage_path == "gs://b/ray" and spec.overrides == ("training.max_steps=3",)
-        assert spec.worker_config() == {"recipe": RECIPE, "overrides": ["training.max_steps=3"]}
+        assert spec.worker_config() == {
+            "recipe": RECIPE,
+            "overrides": ["training.max_steps=3"],
+            "preemption_notice": "/tmp/gemma-finetune-preemption",
+        }
 
     def test_environment_for_a_rayjob(self):
         env = {
@@ -236,3 +240,84 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
     assert summary["steps"] == 4 and summary["resumed_from_step"] == 2 and summary["ray_workers"] == 2
     assert summary["loaded_in_4bit"] is True and summary["ddp_find_unused_parameters"] is False
     assert summary["epoch"] == 4 * 2 / 8, "DDP shards the 8 rows over 2 workers: 4 steps are one epoch"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_preempted_worker_pod_saves_the_step_it_had_and_the_restart_resumes_there(
+    ray_cluster, ray_plan, tmp_path, monkeypatch
+):
+    """The pod's real preStop command (as infra/ray_job.py renders it) runs mid-run, as Kubernetes runs it
+    before SIGTERM; it must return once the step's checkpoint is with Ray, and Ray's restart resume there.
+
+    Not the signal itself: SIGTERM to the worker node's `ray start --block` stops every Ray process of the
+    node within ~1 s and would take the session's shared cluster down (docs/decisions/ray-preemption.md).
+    """
+    import dataclasses
+    import subprocess
+    import threading
+    import time
+
+    import ray
+
+    from tests.trainer.ray_worker_probes import PREEMPT_STEPS_FILE, SlowStepsRun
+    from trainer.preemption import prestop_command
+    from trainer.ray_entry import run
+
+    monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "1")
+    record, out, storage = tmp_path / "record", tmp_path / "out", tmp_path / "ray"
+    record.mkdir()
+    notice = tmp_path / "pod-tmp" / "preemption"
+    notice.parent.mkdir()
+    max_steps, hook_at = 8, 2
+    planned = shlex.split(ray_plan.entrypoint)[3:]
+    spec = parse_args(
+        [*planned, "--num-workers", "2", "--no-use-gpu", "--storage-path", str(storage), "--max-failures", "1",
+         "--set", "distributed.world_size=2", "--set", f"training.max_steps={max_steps}",
+         "--set", "training.save_steps=1000", "--set", "quantization=null", "--set", f"output.dir=file://{out}"],
+        env={},
+    )  # fmt: skip
+    spec = dataclasses.replace(spec, preemption_notice=str(notice))
+
+    def steps(rank: int) -> list[int]:
+        path = record / PREEMPT_STEPS_FILE.format(attempt=1, rank=rank)
+        return json.loads(path.read_text())["steps"] if path.exists() else []
+
+    hook: dict[str, object] = {}
+
+    def kubelet() -> None:  # what the kubelet does on a pod deletion: the preStop hook first
+        deadline = time.monotonic() + 900
+        while min(len(steps(0)), len(steps(1))) < hook_at and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hook["at"] = min(max(steps(0)), max(steps(1)))
+        started = time.monotonic()
+        hook["rc"] = subprocess.run(prestop_command(str(notice), wait_s=120), timeout=180).returncode
+        hook["seconds"] = time.monotonic() - started
+
+    watcher = threading.Thread(target=kubelet, daemon=True)
+    watcher.start()
+    ray.init(address=ray_cluster.address)
+    try:
+        result = run(spec, loop=SlowStepsRun(str(record), step_delay_s=1.0))
+    finally:
+        ray.shutdown()
+    watcher.join(timeout=200)
+
+    assert result.error is None, result.error
+    assert hook.get("rc") == 0, f"the preStop hook was not released by a saved checkpoint: {hook}"
+    assert not notice.exists() and not Path(f"{notice}.saved").exists()
+    run_dir = storage / spec.name
+    saved = sorted(
+        json.loads(state.read_text())["global_step"]
+        for state in run_dir.glob("checkpoint_*/checkpoint/trainer_state.json")
+    )
+    # save_steps beyond the run: only the preemption saved, and transformers' save at the last step
+    assert len(saved) == 2 and saved[1] == max_steps, saved
+    step = saved[0]
+    assert hook["at"] <= step <= hook["at"] + 2 < max_steps, (hook, step)
+    assert max(steps(0)) == max(steps(1)) == step, "the first attempt stops at the saved step"
+    for rank in (0, 1):
+        second = json.loads((record / PREEMPT_STEPS_FILE.format(attempt=2, rank=rank)).read_text())
+        assert second["start_step"] == step and second["steps"] == list(range(step + 1, max_steps + 1)), second
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["resumed_from_step"] == step and summary["steps"] == max_steps, summary
