@@ -44,16 +44,20 @@ Decisions
   Soft delete (Cloud Storage keeps, and bills, a deleted object 7 days by default) is off unless
   `bucketSoftDeleteDays` (7 to 90) turns it on: checkpoint rotation deletes GBs on every save, and
   a force-destroyed bucket would bill a week for its models (https://cloud.google.com/storage/docs/soft-delete).
-  The build staging bucket has none. An import compares the policy too: a bucket kept from before
-  this key existed has the 7-day default, so adopt it with `bucketSoftDeleteDays: 7`.
+  The build staging bucket has none. A bucket kept from before this key existed has the 7-day
+  default: a Pulumi CLI from v3.175 (CI pins 3.272) imports it and then updates the policy to the
+  key's value in the same `up` (pulumi/pulumi#19339: `ImportStep` no longer diffs, the step generator
+  continues from the imported state); only an older CLI fails that import, and needs
+  `bucketSoftDeleteDays: 7` for it.
   Because its name is fixed, the next `pulumi up` of the stack would get 409 on create; so
   when the bucket already exists in the project the program declares it with
   `import_=<name>`: after a destroy the engine adopts it (models included); while it is in the
   state, the same ID makes the option a no-op (pulumi/pulumi
   pkg/resource/deploy/step_generator.go: an import happens only when there is no old state or
-  the old ID differs). An import fails on any difference between the program's inputs and what
-  the provider reads, except for `ignore_changes` paths (pulumi/pulumi pkg/resource/deploy/step.go
-  `ImportStep`: "inputs to import do not match the existing resource"). pulumi-gcp reads an
+  the old ID differs). A CLI before v3.175 fails an import on any difference between the program's
+  inputs and what the provider reads, except for `ignore_changes` paths (pulumi/pulumi v3.100.0
+  pkg/resource/deploy/step.go `ImportStep`: "inputs to import do not match the existing resource";
+  a newer one imports, then updates the difference). pulumi-gcp reads an
   imported bucket's labels into `effectiveLabels` only, leaving `labels` and `pulumiLabels` empty
   (pulumi-gcp #1961 / #3313: the patch that imported them was dropped in v9; #3044: the
   `goog-pulumi-provisioned` label alone makes `pulumiLabels` differ), so every stack, which labels

@@ -146,3 +146,34 @@ def test_fresh_clone_installs_and_runs_the_program_as_pulumi_does(tmp_path: Path
     installed = {p["name"].lower().replace("_", "-") for p in json.loads(listed)}
     assert {"pulumi", "pulumi-gcp"} <= installed
     assert not installed & {"torch", "transformers", "pytest", "ray"}, installed
+
+
+def test_an_older_python_stops_with_the_fix_before_the_program_runs(tmp_path: Path) -> None:
+    """pip.go CommandPath makes `.venv` with the `python3` on PATH (3.10 on Ubuntu 22.04): the entry point must
+    say what to do instead of failing deep in the program (`from enum import StrEnum`)."""
+    replay = (
+        "import runpy, sys; sys.version_info = (3, 10, 12, 'final', 0); "
+        f"runpy.run_path({str(REPO_ROOT / 'infra')!r}, run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", replay], cwd=REPO_ROOT / "infra", capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "needs Python 3.11 or newer" in done.stderr and "Python 3.10.12" in done.stderr, done.stderr[-2000:]
+    assert "PULUMI_PYTHON_CMD=python3.11" in done.stderr and "remove .venv" in done.stderr
+
+
+def test_the_readme_selects_a_stack_a_fresh_backend_does_not_have_yet() -> None:
+    """pulumi/pulumi v3.259.0 pkg/cmd/pulumi/stack/stack_select.go: a named stack the backend lacks is
+    `StackNotFoundError` ("no stack named 'dev' found") unless `--create` (`-c`) is passed; a new user's
+    backend holds none of the three stacks, so the cloud path's `select` must create it (or `init` it first)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    cloud_path = readme[readme.index("## The cloud path") :]
+    block = cloud_path[cloud_path.index("```bash") : cloud_path.index("```", cloud_path.index("```bash") + 3)]
+    commands = [line.split("#")[0].split() for line in block.splitlines()]
+    inits = {c[3] for c in commands if c[:3] == ["pulumi", "stack", "init"] and len(c) > 3}
+    selects = [c for c in commands if c[:3] == ["pulumi", "stack", "select"]]
+    assert selects, "the cloud path selects a stack"
+    for cmd in selects:
+        name = next(w for w in cmd[3:] if not w.startswith("-"))
+        assert {"--create", "-c"} & set(cmd) or name in inits, " ".join(cmd)
