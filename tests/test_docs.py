@@ -104,6 +104,14 @@ class TestReadme:
                 assert not timed, f"{doc.relative_to(REPO_ROOT)}: {line.strip()}"
 
 
+class TestDecisionRecords:
+    def test_every_record_is_listed_in_the_index(self) -> None:
+        folder = REPO_ROOT / "docs" / "decisions"
+        index = (folder / "README.md").read_text(encoding="utf-8")
+        records = sorted(p.name for p in folder.glob("*.md") if p.name != "README.md")
+        assert records and [r for r in records if f"]({r})" not in index] == []
+
+
 class TestLinks:
     @pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
     def test_every_relative_link_resolves(self, doc: Path) -> None:
