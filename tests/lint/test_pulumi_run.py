@@ -384,7 +384,10 @@ class TestCancelledBeforePulumiStarts:
             assert names == ["login", "stack select", "up", "SIGINT"] and code == 255
             assert "cancelled at a safe point" in (tmp_path / "console.txt").read_text()
         else:
-            assert code == 130
+            # the fake is a Python script: a SIGINT while the interpreter is still starting (before the script
+            # runs) exits 1, one while the script runs exits 130 (CPython sets _Py_UnhandledKeyboardInterrupt
+            # only for the main module); either way it ended having done nothing
+            assert code in (130, 1) and names[2:] in ([], ["up"])
 
 
 class TestCancelWait:

@@ -281,7 +281,10 @@ def test_a_preempted_worker_pod_saves_the_step_it_had_and_the_restart_resumes_th
 
     def steps(rank: int) -> list[int]:
         path = record / PREEMPT_STEPS_FILE.format(attempt=1, rank=rank)
-        return json.loads(path.read_text())["steps"] if path.exists() else []
+        try:  # a worker rewrites the file at each step: a read can see it half written
+            return json.loads(path.read_text())["steps"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
 
     hook: dict[str, object] = {}
 
