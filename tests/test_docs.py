@@ -22,15 +22,17 @@ _LINK = re.compile(r"\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?
 _HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 
 
-OUTSIDE = ("../shared", "shared/CLOUD", "CLOUD-FACTS", "SEEDS.md")
+# spelled in parts, so this file does not name them itself (and can be scanned like every other)
+_UP, _NOTES = "../" + "shared", "shared/" + "CLOUD"
+OUTSIDE = (_UP, _NOTES, "CLOUD" + "-FACTS", "SEEDS" + ".md")
 
 
 def tracked_files() -> list[Path]:
-    """Every text file git tracks, but this test (which names what it looks for)."""
+    """Every text file git tracks."""
     import subprocess
 
     names = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
-    return [REPO_ROOT / n for n in names.splitlines() if n != "tests/test_docs.py"]
+    return [REPO_ROOT / n for n in names.splitlines()]
 
 
 def pointers_outside(files: list[Path]) -> list[str]:
@@ -126,9 +128,9 @@ class TestTheCheckCanFail:
     """The link check reports what is broken, and leaves code and external URLs alone."""
 
     def test_a_pointer_outside_is_reported(self, tmp_path: Path) -> None:
-        (tmp_path / "a.py").write_text("# facts from ../shared/notes.md\n")
+        (tmp_path / "a.py").write_text(f"# facts from {_UP}/notes.md\n")
         (tmp_path / "b.md").write_text("See the facts file, section 3.\n")
-        assert pointers_outside([tmp_path / "a.py", tmp_path / "b.md"]) == [f"{tmp_path / 'a.py'}: ../shared"]
+        assert pointers_outside([tmp_path / "a.py", tmp_path / "b.md"]) == [f"{tmp_path / 'a.py'}: {_UP}"]
 
     def test_a_missing_file_a_missing_anchor_and_a_link_out_of_the_repo_are_reported(self) -> None:
         source = REPO_ROOT / "docs" / "costs.md"
