@@ -384,9 +384,9 @@ class TestCancelledBeforePulumiStarts:
             assert names == ["login", "stack select", "up", "SIGINT"] and code == 255
             assert "cancelled at a safe point" in (tmp_path / "console.txt").read_text()
         else:
-            # the fake is a Python script: a SIGINT while the interpreter is still starting (before the script
-            # runs) exits 1, one while the script runs exits 130 (CPython sets _Py_UnhandledKeyboardInterrupt
-            # only for the main module); either way it ended having done nothing
+            # the fake is a Python script; a SIGINT that lands before its handler is set ended it with 130 or,
+            # in 2 of 6 runs here, with 1 (seen, not traced to CPython's start-up): either way it ended having
+            # done nothing, which the recorded calls show
             assert code in (130, 1) and names[2:] in ([], ["up"])
 
 
