@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 # torch's OpenMP threads sleep instead of spinning while they wait: on a shared CPU spinning takes
-# the cores the working threads need (serving/demo.py `_yielding_cpu_threads` has the numbers)
+# the cores the working threads need (demo/pipeline.py `_yielding_cpu_threads` has the numbers)
 export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: help venv test test-fast lint lint-files demo plan bench gpu-wheelhouse gpu-check-dry clean
@@ -55,7 +55,7 @@ lint-files: $(STAMP) # every linter but mypy (seconds)
 	    -o -name node_modules \) -prune -o -type f \( -name Dockerfile -o -name 'Dockerfile.*' -o -name '*.Dockerfile' \) \
 	    ! -name '*.dockerignore' -print | sort); \
 	  echo "hadolint $$files"; [ -z "$$files" ] || $(VENV)/bin/hadolint $$files
-	$(PY) -m infra.validate_manifests
+	$(PY) -m infra.offline.validate_manifests
 
 # mypy (~37 s of one core on a cold cache, reading sources only) runs beside the tests, which leave
 # part of the 2 cores idle while they wait on servers, ranks and Ray; its report follows theirs
@@ -70,10 +70,10 @@ test-fast: $(STAMP) ## the tests not marked slow
 	$(PY) -m pytest -q -m "not slow" tests
 
 demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query it [DATA=my.jsonl] [RECIPE=my.yaml]
-	$(PY) -m serving.demo $(if $(DATA),--data "$(DATA)") $(if $(RECIPE),--recipe "$(RECIPE)")
+	$(PY) -m demo.pipeline $(if $(DATA),--data "$(DATA)") $(if $(RECIPE),--recipe "$(RECIPE)")
 
 plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4 [SET="maxRunCostUsd=500 nodes=2"]
-	$(PY) -m infra.plan --stack $(STACK) $(foreach kv,$(SET),--set $(kv))
+	$(PY) -m infra.offline.plan --stack $(STACK) $(foreach kv,$(SET),--set $(kv))
 
 bench: $(STAMP) ## training throughput, each shipped text recipe vs its seed (CPU)
 	$(PY) bench/train_throughput.py --device cpu --recipe text-to-sql-gemma4-31b --out build/bench/text-to-sql.json

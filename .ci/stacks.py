@@ -17,7 +17,7 @@ Decisions
   on-demand | spot | flex-start: on GKE the preflight reads that capacity's GPU quota), `budget`
   (billingAccount set: the deploy manages a budget on the billing account) and `cloud-build`
   (imageBuild: cloud-build: the deploy starts builds as the stack's builder account), read the same way;
-  `-` when none. infra/permissions.py `stack_features` says the same from the validated configuration.
+  `-` when none. infra/offline/permissions.py `stack_features` says the same from the validated configuration.
 - The GKE workloads (`gke-job`, `gke-ray`) are grouped: their previews need the cluster, the
   gke-gcloud-auth-plugin and the reviewed `preview-gke` environment; `cloud-run` needs neither.
 - `--components`: the gcloud components `pulumi up` of a stack runs besides an authenticated gcloud (which

@@ -46,11 +46,11 @@ DEFAULT_OUT = "build/gpu_check/results.json"
 BUDGET_S = 540  # 10 minutes for the whole check, less a minute for start-up and the wheel install
 H200_BF16_DENSE_TFLOPS = 989.0
 SAMPLES = {
-    "emoji-gemma3-1b": ["data.source=local", "data.path=trainer/data/emoji.jsonl"],
-    "text-to-sql-gemma4-31b": ["data.source=local", "data.path=trainer/data/text_to_sql.jsonl"],
+    "emoji-gemma3-1b": ["data.source=local", "data.path=trainer/samples/emoji.jsonl"],
+    "text-to-sql-gemma4-31b": ["data.source=local", "data.path=trainer/samples/text_to_sql.jsonl"],
     "product-descriptions-gemma3-4b": [
         "data.source=local",
-        "data.path=trainer/data/products.jsonl",
+        "data.path=trainer/samples/products.jsonl",
         "data.image_dir=trainer/data",
     ],
 }

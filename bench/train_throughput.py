@@ -71,7 +71,7 @@ log = logging.getLogger("bench")
 
 DEFAULT_OUT = "build/bench/train_throughput.json"
 DEFAULT_RECIPE = "text-to-sql-gemma4-31b"
-SAMPLES = {Task.TEXT_TO_SQL: "trainer/data/text_to_sql.jsonl", Task.EMOJI: "trainer/data/emoji.jsonl"}
+SAMPLES = {Task.TEXT_TO_SQL: "trainer/samples/text_to_sql.jsonl", Task.EMOJI: "trainer/samples/emoji.jsonl"}
 SEED = 42
 H200_BF16_DENSE_TFLOPS = 989.0
 MIN_PARITY_ROWS = 20  # held-out rows below which the held-out loss is too noisy to decide parity

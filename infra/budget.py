@@ -30,7 +30,7 @@ Decisions
 Not here: credentials. Creating the budget needs `billing.budgets.create` on the billing account
 (roles/billing.costsManager, or roles/billing.admin); the channels need
 `monitoring.notificationChannels.create` on the project (roles/monitoring.notificationChannelEditor).
-`infra/api_permissions.py` RESOURCES holds every call with its source; the CI deploy identity gets both roles
+`infra/offline/api_permissions.py` RESOURCES holds every call with its source; the CI deploy identity gets both roles
 from the one-time setup (infra/bootstrap/ci-identities.yaml, `uses: [budget]`). With
 user credentials (ADC) the Budget API also needs `gcp:billingProject` and `gcp:userProjectOverride: true`
 (pulumi-gcp Budget docs), and `serviceusage.services.use` on that project.

@@ -605,7 +605,7 @@ def recipe_file_problem(value: str) -> str | None:
     if outside:
         return (
             f"recipe={value!r} reads {', '.join(outside)}, outside trainer/: the trainer image carries trainer/ only. "
-            "Fix: move the data under trainer/data/ (and point data.path there), or upload it to a bucket "
+            "Fix: move the data under trainer/samples/ (and point data.path there), or upload it to a bucket "
             "(data.path: gs://BUCKET/PREFIX/*.jsonl with data.rows)"
         )
     return None

@@ -18,7 +18,7 @@ Decisions
   them, `.ci/stacks.py --components`). A preview does not run it (pulumi/pulumi-command
   provider/pkg/provider/local/commandController.go: "If in preview, don't run the command"); a later
   `up` runs it again only when one of its inputs changes (the cluster's kubeconfig, the CRD list, the
-  script). The identity needs container.customResourceDefinitions.get and .list (infra/api_permissions.py).
+  script). The identity needs container.customResourceDefinitions.get and .list (infra/offline/api_permissions.py).
 
 Not here: waiting for the KubeRay operator itself (Google runs it; an Established CRD is what the API
 server needs to accept a RayJob, which the operator then picks up whenever it is ready).

@@ -15,7 +15,7 @@ Decisions
   project-wide because their permissions exist only there: the nodes' logging/monitoring role
   (`roles/container.defaultNodeServiceAccount`) and the builder's `roles/logging.logWriter`.
   No basic role is ever used (`infra.catalog.BASIC_ROLES`). What each identity needs and why
-  is `infra/permissions.py`; a test proves these grants cover it and nothing more.
+  is `infra/offline/permissions.py`; a test proves these grants cover it and nothing more.
 - The accounts are adopted when they already exist: the CI setup (`infra/bootstrap/ci-setup.sh`)
   creates them before the first `up`, because IAM Conditions cannot match service-account names and
   the deploy identity may act as, and bind, only accounts that exist when the setup grants it that.

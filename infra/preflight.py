@@ -51,7 +51,7 @@ Decisions
 Not here: prices and the ceiling itself (`infra.cost`), and credentials: the identity that runs `pulumi
 preview` / `up` needs `compute.zones.list` and `compute.reservations.get` on the reservation's project (both
 in roles/compute.viewer) and `cloudquotas.quotas.get` on the project (roles/cloudquotas.viewer), with the
-Cloud Quotas API (cloudquotas.googleapis.com) enabled. `infra/api_permissions.py` INVOKES holds these with
+Cloud Quotas API (cloudquotas.googleapis.com) enabled. `infra/offline/api_permissions.py` INVOKES holds these with
 their sources; the CI identities get them from infra/bootstrap/ci-identities.yaml (`gftCiReservationReader`,
 `gftCiQuotaReader`), and the permission proof checks both.
 """

@@ -5,7 +5,7 @@
 
 Decisions
 - `render_ray_cluster_spec` / `render_ray_job` / `render_ray_cluster` are pure functions from plain
-  values to camelCase manifests; the tests validate them with `infra/schemas/kuberay.schema.json`
+  values to camelCase manifests; the tests validate them with `infra/offline/schemas/kuberay.schema.json`
   (which `$ref`s the strict Kubernetes PodTemplateSpec) and every pod template strictly as a Pod.
 - Default (`rayCluster: ephemeral`): the RayJob carries its own `rayClusterSpec`, KubeRay creates
   the cluster, runs `python -m trainer.ray_entry …` through a submitter Kubernetes Job
@@ -18,7 +18,7 @@ Decisions
   the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it. No
   `backoffLimit` there: KubeRay >= 1.6 refuses it with `clusterSelector`, so trainingRetries does not
   apply (a failed run is started again by hand; it resumes from its checkpoints). The offline
-  validation applies KubeRay's own rules (`infra.validate_manifests.kuberay_rule_errors`).
+  validation applies KubeRay's own rules (`infra.offline.validate_manifests.kuberay_rule_errors`).
 - Workers = total GPUs (nodes x gpusPerNode), one `gpu-group` worker per node holding all its
   GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`) and, with more
   than one node, kept in one zone by a required pod affinity that selects the GPU workers only

@@ -1,4 +1,4 @@
-"""Serving: the vLLM image and its arguments, an OpenAI-compatible chat client, a local server.
+"""Serving: the vLLM image and its arguments, and an OpenAI-compatible chat client.
 
 - `serving.vllm_args`   typed vLLM server settings rendered to `vllm serve` arguments (the
                         Pulumi program imports it, so it needs only pydantic and the stdlib)
@@ -9,8 +9,8 @@
                         file and it are copied into the serving image
 - `serving.startup`     the Cloud Run startup window, stated once with its sources
 - `serving.client`      a stdlib-only chat client for Cloud Run (identity token) or 127.0.0.1
-- `serving.local_server` a local OpenAI-compatible server for a merged model folder (CPU)
-- `serving.demo`        `make demo`: fine-tune Gemma 3 270M here, merge, serve, query
+
+The local demo and its CPU server live in `demo/`.
 
 This package deliberately imports nothing heavy at import time: torch and transformers are
 loaded only inside the functions that need them.

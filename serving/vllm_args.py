@@ -29,7 +29,7 @@ Decisions:
   defaults, not the export's `generation_config.json`, which keeps the base's `do_sample`, `top_k: 64`,
   `top_p: 0.95`) with `--override-generation-config {"temperature": 0.0}` (vLLM's own neutral default is
   temperature 1.0). A request that omits `temperature` then gets the same answer every time, in the
-  cloud as from serving/local_server.py, which takes its defaults from `served_sampling_defaults()`.
+  cloud as from demo/local_server.py, which takes its defaults from `served_sampling_defaults()`.
   The export's stop tokens still apply: vLLM reads `eos_token_id` from generation_config.json for "vllm" too
   (`InputProcessor.generation_config_fields`, vllm/v1/engine/input_processor.py).
   vLLM: `ModelConfig.get_diff_sampling_param` (vllm/config/model.py) and

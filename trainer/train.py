@@ -97,7 +97,7 @@ class RunResult:
     merged_dir: str | None
     summary: dict[str, Any] = field(default_factory=dict)
     # the tokenizer (or processor) the run trained with and exported, for an in-process caller that scores
-    # the export next (serving/demo.py): the files in adapter/ and merged/ are this object saved, and
+    # the export next (demo/pipeline.py): the files in adapter/ and merged/ are this object saved, and
     # loading Gemma's 262k-word tokenizer again costs seconds. None for a run found finished.
     processing_class: Any = field(default=None, repr=False, compare=False)
 

@@ -14,7 +14,7 @@
 # idempotent in gcloud itself.
 #
 # Decisions (docs/ci.md has the table; ci-identities.yaml the reason of each grant;
-# infra/permissions.py proves them against what the program declares)
+# infra/offline/permissions.py proves them against what the program declares)
 # - A dedicated project for the stacks is strongly recommended: Artifact Registry, Cloud Run and GKE do not
 #   support IAM Conditions on resource names, so those grants cover the project.
 # - No identity holds a project-wide service-account role (serviceAccountUser/Admin/TokenCreator),

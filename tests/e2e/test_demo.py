@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from serving import demo
-from serving.local_server import PortBusyError, check_port_free
+from demo import pipeline as demo
+from demo.local_server import PortBusyError, check_port_free
 from serving.vllm_args import COMPLETION_MARKER
 from tests.serving.tiny_model import build_tiny_gemma
 
@@ -46,7 +46,7 @@ def _server_pids(needle: str) -> list[int]:
                 time.sleep(0.02)
         except OSError:
             continue
-        if "serving.local_server" in cmdline and needle in cmdline and state != "Z":
+        if "demo.local_server" in cmdline and needle in cmdline and state != "Z":
             pids.append(int(proc.name))
     return pids
 
@@ -67,7 +67,7 @@ def _tensor(folder: Path, suffix: str) -> Any:
 def test_demo_pipeline(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, "-m", "serving.demo", "--max-steps", "2", "--eval-samples", "2", "--port", "0",
+        [sys.executable, "-m", "demo.pipeline", "--max-steps", "2", "--eval-samples", "2", "--port", "0",
          "--max-tokens", "8", "--output-dir", str(out)],
         # a bound, not an expectation: 180 s at load average ~2-3, 450 s at 5-10 before the speed-ups
         cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
@@ -222,7 +222,7 @@ def test_sigterm_becomes_an_interrupt() -> None:
 
 # --------------------------------------------------------------------------- the user's own data (docs/own-data.md)
 
-TICKETS = REPO / "trainer/data/own/tickets-messages.jsonl"
+TICKETS = REPO / "trainer/samples/own/tickets-messages.jsonl"
 
 
 def _own_recipe(tmp_path: Path, model: str) -> Path:
@@ -294,7 +294,7 @@ def test_make_demo_data_fine_tunes_the_270m_on_the_users_file(tmp_path: Path) ->
     (tmp_path / "my.jsonl").write_text(TICKETS.read_text())
     out = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, "-m", "serving.demo", "--data", str(tmp_path / "my.jsonl"), "--max-steps", "2",
+        [sys.executable, "-m", "demo.pipeline", "--data", str(tmp_path / "my.jsonl"), "--max-steps", "2",
          "--eval-samples", "2", "--port", "0", "--max-tokens", "4", "--output-dir", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from infra.offline import MOCK_HF_TOKEN, StackRun, is_secret, run_stack, stack_names, unwrap_secrets
+from infra.offline.engine import MOCK_HF_TOKEN, StackRun, is_secret, run_stack, stack_names, unwrap_secrets
 
 PREBUILT = {
     "imageBuild": "prebuilt",

@@ -1,7 +1,7 @@
 """Strict schema checks for the Kubernetes objects the GKE stacks declare.
 
 Built-in kinds are validated with `kubernetes_validate` (the Kubernetes 1.33 OpenAPI schemas,
-strict: unknown fields fail). KubeRay's CRDs are on no registry, so `infra/schemas/kuberay.schema.json`
+strict: unknown fields fail). KubeRay's CRDs are on no registry, so `infra/offline/schemas/kuberay.schema.json`
 describes the RayJob / RayCluster fields we use and `$ref`s the PodTemplateSpec bundled in
 kubernetes_validate; every pod template is also validated strictly as a Pod.
 """
@@ -18,10 +18,10 @@ import kubernetes_validate
 import referencing
 from referencing.jsonschema import DRAFT202012
 
-from infra.offline import REPO_ROOT, Recorded
+from infra.offline.engine import REPO_ROOT, Recorded
 
 KUBERNETES_VERSION = "1.33"
-KUBERAY_SCHEMA = REPO_ROOT / "infra" / "schemas" / "kuberay.schema.json"
+KUBERAY_SCHEMA = REPO_ROOT / "infra" / "offline" / "schemas" / "kuberay.schema.json"
 
 
 def _integral(value: Any) -> Any:

@@ -4,7 +4,7 @@ Run by tests/infra/test_pulumi_install.py with the python of the virtualenv the 
 Pulumi's install created (never the dev venv): `python pulumi_exec_replay.py ROOT PROGRAM_DIR
 STACK...`. It keeps the steps of pulumi/pulumi v3.259.0 sdk/python/cmd/pulumi-language-python-exec
 (`__main__`): `import pulumi` first (an empty venv fails here), the config and the engine are set
-(here: `infra.offline.mock_engine` instead of a monitor address), `os.chdir(--pwd)`, then
+(here: `infra.offline.engine.mock_engine` instead of a monitor address), `os.chdir(--pwd)`, then
 `runpy.run_path(PROGRAM, run_name="__main__")` inside `pulumi.runtime.run_in_stack` (here its inner
 `run_pulumi_func`: `pulumi.runtime.set_mocks` has made the root Stack already). PROGRAM is
 ".", the entry point `pulumi.yaml`'s `main` directory resolves to (pkg/engine/project.go,
@@ -32,7 +32,7 @@ def main() -> None:
         loop = asyncio.new_event_loop()  # before the engine is set: its futures belong to this loop
         asyncio.set_event_loop(loop)
         sys.path.insert(0, root)
-        from infra import offline
+        from infra.offline import engine as offline
 
         _mocks, monitor, warnings = offline.mock_engine(stack)
         sys.path.remove(root)

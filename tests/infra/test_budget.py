@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from infra.config import ConfigError
-from infra.offline import MOCK_PROJECT_NUMBER, REPO_ROOT, StackRun, run_stack
+from infra.offline.engine import MOCK_PROJECT_NUMBER, REPO_ROOT, StackRun, run_stack
 from tests.infra.conftest import PREBUILT
 from tests.infra.test_ordering import ancestors, dependency_graph
 from tests.test_docs import slug

@@ -8,7 +8,7 @@ import pulumi
 import pytest
 
 from infra.config import ConfigError
-from infra.offline import MOCK_TRAINED_RUN, is_secret, redact_secrets, run_stack
+from infra.offline.engine import MOCK_TRAINED_RUN, is_secret, redact_secrets, run_stack
 from serving.startup import FIRST_PROBE_WITHIN_S, PROBE_LIMITS, STARTUP_WINDOW, expected_start_s
 from tests.infra.conftest import PREBUILT, plain_paths
 

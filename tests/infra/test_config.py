@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from infra.config import ConfigError, validate
-from infra.offline import run_stack
+from infra.offline.engine import run_stack
 
 CLOUD_RUN = {"gcp:project": "p", "gcp:region": "us-central1", "workload": "cloud-run", "recipe": "emoji-gemma3-1b"}
 GKE = {"gcp:project": "p", "gcp:region": "us-central1", "workload": "gke-job", "recipe": "text-to-sql-gemma4-31b"}

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from infra import plan, pricing
+from infra import pricing
 from infra.cost import NODE_RELEASE_S
-from infra.offline import REPO_ROOT, StackRun, run_stack, stack_names
+from infra.offline import plan
+from infra.offline.engine import REPO_ROOT, StackRun, run_stack, stack_names
 from infra.pricing import PRICES_AS_OF, Status
 from tests.infra.conftest import PREBUILT
 from trainer.cost_line import PRICE_FILE, cost_line, read_price

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from infra.crd_wait import KUBERAY_CRDS, WAIT_SCRIPT
-from infra.offline import is_secret, run_stack
+from infra.offline.engine import is_secret, run_stack
 from tests.infra.conftest import PREBUILT
 
 GROUP = "apiextensions.k8s.io"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from infra import foundation
-from infra.offline import StackRun, run_stack, stack_names
+from infra.offline.engine import StackRun, run_stack, stack_names
 from tests.infra.conftest import PREBUILT
 from tests.infra.test_lifecycle import accounts_kept_after_destroy, kept_after_destroy
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from infra.foundation import BOOTSTRAP_APIS
-from infra.offline import REPO_ROOT, run_stack, stack_names
+from infra.offline.engine import REPO_ROOT, run_stack, stack_names
 from tests.infra.conftest import PREBUILT
 
 
@@ -127,7 +127,7 @@ class TestEmptyProject:
 
     def test_quota_zero_stops_with_the_request_the_readme_shows(self) -> None:
         from infra.catalog import CLOUD_RUN_GPU_QUOTA
-        from infra.offline import mock_quota_info
+        from infra.offline.engine import mock_quota_info
 
         quota = CLOUD_RUN_GPU_QUOTA[("nvidia-l4", False)]
         with pytest.raises(Exception) as failed:

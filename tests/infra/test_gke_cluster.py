@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.offline import StackRun, is_secret, is_unknown, run_stack, unwrap_secrets
+from infra.offline.engine import StackRun, is_secret, is_unknown, run_stack, unwrap_secrets
 from tests.infra.conftest import PREBUILT
 
 CLUSTER = "gcp:container/cluster:Cluster"

@@ -16,7 +16,7 @@ import yaml
 
 from infra import gke_job, gke_workload
 from infra.config import ConfigError
-from infra.offline import MOCK_HF_TOKEN, Recorded, StackRun, is_secret, run_stack
+from infra.offline.engine import MOCK_HF_TOKEN, Recorded, StackRun, is_secret, run_stack
 from tests.infra.conftest import PREBUILT, contains, plain_paths
 from tests.infra.k8s_validate import k8s_resources, manifest, validate_object, validate_pod_template
 from trainer import launch

@@ -21,7 +21,7 @@ from infra.images import (
     docker_credentials,
     stage_context,
 )
-from infra.offline import MOCK_ACCESS_TOKEN, REPO_ROOT, Mocks, StackRun, run_stack, stack_names, unwrap_secrets
+from infra.offline.engine import MOCK_ACCESS_TOKEN, REPO_ROOT, Mocks, StackRun, run_stack, stack_names, unwrap_secrets
 from tests.infra.conftest import PREBUILT, Variant
 
 
@@ -100,7 +100,7 @@ def _holding(value: object, needle: str, path: str = "") -> list[str]:
 class TestNoCredentialInState:
     """State records every input of every resource, secret or not (a secret is encrypted with the stack key, which
     the preview identities can use too): no input may hold a token of whoever runs Pulumi. The mock's client config
-    answers a recognisable token (infra/offline.py MOCK_ACCESS_TOKEN); no registered input or output holds it, over
+    answers a recognisable token (infra/offline/engine.py MOCK_ACCESS_TOKEN); no registered input or output holds it, over
     every stack and user variant and each stack in each build mode."""
 
     def test_the_mock_client_config_answers_the_recognisable_token(self) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from infra.catalog import BASIC_ROLES, PUBLIC_MEMBERS
-from infra.offline import MOCK_HF_TOKEN, StackRun, unwrap_secrets
-from infra.plan import resources_json
+from infra.offline.engine import MOCK_HF_TOKEN, StackRun, unwrap_secrets
+from infra.offline.plan import resources_json
 from tests.infra.conftest import contains, plain_paths
 
 # IAM resources that bind a role on ONE resource (bucket, secret, repository, service, service account).

@@ -1,5 +1,5 @@
 """KubeRay's own admission rules (ported from ray-project/kuberay v1.7.0
-ray-operator/controllers/ray/utils/validation.go into infra/validate_manifests.py) over every Ray variant the
+ray-operator/controllers/ray/utils/validation.go into infra/offline/validate_manifests.py) over every Ray variant the
 program plans, and each rule seen failing on a manifest that breaks it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import validate_manifests as vm
-from infra.offline import run_stack
-from infra.plan import k8s_manifest
+from infra.offline import validate_manifests as vm
+from infra.offline.engine import run_stack
+from infra.offline.plan import k8s_manifest
 
 from .conftest import PREBUILT
 

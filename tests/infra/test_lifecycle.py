@@ -19,7 +19,7 @@ from itertools import pairwise
 import pytest
 from pulumi.runtime.mocks import MockResourceArgs
 
-from infra.offline import Mocks, Recorded, StackRun, run_stack, stack_names
+from infra.offline.engine import Mocks, Recorded, StackRun, run_stack, stack_names
 from tests.infra.conftest import PREBUILT
 
 BUCKET = "gcp:storage/bucket:Bucket"

@@ -25,7 +25,7 @@ import pytest
 
 from infra.foundation import IAM_PROPAGATION_S
 from infra.foundation import IAM_WAIT_SCRIPT as IAM_WAIT
-from infra.offline import MOCK_PROJECT_NUMBER, Recorded, StackRun
+from infra.offline.engine import MOCK_PROJECT_NUMBER, Recorded, StackRun
 from tests.infra.conftest import Variant
 
 CLOUD_RUN_JOB = "gcp:cloudrunv2/job:Job"

@@ -2,7 +2,7 @@
 
 The file lies anywhere in the repository; it travels in the trainer image as `recipes/<stem>.yaml` (where
 `python -m trainer --recipe <stem>` finds it), its bytes count in the run id, and its stem names the runs.
-Every test runs the real program under the project's mocks (infra/offline.py).
+Every test runs the real program under the project's mocks (infra/offline/engine.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 
 from infra.config import ConfigError
 from infra.images import STAGED_CONTEXTS, TRAINER, content_hash, stage_context, trainer_spec
-from infra.offline import REPO_ROOT, run_stack
+from infra.offline.engine import REPO_ROOT, run_stack
 
 TEMPLATE = REPO_ROOT / "trainer/recipes/templates/my-data-dev.yaml"
-TICKETS = "trainer/data/own/tickets-messages.jsonl"
+TICKETS = "trainer/samples/own/tickets-messages.jsonl"
 
 
 def dev_recipe(data_lines: str = f"path: {TICKETS}\n  eval_rows: 8") -> str:

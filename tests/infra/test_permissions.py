@@ -1,8 +1,8 @@
 """The permission proof: over every stack and user variant, each identity's grants, expanded into permissions by
-public role data (infra/iam_roles.json) and the setup's custom roles, cover what it needs, and no granted role is
+public role data (infra/offline/iam_roles.json) and the setup's custom roles, cover what it needs, and no granted role is
 one its identity never needs. The identities are the program's own (their grants planned by the program, their
-needs listed in infra/permissions.py) and the CI identities (their grants from infra/bootstrap/ci-identities.yaml,
-their needs derived from what the program declares: infra/api_permissions.py)."""
+needs listed in infra/offline/permissions.py) and the CI identities (their grants from infra/bootstrap/ci-identities.yaml,
+their needs derived from what the program declares: infra/offline/api_permissions.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import pytest
 
-from infra.api_permissions import ACCOUNT_SCOPES, COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
 from infra.config import Workload
 from infra.foundation import Identity, account_email, bucket_name
-from infra.offline import Recorded, StackRun
-from infra.permissions import (
+from infra.offline.api_permissions import ACCOUNT_SCOPES, COMMANDS, INVOKES, Need, Scope, deploy_needs, preview_needs
+from infra.offline.engine import Recorded, StackRun
+from infra.offline.permissions import (
     CI_DEPLOY,
     CI_DEPLOY_PREVIEW,
     CI_PREVIEW,
@@ -111,7 +111,7 @@ class TestProof:
             members = {runtime.member(run.cfg) for runtime in RUNTIMES if runtime.applies(run.cfg)}
             for account in run.of_type("gcp:serviceaccount/account:Account"):
                 member = f"serviceAccount:{account.outputs['email']}"
-                assert member in members, f"[{variant.label}] {account.urn} has no row in infra/permissions.py"
+                assert member in members, f"[{variant.label}] {account.urn} has no row in infra/offline/permissions.py"
 
     def test_every_ci_identity_has_a_row(self) -> None:
         rows = {runtime.name.split(":")[0] for runtime in RUNTIMES if runtime.derived}
@@ -516,7 +516,7 @@ class TestDataInAnotherBucket:
 
     def test_a_bucket_the_deploy_does_not_administer_is_reported(self) -> None:
         """CI's deploy identity administers PROJECT-gft-* buckets only: a grant on another bucket needs its owner."""
-        from infra.offline import run_stack
+        from infra.offline.engine import run_stack
         from tests.infra.conftest import OWN_DATA_RECIPE
 
         run = run_stack(

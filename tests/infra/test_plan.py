@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infra import plan
-from infra.offline import MOCK_HF_TOKEN
+from infra.offline import plan
+from infra.offline.engine import MOCK_HF_TOKEN
 
 
 class TestPlan:

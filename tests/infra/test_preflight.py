@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from infra import preflight
-from infra.offline import ProviderError, StackRun, mock_quota_info, mock_reservation, run_stack, stack_names
+from infra.offline.engine import ProviderError, StackRun, mock_quota_info, mock_reservation, run_stack, stack_names
 from infra.preflight import PreflightError
 from tests.infra.conftest import PREBUILT
 

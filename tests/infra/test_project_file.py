@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from infra.config import StackConfig, config_keys
-from infra.offline import REPO_ROOT, stack_names
+from infra.offline.engine import REPO_ROOT, stack_names
 
 PROJECT = yaml.safe_load((REPO_ROOT / "Pulumi.yaml").read_text())
 DECLARED = PROJECT["config"]

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.offline import REPO_ROOT, stack_names
+from infra.offline.engine import REPO_ROOT, stack_names
 
 REPLAY = Path(__file__).with_name("pulumi_exec_replay.py")
 

@@ -1,6 +1,6 @@
 """The ray-gemma3-vision stack under mocks: RayJob / RayCluster against our KubeRay schema, strict pods.
 
-KubeRay's CRDs are on no registry, so `infra/schemas/kuberay.schema.json` describes the fields we
+KubeRay's CRDs are on no registry, so `infra/offline/schemas/kuberay.schema.json` describes the fields we
 use and `$ref`s kubernetes-validate's strict PodTemplateSpec; the first tests prove that the
 schema really rejects what KubeRay would reject, so the stack tests below mean something.
 """
@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from infra import ray_job
-from infra.offline import MOCK_HF_TOKEN, StackRun, run_stack
+from infra.offline.engine import MOCK_HF_TOKEN, StackRun, run_stack
 from tests.infra.conftest import PREBUILT, contains, plain_paths
 from tests.infra.k8s_validate import (
     k8s_resources,

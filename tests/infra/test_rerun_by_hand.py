@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from infra.offline import StackRun, run_stack
+from infra.offline.engine import StackRun, run_stack
 from tests.infra.conftest import PREBUILT
 
 JOB = "gcp:cloudrunv2/job:Job"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from infra.offline import REPO_ROOT, StackRun, is_unknown, run_stack
+from infra.offline.engine import REPO_ROOT, StackRun, is_unknown, run_stack
 from infra.policy.policies import walk
 
 # What a checkout holds besides the commit: everything .gitignore leaves out.
@@ -53,8 +53,8 @@ LEFTOVERS = (
 )
 PLAN_SCRIPT = """
 import json, sys
-from infra.offline import run_stack
-from infra.plan import resources_json
+from infra.offline.engine import run_stack
+from infra.offline.plan import resources_json
 result = {}
 for key, (stack, overrides, trained, preview) in json.loads(sys.argv[1]).items():
     run = run_stack(stack, overrides=overrides, assume_trained=trained, preview=preview)

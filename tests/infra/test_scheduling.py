@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from infra.offline import StackRun, run_stack
+from infra.offline.engine import StackRun, run_stack
 from tests.infra.conftest import PREBUILT
 from tests.infra.k8s_validate import k8s_resources, manifest, pod_templates
 

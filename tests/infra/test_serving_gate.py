@@ -9,7 +9,7 @@ import json
 import pulumi
 import pytest
 
-from infra.offline import run_stack
+from infra.offline.engine import run_stack
 from infra.serving_gate import RUN_SUMMARY, gate, run_loss
 from tests.infra.test_cloud_run import BUCKET, SERVING, completed_run, served_path
 

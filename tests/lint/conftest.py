@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 
 # Folders `make lint` does not search for Dockerfiles (virtualenvs, build outputs, caches).
 PRUNED = {".git", ".venv", "venv", "build", "outputs", ".cache", "node_modules"}

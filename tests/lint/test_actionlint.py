@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from infra.gke import AUTH_PLUGIN
-from infra.offline import REPO_ROOT, run_stack, stack_names
+from infra.offline.engine import REPO_ROOT, run_stack, stack_names
 from tests.lint.conftest import ci_module, run_tool, tool
 
 ci_stacks = ci_module("stacks")
@@ -188,7 +188,7 @@ class TestWorkflowContract:
 
     def test_the_stack_groups_follow_the_stack_files(self) -> None:
         """Each stack file lands in the job its workload needs (the same workload the program reads)."""
-        from infra.offline import project_defaults, stack_file_config
+        from infra.offline.engine import project_defaults, stack_file_config
 
         groups = ci_stacks.grouped(ci_stacks.stacks())
         assert groups["all"] == stack_names()

@@ -3,7 +3,7 @@
 deploy.yml's `apply` job runs `pulumi up` on `ubuntu-24.04`, which GitHub documents with 14 GB of disk
 (docs.github.com, "GitHub-hosted runners": standard runners); a `docker` stack would pull the CUDA and vLLM
 bases, build and push there. So every stack deploy.yml offers must build with `imageBuild: cloud-build` (or take
-`prebuilt` images), as the program reads its configuration (infra/plan.py `stack_config`: Pulumi.yaml defaults
+`prebuilt` images), as the program reads its configuration (infra/offline/plan.py `stack_config`: Pulumi.yaml defaults
 plus the stack file, validated), and the program must then declare `gcloud builds submit` steps only; the job
 runs them with an authenticated gcloud and nothing that sets Docker up.
 """
@@ -17,8 +17,8 @@ import yaml
 
 from infra.config import ImageBuild, Workload
 from infra.images import CLOUD_BUILD_SCRIPT
-from infra.offline import REPO_ROOT, run_stack, stack_names
-from infra.plan import stack_config
+from infra.offline.engine import REPO_ROOT, run_stack, stack_names
+from infra.offline.plan import stack_config
 
 DEPLOY = REPO_ROOT / ".github" / "workflows" / "deploy.yml"
 CLOUD_BUILD_CONFIG = REPO_ROOT / "infra" / "cloudbuild.yaml"

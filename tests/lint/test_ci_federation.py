@@ -23,7 +23,7 @@ import celpy
 import pytest
 import yaml
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 from tests.lint.test_ci_setup import IDENTITIES, VALUES, substitute
 
 WORKFLOWS = REPO_ROOT / ".github" / "workflows"

@@ -4,7 +4,7 @@ it grants reaches too far.
 The script runs for real (bash, `set -euo pipefail`) against a recording `gcloud` on PATH that remembers
 what was created, so its control flow, idempotency and input checks are exercised; the recorded calls
 are parsed into grants and compared with the list, expanded with the same rules the permission proof uses
-(infra/permissions.py `ci_grant_applies`). That the list is what the program needs, no less and no more, is
+(infra/offline/permissions.py `ci_grant_applies`). That the list is what the program needs, no less and no more, is
 the permission proof's job (tests/infra/test_permissions.py); the checks here are the setup's own: no role
 that reaches every account, the state or the IAM policy unconditioned, previews that only read.
 """
@@ -22,9 +22,9 @@ from typing import Any
 import celpy
 import pytest
 
-from infra.api_permissions import Need, Scope
-from infra.offline import REPO_ROOT, run_stack, stack_names
-from infra.permissions import ci_grant_applies, ci_grants, ci_identities, covers, permissions_of
+from infra.offline.api_permissions import Need, Scope
+from infra.offline.engine import REPO_ROOT, run_stack, stack_names
+from infra.offline.permissions import ci_grant_applies, ci_grants, ci_identities, covers, permissions_of
 from tests.lint.conftest import ci_module, fake_command
 
 BOOTSTRAP = REPO_ROOT / "infra" / "bootstrap"

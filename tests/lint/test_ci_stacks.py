@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.offline import REPO_ROOT, run_stack, stack_names
-from infra.permissions import stack_features
+from infra.offline.engine import REPO_ROOT, run_stack, stack_names
+from infra.offline.permissions import stack_features
 from tests.lint.conftest import ci_module
 
 SCRIPT = REPO_ROOT / ".ci" / "stacks.py"

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 
 CODEOWNERS = REPO_ROOT / ".github" / "CODEOWNERS"
 GUARDED = [

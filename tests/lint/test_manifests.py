@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import validate_manifests as vm
+from infra.offline import validate_manifests as vm
 
 DIGEST = "us-central1-docker.pkg.dev/p/r/trainer@sha256:" + "1" * 64
 

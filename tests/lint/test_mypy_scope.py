@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import tomllib
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 
 SDKS = ("pulumi_gcp", "pulumi_kubernetes")
 

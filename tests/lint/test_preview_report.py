@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 
 SCRIPT = REPO_ROOT / ".ci" / "preview_report.py"
 REPO = "acme/gemma-finetune"

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 from tests.lint.conftest import fake_command
 
 SCRIPT = REPO_ROOT / ".ci" / "pulumi-run.sh"

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 
 LOCKS = {
     REPO_ROOT / "requirements.txt": REPO_ROOT / ".ci" / "requirements.lock",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.offline import REPO_ROOT
+from infra.offline.engine import REPO_ROOT
 
 SCRIPT = REPO_ROOT / ".ci" / "uv_install.py"
 

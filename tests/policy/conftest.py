@@ -10,7 +10,7 @@ import pytest
 from pulumi_policy import PolicyCustomTimeouts, PolicyResourceOptions, ResourceValidationArgs
 from pulumi_policy.proxy import unknown_checking_proxy
 
-from infra.offline import Recorded, StackRun, run_stack, stack_names
+from infra.offline.engine import Recorded, StackRun, run_stack, stack_names
 from infra.policy import policies
 
 SERVING_PRIVATE = "dev+serving"

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from infra import catalog
-from infra.offline import REPO_ROOT, StackRun
+from infra.offline.engine import REPO_ROOT, StackRun
 from infra.policy import policies
 from infra.policy.policies import (
     BUCKET,

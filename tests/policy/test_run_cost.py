@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from infra import cost, pricing
-from infra.offline import Recorded, StackRun, run_stack
+from infra.offline.engine import Recorded, StackRun, run_stack
 from infra.policy import policies
 from infra.policy.policies import CLOUD_RUN_JOB, K8S_JOB, RAY_CLUSTER, RAY_JOB, violations
 from tests.infra.conftest import PREBUILT

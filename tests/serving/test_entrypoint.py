@@ -273,7 +273,7 @@ class TestOneDefinitionOfComplete:
 
 def _service_env() -> dict[str, str]:
     """The plain environment the Pulumi program gives the vLLM container (stack dev, serving on)."""
-    from infra.offline import run_stack
+    from infra.offline.engine import run_stack
     from tests.infra.conftest import PREBUILT
 
     run = run_stack("dev", overrides={**PREBUILT, "servingEnabled": True}, assume_trained=True)

@@ -18,8 +18,9 @@ def test_trainer_and_serving_agree() -> None:
 def test_the_entrypoint_and_the_local_server_use_it() -> None:
     serving = Path(__file__).resolve().parents[2] / "serving"
     assert f'COMPLETION_MARKER="{COMPLETION_MARKER}"' in (serving / "entrypoint.sh").read_text()
-    assert "from serving.completion import" in (serving / "local_server.py").read_text()
-    assert "from serving.completion import" in (serving / "demo.py").read_text()
+    demo = serving.parent / "demo"
+    assert "from serving.completion import" in (demo / "local_server.py").read_text()
+    assert "from serving.completion import" in (demo / "pipeline.py").read_text()
 
 
 def test_the_image_carries_the_check() -> None:

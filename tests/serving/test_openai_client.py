@@ -1,4 +1,4 @@
-"""The official `openai` client against `python -m serving.local_server`: what runs here runs against vLLM.
+"""The official `openai` client against `python -m demo.local_server`: what runs here runs against vLLM.
 
 vLLM's OpenAI-compatible server answers `models.list`, `chat.completions.create` and
 `completions.create`, streamed or not; code written against the local server must run unchanged
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from serving.local_server import LocalServer
+from demo.local_server import LocalServer
 
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (requirements-dev.txt)")
 

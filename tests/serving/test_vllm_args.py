@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from serving.local_server import parse_chat_request, parse_completion_request
+from demo.local_server import parse_chat_request, parse_completion_request
 from serving.vllm_args import (
     DEFAULT_MODEL_PATH,
     VLLM_NEUTRAL_SAMPLING,

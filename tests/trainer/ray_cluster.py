@@ -16,7 +16,7 @@ dashboard is pinned to loopback.
 `KUBERAY_PROBE` is KubeRay's probe command (utils/constant.go `BaseWgetHealthCommand`), run with
 bash exactly as the readiness/liveness probe execs it, with our ports.
 
-`plan_ray_stack` plans the ray-gemma3-vision stack offline (infra/offline.py `run_stack`) with only
+`plan_ray_stack` plans the ray-gemma3-vision stack offline (infra/offline/engine.py `run_stack`) with only
 `recipeOverrides` a user could set (a tiny model, the bundled product sample, a few steps) and hands
 out what KubeRay would read from the RayJob: the entrypoint, the groups' rayStartParams, rayVersion.
 
@@ -64,7 +64,7 @@ def tiny_recipe_overrides(model_dir: Path) -> list[str]:
     return [
         f"model.name_or_path={model_dir}",
         "data.source=local",
-        "data.path=trainer/data/products.jsonl",
+        "data.path=trainer/samples/products.jsonl",
         "data.image_dir=trainer/data",
         "data.max_rows=8",
         "data.eval_rows=0",
@@ -90,7 +90,7 @@ class RayPlan:
 
 
 def plan_ray_stack(model_dir: Path) -> RayPlan:
-    from infra.offline import run_stack
+    from infra.offline.engine import run_stack
 
     stack_run = run_stack(STACK, overrides={"recipeOverrides": tiny_recipe_overrides(model_dir)})
     (job,) = [r for r in stack_run.resources if r.type == RAYJOB]

@@ -18,7 +18,7 @@ import pytest
 from trainer.collators import IGNORE_INDEX, VisionSFTCollator, image_token_ids, masked_token_ids
 from trainer.formatting import format_product_description
 
-DATA = Path(__file__).resolve().parents[2] / "trainer" / "data"
+DATA = Path(__file__).resolve().parents[2] / "trainer" / "samples"
 IMAGE_SEQ_LENGTH = 4  # soft tokens per image: a perfect square, (image_size / patch_size)^2 pooled to 2x2
 IMAGE_SIZE = 32
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]

@@ -19,8 +19,8 @@ from trainer.recipe import REPO_ROOT, DataSpec, RecipeError, Task, load_recipe
 
 
 def _load_generator() -> ModuleType:
-    """trainer/data/ is a data folder, not a package (trainer.data is the loader module)."""
-    path = REPO_ROOT / "trainer/data/make_emoji_sample.py"
+    """trainer/samples/ is a data folder, not a package (trainer.data is the loader module)."""
+    path = REPO_ROOT / "trainer/samples/make_emoji_sample.py"
     spec = importlib.util.spec_from_file_location("make_emoji_sample", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -39,14 +39,14 @@ def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
 
 class TestBundledSample:
     def test_has_300_distinct_text2emoji_rows(self) -> None:
-        lines = (REPO_ROOT / "trainer/data/emoji.jsonl").read_text(encoding="utf-8").splitlines()
+        lines = (REPO_ROOT / "trainer/samples/emoji.jsonl").read_text(encoding="utf-8").splitlines()
         rows = [json.loads(line) for line in lines]
         assert len(rows) >= 300
         assert all(set(row) == {"text", "emoji"} and row["text"] and row["emoji"] for row in rows)
         assert len({row["text"] for row in rows}) == len(rows)
 
     def test_generator_reproduces_the_committed_file(self) -> None:
-        committed = (REPO_ROOT / "trainer/data/emoji.jsonl").read_text(encoding="utf-8")
+        committed = (REPO_ROOT / "trainer/samples/emoji.jsonl").read_text(encoding="utf-8")
         regenerated = "\n".join(json.dumps(r, ensure_ascii=False) for r in _load_generator().make_rows()) + "\n"
         assert committed == regenerated
 
@@ -125,7 +125,7 @@ def test_local_path_is_resolved_against_the_repo_root() -> None:
 
 def test_missing_local_file_is_a_recipe_error() -> None:
     with pytest.raises(RecipeError, match="no such file"):
-        load_rows(_spec("trainer/data/missing.jsonl"))
+        load_rows(_spec("trainer/samples/missing.jsonl"))
 
 
 def test_parquet_is_read_too(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def test_evaluate_emoji_on_held_out_rows(tiny_merged: Path, tmp_path: Path) -> N
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["held_out_loss"] == results["held_out_loss"]
     assert {p["reference"] for p in written["predictions"]} <= {
-        json.loads(line)["emoji"] for line in (REPO_ROOT / "trainer/data/emoji.jsonl").read_text().splitlines()
+        json.loads(line)["emoji"] for line in (REPO_ROOT / "trainer/samples/emoji.jsonl").read_text().splitlines()
     }
 
 
@@ -85,7 +85,7 @@ def test_evaluate_text_to_sql(tiny_merged: Path, tmp_path: Path) -> None:
     recipe_file = tmp_path / "sql.yaml"
     recipe_file.write_text(
         "name: sql-local\nmodel: {name_or_path: local:gemma3-270m}\n"
-        "data: {task: text-to-sql, source: local, path: trainer/data/text_to_sql.jsonl, eval_rows: 5}\n"
+        "data: {task: text-to-sql, source: local, path: trainer/samples/text_to_sql.jsonl, eval_rows: 5}\n"
         "training: {max_length: 512}\noutput: {dir: out}\nevaluation: {max_new_tokens: 4}\n"
     )
     results = evaluate(tiny_merged, load_recipe(str(recipe_file)), max_samples=2, out=tmp_path / "sql.json")
@@ -234,7 +234,7 @@ def _sql_recipe(tmp_path: Path):  # type: ignore[no-untyped-def]
     recipe_file = tmp_path / "sql-batch.yaml"
     recipe_file.write_text(
         "name: sql-local\nmodel: {name_or_path: local:gemma3-270m}\n"
-        "data: {task: text-to-sql, source: local, path: trainer/data/text_to_sql.jsonl, eval_rows: 5}\n"
+        "data: {task: text-to-sql, source: local, path: trainer/samples/text_to_sql.jsonl, eval_rows: 5}\n"
         "output: {dir: out}\n"
     )
     return load_recipe(str(recipe_file))
@@ -270,7 +270,7 @@ def test_evaluate_product_descriptions_on_held_out_rows(tiny_vision_adapter: Pat
         "model.dtype=float32",
         "quantization=null",
         "data.source=local",
-        "data.path=trainer/data/products.jsonl",
+        "data.path=trainer/samples/products.jsonl",
         "data.image_dir=trainer/data",
         "data.eval_rows=4",
         "training.save_steps=1",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.local_server import free_port
+from demo.local_server import free_port
 from tests.trainer.inject import AFTER_IMPORT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def overrides(model_dir: Path, out_dir: Path, max_steps: int) -> list[str]:
         "model.dtype=float32",
         "distributed.strategy=fsdp",  # FSDP checkpoints are the point; the memory model would pick DDP here
         "data.source=local",
-        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.path=trainer/samples/text_to_sql.jsonl",
         "data.max_rows=40",
         "data.eval_rows=0",
         f"training.max_steps={max_steps}",

@@ -111,7 +111,7 @@ def test_final_stage_properties():
 
 def test_build_context_keeps_package_recipes_and_data():
     ignored = [line.strip() for line in (REPO / "trainer" / ".dockerignore").read_text().splitlines()]
-    for needed in ("recipes", "data", "*.py", "*.yaml", "*.jsonl", "requirements-gpu.txt"):
+    for needed in ("recipes", "samples", "*.py", "*.yaml", "*.jsonl", "requirements-gpu.txt"):
         assert needed not in ignored
 
 

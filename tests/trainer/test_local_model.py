@@ -74,7 +74,7 @@ def test_short_lora_run_on_gemma3_270m(tmp_path: Path) -> None:
     assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["eval_loss"])
     assert result.merged_dir is not None and is_complete(result.merged_dir)
 
-    # serving/demo.py scores the export with the run's tokenizer still in memory: what the folder's own copy gives
+    # demo/pipeline.py scores the export with the run's tokenizer still in memory: what the folder's own copy gives
     assert result.processing_class is not None
 
     def load_again(*args: object, **kwargs: object) -> None:

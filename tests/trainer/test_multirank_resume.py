@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from serving.local_server import free_port
+from demo.local_server import free_port
 from tests.trainer.inject import AFTER_IMPORT
 from trainer.checkpoints import CHECKPOINT_MARKER, RUN_MARKER, checkpoint_step
 
@@ -82,7 +82,7 @@ def launch_command(model_dir: Path, url: str, config_out: Path) -> list[str]:
         f"model.name_or_path={model_dir}",
         "model.dtype=float32",
         "data.source=local",
-        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.path=trainer/samples/text_to_sql.jsonl",
         "data.max_rows=110",
         "data.eval_rows=0",
         f"training.max_steps={MAX_STEPS}",

@@ -45,7 +45,7 @@ from trainer.recipe import (
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 TEMPLATE = "trainer/recipes/templates/my-data-local.yaml"
-OWN = REPO_ROOT / "trainer/data/own"
+OWN = REPO_ROOT / "trainer/samples/own"
 SYSTEM = "You triage support tickets."
 
 
@@ -122,7 +122,7 @@ class TestDataSection:
         assert data.task is not None and data.format.value == data.task.value
 
     def test_format_names_a_tutorial_task_too(self) -> None:
-        spec = DataSpec(format="emoji", path="trainer/data/emoji.jsonl")
+        spec = DataSpec(format="emoji", path="trainer/samples/emoji.jsonl")
         assert spec.task is Task.EMOJI and spec.source is DataSource.LOCAL
 
     def test_task_naming_a_standard_format_reads_as_format(self) -> None:
@@ -142,7 +142,7 @@ class TestDataSection:
         [
             ("gs://bucket/tickets/*.jsonl", DataSource.URL),
             ("memory://own/rows.parquet", DataSource.URL),
-            ("trainer/data/own/tickets.csv", DataSource.LOCAL),
+            ("trainer/samples/own/tickets.csv", DataSource.LOCAL),
             ("/data/rows.jsonl", DataSource.LOCAL),
             ("my-org/tickets", DataSource.HUB),
         ],
@@ -282,7 +282,7 @@ def test_a_mapped_csv_trains_two_steps(tiny_gemma3_dir: Path, tmp_path: Path) ->
         tiny_gemma3_dir,
         tmp_path / "run",
         "data.format=columns",
-        "data.path=trainer/data/own/tickets.csv",
+        "data.path=trainer/samples/own/tickets.csv",
         'data.columns={system: "Answer with one word.", prompt: "Product: {product}\\nTicket: {ticket}", '
         "answer: category}",
     )
@@ -497,7 +497,7 @@ def test_check_a_recipe_measures_its_rows_with_the_models_tokenizer(tiny_gemma3_
     recipe.write_text((REPO_ROOT / TEMPLATE).read_text().replace("local:gemma3-270m", str(tiny_gemma3_dir)))
     out = check(str(recipe))
     assert out.splitlines()[0] == (
-        "ok: 64 rows in trainer/data/own/tickets-messages.jsonl (data.format=messages); the first 64 checked"
+        "ok: 64 rows in trainer/samples/own/tickets-messages.jsonl (data.format=messages); the first 64 checked"
     )
     assert (
         f"lengths measured with {tiny_gemma3_dir}'s tokenizer" in out and "56 training rows, 30 optimizer steps" in out
@@ -516,7 +516,7 @@ def test_check_a_file_guesses_its_format_or_asks_for_one(tmp_path: Path) -> None
 
 
 def test_python_m_trainer_data_check_on_a_bad_file(tmp_path: Path) -> None:
-    """`trainer.data` is the module trainer/data.py (the folder trainer/data/ has no __init__.py): -m runs its check."""
+    """`trainer.data` is the module trainer/data.py (the folder trainer/samples/ has no __init__.py): -m runs its check."""
     path = _write_jsonl(tmp_path / "rows.jsonl", [_good(0), {"messages": _turns(("user", "hi"), ("bot", "hello"))}])
     done = _python("-m", "trainer.data", "check", str(path), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
@@ -532,7 +532,7 @@ def test_python_m_trainer_runs_a_recipe_file_outside_trainer_recipes(tiny_gemma3
     (tmp_path / "tickets.csv").write_text((OWN / "tickets.csv").read_text())
     recipe = (REPO_ROOT / TEMPLATE).read_text().replace("local:gemma3-270m", str(tiny_gemma3_dir))
     recipe = recipe.replace("format: messages", "format: columns").replace(
-        "path: trainer/data/own/tickets-messages.jsonl",
+        "path: trainer/samples/own/tickets-messages.jsonl",
         f"path: {tmp_path / 'tickets.csv'}\n  columns: {{prompt: 'Ticket: {{ticket}}', answer: category}}",
     )
     (tmp_path / "mine.yaml").write_text(recipe)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.local_server import free_port
+from demo.local_server import free_port
 from tests.trainer.inject import AFTER_IMPORT
 from tests.trainer.test_multirank_resume import marked_checkpoints
 from trainer.checkpoints import RUN_MARKER
@@ -62,7 +62,7 @@ def command(model_dir: Path, url: str, tmp_path: Path, name: str) -> list[str]:
         f"model.name_or_path={model_dir}",
         "model.dtype=float32",
         "data.source=local",
-        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.path=trainer/samples/text_to_sql.jsonl",
         "data.max_rows=110",
         "data.eval_rows=0",
         f"training.max_steps={MAX_STEPS}",

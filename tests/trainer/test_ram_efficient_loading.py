@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.local_server import free_port
+from demo.local_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "text-to-sql-gemma4-31b"
@@ -61,7 +61,7 @@ def overrides(model_dir: str, out_dir: str) -> list[str]:
     return [
         f"model.name_or_path={model_dir}",
         "data.source=local",
-        "data.path=trainer/data/text_to_sql.jsonl",
+        "data.path=trainer/samples/text_to_sql.jsonl",
         "data.max_rows=16",
         "data.eval_rows=0",
         # The ranks build the run (SFTConfig, model) but train no step. Bounded by max_steps, its length is chosen,

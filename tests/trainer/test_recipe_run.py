@@ -293,7 +293,7 @@ class TestStepArithmetic:
 @pytest.mark.slow
 @pytest.mark.gemma3_270m
 def test_token_lengths_table_is_what_the_gemma_tokenizer_measures() -> None:
-    """trainer/data/token_lengths.json is regenerated from the bundled samples with the real Gemma 3 tokenizer."""
+    """trainer/samples/token_lengths.json is regenerated from the bundled samples with the real Gemma 3 tokenizer."""
     import importlib.util
 
     path = TOKEN_LENGTHS_FILE.parent / "measure_token_lengths.py"

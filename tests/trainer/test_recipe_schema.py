@@ -46,7 +46,7 @@ def test_override_is_typed() -> None:
 
 def test_hub_dataset_declares_its_rows(tmp_path: Path) -> None:
     """Optimizer steps are computed from the data; a Hub split cannot be counted offline."""
-    hub = BASE.replace("source: local, path: trainer/data/emoji.jsonl", "source: hub, path: org/set")
+    hub = BASE.replace("source: local, path: trainer/samples/emoji.jsonl", "source: hub, path: org/set")
     with pytest.raises(RecipeError, match=r"data\.rows is required for the Hub dataset 'org/set'"):
         load_recipe(_write(tmp_path, hub))
     assert load_recipe(_write(tmp_path, hub.replace("path: org/set", "path: org/set, rows: 900"))).data.rows == 900
@@ -90,7 +90,7 @@ def _write(tmp_path: Path, text: str) -> str:
 BASE = """
 name: bad
 model: {name_or_path: local:gemma3-270m}
-data: {task: emoji, source: local, path: trainer/data/emoji.jsonl}
+data: {task: emoji, source: local, path: trainer/samples/emoji.jsonl}
 output: {dir: out}
 """
 

@@ -19,7 +19,7 @@ import pytest
 
 from trainer.sql_eval import MYSQL_FUNCTIONS, Reason, evaluate_sql, execution_match, sandboxed_connection, to_sqlite
 
-DATA = Path(__file__).resolve().parents[2] / "trainer" / "data"
+DATA = Path(__file__).resolve().parents[2] / "trainer" / "samples"
 NOW = datetime(2024, 3, 10, 12, 0, 0)
 CONTEXT = """
 CREATE TABLE orders (id INT PRIMARY KEY AUTO_INCREMENT, customer VARCHAR(20), amount DECIMAL(10,2),

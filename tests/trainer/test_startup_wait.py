@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.local_server import free_port
+from demo.local_server import free_port
 from tests.trainer.inject import AFTER_IMPORT
 
 REPO = Path(__file__).resolve().parents[2]

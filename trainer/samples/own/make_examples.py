@@ -1,6 +1,6 @@
 """The example rows of docs/own-data.md, one file per data.format: support tickets triaged into a category.
 
-    .venv/bin/python trainer/data/own/make_examples.py     # rewrites the three files beside this script
+    .venv/bin/python trainer/samples/own/make_examples.py     # rewrites the three files beside this script
 
 Made up, deterministic (no randomness): 8 phrasings x 4 categories x 2 products = 64 tickets.
 - tickets.csv: the flat table (`ticket`, `product`, `category`) for `data.format: columns`;

@@ -1,4 +1,4 @@
-"""serving/local_server.py on a tiny Gemma 3: a real server on 127.0.0.1, queried by serving/client.py.
+"""demo/local_server.py on a tiny Gemma 3: a real server on 127.0.0.1, queried by serving/client.py.
 
 Every test checks that nothing is left running: the process group is gone and the port is free.
 """
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.client import ClientError, NotFoundError, chat, chat_completion, list_models
-from serving.local_server import (
+from demo.local_server import (
     EXIT_PORT_BUSY,
     GenerationRequest,
     LocalServer,
@@ -28,6 +27,7 @@ from serving.local_server import (
     parse_chat_request,
     parse_completion_request,
 )
+from serving.client import ClientError, NotFoundError, chat, chat_completion, list_models
 from serving.vllm_args import COMPLETION_MARKER
 from tests.serving.privileges import in_child_as_nobody
 from tests.serving.tiny_model import build_tiny_gemma
@@ -129,7 +129,7 @@ class TestRefusals:
             holder.listen()
             port = holder.getsockname()[1]
             done = subprocess.run(
-                [sys.executable, "-m", "serving.local_server", str(tiny_model_dir), "--port", str(port)],
+                [sys.executable, "-m", "demo.local_server", str(tiny_model_dir), "--port", str(port)],
                 capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
             )  # fmt: skip
         assert done.returncode == EXIT_PORT_BUSY
@@ -208,7 +208,7 @@ class TestAlwaysStops:
     def test_child_exits_when_the_keeper_is_killed(self, tiny_model_dir: Path) -> None:
         """SIGKILL gives the keeper no chance to clean up; the server notices it is orphaned and exits."""
         script = (
-            "import sys, time; from serving.local_server import LocalServer; "
+            "import sys, time; from demo.local_server import LocalServer; "
             f"s = LocalServer({str(tiny_model_dir)!r}).start(); print(s.pid, s.port, flush=True); time.sleep(600)"
         )
         keeper = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -1,9 +1,9 @@
 """A local OpenAI-compatible server for a merged model folder, on 127.0.0.1 (CPU), and its keeper.
 
-    python -m serving.local_server outputs/emoji-local/merged --port 8000     # foreground
+    python -m demo.local_server outputs/emoji-local/merged --port 8000     # foreground
     python -m serving.client --url http://127.0.0.1:8000 "Translate to emoji: I love pizza"
 
-    from serving.local_server import LocalServer
+    from demo.local_server import LocalServer
     with LocalServer("outputs/emoji-local/merged") as server:   # a free port, stopped on exit
         chat(server.url, [{"role": "user", "content": "Translate to emoji: I love pizza"}])
 
@@ -75,7 +75,7 @@ from typing import Any
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, verify
 from serving.vllm_args import DEFAULT_SERVED_MODEL_NAME, SERVED_MAX_MODEL_LEN, served_sampling_defaults
 
-log = logging.getLogger("serving.local_server")
+log = logging.getLogger("demo.local_server")
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 EXIT_PORT_BUSY = 98
@@ -905,7 +905,7 @@ class LocalServer:
         self.log_path = Path(self.log_path or Path(tempfile.gettempdir()) / f"gemma-local-server-{self.port}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "serving.local_server", str(self.model_dir),
+            sys.executable, "-m", "demo.local_server", str(self.model_dir),
             "--host", self.host, "--port", str(self.port), "--served-model-name", self.served_model_name,
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
@@ -997,7 +997,7 @@ def _reap_group(pgid: int) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving.local_server", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m demo.local_server", description=__doc__.splitlines()[0])
     p.add_argument("model_dir", type=Path, help="merged model folder (with the trainer's completion marker)")
     p.add_argument("--host", default="127.0.0.1", help="loopback only: 127.0.0.1 or ::1")
     p.add_argument("--port", type=int, default=8000)

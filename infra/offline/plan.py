@@ -1,11 +1,11 @@
 """`make plan STACK=<name>`: what `pulumi up` would create, offline, without a cloud account.
 
-    python -m infra.plan --stack dev
-    python -m infra.plan --stack dev --set servingEnabled=true --assume-trained
-    python -m infra.plan --stack a4-gemma4 --out build/plan
-    python -m infra.plan --stack a4-gemma4 --set maxRunCostUsd=500     # fails when a run can cost more
+    python -m infra.offline.plan --stack dev
+    python -m infra.offline.plan --stack dev --set servingEnabled=true --assume-trained
+    python -m infra.offline.plan --stack a4-gemma4 --out build/plan
+    python -m infra.offline.plan --stack a4-gemma4 --set maxRunCostUsd=500     # fails when a run can cost more
 
-Runs the program under mocks (infra/offline.py) with the real stack file, prints a
+Runs the program under mocks (infra/offline/engine.py) with the real stack file, prints a
 preview-like table (type, name, parent, key inputs), and writes
 `build/plan/<stack>/resources.json` (every resource: type, name, parent, inputs; secrets
 as "[secret]") and every Kubernetes object the stack would apply as YAML under
@@ -32,7 +32,7 @@ import yaml
 
 from infra import cost
 from infra.config import StackConfig, validate
-from infra.offline import (
+from infra.offline.engine import (
     PROJECT,
     REPO_ROOT,
     Recorded,

@@ -1,4 +1,4 @@
-"""Fixtures for the serving tests."""
+"""Fixtures for the demo tests: a tiny merged Gemma folder the local server loads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Write trainer/data/token_lengths.json: the token length of every bundled sample conversation.
+"""Write trainer/samples/token_lengths.json: the token length of every bundled sample conversation.
 
 Recipe validation (trainer/recipe.py) computes a run's optimizer steps without a tokenizer (the
 Pulumi program installs neither torch nor transformers). It needs to know how long a task's
@@ -16,9 +16,9 @@ chat template, exactly as the data loader measures them (`trainer.data.conversat
 
 Not measured: Gemma 4's tokenizer (W1 trains Gemma 4; both families share the 262k SentencePiece
 vocabulary, so lengths differ little), and the real Hub datasets (the samples stand in for them; the
-text-to-SQL sample is generated with gretel's length spread, see trainer/data/gen_text_to_sql.py).
+text-to-SQL sample is generated with gretel's length spread, see trainer/samples/gen_text_to_sql.py).
 
-    .venv/bin/python trainer/data/measure_token_lengths.py          # rewrites token_lengths.json
+    .venv/bin/python trainer/samples/measure_token_lengths.py          # rewrites token_lengths.json
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "token_lengths.json"
 SAMPLES = {
-    "emoji": "trainer/data/emoji.jsonl",
-    "text-to-sql": "trainer/data/text_to_sql.jsonl",
-    "product-description": "trainer/data/products.jsonl",
+    "emoji": "trainer/samples/emoji.jsonl",
+    "text-to-sql": "trainer/samples/text_to_sql.jsonl",
+    "product-description": "trainer/samples/products.jsonl",
 }
 MM_TOKENS_PER_IMAGE = 256  # Gemma 3 processor image_seq_length (transformers processing_gemma3.py)
 

@@ -1,15 +1,15 @@
-"""`python -m infra.validate_manifests`: plan every stack offline, then validate every manifest strictly.
+"""`python -m infra.offline.validate_manifests`: plan every stack offline, then validate every manifest strictly.
 
-    .venv/bin/python -m infra.validate_manifests                  # make plan for every stack, then validate
-    .venv/bin/python -m infra.validate_manifests --no-plan        # validate what build/plan already holds
-    .venv/bin/python -m infra.validate_manifests --files x.yaml   # validate these files only
+    .venv/bin/python -m infra.offline.validate_manifests                  # make plan for every stack, then validate
+    .venv/bin/python -m infra.offline.validate_manifests --no-plan        # validate what build/plan already holds
+    .venv/bin/python -m infra.offline.validate_manifests --files x.yaml   # validate these files only
 
 `make lint` runs the first form. Each stack is planned under mocks exactly as `make plan` does
-(infra/plan.py), into `build/plan/<stack>/manifests/`, and every YAML document there is checked:
+(infra/offline/plan.py), into `build/plan/<stack>/manifests/`, and every YAML document there is checked:
 
 - built-in kinds against the Kubernetes OpenAPI schemas bundled with kubernetes-validate, strict
   (an unknown or misspelt field fails), for `KUBERNETES_VERSION` (the GKE REGULAR channel's minor);
-- KubeRay kinds (`ray.io/*`) against `infra/schemas/kuberay.schema.json` when that file exists,
+- KubeRay kinds (`ray.io/*`) against `infra/offline/schemas/kuberay.schema.json` when that file exists,
   KubeRay's own admission rules (`kuberay_rule_errors`, ported from its validation.go), and each of
   their pod templates strictly as the Pod it becomes;
 - any kind with no schema is reported as skipped, by name, never passed silently.
@@ -21,7 +21,7 @@ Decisions
   validated" instead of failing: the file deliberately hides the field's shape.
 - Integral floats (`activeDeadlineSeconds: 28800.0`, from Pulumi's wire format) pass the JSON
   schema but are listed as a warning: `kubectl apply -f` of such a file may be refused by a typed
-  decoder, so infra/plan.py should write them as integers.
+  decoder, so infra/offline/plan.py should write them as integers.
 
 Not here: server-side admission (Autopilot's own rules), policy checks (infra/policy does those).
 """
@@ -45,9 +45,9 @@ import yaml
 from referencing.jsonschema import DRAFT202012
 
 KUBERNETES_VERSION = "1.33"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PLAN_ROOT = REPO_ROOT / "build" / "plan"
-KUBERAY_SCHEMA = REPO_ROOT / "infra" / "schemas" / "kuberay.schema.json"
+KUBERAY_SCHEMA = REPO_ROOT / "infra" / "offline" / "schemas" / "kuberay.schema.json"
 SECRET_MARK = "[secret]"
 
 
@@ -354,8 +354,8 @@ def plan_all(out_root: Path) -> list[str]:
     runner, the same files); returns the folders."""
     import dataclasses
 
-    from infra.offline import run_stack, stack_names
-    from infra.plan import write_plan
+    from infra.offline.engine import run_stack, stack_names
+    from infra.offline.plan import write_plan
 
     stacks = stack_names()
     for stack in stacks:

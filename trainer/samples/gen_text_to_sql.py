@@ -1,4 +1,4 @@
-"""Generate trainer/data/text_to_sql.jsonl: a small, deterministic text-to-SQL sample with gretel's length spread.
+"""Generate trainer/samples/text_to_sql.jsonl: a small, deterministic text-to-SQL sample with gretel's length spread.
 
 The rows follow the gretel-synthetic-text-to-sql schema (`sql_prompt`, `sql_context`, `sql`,
 `domain` plus the other gretel columns) but every value is made up here from templates: ten
@@ -25,12 +25,12 @@ and the card does not name its tokenizer. A public analysis of a 1,000-row sampl
 subqueries in 9.5%. With the Gemma 3 tokenizer, `sql_context` + `sql` here is 45-519 tokens, mean
 130, median 128, 10th/90th percentile 70/198 (seed 7): the same scale as the card's ~113 with a long
 right tail, where every conversation of the sample it replaces was 413-525 tokens. The conversation lengths
-are in trainer/data/token_lengths.json (trainer/data/measure_token_lengths.py).
+are in trainer/samples/token_lengths.json (trainer/samples/measure_token_lengths.py).
 
 Not done: matching gretel's per-domain vocabulary or its 100 domains; 120 rows cannot show a
 distribution's far tail, so a recipe's step count on the real data can differ from the sample's.
 
-    python trainer/data/gen_text_to_sql.py            # rewrites trainer/data/text_to_sql.jsonl
+    python trainer/samples/gen_text_to_sql.py            # rewrites trainer/samples/text_to_sql.jsonl
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 its grants cover exactly that, from public role data.
 
     .venv/bin/python -m pytest tests/infra/test_permissions.py   # the proof, every stack and variant
-    .venv/bin/python -m infra.permissions                         # every need, as Markdown (plans every stack)
-    .venv/bin/python -m infra.permissions --vendor ROLES.json     # refresh iam_roles.json from public role data
+    .venv/bin/python -m infra.offline.permissions                         # every need, as Markdown (plans every stack)
+    .venv/bin/python -m infra.offline.permissions --vendor ROLES.json     # refresh iam_roles.json from public role data
 
 For every stack and the variants users pick, the proof runs the program under mocks and checks each identity:
 - `missing`: every permission it needs is granted on the resource it is needed on, or on the project (IAM
@@ -20,7 +20,7 @@ Decisions
   (workload, capacity reservation, Cloud Build): it is made once for all of them.
 - Needs come from two places too. The workload identities' needs are rows here (`RUNTIMES`), each with the
   code path or document that makes the call. The CI identities' needs are derived from what the program
-  declares (`infra.api_permissions`: every resource type, provider function and command step mapped to
+  declares (`infra.offline.api_permissions`: every resource type, provider function and command step mapped to
   the calls it makes, with sources), plus what Pulumi's state backend needs (rows here); so a change to
   the program changes them, and a new kind of call the tables do not know fails the proof.
 - Roles come from data, never from their names: `iam_roles.json` is copied from public role data
@@ -49,15 +49,15 @@ from typing import Any
 
 import yaml
 
-from infra.api_permissions import ACCOUNT_SCOPES, Need, Scope, deploy_needs, preview_needs, scope_of, scopes
 from infra.config import Capacity, ImageBuild, StackConfig, Workload
 from infra.data_access import data_read_scopes, list_prefix, object_resource
 from infra.foundation import Identity, account_email, reads_api_key_secret, reads_hf_secret, repository_id
 from infra.gke_workload import TRAINER_KSA, workload_identity_member
-from infra.offline import MOCK_PROJECT_NUMBER, StackRun
+from infra.offline.api_permissions import ACCOUNT_SCOPES, Need, Scope, deploy_needs, preview_needs, scope_of, scopes
+from infra.offline.engine import MOCK_PROJECT_NUMBER, StackRun
 
 ROLES_FILE = Path(__file__).with_name("iam_roles.json")
-CI_IDENTITIES_FILE = Path(__file__).parent / "bootstrap" / "ci-identities.yaml"
+CI_IDENTITIES_FILE = Path(__file__).parents[1] / "bootstrap" / "ci-identities.yaml"
 # The setup's defaults (infra/bootstrap/ci-setup.sh STATE_BUCKET, KMS_*): where the bucket backend keeps state.
 STATE_BUCKET_SUFFIX = "-pulumi-state"
 # Each stack's own key (ci-identities.yaml `state-key`, infra/bootstrap/ci-setup.sh stack_key)
@@ -73,7 +73,7 @@ class Runtime:
     applies: Callable[[StackConfig], bool]
     needs: tuple[Need, ...] = ()
     derived: Callable[[StackRun], list[Need]] | None = None
-    """Needs that follow from what the program declares (`infra.api_permissions`)."""
+    """Needs that follow from what the program declares (`infra.offline.api_permissions`)."""
     configured: Callable[[StackConfig], list[Need]] | None = None
     """Needs that follow from the stack's configuration (the recipe's data: `_data_reads`)."""
 
@@ -350,7 +350,7 @@ def planned_grants(run: StackRun, cfg: StackConfig) -> list[Grant]:
         if not r.custom or ("iam" not in r.type.lower()) or r.type in GRANTS_TO_PEOPLE:
             continue
         if r.type not in _TARGETS:
-            raise ValueError(f"{r.urn}: IAM resource type {r.type} is unknown to infra/permissions.py")
+            raise ValueError(f"{r.urn}: IAM resource type {r.type} is unknown to infra/offline/permissions.py")
         kind, key = _TARGETS[r.type]
         inputs = r.plain_inputs()
         scope = scope_of(cfg, kind, str(inputs[key]), r.urn)
@@ -510,7 +510,9 @@ def condition_holds(condition: str | None, need: Need, cfg: StackConfig) -> bool
         return any(
             name.startswith(n.group(1)) if n.re is _STARTS_WITH else name == n.group(1) for n in names if n
         ) or any(prefix.startswith(p.group(1)) for p in listed if p)
-    raise ValueError(f"IAM Condition {condition!r} is in no form infra/permissions.py condition_holds evaluates")
+    raise ValueError(
+        f"IAM Condition {condition!r} is in no form infra/offline/permissions.py condition_holds evaluates"
+    )
 
 
 _OUTSIDE_THE_PROJECT = (Scope.RESERVATION_PROJECT, Scope.BILLING_ACCOUNT)
@@ -648,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
         ROLES_FILE.write_text(json.dumps(subset, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(subset['roles'])} roles to {ROLES_FILE}")
         return
-    from infra.offline import run_stack, stack_names
+    from infra.offline.engine import run_stack, stack_names
 
     print(markdown([run_stack(stack) for stack in args.stack or stack_names()]))
 

@@ -50,7 +50,7 @@ from pulumi.runtime.sync_await import _sync_await
 from infra.catalog import GKE_GPU_QUOTAS
 from infra.config import StackConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "gemma-finetune"
 MOCK_PROJECT_NUMBER = "123456789012"
 # Stand-in for the encrypted hfToken in tests and plans; never a real credential.

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from serving import demo
-from serving.demo import (
+from demo import pipeline as demo
+from demo.pipeline import (
     DemoError,
     DemoOptions,
     PreviousRun,
@@ -244,7 +244,7 @@ def test_loss_plot(tmp_path: Path) -> None:
 
 def test_the_report_prices_the_run_on_each_stack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`make demo` ends with what its training wall time would cost on each stack's hardware (the one price table)."""
-    from infra.offline import stack_names
+    from infra.offline.engine import stack_names
 
     result = demo.DemoResult(
         output_dir=tmp_path,

@@ -1,11 +1,11 @@
 """Which permission each cloud call of `pulumi preview` / `up` / `destroy` of this program needs, and on which resource.
 
-The permission proof (`infra.permissions`) derives what the CI identities need from these tables and from what
+The permission proof (`infra.offline.permissions`) derives what the CI identities need from these tables and from what
 the program declares under mocks: `preview_needs(run)` for an identity that only previews, `deploy_needs(run)`
 for the one that previews, applies and destroys. Adding a resource type, a provider function or a command
 step to the program without a row here fails the proof, so the CI grants cannot drift from the program.
 
-    .venv/bin/python -m infra.permissions --stack dev    # every need of every identity of a stack, with its call
+    .venv/bin/python -m infra.offline.permissions --stack dev    # every need of every identity of a stack, with its call
 
 Decisions
 - Data, one row per kind of call, each with its source: `RESOURCES` (every resource type: what its provider
@@ -28,7 +28,7 @@ Decisions
   one with `import_` is read instead of created, and an `ignore_changes` on every field an update could send
   means no update. The provider's own options decide others (`no_delete_when`, `force_delete`).
 
-Not here: which identity may do what (`infra.permissions`), and what Pulumi's state backend needs (listed with
+Not here: which identity may do what (`infra.offline.permissions`), and what Pulumi's state backend needs (listed with
 the CI identities there).
 """
 
@@ -54,7 +54,7 @@ from infra.foundation import (
     staging_bucket_name,
 )
 from infra.images import CLOUD_BUILD_SCRIPT
-from infra.offline import Recorded, StackRun
+from infra.offline.engine import Recorded, StackRun
 
 
 class Scope(StrEnum):
@@ -143,7 +143,7 @@ def scope_of(cfg: StackConfig, kind: str, name: str, where: str) -> Scope:
     key = (kind, short)
     found = scopes(cfg)
     if key not in found:
-        raise ValueError(f"{where}: {kind} {name!r} is none of the resources infra/api_permissions.py knows")
+        raise ValueError(f"{where}: {kind} {name!r} is none of the resources infra/offline/api_permissions.py knows")
     return found[key]
 
 
@@ -527,7 +527,7 @@ COMMANDS: dict[str, Command] = {
 
 def _kubernetes(r: Recorded, verbs: tuple[str, ...]) -> list[Need]:
     if r.type not in KUBERNETES:
-        raise ValueError(f"{r.urn}: Kubernetes kind {r.type} is unknown to infra/api_permissions.py KUBERNETES")
+        raise ValueError(f"{r.urn}: Kubernetes kind {r.type} is unknown to infra/offline/api_permissions.py KUBERNETES")
     plural = KUBERNETES[r.type]
     return [
         Need(f"container.{plural}.{verb}", Scope.PROJECT, f"{verb} {r.name} ({r.type}): {_K8S_SOURCE}")
@@ -539,7 +539,7 @@ def _invokes(run: StackRun, cfg: StackConfig) -> list[Need]:
     needs: list[Need] = []
     for token, args in run.invokes:
         if token not in INVOKES:
-            raise ValueError(f"provider function {token} is unknown to infra/api_permissions.py INVOKES")
+            raise ValueError(f"provider function {token} is unknown to infra/offline/api_permissions.py INVOKES")
         invoke = INVOKES[token]
         kind, argument = invoke.target
         scope = scope_of(cfg, kind, str(args.get(argument) or cfg.project), token)
@@ -559,7 +559,9 @@ def preview_needs(run: StackRun) -> list[Need]:
     for r in run.resources:
         if r.custom and r.import_id:
             if r.type not in RESOURCES:
-                raise ValueError(f"{r.urn}: resource type {r.type} is unknown to infra/api_permissions.py RESOURCES")
+                raise ValueError(
+                    f"{r.urn}: resource type {r.type} is unknown to infra/offline/api_permissions.py RESOURCES"
+                )
             calls = RESOURCES[r.type]
             kind, key = calls.target
             scope = scope_of(run.cfg, kind, str(_at(r.plain_inputs(), key)), r.urn)
@@ -588,7 +590,9 @@ def deploy_needs(run: StackRun) -> list[Need]:
         elif r.type in RESOURCES:
             needs += _resource(r, RESOURCES[r.type], cfg)
         else:
-            raise ValueError(f"{r.urn}: resource type {r.type} is unknown to infra/api_permissions.py RESOURCES")
+            raise ValueError(
+                f"{r.urn}: resource type {r.type} is unknown to infra/offline/api_permissions.py RESOURCES"
+            )
     return _unique(needs)
 
 
@@ -632,7 +636,9 @@ def _command(r: Recorded, cfg: StackConfig) -> list[Need]:
     inputs = r.plain_inputs()
     script = inputs.get("create")
     if script not in COMMANDS:
-        raise ValueError(f"{r.urn}: its command is none of infra/api_permissions.py COMMANDS: say what it calls there")
+        raise ValueError(
+            f"{r.urn}: its command is none of infra/offline/api_permissions.py COMMANDS: say what it calls there"
+        )
     command = COMMANDS[script]
     environment = inputs.get("environment") or {}
     needs = []
