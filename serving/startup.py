@@ -7,51 +7,11 @@
     STARTUP_WINDOW.max_marker_wait_s  # 150: the longest marker wait the window allows (vLLM keeps 120 s)
     expected_start_s()                # (32, 110): the fastest and slowest start expected, from EXPECTED_START
 
-The decision: cut the start, then fit the probe to it. vLLM on the Cloud Run L4 is started with
-`COLD_START_VLLM`: `--enforce-eager` (no torch.compile, which has no cache on a fresh instance, and no
-capture of vLLM's 51 CUDA-graph sizes; decoding is slower, which an answer of at most 32 tokens barely
-notices) and `--safetensors-load-strategy eager` (each weights file read whole, in order, instead of
-vLLM's default lazy mmap, whose random page reads over the Cloud Storage FUSE mount are slow; vLLM
-prefetches by itself only on NFS/Lustre: vllm/config/load.py and `safetensors_weights_iterator` in
-vllm/model_executor/model_loader/weight_utils.py, v0.28.0; "eager" holds one file in the instance's
-32 GiB at a time; "prefetch", parallel reads into the page cache, is the alternative, and which is faster on
-the mount is UNCONFIRMED). `EXPECTED_START` lists the
-remaining steps with the time each is expected to take; none is measured on Cloud Run L4 (UNCONFIRMED,
-no run yet), they are estimates to be replaced by a measurement in bench/RESULTS.md.
-
-The initial delay is a wait during which Cloud Run sends no probe at all, so an instance ready before
-it ends sits idle on a billed L4 until it does: it is no longer than the fastest expected start (30 s,
-down from 120 s). Then a probe every 10 s, 24 times, so the window (270 s) holds about two and a half times the
-slowest expected start. A failed probe costs nothing (the request is not routed yet). A start slower
-than the window is shut down by Cloud Run (the revision's logs say so). An instance always up
-(`min_instance_count=1` in infra/cloud_run.py, 0 by default) avoids cold starts altogether, billed
-around the clock.
-
-Not in the window: scheduling the instance and pulling the image (Cloud Run GPU instances start in about
-5 s plus the image pull), before the container, and so the probe's clock, starts. A client sees them.
-
-The limits (`PROBE_LIMITS`, each with its source):
-- Cloud Run API v2 `Probe`: `initialDelaySeconds`, `periodSeconds` and `timeoutSeconds` are each at
-  most 240 for a startup probe, and `periodSeconds >= timeoutSeconds` (googleapis run/v2
-  `GoogleCloudRunV2Probe`; also pulumi-gcp's `ServiceTemplateContainerStartupProbeArgs` docs).
-- `failureThreshold x periodSeconds`: at most 240 s in the Cloud Run worker-pools health-check page
-  and the older jobs page; the current jobs page says 600 s, and 1800 s for GPU
-  (docs.cloud.google.com/run/docs/configuring/jobs/healthchecks). For services we found no page
-  that states a larger allowance, so whether the GPU allowance applies to services is
-  UNCONFIRMED and the window keeps `failureThreshold x periodSeconds` within 240 s.
-- The initial delay counts separately from `failureThreshold x periodSeconds`.
-
-The entrypoint's wait for the marker (`GEMMA_FT_WAIT_FOR_MODEL_S`) runs inside this window, so
-`marker_wait_s` is subtracted from what vLLM gets, and vLLM keeps at least `MIN_VLLM_BUDGET_S`.
-This module is the one place that rule lives: the Cloud Run service passes the window, the wait
-(`marker_wait_s`, 0) and the longest wait the rule allows (`max_marker_wait_s`, as
-`GEMMA_FT_MAX_MARKER_WAIT_S`) to the container, and the entrypoint refuses a longer wait instead
-of applying a rule of its own. The wait is 0 on Cloud Run and not a stack setting: `pulumi up`
-declares the service only for a run whose completion marker it has listed, so there is nothing to
-wait for; the wait is for serving a folder by hand (`docker run`) while the trainer finishes it.
-The client allows a scaled-to-zero service this long, plus one `--timeout`, to answer its first
-request.
-
+The decision: cut the start (`COLD_START_VLLM`: eager mode, whole-file weight reads), then fit the probe to it:
+an initial delay no longer than the fastest expected start, a window about 2.5 times the slowest, within the
+Cloud Run limits in `PROBE_LIMITS`. The entrypoint's marker wait is subtracted from vLLM's budget here and
+nowhere else; the client waits this window plus one `--timeout` for a scaled-to-zero service. The sources, and
+what is unconfirmed (`EXPECTED_START` is estimated, not measured): docs/decisions/cloud-run-startup-window.md.
 Standard library only (the client imports it). It does not measure anything.
 """
 

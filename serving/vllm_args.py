@@ -7,48 +7,12 @@ the rendered list starts with the model path and never repeats `serve`:
     >>> render_args(VllmServerConfig(model="/mnt/models/merged", max_model_len=4096))[:3]
     ['/mnt/models/merged', '--served-model-name', 'gemma']
 
-Decisions:
-- Every flag we rely on is a typed field, validated before any resource is declared; the
-  `extra_args` escape hatch takes anything else but refuses a flag that duplicates a typed
-  field (two sources of truth for one setting is how a stack silently serves the wrong thing).
-  It also refuses a flag that carries a credential (`--api-key`, `--hf-token`): container args
-  are plain text in the Pulumi state and the revision; the API key comes from Secret Manager.
-  vLLM's parser keeps argparse's `allow_abbrev`, so a prefix of a refused flag (`--api-k`, `--po`)
-  is refused as that flag, ambiguous prefixes included, and the value is never echoed; so is vLLM's
-  dotted JSON form (`--override-generation-config.temperature 0.7` sets `--override-generation-config`).
-- A server with an API key also gets `--middleware serving.api_key_guard.ApiKeyGuard`
-  (`api_key_guard`): vLLM's own check covers only /v1, /v2, /inference and /cohere, and
-  /invocations serves completions without the key (vllm-project/vllm#58144); the guard asks
-  for the key on every route but /health. `--middleware` is therefore refused in `extra_args`:
-  vLLM adds each one (`action="append"`), and Starlette makes the last one added the outermost,
-  so a middleware after the guard would see (and could answer) every request before the guard.
-- A merged model is the default; LoRA adapters (`lora_modules`) are the alternative for
-  serving several fine-tunes on one base.
-- `served_model_name` defaults to `gemma` so clients need not know the mount path.
-- Served sampling defaults are greedy, decided here once: `--generation-config vllm` (vLLM's neutral
-  defaults, not the export's `generation_config.json`, which keeps the base's `do_sample`, `top_k: 64`,
-  `top_p: 0.95`) with `--override-generation-config {"temperature": 0.0}` (vLLM's own neutral default is
-  temperature 1.0). A request that omits `temperature` then gets the same answer every time, in the
-  cloud as from demo/local_server.py, which takes its defaults from `served_sampling_defaults()`.
-  The export's stop tokens still apply: vLLM reads `eos_token_id` from generation_config.json for "vllm" too
-  (`InputProcessor.generation_config_fields`, vllm/v1/engine/input_processor.py).
-  vLLM: `ModelConfig.get_diff_sampling_param` (vllm/config/model.py) and
-  `ChatCompletionRequest.to_sampling_params` (`_DEFAULT_SAMPLING_PARAMS`,
-  vllm/entrypoints/openai/chat_completion/protocol.py), v0.28.0.
-- Settings vLLM itself would refuse at start-up fail here, at `pulumi preview`: `float16` for
-  Gemma 2/3 (vLLM's `_FLOAT16_NOT_SUPPORTED_MODELS` in vllm/config/model.py: "Numerical
-  instability. Please use bfloat16 or float32 instead."), known from `model_type` or the model's name.
-- `max_num_seqs` is rendered explicitly (vLLM's own default is 256 on GPUs under 70 GiB such as
-  the L4, 1024 above: `EngineArgs.get_batch_defaults` in vllm/engine/arg_utils.py), so the Cloud
-  Run concurrency can be set to the same number and the two never disagree.
-- Prefix caching is not a setting: vLLM's V1 engine enables it by default (ms-swift#6165 switched
-  to "follow vLLM's default"; `--no-enable-prefix-caching` turns it off through `extra_args`).
-  `enforce_eager` and `safetensors_load_strategy` are typed fields; the Cloud Run service sets both for a
-  short cold start (serving/startup.py, `COLD_START_VLLM`, says why and what a start is expected to take).
-
-This module imports only pydantic and the standard library: the Pulumi program imports it
-and `pulumi up` does not install torch or vLLM. It does not know where the model comes from
-(the infra mounts the bucket) and does not start anything.
+Decisions (sources: docs/decisions/vllm-server-args.md): every flag relied on is a typed field checked at
+`pulumi preview` (`float16` for Gemma 2/3 refused, as vLLM would); `extra_args` refuses duplicates of a field,
+credentials and `--middleware`, prefixes included; an API key brings `serving.api_key_guard.ApiKeyGuard`;
+served sampling is greedy (`served_sampling_defaults()`, shared with demo/local_server.py); `max_num_seqs` is
+always rendered, to match Cloud Run's concurrency. Only pydantic and the standard library are imported (the
+Pulumi program imports this). It does not know where the model comes from and starts nothing.
 """
 
 from __future__ import annotations

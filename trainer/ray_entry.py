@@ -2,70 +2,16 @@
 
     python -m trainer.ray_entry --recipe product-descriptions-gemma3-4b --num-workers 16 --use-gpu \\
         --accelerator-type B200 --storage-path gs://BUCKET/ray
-    # everything can also come from the environment (a RayJob's container env):
-    TRAINER_RECIPE=product-descriptions-gemma3-4b RAY_NUM_WORKERS=16 RAY_USE_GPU=1 \\
-        RAY_STORAGE_PATH=gs://BUCKET/ray python -m trainer.ray_entry
-    # later flags win, so a planned entrypoint can be re-aimed: ... --num-workers 2 --no-use-gpu
+    # or from a RayJob's env: TRAINER_RECIPE, RAY_NUM_WORKERS, RAY_USE_GPU, RAY_STORAGE_PATH; later flags win
 
-Decisions:
-- A thin adapter. `TorchTrainer(train_loop_per_worker, ScalingConfig(num_workers, use_gpu,
-  accelerator_type), RunConfig(storage_path, name, FailureConfig))`; each worker builds the
-  Hugging Face trainer from the core's functions (trainer.modeling, trainer.data, trainer.train)
-  and wraps it with `ray.train.huggingface.transformers.prepare_trainer`.
-- Checkpoints reach Ray through `ReportCheckpointToRay`, not Ray's `RayTrainReportCallback`: that
-  one copies `get_last_checkpoint()` on every worker the moment `on_save` fires, while rank 0 may
-  still be writing the checkpoint (transformers calls `on_save` without a barrier, trainer.py
-  `_maybe_log_save_evaluate`), and Ray Train V2 copies every worker's copy into ONE checkpoint
-  folder (ray/train/v2/_internal/execution/storage.py `persist_current_checkpoint`), so a half-written
-  file from one worker can overwrite the whole one. Here every worker first waits at a barrier;
-  then rank 0 hands Ray the checkpoint and every other rank only its own `rng_state_<rank>.pth`
-  (on another node it is the only copy): each file is reported once, complete.
-- Ray Train V2 (`RAY_TRAIN_V2_ENABLED=1`) is switched on here unless the environment says
-  otherwise: it is opt-in in the image's Ray (`RAY_VERSION`, 2.48.0, also the tests' Ray) and the
-  default in later releases, so the code path does not change on an upgrade.
-- `--num-workers` must be the recipe's `distributed.world_size` (the run is sized for that many
-  ranks, `trainer.recipe.world_size_problem`): the driver refuses another count before starting Ray
-  Train, exit 2. A re-aimed entrypoint re-sizes the recipe too (`--set distributed.world_size=2`).
-- The run name defaults to the recipe name, not a timestamp: a retried RayJob (KubeRay
-  starts a new cluster) finds the same run under storage_path, and a retried worker group
-  resumes from `ray.train.get_checkpoint()`, copied to local disk first.
-- One upload per checkpoint: Ray's report (to `storage_path`) is it. The trainer's mirror callback
-  gets the output location without its remote, so it only marks each checkpoint complete locally; the
-  final adapter and run_summary.json still go to `output.dir`. One download per node on resume: local
-  rank 0 copies Ray's checkpoint to the node's disk while the node's other ranks wait
-  (`node_resume_checkpoint`).
-- Preemption (trainer/preemption.py, docs/decisions/ray-preemption.md): SIGTERM never reaches the training
-  thread of a Ray worker, so the worker pods' preStop hook writes a notice file; at the next step end every
-  rank agrees, the step's checkpoint is saved and reported to Ray, local rank 0 acknowledges (the hook
-  returns, Kubernetes sends SIGTERM) and the attempt fails with `Preempted`; Ray's restart resumes there.
-- Vision recipes (`model.text_only: false`) get trainer/collators.py's VisionSFTCollator:
-  labels mask pad and image tokens by the processor's own ids, and the prompt when
-  `training.assistant_only_loss` is on. `training.max_length` counts the image's soft tokens:
-  rows whose processed sequence (text + every image expanded) is longer are dropped before
-  training, and the collator refuses a longer batch. Text recipes use trainer.train.build_trainer.
-- DDP does not search for unused parameters on vision recipes (`ddp_find_unused_parameters:
-  false` unless `training.extra` says otherwise): trl turns it on for every vision-language model
-  because a text-only batch leaves a trainable vision tower without gradients (trl
-  sft_trainer.py, huggingface/transformers#49443), but here every row has an image, and a vision-tower
-  adapter (`lora.vision_tower`, W2) leaves out SigLIP's unused pooling head (trainer/modeling.py
-  VISION_LORA_EXCLUDED_REGEX), so each trainable parameter gets a gradient in every step and the search is
-  only an extra pass over the autograd graph per step (torch DistributedDataParallel docs). If a
-  parameter were unused, DDP would stop the run with an error in the next step, not silently.
-- Workers without a GPU train with `use_cpu` (added as `training.extra.use_cpu=true`): accelerate
-  treats a GPU-less process as one of several only when asked to, otherwise every Ray worker
-  trains alone on all the rows with no DDP (accelerate/state.py `PartialState._prepare_backend`).
-- Rank 0 writes the final adapter (+ processor) to `output.dir/adapter` and run_summary.json
-  (with `ray_workers`, `epoch`, `resumed_from_step`, `loaded_in_4bit`, and the DDP wrapper's
-  `ddp_find_unused_parameters`, null when the model was not wrapped), and mirrors them when
-  output.dir is a URL.
-
-`RAY_VERSION` is the Ray in the trainer image (trainer/requirements-gpu.txt) and in the dev venv
-(requirements-dev.txt); the RayJob's `rayVersion` defaults to it (infra/config.py) and
-tests/trainer/test_ray_runtime.py keeps all of them equal. This module imports nothing heavy at
-import time, so infra code can read that constant without torch.
-
-It does not decide the cluster's shape (infra/ray_job.py does) and does not use Ray Data: the
-workers read the recipe's data themselves.
+A thin adapter: `TorchTrainer` around the core's Hugging Face trainer (`prepare_trainer`), Ray Train V2 on;
+`--num-workers` must be the recipe's `distributed.world_size` (else exit 2); GPU-less workers train with
+`use_cpu`; vision recipes get trainer/collators.py, over-long rows dropped, DDP's unused-parameter search off
+(docs/decisions/ray-train-workers.md). Checkpoints reach Ray after a barrier, each file once and complete,
+under the recipe's run name so a retry resumes (docs/decisions/ray-train-checkpoints.md); preemption is a
+preStop notice read at each step end (docs/decisions/ray-preemption.md). Rank 0 writes the final adapter and
+run_summary.json to `output.dir`. `RAY_VERSION` is the image's Ray; nothing heavy is imported at import time.
+It does not decide the cluster's shape (infra/ray_job.py does) and does not use Ray Data.
 """
 
 from __future__ import annotations
