@@ -7,43 +7,12 @@
     with LocalServer("outputs/emoji-local/merged") as server:   # a free port, stopped on exit
         chat(server.url, [{"role": "user", "content": "Translate to emoji: I love pizza"}])
 
-It speaks the part of vLLM's OpenAI-compatible API that clients use (`GET /v1/models`,
-`POST /v1/chat/completions` and `POST /v1/completions`, both also as server-sent events with
-`stream: true`, plus `GET /health`) with the same response shapes and the same served model
-name (`gemma`), so code written with the official `openai` client against it runs unchanged
-against the Cloud Run service (tests/serving/test_openai_client.py checks that with the client).
-
-Decisions:
-- Our own small server (stdlib `http.server` + transformers `generate` with the model's chat
-  template) rather than `transformers serve`: the latter's `/v1/models` lists the Hub cache
-  and fails without one, names the model by its path, and needs FastAPI/uvicorn/openai.
-- Loopback only: the server refuses any host but 127.0.0.1/::1/localhost.
-- Like the vLLM entrypoint, it refuses a folder that is not a complete export
-  (serving/completion.py: the marker, its inventory of names and sizes, readable files).
-- Streaming follows the OpenAI wire format vLLM uses: `data: {chunk}` events, the first delta
-  carrying the role, the last the finish reason, then `data: [DONE]`; usage is sent as a final
-  chunk only when `stream_options.include_usage` asks for it. Tokens are streamed as generated
-  (transformers' `TextIteratorStreamer`).
-- The socket is bound before the model loads, so a busy port fails in milliseconds; until
-  the model is loaded every endpoint but `/health` answers 503 (what a cold Cloud Run
-  instance answers, so the client's retry path is exercised here too).
-- `LocalServer` runs it as a child in its own process group and always stops the group
-  (exceptions, Ctrl-C, SIGTERM turned into an exception by the caller); the child also exits
-  by itself when its parent dies, so an abrupt kill of the parent leaves nothing behind.
-
-- Where a client notices, it follows vLLM v0.28.0: the served sampling defaults (greedy; serving/vllm_args.py);
-  `stop` (the text is cut before it, `finish_reason` "stop", `stop_reason` the string; streamed text is held
-  back by the longest stop string less one character) and `seed`; `max_tokens` at least 1 and at most the context
-  (the service's `--max-model-len`, `SERVED_MAX_MODEL_LEN`, or the model's `max_position_embeddings` if less), none meaning the rest of it for chat and 16 for completions; a prompt plus
-  `max_tokens` longer than the context refused with vLLM's 400 message; errors as vLLM's ErrorResponse
-  (`{"error": {"message", "type", "param", "code"}}`); the text as decoded, untrimmed, streamed or not.
-- A bad `Content-Length` is answered 400, one above `MAX_BODY_BYTES` 413, a body that does not arrive within
-  `BODY_READ_TIMEOUT_S` 408: no request holds a thread. A client that closes a stream, or the connection of a
-  request it no longer waits for (an openai client that timed out and retries), stops its generation at the next
-  token, which releases the lock for the next request (vLLM cancels both: `with_cancellation`).
-
-It does not batch, sample several choices (`n`), return logprobs, apply penalties, `min_p` or `logit_bias`
-(refused with 400 unless neutral) or serve LoRA adapters; it is not for production traffic.
+Decisions (docs/decisions/local-server.md): our own small server (`http.server` + transformers `generate`),
+not `transformers serve`; it answers the part of vLLM's OpenAI API clients use, streaming included, as vLLM
+v0.28.0 does (shapes, `gemma`, greedy defaults, errors, limits), so code written against it runs unchanged
+against the Cloud Run service. Loopback only; complete exports only (serving/completion.py); 503 until the
+model is loaded, like a cold instance; `LocalServer` always stops its process group. No batching, `n`,
+logprobs, penalties or LoRA: it is not for production traffic.
 """
 
 from __future__ import annotations

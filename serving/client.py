@@ -3,51 +3,15 @@
     export GEMMA_FT_URL="$(pulumi stack output servingUrl)"     # the stack's service: tokens may go there
     python -m serving.client "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
     python -m serving.client --url http://127.0.0.1:8000 --list-models
-    # CI, or any caller acting as a service account (needs roles/iam.serviceAccountOpenIdTokenCreator on it):
-    python -m serving.client --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"
+    python -m serving.client --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"   # CI
 
-    from serving.client import chat
-    chat("http://127.0.0.1:8000", [{"role": "user", "content": "Translate to emoji: I love pizza"}])
-
-Decisions:
-- Standard library only (urllib), so it runs from any Python 3.11 without installing anything.
-- Identity tokens (the vLLM service requires authenticated invokers): an explicit `--token` is
-  sent to the https host it is given for, whatever that host is (the caller chose it). A token the
-  client finds by itself (`$GEMMA_FT_ID_TOKEN`, then `gcloud auth print-identity-token`) is sent
-  only to a Cloud Run URL (`https://….run.app`) that is on the token allowlist: the stack's
-  servingUrl as `$GEMMA_FT_URL`, or a URL in `$GEMMA_FT_TRUSTED_URLS` (comma-separated). Anyone
-  can deploy a `*.run.app` service, and a gcloud user token is accepted by every Cloud Run service
-  its account may invoke, so an ambient credential goes only where the user said, never to
-  whatever host a URL names. Tokens never go over plain http or to localhost, are never printed or
-  logged, and redirects are refused so a token cannot follow one to another host.
-- When no token can be had, the client says why (gcloud missing, not logged in, its own error
-  text, a URL not on the allowlist) and the command that fixes it. A 401/403 from a Cloud Run URL
-  answered to a request without a token says that first, instead of suggesting an IAM grant or
-  blaming an API key (Cloud Run reads a key in `Authorization` as an invalid identity token).
-- A 401 whose body is vLLM's (and the guard's) `{"error": "Unauthorized"}` got past Cloud Run's
-  identity check, so it names the API key (missing or wrong), never the identity token; a 401 about
-  the token suggests `--audience` as the service's scheme and host.
-- gcloud runs with stdin closed (it must never wait on a prompt) and a timeout; its stderr is
-  kept for the message. `--audience` and `--impersonate-service-account` are passed through
-  (gcloud accepts a custom audience for service accounts; for a user account it mints its own).
-- An API key given with `--api-key` goes to the URL given (https, or this machine); one the client
-  finds in `$GEMMA_FT_API_KEY` follows the tokens' allowlist: only to this machine or an origin in
-  `$GEMMA_FT_URL`/`$GEMMA_FT_TRUSTED_URLS`, since a key left in a shell works against the service from
-  wherever it is sent. The key (vLLM's `--api-key`) travels as
-  `Authorization: Bearer KEY`; the identity token then moves to `X-Serverless-Authorization`,
-  which Cloud Run's IAM check reads instead (GoogleCloudPlatform/cloud-run-proxy#25), so both fit.
-- Retries: connection refused, 429 and 502/503/504 are retried with a bounded exponential
-  backoff (at most 20 s apart). Local servers get 8 tries within 300 s. For Cloud Run URLs a
-  timeout is retried too, and the retries are bounded by time only, not by a count: until the
-  service's startup window (serving/startup.py) plus one request's timeout has passed, because
-  the first request to a scaled-to-zero service answers 429/503 for as long as an instance takes
-  to pull the image and load the model. `--timeout` applies to every request, the model lookup
-  included.
-- Proxies from the environment are ignored for local URLs (a corporate proxy cannot reach
-  this machine's 127.0.0.1).
-
-It does not stream and does not handle tools or images: it is for smoke tests and the demo
-(the official `openai` client works against the same servers for everything else).
+Decisions (docs/decisions/client-credentials.md): standard library only; an identity token or API key the
+client found by itself (`$GEMMA_FT_ID_TOKEN`, gcloud, `$GEMMA_FT_API_KEY`) goes only to a URL in
+`$GEMMA_FT_URL`/`$GEMMA_FT_TRUSTED_URLS` (API keys also to this machine), never over http, never printed, and no
+redirect is followed; with an API key the token travels in `X-Serverless-Authorization`. Every failure says
+why and the fix. 429/5xx and refused connections are retried with backoff, for Cloud Run until the startup
+window (serving/startup.py) plus one `--timeout` has passed. It does not stream nor handle tools or images
+(the official `openai` client works against the same servers): it is for smoke tests and the demo.
 """
 
 from __future__ import annotations

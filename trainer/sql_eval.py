@@ -1,53 +1,17 @@
 """Execution match for text-to-SQL: does the predicted query return what the gold query returns?
 
-Decisions:
-- The gretel rows are MySQL-flavoured (`sql_context` is CREATE TABLE + INSERT statements). We
-  run them in an in-memory SQLite, not MySQL: no server, no network, millisecond start. Every
-  statement is parsed by sqlglot as MySQL, a few MySQL-only constructs are rewritten in the
-  syntax tree, and the result is generated as SQLite:
-  - `DATE_SUB/DATE_ADD(x, INTERVAL n UNIT)` and `x ± INTERVAL n UNIT` become `MYSQL_DATE_ADD(x, ±n, 'UNIT')`,
-  - `CURDATE()/CURRENT_DATE`, `NOW()/CURRENT_TIMESTAMP/UTC_TIMESTAMP()/SYSDATE()` become calls to
-    registered functions that read one frozen clock (the gold and the predicted query see the same "now";
-    the session time zone is UTC, so UTC_TIMESTAMP() is NOW() and UNIX_TIMESTAMP() reads dates as UTC),
-  - `EXTRACT(YEAR FROM x)` becomes `YEAR(x)`; `TIMESTAMPDIFF(UNIT, a, b)` a registered function,
-  - `LEFT(x, n)` / `RIGHT(x, n)` become `MYSQL_LEFT` / `MYSQL_RIGHT` (in SQLite, LEFT is a join
-    keyword, so the MySQL spelling never reaches a function),
-  - `DATE_FORMAT` / `MONTHNAME` become `MYSQL_DATE_FORMAT` (SQLite's strftime has no month or day names),
-  - `ENUM(...)`/`SET(...)` column types become TEXT.
-  YEAR(), DAYNAME(), WEEKDAY(), REGEXP, STDDEV_SAMP … are Python functions registered on the connection
-  (SQLite has none of them). `MYSQL_FUNCTIONS` lists every MySQL function supported this way; each is
-  tested through a gold query in tests/trainer/test_sql_eval.py.
-- The evaluator runs SQL it did not write (a model's output, and dataset rows), so each connection is
-  a sandbox; nothing a query says can reach the file system, another database or an extension:
-  - `SQLITE_LIMIT_ATTACHED` is 0 (no ATTACH, and so no `VACUUM INTO`, which attaches its target file),
-    temporary storage is in memory, extension loading stays off;
-  - an authorizer denies by default. A read query may only read and call functions SQLite marks
-    innocuous or deterministic (plus the ones registered here); a data-changing gold query (gretel has
-    "data manipulation" and "data definition" tasks) and its prediction may also insert, update,
-    delete, create, alter and drop tables, views and indexes of the in-memory `main` database. PRAGMA,
-    ATTACH/DETACH, transactions, triggers, virtual tables, temporary objects and `load_extension` are
-    denied everywhere;
-  - the predicted and the gold query must each be exactly ONE statement; a prediction may change
-    tables only when the gold query does; statements sqlglot cannot parse (it passes them through as
-    `exp.Command`, e.g. VACUUM, REPLACE INTO, CREATE TRIGGER) are rejected, never executed.
-  (sqlglot's Command fallback: unknown statements parse to exp.Command, and SQLite's VACUUM INTO writes a file; the authorizer action
-  codes and the attach limit: https://sqlite.org/c3ref/set_authorizer.html, https://sqlite.org/limits.html.)
-- A query runs on a fresh copy of the context database, so a DELETE/UPDATE/INSERT/CREATE gold query is
-  compared by the tables (contents and columns), views and indexes it leaves behind.
-- Results are compared as multisets of rows (numbers rounded to 6 decimals, column names
-  ignored); in order when the gold query has a top-level ORDER BY.
-- A time budget per statement list (sqlite3 progress handler) stops runaway queries (a
-  recursive CTE without end, a huge cross join): reason `timeout`. A row cap stops result sets
-  that would exhaust memory: reason `too_large`. Nothing here raises: every failure is a
-  result with a reason.
-
-What this module deliberately does not do: emulate every MySQL function or MySQL's type
-coercions (string/number comparison, integer division). Queries that depend on those are judged
-by SQLite's semantics, the same way for the gold and the predicted query. Multi-statement gold
-queries are reported as `gold_error`, not split.
-
     from trainer.sql_eval import execution_match, evaluate_sql
     execution_match("SELECT COUNT(*) FROM t", "SELECT COUNT(id) FROM t", "CREATE TABLE t (id INT); INSERT INTO t VALUES (1);")
+
+Decisions (the rewrites, the sandbox's rules and their sources: docs/decisions/sql-execution-match.md):
+- The MySQL-flavoured gretel rows run in an in-memory SQLite: sqlglot parses MySQL, rewrites MySQL-only
+  constructs, generates SQLite; missing MySQL functions are registered Python functions (`MYSQL_FUNCTIONS`).
+- Each connection is a sandbox (no ATTACH, no extensions, an authorizer that denies by default); prediction
+  and gold are ONE statement each, unparsed statements are rejected, never executed.
+- Each query runs on a fresh copy of the context; results compare as multisets of rows (ordered when the gold
+  query has ORDER BY), or by the tables a data-changing query leaves.
+- A time budget and a row cap; nothing raises, every failure is a result with a reason.
+Not emulated: every MySQL function or MySQL's type coercions (SQLite's semantics judge both queries alike).
 """
 
 from __future__ import annotations
