@@ -1,23 +1,14 @@
 """Per-token log-probabilities of the few labelled rows on a CPU: one projection, kept for the backward.
 
-Decision: trl 1.16's `ChunkedLogProbFunction` (trl/kernels/chunked_logprob.py) is built for a GPU with
-thousands of rows: it never holds the `[rows, vocab]` logits, so its backward projects every row onto
-the 262,144-token vocabulary a second time, and it tiles the vocabulary into 32,768-wide chunks. With
-the labelled rows only (trainer/lm_head.py) a CPU step has a few dozen to a few hundred rows, whose
-logits fit in a few hundred MiB: this function projects once, keeps the shifted logits for the
-backward (up to `KEEP_LOGITS_BYTES`, else it projects again like trl), and multiplies in the
-orientation MKL runs fastest on this machine (`weight @ hidden.T`, a `[vocab, rows]` result). Its
-contract is trl's: the same arguments, the same five outputs (`None` where not requested), the same
-non-differentiable ones, gradients for the hidden states, the weight and the bias, the entropy's own
-gradient, softcapping, logit scale and temperature; tests/trainer/test_cpu_logprob.py compares every
-one of them with trl's kernel.
+Decision: trl 1.16's `ChunkedLogProbFunction` is built for thousands of GPU rows (it never holds the logits, so
+its backward projects every row again). A CPU step's labelled rows (trainer/lm_head.py) are few: this function
+projects once, keeps the shifted logits for the backward (up to `KEEP_LOGITS_BYTES`, else it projects again),
+and multiplies in the orientation MKL runs fastest (`weight @ hidden.T`). Its contract is trl's: the same
+arguments, five outputs and gradients (tests/trainer/test_cpu_logprob.py compares each). Sources:
+docs/decisions/labels-only-lm-head.md; timings: bench/RESULTS.md.
 
-Measured on 2 AMD EPYC cores (AVX2, MKL), Gemma's 262,144 x 640 head, forward + backward:
-40 rows 1.36 s with trl's kernel, 0.73 s with this one; 256 rows 6.7 s and 2.8 s
-(bench/train_throughput.py measures the effect on whole training steps).
-
-Not done here: a CUDA or XPU device keeps trl's Triton kernel (it is the fast path there); the
-logits are computed in float32 from the rows' dtype (autocast's dtype when autocast is on, as trl).
+Not done here: CUDA/XPU keep trl's Triton kernel; the logits are float32 from the rows' dtype (autocast's when
+on, as trl).
 """
 
 from __future__ import annotations

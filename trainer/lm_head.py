@@ -1,40 +1,15 @@
 """The LM head scores only the positions that carry a label, on every device.
 
-Decision: a Gemma model's LM head projects each position onto the 262,144-token vocabulary, the
-largest single cost of a 270M-1B model, and the prompt positions carry no loss. trl 1.16's
-SFTTrainer already patches every model with a chunked, fused LM head (`add_fused_lm_head`,
-trl/trainer/utils.py) and `compute_loss` calls `model(**inputs, fused_lm_head=True)`
-(trl/trainer/sft_trainer.py). That head decides per call whether to project only the positions
-whose next-token label is not -100 (`compact = _use_triton(hidden_states.device)`, then
-`hidden_states[mask]`) or every position and zero the unlabelled ones afterwards
-(`hidden_states.reshape(-1, …)`, then `masked_fill(~mask, 0)`). `_use_triton`
-(trl/kernels/chunked_logprob.py) is true only with Triton on a `cuda` or `xpu` device; trl's own
-comment gives the reason for the other branch: on Neuron (XLA) a changing number of labelled
-positions changes the tile shapes and recompiles every batch.
+Decision: trl 1.16's SFTTrainer already patches every model with a fused LM head that projects only the
+labelled positions, but only with Triton on `cuda`/`xpu` (`_use_triton`); on a CPU (and MPS) it projects every
+position and zeroes the unlabelled ones, wasted work since nothing is compiled there.
+`score_labelled_positions_only` makes ONE model's fused head take trl's compact branch on those eager devices
+too (a context variable, set only while that model's fused forward runs); loss, gradients and metrics are the
+same numbers (tests/trainer/test_lm_head.py). On a CPU the labelled rows then go through trainer/cpu_logprob.py.
+`new_sft_trainer` is the package's one SFTTrainer constructor, so every run gets it.
 
-On a CPU (and MPS) nothing is compiled, so the full branch only wastes work: with the text-to-SQL
-prompts ~6% of positions have a label, with the emoji demo about a third. `score_labelled_positions_only`
-makes the fused head of ONE model take trl's own compact branch on those eager devices too, through a
-context variable that is set only while that model's fused forward runs: trl's kernel, tiling and
-outputs are untouched, and another model in the same process (the benchmark's seed side) keeps trl's
-behaviour. The loss, the gradients and trl's metrics are the same numbers: the compact branch scatters
-per-token results back into the full shape with zeros where there is no label, exactly what the full
-branch's mask produces (tests/trainer/test_lm_head.py proves loss, LoRA gradients, entropy and top-1
-hits equal on padded, prompt-masked, unlabelled and padding-free packed batches).
-
-On a CPU the labelled rows then go through trainer/cpu_logprob.py's kernel instead of trl's: trl's
-is built for thousands of GPU rows (it projects each row twice, forward and backward, so as never to
-hold the logits); a CPU step's few dozen labelled rows fit, so ours projects once and keeps them (same
-contract and outputs; tests/trainer/test_cpu_logprob.py compares every output and gradient with trl's).
-
-`new_sft_trainer` is the one constructor of SFTTrainer in this package (trainer/train.py for text
-recipes, trainer/ray_entry.py for vision ones), so every run gets it.
-
-Not done here: XLA/Neuron/HPU devices keep trl's full branch (recompilation, as trl says); the
-full logits that trl recomputes for `compute_loss_func`, label smoothing or `return_outputs` are
-trl's business; evaluation outside the trainer (trainer/evaluate.py) uses the model's ordinary head.
-If a trl upgrade removes `trl.trainer.utils._use_triton`, the patch logs a warning and does
-nothing (training stays correct, only slower).
+XLA/Neuron/HPU keep trl's full branch (recompilation); if a trl upgrade removes `_use_triton`, the patch warns
+and does nothing. Sources: docs/decisions/labels-only-lm-head.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,18 @@
 """Model, tokenizer and LoRA loading for a recipe.
 
-    .venv/bin/python -c "from trainer.modeling import *; from trainer.recipe import load_recipe; \
-        r = load_recipe('emoji-local'); m, t = load_model_and_tokenizer(r); print(lora_config(r.lora))"
+    .venv/bin/python -c "from trainer.modeling import *; from trainer.recipe import load_recipe;         r = load_recipe('emoji-local'); m, t = load_model_and_tokenizer(r); print(lora_config(r.lora))"
 
 Decisions:
 - dtype `auto` means bf16 where the GPU supports it, else fp16 on a GPU, else fp32 on the CPU.
 - QLoRA is bitsandbytes 4-bit (nf4/fp4, optional double quantisation) with the recipe's compute
   and storage dtypes; the adapters train on top in higher precision (trl casts them).
-- LoRA never targets a vision or audio tower (nor the projector that feeds images into the
-  language model), whatever `target_modules` says: `exclude_modules` is a regex over module
-  names, so even `all-linear` stays inside the language model. Text tasks on multimodal Gemma
-  checkpoints (Gemma 3 4B+, Gemma 4) therefore only adapt the decoder. A recipe with
-  `lora.vision_tower: true` (W2, as its seed's all-linear) also adapts the vision tower and projector;
-  audio towers stay excluded.
-- A tokenizer without a chat template gets trl's ORIGINAL `<name>.jinja`; trl itself swaps in
-  the matching `<name>_training.jinja` (with `{% generation %}` markers) for assistant-only loss,
-  so what is saved with the model is the template used for inference.
-- FSDP2's RAM-efficient loading (`fsdp_cpu_ram_efficient_loading`, on in every rendered FSDP
-  config): accelerate broadcasts rank 0's weights into the sharded model and moves every other
-  rank's copy to the meta device (accelerate 1.15 utils/fsdp_utils.py `fsdp2_prepare_model`,
-  `fsdp2_load_full_state_dict`), so those copies are never needed. transformers 5.23 decides
-  this case with `is_fsdp_enabled()` (torch.distributed initialised AND `ACCELERATE_USE_FSDP` AND
-  `FSDP_CPU_RAM_EFFICIENT_LOADING`, distributed/fsdp.py) and `is_local_dist_rank_0()`
-  (distributed/utils.py), but then only skips the MISSING keys (modeling_utils.py
-  `_move_missing_keys_from_meta_to_device`): it still reads every checkpoint tensor on every rank
-  (core_model_loading.py `convert_and_load_state_dict_in_model`). So on those ranks `load_model`
-  hands transformers no checkpoint at all (`from_pretrained(None, config=…, state_dict={})`):
-  no weight is read, transformers' own FSDP branch gives only the non-persistent buffers (rotary
-  tables) real values, and every parameter then gets its own untouched `torch.empty` CPU storage
-  (not meta: accelerate maps the optimizer to the shards by `data_ptr()`, which is 0 for every meta
-  tensor, and that rank's adapter shards would never train). Not for 4-bit models, which accelerate
-  does not load this way, nor under `ACCELERATE_USE_CPU` (accelerate then runs DDP, no FSDP).
-
-It does not build Ray/FSDP wrappers (trainer/fsdp.py, trainer/ray_entry.py do) or batches.
+- LoRA never targets a vision or audio tower nor the projector (`exclude_modules`, a regex over module
+  names, so even `all-linear` stays in the language model); `lora.vision_tower: true` (W2) also adapts the
+  vision tower and projector, audio towers stay excluded.
+- A tokenizer without a chat template gets trl's ORIGINAL `<name>.jinja` (trl swaps in `<name>_training.jinja`
+  for assistant-only loss itself), so the template saved with the model is the one used for inference.
+- Under FSDP2's RAM-efficient loading, ranks other than local rank 0 read no weight at all
+  (docs/decisions/fsdp2-ram-efficient-loading.md). Ray/FSDP wrappers and batches are built elsewhere.
 """
 
 from __future__ import annotations
