@@ -1,30 +1,16 @@
 """Checkpoints that survive a lost machine: train locally, mirror to the output URL, resume from the latest.
 
-`output.dir` is a local folder or any URL fsspec handles (`gs://…` in the cloud through gcsfs;
-`file://` and `memory://` in tests). Training always writes to a LOCAL staging folder (fast disk,
-what transformers expects); after every checkpoint save the folder is mirrored to the remote and
-a per-checkpoint marker, `_CHECKPOINT_COMPLETE.json`, is written LAST. On start the latest
-checkpoint that has its marker — locally or remotely — is found and training resumes from it.
-A checkpoint without a marker (the job died while saving or uploading) is ignored.
+    .venv/bin/python -c "from trainer.checkpoints import OutputLocation;         print(OutputLocation.from_dir('gs://bucket/runs/emoji').latest_checkpoint())"
 
-Several ranks on one machine share one staging folder, so:
-- a checkpoint is marked only after EVERY rank has finished writing it: transformers writes
-  `rng_state_<rank>.pth` on each rank inside `_save_checkpoint`, with no barrier before the
-  `on_save` callbacks run (transformers 5.23 trainer.py `_maybe_log_save_evaluate`), so
-  `mirror_callback` waits on a barrier first, then rank 0 marks and mirrors;
-- a remote checkpoint is downloaded by local rank 0 alone; the other ranks of the machine wait
-  for it (trainer/train.py `find_resume_checkpoint`) and then find it complete locally, so their
-  `latest_checkpoint(download=False)` is a no-op.
-
-A finished run leaves `_RUN_COMPLETE.json` at the top of `output.dir`, written after everything
-else; `finished_run()` reads it so a run that already finished is never trained again.
-
-    .venv/bin/python -c "from trainer.checkpoints import OutputLocation; \
-        print(OutputLocation.from_dir('gs://bucket/runs/emoji').latest_checkpoint())"
-
-It does not decide when to save (SFTConfig.save_steps does) and it is not a general sync tool.
-With several NODES, only node 0's staging folder is mirrored: the RNG states of the other nodes'
-ranks are not uploaded (those ranks resume with fresh RNG streams).
+Decisions (docs/decisions/checkpoints-mirrored-with-markers.md):
+- `output.dir` is a local folder or an fsspec URL (`gs://…`); training writes to a LOCAL staging folder, each
+  checkpoint is mirrored to the remote and marked complete LAST (`_CHECKPOINT_COMPLETE.json`); a resume takes
+  the latest marked checkpoint, local or remote, and ignores unmarked ones.
+- Ranks sharing a staging folder: a checkpoint is marked after a barrier (every rank has written it), and a
+  remote one is downloaded by local rank 0 alone.
+- A finished run leaves `_RUN_COMPLETE.json`, written last; `finished_run()` keeps it from training again.
+It does not decide when to save (SFTConfig.save_steps does). With several nodes only node 0's staging folder
+is mirrored (the other nodes' RNG states are not uploaded).
 """
 
 from __future__ import annotations

@@ -4,33 +4,15 @@
     collator = VisionSFTCollator(processor, max_length=1024)
     batch = collator([{"messages": [...], "images": [PIL.Image]}, ...])   # input_ids, pixel_values, labels, …
 
-Decisions:
-- The processor does the work it knows best: `apply_chat_template` renders each conversation
-  (`{"type": "image"}` parts become the begin-of-image token), then `processor(text, images)`
-  expands every image into its soft tokens and produces pixel_values. The rendered text
-  already starts with `<bos>`, so the processor adds no special tokens (no double BOS).
-- Labels are input_ids with these set to -100: padding, and every image token — the soft
-  tokens and the begin/end-of-image markers. Their ids are read from the processor and its
-  tokenizer (`tokenizer.pad_token_id`, `tokenizer.image_token_id`, `boi_token_id`,
-  `eoi_token_id`, `processor.image_token_ids`, `convert_tokens_to_ids(processor.boi_token)`),
-  never typed in: transformers 5.23's `processor.image_token_id` is the BEGIN-of-image id while
-  older releases used it for the soft token, and a fixed 262144 only fits one vocabulary.
-- One processor call per batch (the image processor is the collator's cost). Loss on the assistant
-  only (`mask_prompt=True`, the default): each conversation is also rendered WITHOUT its final
-  assistant turn (with the generation prompt); that text must be a prefix of the full text, the
-  answer after it (no image in it) is tokenized by the tokenizer alone, and those answer tokens
-  must end the row's real tokens: every position before them is masked. When a template breaks
-  that for a row, the row keeps its prompt in the loss and a warning says so: wrong masking is
-  worse than none.
-- Truncation is not done here: cutting through an image's soft tokens would break the model's
-  image/token alignment. `max_length` counts every token the model sees, the image's soft tokens
-  included (256 per image for Gemma 3 4B, `mm_tokens_per_image`): `fits(example)` says whether a
-  row's processed sequence (the same `processor(text, images)` call as a batch) is within it, so
-  the trainer can drop longer rows first (trainer/ray_entry.py), and a batch longer than
-  `max_length` raises.
-
-It does not load images from paths beyond opening a path string with PIL (the data loader
-normally hands over PIL images), and does not support pan-and-scan crops.
+Decisions (docs/decisions/vision-collator-labels.md):
+- The processor does the work: the chat template renders, one `processor(text, images)` call per batch expands
+  images into soft tokens and pixel_values; no special tokens added (the text starts with `<bos>`).
+- Labels mask padding and every image token, by ids read from the processor, never typed in; the prompt is
+  masked too (`mask_prompt=True`) when the rendered prompt is a prefix of the full text, else the row keeps it
+  and a warning says so.
+- No truncation: `max_length` counts the image's soft tokens, `fits(example)` lets the trainer drop longer rows,
+  and a longer batch raises.
+It opens image paths only as PIL strings and does not support pan-and-scan crops.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Export: merge a LoRA adapter into its base model and save a folder vLLM can serve.
 
-    .venv/bin/python -m trainer.export --base local:gemma3-270m --adapter outputs/emoji-local/adapter \
-        --out outputs/emoji-local/merged
+    .venv/bin/python -m trainer.export --base local:gemma3-270m --adapter outputs/emoji-local/adapter         --out outputs/emoji-local/merged
 
-Decisions:
-- The base is reloaded in bf16 (never the 4-bit QLoRA weights, and not fp16: Gemma 3 is trained
-  in bf16 and overflows in fp16), the adapter merged, and the result saved as safetensors with the
-  tokenizer, chat template and a generation_config whose stop tokens include `<end_of_turn>`.
-- `_COMPLETE.json` is written LAST and atomically; the serving image waits for exactly this file
-  name. A stale marker is removed before anything else is written, so a folder being rewritten, or a
-  half-written export, is never mistaken for a model. The marker records the base model, the adapter,
-  the time and the list of files with their sizes; `serving/completion.py` is the one reader that
-  decides whether a folder is complete (marker + that inventory + every file readable).
-- Every exported file is made world-readable before the marker is written: safetensors (used by
-  transformers 5.x `save_pretrained`) writes through a 0600 temporary file (observed with
-  safetensors 0.8: `model.safetensors` 0600 under umask 022), and the serving image runs as
-  uid 2000 (gid 0), so a `docker run` of a local export, or a cache shared by several users, could not
-  read the weights.
-- Pushing to the Hub (`output.push_to_hub`, off by default) uploads the merged export, or the
-  adapter when the recipe does not merge (W1's seed pushed its adapter to a private repo), into a
-  repository created private unless `output.hub_private` is false. The token is HF_TOKEN from the
-  environment (the platforms fill it from the stack's secret; it needs write scope) and is never
-  logged. Tests point `huggingface_hub` at a local stand-in server, never at the Hub.
+Decisions (docs/decisions/merged-export.md):
+- The base is reloaded in bf16 (never the 4-bit weights, not fp16), the adapter merged, and saved as
+  safetensors with the tokenizer, chat template and a generation_config that stops at `<end_of_turn>`.
+- `_COMPLETE.json` (base, adapter, time, every file's size) is written LAST and atomically, a stale one removed
+  first; `serving/completion.py` is the one reader that decides a folder is complete.
+- Every exported file is made world-readable first (safetensors writes 0600; the serving image is uid 2000).
+- `output.push_to_hub` (off by default) uploads the export, or the adapter when not merged, to a private repo
+  unless `output.hub_private` is false, with HF_TOKEN from the environment, never logged.
 """
 
 from __future__ import annotations

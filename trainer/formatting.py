@@ -1,29 +1,18 @@
 """Task formatters: one dataset row in, one chat conversation out.
 
-Each formatter is a pure function `row -> {"messages": [...]}` (plus `"images"` for the
-vision task) in the conversational format trl's `SFTTrainer` understands, so the same
-recipe trains on any chat template. The prompts are the three source workflows' own, word for word
-(tests/trainer/test_formatting.py holds the seeds' text).
+Each formatter is a pure function `row -> {"messages": [...]}` (plus `"images"` for the vision task) in trl's
+conversational format, so the same recipe trains on any chat template. The prompts are the three source
+workflows' own, word for word (tests/trainer/test_formatting.py holds the seeds' text).
 
 Decisions:
-- A row with a missing or empty field raises `FormattingError` naming the field; the data
-  loader (trainer/data.py) counts, skips and reports such rows instead of crashing.
-- Every message of the vision task uses a list of content parts (text or image), so all rows
-  share one Arrow schema; the image itself travels in `images`, in the order of the image
-  parts, which is what trl's vision collator expects.
-- No tokenisation here: length limits need a tokenizer and are checked by the data loader.
-- The standard formats (`data.format` messages, prompt-completion, columns) become the same
-  `{"messages": [...]}` conversation as the tutorial tasks, so the loss is masked the one way the
-  trainer masks every conversation (trainer/train.py `choose_loss_mode`: trl's assistant-only loss,
-  or its completion-only loss on the last assistant turn). A prompt-completion row therefore has
-  exactly one assistant turn, in its completion: a prompt with an assistant turn would be trained
-  on too under assistant-only loss, which trl's prompt-completion format never does.
-  Plain-string prompt/completion become one user and one assistant turn: the model is trained on
-  the chat template it is served with (vLLM's chat endpoint applies it).
-- A row's turns keep string content when the row has no images, and become lists of content parts
-  (text, image) when the dataset has an `images` column, so all rows share one Arrow schema.
-- Every error names the field it is about (`FormattingError.field`, e.g. `messages[2].role`), so
-  the data loader can say which file, row and field a bad row is.
+- A missing or empty field raises `FormattingError` naming it (`.field`, e.g. `messages[2].role`); the data
+  loader counts, skips and reports such rows (file, row, field) instead of crashing. No tokenisation here.
+- Turns keep string content without images and become content parts (text, image) when the task or dataset
+  has images, so all rows share one Arrow schema; images travel in `images`, in the parts' order (trl's way).
+- The standard formats (messages, prompt-completion, columns) become the same conversation, so the loss is
+  masked the one way (trainer/train.py `choose_loss_mode`): a prompt-completion row has exactly one assistant
+  turn, its completion (trl's prompt-completion format never trains the prompt); plain strings become one user
+  and one assistant turn, so the model is trained on the chat template it is served with (vLLM applies it).
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """A SIGTERM (a Spot or flex-start preemption, a node drain, a deleted Job) saves a resumable checkpoint, then stops.
 
-Decision: Kubernetes sends SIGTERM to the container's main process, then SIGKILL after the pod's
-`terminationGracePeriodSeconds` (infra/gke_job.py; GCE gives a Spot VM ~30 s). In the a4-gemma4 Job that
-process is torchrun's agent (`trainer.launch` execs `accelerate launch`), which sends the signal on to every
-rank and kills them after `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (30 s by default, torch/distributed/launcher/api.py);
-`trainer.launch` raises that so the pod's grace period is the only bound. Each rank's handler only sets a flag;
-at the end of the optimizer step in progress the ranks agree (a one-element all-reduce, MAX, every step: they
-may see the signal at different steps) and the Trainer saves that step's checkpoint (mirrored to the bucket,
-marker last, trainer/checkpoints.py) and stops. `trainer.train.main` then raises `Preempted`: no final
-adapter, no `_RUN_COMPLETE.json`; `python -m trainer` exits 143 (128 + SIGTERM) and the retried pod resumes
-from that step.
+Decision (docs/decisions/sigterm-checkpoint.md): each rank's handler only sets a flag; at the end of the optimizer
+step in progress the ranks agree (an all-reduce MAX, every step), the Trainer saves that step's checkpoint
+(mirrored, marker last: trainer/checkpoints.py) and stops; `trainer.train.main` raises `Preempted`, `python -m
+trainer` exits 143 and the retried pod resumes from that step. torchrun's agent passes the signal on, and
+`trainer.launch` raises its shutdown timeout so the pod's grace period is the only bound.
 
-Ray workers cannot be reached by the signal (docs/decisions/ray-preemption.md): in a KubeRay pod SIGTERM goes to
-`ray start --block`, which terminates the raylet and the other Ray processes with 1 s to exit before SIGKILL
-(ray/_private/node.py `_register_shutdown_hooks`, `_kill_process_impl`, Ray 2.48.0), and the training function
-runs in a worker thread, where no signal handler can be installed (ray/train/v2/_internal/execution/
-worker_group/thread_runner.py). So the Ray worker pods get a preStop hook (`prestop_command`, infra/ray_job.py):
-Kubernetes runs it before it sends SIGTERM; it writes a notice file, which the same callback reads at each step
-end (`notice=`), and waits for the trainer's acknowledgement that the checkpoint is with Ray (`ACK_SUFFIX`).
+Ray workers cannot be reached by the signal (docs/decisions/ray-preemption.md): their pods get a preStop hook
+(`prestop_command`, infra/ray_job.py) that writes a notice file, which the same callback reads at each step end
+(`notice=`), and waits for the trainer's acknowledgement that the checkpoint is with Ray (`ACK_SUFFIX`).
 
-Not done here: a signal while the model loads or the data is prepared stops the process as before (there is
-no step to keep).
+Not done here: a signal while the model loads or the data is prepared stops the process as before.
 """
 
 from __future__ import annotations
