@@ -1,26 +1,15 @@
 """The base model's weights staged once per run in the bucket: a restart reads them there, not from the Hub.
 
-Decision: when `output.dir` is a URL and `model.name_or_path` a Hub id, the first process on each node to take
-the node's file lock (`fcntl.flock`: the process group does not exist yet, so no collective can order the
-ranks) fetches the model folder into the node's staging folder: from `<output.dir>/_base/<id>@<revision>/`
-when that holds its marker, else from the Hub (`huggingface_hub.snapshot_download`, every node in parallel).
-Global rank 0 (`RANK`, set by torchrun and by Ray Train: ray/train/torch/config.py) then copies its folder
-to the bucket, marker last (trainer/checkpoints.py `upload_dir`). The node's other ranks find the folder
-complete once they hold the lock. A retried pod (a new node, an empty disk) so reads the bucket instead of
-the Hub.
+Decision (docs/decisions/base-weights-staged-in-bucket.md): when `output.dir` is a URL and the model a Hub id,
+the first process on each node to take the node's file lock (`fcntl.flock`: no process group exists yet)
+fetches the model into the node's staging folder, from `<output.dir>/_base/<id>@<revision>/` when that holds
+its marker, else from the Hub; global rank 0 then copies it to the bucket, marker last. A retried pod (a new
+node, an empty disk) so reads the bucket. The model keeps the Hub id as its `name_or_path` (`hub_name`), so
+the adapter names its base by that id.
 
-The model is loaded from that folder, but keeps the Hub id as its `name_or_path` (`hub_name`), so peft writes
-the Hub id as the adapter's `base_model_name_or_path` (peft/peft_model.py `save_pretrained`), which serving and
-evaluation read.
-
-Bounds: on the first start the other ranks wait for node 0's Hub download and bucket upload in
-`init_process_group` (bounded by `ddp_timeout`, 30 min, trainer/train.py). A restart still makes peft's own
-vocabulary check at each adapter save (peft utils/save_and_load.py `get_peft_model_state_dict`: does the
-base's config.json exist on the Hub), a few hundred bytes, as before. The final merge (`output.merge`,
-`export.merge_and_export`) still loads the base by its Hub id.
-
-Not staged: local folders, `local:` models, runs with a local `output.dir`, and `HF_HUB_OFFLINE=1` without
-a staged copy (transformers then reads its own cache, as before).
+Bounds: the first start's other ranks wait in `init_process_group` (`ddp_timeout`, 30 min); peft's small
+vocabulary check still reaches the Hub at each adapter save, and the final merge loads the base by its Hub id.
+Not staged: local folders, `local:` models, a local `output.dir`, `HF_HUB_OFFLINE=1` without a staged copy.
 """
 
 from __future__ import annotations

@@ -3,20 +3,15 @@
     .venv/bin/python -c "from trainer.cost_line import cost_line; print(cost_line(None, 3600.0))"
 
 Decisions
-- The price comes from the stack, never from this package: `pulumi up` writes `PRICE_FILE` into the run's
-  output folder (infra/cost.py `price_document`, from the one price table in infra/pricing.py): the hourly
-  price of one billed unit (a GKE node, a Cloud Run instance), how many units the run holds, its GPUs and
-  capacity, and how sure the price is. A file, not an env var or an argument: those live in the pod
-  template, and a new price there would replace a running Job.
-- estimated_usd = hourly price x units x this attempt's wall time. It is an estimate of the compute of the
-  attempt that finished: earlier attempts of a resumed run, node start-up and release are not in it (the
-  ceiling, `runCostCeilingUsd`, bounds all of them).
-- Without the file (a laptop run, `make demo`) the line has the wall time and no price.
-- `run_cost_line` is what the trainer calls at the end of a run (trainer/train.py `run_summary`, so the
-  line is in `run_summary.json` and in the `_RUN_COMPLETE.json` that embeds the summary, for the
-  accelerate and the Ray runs alike): a price file it cannot read costs the run its price, never the run.
-
-Not here: prices (infra/pricing.py), writing the marker or the summary (trainer.train, trainer.checkpoints).
+- The price comes from the stack, never from this package: `pulumi up` writes `PRICE_FILE` into the run's output
+  folder (infra/cost.py `price_document`, from infra/pricing.py): one billed unit's hourly price, the units, GPUs,
+  capacity and how sure the price is. A file, not an env var or argument: those live in the pod template, and a
+  new price there would replace a running Job.
+- estimated_usd = hourly price x units x this attempt's wall time: earlier attempts, node start-up and release
+  are not in it (the ceiling, `runCostCeilingUsd`, bounds all of them). Without the file, no price.
+- `run_cost_line` is what the trainer calls at a run's end (trainer/train.py `run_summary`: run_summary.json and
+  `_RUN_COMPLETE.json`, accelerate and Ray runs alike); a price file it cannot read costs the run its price, never
+  the run. Not here: prices, writing the marker or the summary.
 """
 
 from __future__ import annotations

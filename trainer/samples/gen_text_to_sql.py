@@ -1,36 +1,16 @@
 """Generate trainer/samples/text_to_sql.jsonl: a small, deterministic text-to-SQL sample with gretel's length spread.
 
-The rows follow the gretel-synthetic-text-to-sql schema (`sql_prompt`, `sql_context`, `sql`,
-`domain` plus the other gretel columns) but every value is made up here from templates: ten
-domains, each with an entity table and a lookup table, and thirteen question templates (counts,
-aggregates, top-N, MySQL date filters, joins, subqueries, window functions, HAVING, and
-INSERT/UPDATE/DELETE). The gold SQL is MySQL-flavoured, as in gretel, and
-tests/trainer/test_sql_eval.py checks that each gold query executes and matches itself.
-
-Lengths. Like gretel, every row carries its own `sql_context`: the CREATE TABLE and INSERT
-statements of the tables its query needs, holding only a few rows. What varies, and so spreads the
-lengths, is drawn per row with a fixed seed:
-- rows inserted into the entity table: 1 to 14, mostly 1-3 (`ROW_COUNTS` / `ROW_WEIGHTS`);
-- the entity table's columns: the ones the query reads, each other one kept with probability 1/5;
-- the lookup table: present when the query joins it (one row in 5), else as an unused table in
-  1 row of 10;
-- the query itself: from a 10-token COUNT to a 60-token join with GROUP BY and ORDER BY.
-
-No per-row length distribution of gretel-synthetic-text-to-sql is published that we could find. The
-dataset card (huggingface.co/datasets/gretelai/synthetic_text_to_sql, README) gives totals: 105,851
-records, ~23M tokens, ~12M of them SQL, i.e. ~217 tokens per record over its 11 fields and ~113 SQL
-tokens per record; reading "SQL tokens" as `sql_context` + `sql` is our interpretation (UNCONFIRMED),
-and the card does not name its tokenizer. A public analysis of a 1,000-row sample of the same data
-(github.com/hivellm/expert-sql, docs/DATASET_ANALYSIS.md) finds JOINs in 20% of queries and
-subqueries in 9.5%. With the Gemma 3 tokenizer, `sql_context` + `sql` here is 45-519 tokens, mean
-130, median 128, 10th/90th percentile 70/198 (seed 7): the same scale as the card's ~113 with a long
-right tail, where every conversation of the sample it replaces was 413-525 tokens. The conversation lengths
-are in trainer/samples/token_lengths.json (trainer/samples/measure_token_lengths.py).
-
-Not done: matching gretel's per-domain vocabulary or its 100 domains; 120 rows cannot show a
-distribution's far tail, so a recipe's step count on the real data can differ from the sample's.
-
     python trainer/samples/gen_text_to_sql.py            # rewrites trainer/samples/text_to_sql.jsonl
+
+The rows follow the gretel-synthetic-text-to-sql schema, every value made up from templates (ten domains,
+thirteen question templates from a COUNT to joins, window functions and INSERT/UPDATE/DELETE); the gold SQL is
+MySQL-flavoured, as in gretel, and tests/trainer/test_sql_eval.py checks each gold query matches itself.
+
+Decision: like gretel, each row carries its own `sql_context`; what spreads the lengths (rows inserted
+`ROW_COUNTS`/`ROW_WEIGHTS`, extra columns, an unused lookup table, the query's size) is drawn per row with a
+fixed seed, to the dataset card's scale with a long right tail. The card's totals, our reading of them
+(UNCONFIRMED) and the sample's lengths: docs/decisions/bundled-samples.md. Not matched: gretel's vocabulary
+or its 100 domains; 120 rows cannot show a distribution's far tail.
 """
 
 from __future__ import annotations

