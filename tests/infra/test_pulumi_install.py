@@ -1,28 +1,17 @@
 """A fresh clone's first `pulumi up`, replayed the way the Pulumi CLI installs and starts the program.
 
-The steps are pulumi/pulumi v3.259.0's, read in its source:
-- pkg/engine/project.go `getPwdMain`: `main` is joined to the project root (the folder of
-  Pulumi.yaml); a directory becomes the program directory (`ProgramDirectory`, also the `--pwd`)
-  and the entry point ".".
-- sdk/python/cmd/pulumi-language-python/main.go `parseOptions`: `runtime.options.toolchain` and
-  `.virtualenv`; `GetRequiredPackages` (run by `pulumi preview/up`) calls the toolchain's
-  `EnsureVenv` with `req.Info.ProgramDirectory`; `pulumi install` calls `InstallDependencies`
-  with the same directory.
-- sdk/python/toolchain/toolchain.go `ResolveToolchain`: `pip` -> `newPip(Root, Virtualenv)`;
-  pip.go `resolveVirtualEnvironmentPath`: a relative virtualenv lies under the project root.
-- pip.go `EnsureVenv`: nothing when the folder holds `bin/python` (later runs never install
-  again), else `InstallDependencies(cwd=ProgramDirectory)`: `python3 -m venv VENV`
-  (`CommandPath`: `$PULUMI_PYTHON_CMD`, else python3, else python), then, with the venv
-  activated (`ActivateVirtualEnv`: PATH, VIRTUAL_ENV, no PYTHONHOME) and `Dir = cwd`,
-  `VENV/bin/python -m pip install --upgrade pip setuptools wheel`; returns early when
-  `cwd/requirements.txt` does not exist (the quiet skip of pulumi/pulumi#17075); else
-  `VENV/bin/python -m pip install -r requirements.txt`.
-- `Run`: `ValidateVenv`, then the venv's python runs `pulumi-language-python-exec`, replayed by
-  tests/infra/pulumi_exec_replay.py under the project's mocks.
+The steps are pulumi/pulumi v3.259.0's (each with its source file and function:
+docs/decisions/pulumi-install.md): `main: infra/` makes `infra/` the program directory; the pip toolchain's
+venv is `<project root>/.venv`; `EnsureVenv` does nothing when `.venv/bin/python` exists, else
+`python3 -m venv` (`CommandPath`: `$PULUMI_PYTHON_CMD`, else python3, else python), then, with the venv
+activated (`ActivateVirtualEnv`: PATH, VIRTUAL_ENV, no PYTHONHOME) in the program directory,
+`pip install --upgrade pip setuptools wheel` and, only if that directory has one, `pip install -r
+requirements.txt` (pulumi/pulumi#17075's quiet skip otherwise). `Run` (after `ValidateVenv`) has the venv's
+python run `pulumi-language-python-exec`, replayed by tests/infra/pulumi_exec_replay.py under the mocks.
 
-The copy holds what a clone holds: the files git tracks, plus files not yet committed that git
-does not ignore (so a new file counts before its commit); never `.venv`, `build/`. pip reads the
-machine's own configuration (index, find-links, wheel cache), as under Pulumi.
+The copy holds what a clone holds: the files git tracks, plus files not yet committed that git does not
+ignore (a new file counts before its commit); never `.venv`, `build/`. pip reads the machine's own
+configuration (index, find-links, wheel cache), as under Pulumi.
 """
 
 from __future__ import annotations

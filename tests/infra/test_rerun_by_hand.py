@@ -1,22 +1,18 @@
 """Re-running a failed training by hand (`gcloud run jobs execute`) leaves the `dev` stack working.
 
-There is no cloud here, so the test plays the program's real plans (the resources `pulumi up` would
-send, from the real program under mocks) against a small model of the services involved. Each rule of
-the model is a documented or reported behaviour:
-
-- Cloud Run v2 API: a Job's `startExecutionToken` starts an execution named `<job>-<token>` when the
-  Job is created or updated; starting one whose name exists fails with "Resource '<job>-<token>' already
-  exists" (hashicorp/terraform-provider-google#24451).
-- The API returns the token only while the Job's current generation was started by it; an execution
-  started any other way (`gcloud run jobs execute`, the console, a scheduler) drops it, so a refresh
-  writes null into state and the next plan sets it again (GoogleCloudPlatform/magic-modules#19060).
-- The provider sends the configured token on every create and update (magic-modules#19060: "They are
-  still sent on create and update"), so an update after such an execution re-sends a used token.
-- pulumi-command `local.Command`: `create` runs when the resource is created, and again when any input
-  changes if there is no `update` command; `triggers` replace it; refresh changes nothing (pulumi-command
-  `Command.create` / `Command.update` docs).
-- The engine: `pulumi up` touches a resource only when its inputs differ from its state;
-  `pulumi refresh` stores what the provider reads.
+No cloud here: the test plays the program's real plans (from the real program under mocks) against a small
+model of the services involved, each rule a documented or reported behaviour:
+- Cloud Run v2: a Job's `startExecutionToken` starts an execution `<job>-<token>` when the Job is created or
+  updated; one whose name exists fails "Resource '<job>-<token>' already exists"
+  (hashicorp/terraform-provider-google#24451).
+- The API returns the token only while the Job's current generation was started by it; an execution started
+  otherwise (gcloud, the console, a scheduler) drops it, so a refresh stores null and the next plan sets it
+  again; the provider sends the configured token on every create and update ("They are still sent on create
+  and update"), so an update after such an execution re-sends a used token (GoogleCloudPlatform/magic-modules#19060).
+- pulumi-command `local.Command`: `create` runs on create, and again on any input change without an `update`
+  command; `triggers` replace it; refresh changes nothing (pulumi-command `Command.create`/`update` docs).
+- The engine: `pulumi up` touches a resource only when its inputs differ from its state; `pulumi refresh`
+  stores what the provider reads.
 """
 
 from __future__ import annotations

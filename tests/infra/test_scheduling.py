@@ -1,19 +1,17 @@
 """Required pod (anti-)affinity, evaluated with the scheduler's semantics over the rendered manifests.
 
-A zone affinity that also selects a pod without GPUs (the Ray head) pins every GPU pod to the zone
-that pod landed in first, so a zonal reservation in another zone is never used. And a pod whose
-required affinity matches nothing can only be placed if it matches its own terms: the scheduler lets
-"the first pod in a series that have affinity to themselves" through when no pod in the cluster
-matches yet and the pod matches all its own terms (kubernetes/kubernetes
-pkg/scheduler/framework/plugins/interpodaffinity/filtering.go, `satisfyPodAffinity` /
+A zone affinity that also selects a pod without GPUs (the Ray head) pins every GPU pod to that pod's zone, so a
+zonal reservation elsewhere is never used. A pod whose required affinity matches nothing is placed only if it
+matches its own terms ("the first pod in a series that have affinity to themselves": kubernetes/kubernetes
+pkg/scheduler/framework/plugins/interpodaffinity/filtering.go `satisfyPodAffinity` /
 `podMatchesAllAffinityTerms`); otherwise it stays Pending for ever in a fresh zone.
 
-The checks run over every stack and every variant users pick (each capacity mode, nodes 1 and 2, Ray
-ephemeral and standing), on the manifests as planned, and evaluate every label selector as Kubernetes
-does (`LabelSelectorAsSelector` in k8s.io/apimachinery pkg/apis/meta/v1/helpers.go and
-`Requirement.Matches` in pkg/labels/selector.go): a null selector selects nothing, `{}` selects
-everything, `matchLabels` and every `matchExpressions` entry must all hold, `NotIn` holds when the key
-is absent. A term's namespaces default to the pod's own; `namespaceSelector: {}` means all.
+The checks run over every stack and every variant users pick (each capacity mode, nodes 1 and 2, Ray ephemeral
+and standing), on the planned manifests, and evaluate label selectors as Kubernetes does
+(k8s.io/apimachinery pkg/apis/meta/v1/helpers.go `LabelSelectorAsSelector`, pkg/labels/selector.go
+`Requirement.Matches`): a null selector selects nothing, `{}` everything, every `matchLabels` and
+`matchExpressions` entry must hold, `NotIn` holds when the key is absent. A term's namespaces default to the
+pod's own; `namespaceSelector: {}` means all.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """A local stand-in for the Hugging Face Hub's upload API, on 127.0.0.1, for push tests.
 
-It answers the calls `HfApi.create_repo` + `HfApi.upload_folder` make (huggingface_hub 2.x,
-hf_api.py `create_repo`, _commit_api.py `_fetch_upload_modes` / `_prepare_commit_payload`):
+It answers what `HfApi.create_repo` + `HfApi.upload_folder` call (huggingface_hub 2.x hf_api.py `create_repo`,
+_commit_api.py `_fetch_upload_modes` / `_prepare_commit_payload`): `POST /api/repos/create` (recorded: name,
+organisation, visibility, token); `POST /api/models/{org}/{name}/preupload/{revision}` ("regular" for every file,
+so files travel base64 inside the commit, no LFS/xet to emulate); `POST .../commit/{revision}` (the NDJSON
+commit, each file's bytes kept).
 
-- `POST /api/repos/create`: records the request (name, organisation, visibility, the token);
-- `POST /api/models/{org}/{name}/preupload/{revision}`: says "regular" for every file, so files travel
-  base64-encoded inside the commit (no LFS/xet storage to emulate);
-- `POST /api/models/{org}/{name}/commit/{revision}`: reads the NDJSON commit and keeps each file's bytes.
+With `models` ({repo id: local folder}) it also serves `snapshot_download` (_snapshot_download.py,
+file_download.py `get_hf_file_metadata` / `hf_hub_download`): `GET /api/models/{org}/{name}/revision/{revision}`
+(a fixed commit `sha`), `GET .../tree/{commit}` (every file: path, size, git-blob-like oid, one page), and
+`HEAD`/`GET /{org}/{name}/resolve/{commit}/{path}` (`X-Repo-Commit`, `ETag`, `Content-Length`, the bytes).
 
-With `models` ({repo id: local folder}) it also serves those repositories to `snapshot_download`
-(huggingface_hub 2.x `_snapshot_download.py` `snapshot_download`, `file_download.py`
-`get_hf_file_metadata` / `hf_hub_download`):
-
-- `GET /api/models/{org}/{name}/revision/{revision}`: the repo's info, with a fixed commit `sha`;
-- `GET /api/models/{org}/{name}/tree/{commit}`: every file (path, size, git-blob-like oid), one page;
-- `HEAD` / `GET /{org}/{name}/resolve/{commit}/{path}`: `X-Repo-Commit`, `ETag`, `Content-Length`, the bytes.
-
-Every request is kept in `requests` (method and path), so a test can say "no Hub request at all".
-Anything else is answered 404 and recorded, so a test sees an unexpected call.
+Every request is kept in `requests`, so a test can say "no Hub request at all"; anything else is answered 404
+and recorded, so a test sees an unexpected call.
 """
 
 from __future__ import annotations

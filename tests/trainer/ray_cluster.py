@@ -1,29 +1,14 @@
 """A real Ray cluster on 127.0.0.1, started the way KubeRay starts one, for the Ray tests.
 
-KubeRay runs `ray start --head --block` + the head group's `rayStartParams` (as `--key=value`) in
-the head pod and `ray start --address=HEAD:6379 --block` + the worker group's in each worker pod
-(ray-project/kuberay ray-operator/controllers/ray/common/pod.go `generateRayStartCommand`, which
-also adds `--dashboard-agent-listen-port=52365` for its probes, kuberay#1760). Here the head and one
-CPU worker node run as two process trees on this machine, with the rayStartParams the plan
-rendered; only what a shared machine forces is changed: every port is a free one (KubeRay's 6379,
-8265, 52365, ... may be taken), the dashboard binds 127.0.0.1 instead of 0.0.0.0, the worker node
-gets `--num-cpus` (KubeRay derives it from the pod's CPU limit), the object store is small, the
-dashboard's modules get more than 30 s to start on a loaded machine, and the temp dir is short
-(Ray's unix sockets live there). `--node-ip-address=127.0.0.1` is passed, but Ray still advertises
-the machine's own address for GCS and raylets (it resolves localhost to the node IP); only the
-dashboard is pinned to loopback.
+The head and one CPU worker node run as two process trees with the rayStartParams the plan rendered, as
+KubeRay's `ray start ... --block` commands; only what a shared machine forces is changed (free ports, the
+dashboard on loopback, `--num-cpus`, a small object store, a short temp dir). `KUBERAY_PROBE` is KubeRay's
+own probe command, run as the probe execs it. `plan_ray_stack` plans the ray-gemma3-vision stack offline
+(infra/offline/engine.py `run_stack`) with only `recipeOverrides` a user could set and hands out what KubeRay
+would read from the RayJob. The KubeRay sources: docs/decisions/ray-tests-on-a-real-cluster.md.
 
-`KUBERAY_PROBE` is KubeRay's probe command (utils/constant.go `BaseWgetHealthCommand`), run with
-bash exactly as the readiness/liveness probe execs it, with our ports.
-
-`plan_ray_stack` plans the ray-gemma3-vision stack offline (infra/offline/engine.py `run_stack`) with only
-`recipeOverrides` a user could set (a tiny model, the bundled product sample, a few steps) and hands
-out what KubeRay would read from the RayJob: the entrypoint, the groups' rayStartParams, rayVersion.
-
-Teardown ends only what this module started: each `ray start --block` process group gets SIGTERM
-(ray start then stops its children), then SIGKILL, then any process still naming this cluster's
-temp dir in its command line is killed by pid. It never runs `ray stop`, which would stop every Ray
-on the machine.
+Teardown ends only what this module started (each `ray start --block` process group, then any process naming
+this cluster's temp dir, by pid); it never runs `ray stop`, which would stop every Ray on the machine.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Worker-side instruments for the interrupted-then-resumed Ray run (tests/trainer/test_ray_entry.py).
 
-`InterruptedRun` is the train loop handed to TorchTrainer: it wraps the product's
-`trainer.ray_entry.train_loop_per_worker` and, on every worker, records
+`InterruptedRun` is the train loop handed to TorchTrainer: it wraps `trainer.ray_entry.train_loop_per_worker`
+and, on every worker, records every `ray.train.report` (rank, attempt, step, each file's SHA-256), the adapter
+weights in memory when checkpoint N is saved and when training begins (after a restore), the global steps
+each attempt ran, and every upload (`trainer.checkpoints.upload_dir`) and Ray checkpoint download
+(`Checkpoint.to_directory`) with the worker's Ray node.
 
-- every `ray.train.report` call: rank, attempt, step and the SHA-256 of each file handed to Ray;
-- the trainable (adapter) weights in memory when checkpoint N is saved, and when training begins
-  (after transformers restored a checkpoint);
-- the global steps each attempt ran;
-- every upload through `trainer.checkpoints.upload_dir` and every download of a Ray checkpoint
-  (`ray.train.Checkpoint.to_directory`), with the Ray node each worker runs on.
+On the first attempt rank 0 is a slow writer of checkpoint N (its `optimizer.pt` stays half on disk for
+`slow_write_s`) and the other ranks start their part only once that half is there, so a rank that copies
+without waiting copies it half-written, every time (docs/decisions/ray-train-checkpoints.md). Once every rank
+has reported checkpoint N it raises: FailureConfig restarts the group, which must resume from checkpoint N.
 
-On the first attempt it also makes rank 0 a slow writer of checkpoint N: its `optimizer.pt` stays
-half on disk for `slow_write_s` (as a large optimizer state on a busy disk does), and the other
-ranks only start their own part of the checkpoint once that half is there, so a rank that copies
-the checkpoint without waiting for rank 0 copies it half-written, every time. Once every rank has
-reported checkpoint N, it raises: Ray Train's FailureConfig restarts the worker group, and the
-second attempt must resume from checkpoint N.
-
-Everything is written as files under `record_dir` (workers are other processes). This module is
-imported by the Ray workers (PYTHONPATH is the repository), so it imports nothing from pytest.
+Everything is written under `record_dir` (workers are other processes); imported by the Ray workers
+(PYTHONPATH is the repository), so it imports nothing from pytest.
 """
 
 from __future__ import annotations

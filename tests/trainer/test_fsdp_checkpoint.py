@@ -1,21 +1,16 @@
 """A W1 checkpoint under FSDP2 holds the adapter and what resuming needs, and gathers none of the base weights.
 
-Why it matters: transformers' checkpoint (`Trainer._save_checkpoint` → `save_model`) under FSDP with
-FULL_STATE_DICT gathers the WHOLE model to rank 0's CPU (`Accelerator.get_state_dict`:
-`get_model_state_dict(full_state_dict=True, cpu_offload=True)`), 62 GB for Gemma 4 31B at every
-`save_steps`, to keep a ~0.5 GB adapter. Now a checkpoint is transformers' adapter-only FSDP model file,
-the optimizer, scheduler, RNG and trainer state (trainer/fsdp.py `checkpoints_without_the_base`).
+Why it matters: transformers' checkpoint under FSDP with FULL_STATE_DICT gathers the WHOLE model to rank 0's
+CPU at every `save_steps` to keep a small adapter (docs/decisions/fsdp-checkpoints-adapter-only.md); now a
+checkpoint is the adapter-only FSDP model file, the optimizer, scheduler, RNG and trainer state
+(trainer/fsdp.py `checkpoints_without_the_base`).
 
-The run is `python -m trainer` on the W1 recipe and a tiny Gemma 4, 2 ranks started by accelerate's own
-launcher with the config `trainer.launch` renders (FSDP2, FULL_STATE_DICT, RAM-efficient loading), gloo
-on loopback. accelerate shards with FSDP only on GPUs, so a sitecustomize module gives accelerate's state
-the view it has on a GPU node (FSDP, the plugin from the launcher's FSDP_* variables), as
-tests/trainer/test_ram_efficient_loading.py does; the model really is sharded by accelerate's
-`fsdp2_prepare_model` (torch `fully_shard` on CPU). Spies record every gather (torch's
-`get_model_state_dict` with full_state_dict, `DTensor.full_tensor`) and the policy each `fully_shard` got.
-The first launch stops after checkpoint-1 (`max_steps=1`), the second resumes from it to step 2.
-(The old checkpoint wrote the PEFT adapter out of the whole gathered model, and an "adapter-only" FSDP file
-holding the tied LM head and the buffers too.)
+The run is `python -m trainer` on the W1 recipe and a tiny Gemma 4, 2 ranks under accelerate's own launcher
+with the config `trainer.launch` renders (FSDP2, FULL_STATE_DICT, RAM-efficient loading), gloo on loopback.
+A sitecustomize module gives accelerate's state a GPU node's view (as tests/trainer/test_ram_efficient_loading.py
+does); accelerate's `fsdp2_prepare_model` really shards (torch `fully_shard` on CPU). Spies record every gather
+(`get_model_state_dict` with full_state_dict, `DTensor.full_tensor`) and each `fully_shard`'s policy. The first
+launch stops after checkpoint-1 (`max_steps=1`), the second resumes from it to step 2.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """FSDP2's RAM-efficient loading, under 2 ranks: only rank 0 reads the weights; rank 1 still ends up with the model.
 
-Why it matters: on an A4 node 8 ranks load Gemma 4 31B before FSDP shards it. With
-`fsdp_cpu_ram_efficient_loading` accelerate broadcasts rank 0's weights and throws the other
-ranks' copies away, so those ranks must never read them: 7 extra copies of 62 GB of bf16 is
-most of the node's host memory. transformers decides this only once torch.distributed is up
-(`is_fsdp_enabled()`), so the trainer builds its SFTConfig before the model, and on ranks other
-than local rank 0 it builds the model without weights (trainer/modeling.py).
+Why it matters: on an A4 node 8 ranks load Gemma 4 31B before FSDP shards it; ranks other than local rank 0
+must never read the weights (trainer/modeling.py; docs/decisions/fsdp2-ram-efficient-loading.md).
 
-The ranks are started by accelerate's own launcher with the config `trainer.launch` renders for
-the W1 recipe (FSDP2, cpu_ram_efficient_loading), 2 processes over gloo on loopback. Each runs
-`trainer.train.training_inputs` (tokenizer, data, SFTConfig, model), exactly as `build_trainer`
-does, and reports how much its peak RSS grew. accelerate shards with FSDP2 only on GPUs, so the
-test gives accelerate's state the view it has on a GPU node (2 processes, FSDP, the plugin from the
-launcher's environment) and then calls accelerate's own `Accelerator.prepare(model, optimizer)` on
-the recipe's LoRA (peft) model and an AdamW created before it, as the Trainer does under FSDP2:
-rank 0's weights are broadcast into the shards, and the optimizer's parameters are mapped to them.
-Both ranks' logits must then equal an unsharded forward of the loaded model, every rank's optimizer
-must hold its own adapter shards, and one step must change every one of them. (A rank whose model
-stayed on the meta device failed the last two: accelerate maps the optimizer by `data_ptr()`, 0 for
-every meta tensor, and rank 1's optimizer held one frozen parameter 28 times.)
-
-The checkpoint is stored in float32 and the recipe loads bfloat16, so a rank that reads the
-weights holds a converted copy: its RSS shows it. (With matching dtypes transformers maps the
-safetensors file lazily and a rank that never touches the weights stays small either way.)
+accelerate's own launcher starts 2 processes over gloo on loopback with the config `trainer.launch` renders
+for the W1 recipe; each runs `trainer.train.training_inputs` and reports its peak RSS growth. accelerate
+shards with FSDP2 only on GPUs, so the test gives its state a GPU node's view and calls
+`Accelerator.prepare(model, optimizer)` on the recipe's LoRA model and an AdamW, as the Trainer does. Both
+ranks' logits must equal an unsharded forward, every rank's optimizer hold its own adapter shards, and one
+step change each of them. The checkpoint is float32 and the recipe bfloat16, so a rank that reads the
+weights holds a converted copy its RSS shows.
 
 This file is also the worker:
     accelerate launch --config_file CONFIG tests/trainer/test_ram_efficient_loading.py OUT_DIR MODEL_DIR

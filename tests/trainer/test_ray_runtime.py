@@ -1,21 +1,15 @@
 """The Ray runtime the RayJob gets: the image's exact Ray, a head KubeRay can probe, the planned entrypoint.
 
-Why it matters: every mock and schema check passes while a head without the dashboard's packages
-never becomes ready (KubeRay probes `:52365/api/local_raylet_healthz` and `:8265/api/gcs_healthz`,
-and K8sJobMode submits the job over 8265; `ray[train]` alone lacks the `default` extra, and Ray then
-skips the dashboard without an error: ray/_private/services.py `start_api_server`, `minimal`).
+Why it matters: every mock and schema check passes while a head without the dashboard's packages never
+becomes ready (`ray[train]` alone lacks the `default` extra; docs/decisions/ray-tests-on-a-real-cluster.md).
 
-- One Ray version: the image's pin, the dev venv's pin and installed Ray (what these tests run),
-  `trainer.ray_entry.RAY_VERSION`, the stack's default and stack-file `rayVersion`, and the
-  RayJob's rendered `rayVersion` are all the same, with the `default` extra in both requirement files.
-- The session's cluster (tests/trainer/conftest.py `ray_cluster`) is started from the plan's
-  rayStartParams as KubeRay starts it; KubeRay's own probe commands must pass on the head.
-- The RayJob's `spec.entrypoint`, taken from the offline plan, is submitted the way KubeRay's
-  K8sJobMode submitter does (`ray job submit --address http://HEAD:8265 --no-wait --submission-id ID
-  -- <entrypoint>` in bash; ray-project/kuberay ray-operator/controllers/ray/common/job.go
-  `BuildJobSubmitCommand`), with flags appended that a user could pass: 2 CPU workers, storage on
-  a local path. The stack's recipeOverrides (what a user sets in the stack file) make the recipe
-  tiny; QLoRA, the vision collator and gradient checkpointing stay on. The job must SUCCEED.
+- One Ray version: the image's and the dev venv's pins, installed Ray, `trainer.ray_entry.RAY_VERSION`, the
+  stack's default and stack-file `rayVersion`, the rendered RayJob's; the `default` extra in both files.
+- The session's cluster (tests/trainer/conftest.py `ray_cluster`) is started from the plan's rayStartParams
+  as KubeRay starts it; KubeRay's own probe commands must pass on the head.
+- The RayJob's `spec.entrypoint`, from the offline plan, is submitted as KubeRay's K8sJobMode submitter does,
+  with flags a user could append (2 CPU workers, local storage) and the stack's recipeOverrides making the
+  recipe tiny (QLoRA, the vision collator and gradient checkpointing stay on). The job must SUCCEED.
 """
 
 from __future__ import annotations
