@@ -4,6 +4,7 @@
     python -m serving.client "Translate to emoji: I ate a banana for breakfast, later I'm thinking of having soup!"
     python -m serving.client --url http://127.0.0.1:8000 --list-models
     python -m serving.client --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"   # CI
+    from serving.client import chat; chat("http://127.0.0.1:8000", [{"role": "user", "content": "I love pizza"}])
 
 Decisions (docs/decisions/client-credentials.md): standard library only; an identity token or API key the
 client found by itself (`$GEMMA_FT_ID_TOKEN`, gcloud, `$GEMMA_FT_API_KEY`) goes only to a URL in
