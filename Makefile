@@ -43,10 +43,13 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 venv: $(STAMP) ## create .venv and install the pinned CPU requirements (once)
 
-lint: lint-files ## ruff, mypy on infra/, workflow/shell/Dockerfile linters
-	$(MYPY) -n 2  # 2 workers; a cold cache reads ~1,000 library modules (~37 s of CPU, pyproject.toml says which)
+lint: lint-files ## ruff, mypy on infra/, workflow/shell/Dockerfile linters, every planned manifest
+	$(PY) -m infra.offline.validate_manifests
+	$(MYPY) -n 2  # 2 workers; a cold cache reads ~1,000 library modules (pyproject.toml says which)
 
-lint-files: $(STAMP) # every linter but mypy (seconds)
+# every linter but mypy and the manifests (seconds); `make test` checks the manifests in
+# tests/lint/test_manifests.py, which runs the same validation over the same plans
+lint-files: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/actionlint -no-color -pyflakes= -shellcheck=$(VENV)/bin/shellcheck
@@ -55,9 +58,8 @@ lint-files: $(STAMP) # every linter but mypy (seconds)
 	    -o -name node_modules \) -prune -o -type f \( -name Dockerfile -o -name 'Dockerfile.*' -o -name '*.Dockerfile' \) \
 	    ! -name '*.dockerignore' -print | sort); \
 	  echo "hadolint $$files"; [ -z "$$files" ] || $(VENV)/bin/hadolint $$files
-	$(PY) -m infra.offline.validate_manifests
 
-# mypy (~37 s of one core on a cold cache, reading sources only) runs beside the tests, which leave
+# mypy (one core, a cold cache: it reads sources only) runs beside the tests, which leave
 # part of the 2 cores idle while they wait on servers, ranks and Ray; its report follows theirs
 test: lint-files ## lint + every test (slow ones too: CI runs them)
 	@mkdir -p build; echo "$(MYPY) > build/mypy.log &"; $(MYPY) > build/mypy.log 2>&1 & mypy=$$!; \

@@ -51,7 +51,7 @@ SAMPLES = {
     "product-descriptions-gemma3-4b": [
         "data.source=local",
         "data.path=trainer/samples/products.jsonl",
-        "data.image_dir=trainer/data",
+        "data.image_dir=trainer/samples",
     ],
 }
 

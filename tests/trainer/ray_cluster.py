@@ -50,7 +50,7 @@ def tiny_recipe_overrides(model_dir: Path) -> list[str]:
         f"model.name_or_path={model_dir}",
         "data.source=local",
         "data.path=trainer/samples/products.jsonl",
-        "data.image_dir=trainer/data",
+        "data.image_dir=trainer/samples",
         "data.max_rows=8",
         "data.eval_rows=0",
         "training.max_steps=2",

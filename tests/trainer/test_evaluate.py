@@ -271,7 +271,7 @@ def test_evaluate_product_descriptions_on_held_out_rows(tiny_vision_adapter: Pat
         "quantization=null",
         "data.source=local",
         "data.path=trainer/samples/products.jsonl",
-        "data.image_dir=trainer/data",
+        "data.image_dir=trainer/samples",
         "data.eval_rows=4",
         "training.save_steps=1",
         "evaluation.max_new_tokens=6",

@@ -516,7 +516,7 @@ def test_check_a_file_guesses_its_format_or_asks_for_one(tmp_path: Path) -> None
 
 
 def test_python_m_trainer_data_check_on_a_bad_file(tmp_path: Path) -> None:
-    """`trainer.data` is the module trainer/data.py (the folder trainer/samples/ has no __init__.py): -m runs its check."""
+    """`python -m trainer.data` runs the check of the module trainer/data.py (the samples live in trainer/samples/)."""
     path = _write_jsonl(tmp_path / "rows.jsonl", [_good(0), {"messages": _turns(("user", "hi"), ("bot", "hello"))}])
     done = _python("-m", "trainer.data", "check", str(path), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
