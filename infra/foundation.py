@@ -47,7 +47,8 @@ _WORKLOAD_APIS = {
     Workload.GKE_RAY: _GKE_APIS,
     Workload.CLOUD_RUN: ("run.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
 }
-# What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
+# What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only
+# (docs/decisions/bucket-outlives-destroy.md).
 ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
 # What must be enabled before the first `pulumi up` can read anything (README, "The cloud path"): the preflight
 # reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists,
@@ -250,7 +251,8 @@ class Foundation(pulumi.ComponentResource):
         ]
         after_apis = pulumi.ResourceOptions(parent=self, depends_on=self.apis)
 
-        # Adopted when the CI setup created them first; kept by `destroy` (module docstring).
+        # Adopted when the CI setup created them first; kept by `destroy`
+        # (docs/decisions/service-accounts-outlive-destroy.md).
         adopt_accounts = pulumi.ResourceOptions(parent=self, depends_on=self.apis, ignore_changes=["display_name"])
         self.accounts = {
             identity: gcp.serviceaccount.Account(
@@ -289,7 +291,7 @@ class Foundation(pulumi.ComponentResource):
                 retain_on_delete=not cfg.bucket_force_destroy,
                 # The bucket's ID is its name (terraform-provider-google google_storage_bucket).
                 import_=adopt,
-                # An import reads no labels into `labels` / `pulumiLabels` (module docstring).
+                # An import reads no labels into `labels` / `pulumiLabels` (docs/decisions/bucket-outlives-destroy.md).
                 ignore_changes=list(ADOPTED_BUCKET_IGNORES) if adopt else None,
             ),
         )

@@ -127,7 +127,8 @@ def content_hash(spec: ImageSpec) -> str:
 
 def stage_context(spec: ImageSpec, root: Path = STAGED_CONTEXTS) -> Path:
     """A fresh copy of the image's `context_files` in `root/<name>`, with permission bits that do not depend on
-    the checkout's umask (module docstring); returns the copy's folder, the context the build reads."""
+    the checkout's umask (docs/decisions/image-content-identity.md); returns the copy's folder, the context the
+    build reads."""
     target = root / spec.name
     if target.exists():
         shutil.rmtree(target)

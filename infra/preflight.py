@@ -328,7 +328,8 @@ def _quota_fix(cfg: StackConfig, need: QuotaNeed) -> str:
 def _quota_unreadable(cfg: StackConfig, need: QuotaNeed, error: Exception) -> str:
     text = str(error)
     where = f"GPU quota {need.quota.quota_id} ({need.quota.service}) in project {cfg.project}"
-    if QUOTA_PROJECT_MISSING in text:  # user ADC: Cloud Quotas bills the call to a quota project (module docstring)
+    # user ADC: Cloud Quotas bills the call to a quota project (docs/decisions/preflight-checks-the-cloud.md)
+    if QUOTA_PROJECT_MISSING in text:
         fix = (
             f"the Cloud Quotas API needs a quota project with user credentials: export "
             f"{QUOTA_PROJECT_ENV}={cfg.project} (then run pulumi again in that shell)"

@@ -198,7 +198,7 @@ def gke_node_hour(cfg: StackConfig) -> HourlyPrice | None:
     basis: list[Price] = [on_demand]
     usd = on_demand.usd
     spot = rates.get("spot") if cfg.capacity is Capacity.SPOT else None
-    if spot is not None:  # without a Spot figure, the on-demand one bounds it (module docstring)
+    if spot is not None:  # without a Spot figure, the on-demand one bounds it (docs/decisions/run-cost-ceiling.md)
         basis = [spot]
         usd = spot.usd
     return HourlyPrice(_cents(usd), what, tuple(basis), _weakest(basis, cfg.region))
