@@ -4,17 +4,11 @@
     python .ci/lock_requirements.py requirements.txt .ci/requirements.lock
     python .ci/lock_requirements.py infra/policy/requirements.txt .ci/policy-requirements.lock
 
-Every step of a job with `id-token: write` can mint that job's tokens, so a package resolved afresh on each
-run (a range in requirements.txt) is code nobody reviewed holding the job's identity. The jobs install with
-`pip install --require-hashes --only-binary :all: -r LOCK`: every distribution pinned by version and by the
-sha256 of the one wheel pip takes, so a re-uploaded or hijacked release fails the install (pip docs,
-"Secure installs": hash-checking mode).
-
-How: `pip download --only-binary :all:` resolves the requirements with this interpreter against the package
-sources pip is configured with, and each downloaded wheel's sha256 (pip's own `pip hash` algorithm) is
-written beside its pin. Run it with CPython 3.11 on Linux x86_64, the platform of the `ubuntu-24.04` runners,
-so the wheels are the ones the runner picks; rerun it after changing the requirements
-(tests/lint/test_requirements_lock.py fails until the lock satisfies them).
+A job with `id-token: write` installs with `pip install --require-hashes --only-binary :all: -r LOCK`, so
+no unreviewed release runs with its identity. The lock pins each distribution by version and the sha256
+of its wheel, from `pip download --only-binary :all:`; run it with CPython 3.11 on Linux x86_64 (the
+runners' platform) after changing the requirements (tests/lint/test_requirements_lock.py fails until
+then). Why: docs/decisions/ci-hashed-locks.md.
 """
 
 from __future__ import annotations

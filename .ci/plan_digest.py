@@ -5,20 +5,12 @@
     python3 .ci/plan_digest.py events.jsonl          # sha256:… of every step that changes something
     python3 .ci/plan_digest.py --list events.jsonl   # the steps, one a line
 
-Decisions
-- Pulumi's own way, update plans (`pulumi preview --save-plan`, `pulumi up --plan`), is experimental ("Update
-  plans are currently in experimental preview", pulumi.com/docs/iac/concepts/update-plans/) and, by its own
-  limitations, cannot record resources created inside an `apply` whose input is unknown at preview time,
-  which this program does. So deploy.yml previews again in the apply job and stops unless this digest equals
-  the reviewed preview's (.ci/pulumi-run.sh, PULUMI_REVIEWED_PLAN).
-- The steps come from the engine event log, not the text output: one JSON event a line, a step as
-  `resourcePreEvent.metadata` {op, urn, type, diffs, detailedDiff} (the Automation API reads the same file:
-  pulumi sdk/python/lib/pulumi/automation/events.py StepEventMetadata, and _stack.py passes `--event-log`
-  with PULUMI_DEBUG_COMMANDS=true, which the CLI needs to offer the flag: pkg/cmd/pulumi/operations/up.go).
-- A step counts by its operation, its resource and the names (and kinds) of the properties it changes, not
-  their values: secrets stay out, and a value unknown at preview time compares equal. `same` steps change
-  nothing and are left out; the order of events is not part of the plan.
-Standard library only: it runs on the runner's python3.
+Decisions (why and sources: docs/decisions/reviewed-plan-digest.md)
+- Not Pulumi's update plans (experimental, and blind to resources created inside an unknown `apply`):
+  deploy.yml previews again and stops unless this digest equals the reviewed one (PULUMI_REVIEWED_PLAN).
+- Steps from the engine event log (`--event-log`, which needs PULUMI_DEBUG_COMMANDS=true).
+- A step counts by operation, resource and the names of the properties it changes, never their values;
+  `same` steps and event order are left out. Standard library only: it runs on the runner's python3.
 """
 
 from __future__ import annotations

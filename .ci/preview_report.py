@@ -7,27 +7,12 @@
 Environment (set by GitHub Actions): GITHUB_SERVER_URL, GITHUB_REPOSITORY, GITHUB_RUN_ID, GITHUB_SHA,
 GITHUB_STEP_SUMMARY (`--summary`), GITHUB_API_URL, GITHUB_TOKEN and PR_NUMBER (`--comment`).
 
-Decisions
-- pulumi/actions comments only after a successful command (src/main.ts: the comment is posted after
-  `await actions[command]()`, which throws on failure), so a mandatory policy violation never reached
-  the PR. This report runs after the preview whatever its exit code: the comment says passed or
-  FAILED, links the run, lists each policy violation (`[mandatory]  rule  (type: name)` and its
-  message lines, the format the Pulumi CLI prints) and every `error:` line, then the output's tail.
-- One comment per stack, found by a hidden marker and updated on every push, so a PR shows the
-  latest preview of each stack and no history of stale ones. Only a comment written by the
-  workflow's own identity (`github-actions[bot]`) is edited: a marker pasted by someone else is
-  ignored.
-- Standard library only (urllib): it runs on the runner's python3 before anything is installed.
-- The output is fenced with more backticks than it contains and cut to its tail, within GitHub's
-  65,536-character comment limit. Pulumi prints secret values as `[secret]`; nothing else is masked here.
-- A preview that did not finish (cancelled by a person, or by GitHub at the job's timeout-minutes) says so
-  (`--cancelled`, from an `if: cancelled()` step) instead of leaving the last result standing as if it were
-  this commit's. A run cancelled because a newer push started its own preview leaves a comment that this
-  newer preview already wrote alone: each comment records its commit (`<!-- sha:… -->`), and the PR's head
-  commit is read from the API.
-- A stack on a passphrase cannot be previewed in CI (no passphrase there): the report names the command that
-  moves it onto its KMS key (docs/ci.md).
-
+Decisions (why and sources: docs/decisions/ci-preview-report.md)
+- Runs whatever the preview's exit code (pulumi/actions comments only on success): passed or FAILED, the
+  run link, each policy violation, every `error:` line, the output's tail within GitHub's comment limit.
+- One comment per stack, by a hidden marker, edited only if the workflow's own identity wrote it.
+- A cancelled preview says so (`--cancelled`) unless a newer commit's comment is already there.
+- Standard library only: it runs on the runner's python3 before anything is installed.
 Not here: running Pulumi (the workflow does), failing the job (the preview step's exit code does).
 """
 

@@ -7,26 +7,12 @@
     python3 .ci/stacks.py --components ray-gemma3-vision   # gke-gcloud-auth-plugin,kubectl (deploy.yml)
     python3 .ci/stacks.py --outputs >> "$GITHUB_OUTPUT"   # cloud-run=[...] and gke=[...] for job matrices
 
-Decisions
-- Standard library only: it runs on a bare GitHub runner before anything is installed, and on the
-  machine of whoever runs the one-time setup.
-- The workload is read from the `gemma-finetune:workload:` line of the stack file (or its default in
-  `Pulumi.yaml`); `tests/lint/test_ci_stacks.py` checks that this agrees with a real YAML parse.
-- The features are what else the one-time setup grants for (`uses:` in infra/bootstrap/ci-identities.yaml):
-  `reservation` (capacity: reservation: the preflight reads the reservation), `gpu-quota` (capacity:
-  on-demand | spot | flex-start: on GKE the preflight reads that capacity's GPU quota), `budget`
-  (billingAccount set: the deploy manages a budget on the billing account) and `cloud-build`
-  (imageBuild: cloud-build: the deploy starts builds as the stack's builder account), read the same way;
-  `-` when none. infra/offline/permissions.py `stack_features` says the same from the validated configuration.
-- The GKE workloads (`gke-job`, `gke-ray`) are grouped: their previews need the cluster, the
-  gke-gcloud-auth-plugin and the reviewed `preview-gke` environment; `cloud-run` needs neither.
-- `--components`: the gcloud components `pulumi up` of a stack runs besides an authenticated gcloud (which
-  the `dev` stack's training execution and `imageBuild: cloud-build` call): the Kubernetes provider's
-  kubeconfig calls gke-gcloud-auth-plugin (infra/gke.py), the Ray stack's CRD wait runs kubectl
-  (infra/crd_wait.py). tests/lint/test_actionlint.py checks this against the commands the program declares.
-- A stack name that is not `[A-Za-z0-9_.-]+` or a workload that is not one of the three is an
-  error naming the file: both end up in shell commands and resource names.
-
+Decisions (why: docs/decisions/ci-stack-list.md)
+- Standard library only: it runs on a bare runner and wherever the one-time setup runs.
+- Workload and features (`reservation`, `gpu-quota`, `budget`, `cloud-build`) are read from the stack
+  file's lines; tests check them against a real YAML parse and the validated configuration.
+- GKE workloads are grouped (their previews need the cluster and a reviewed environment);
+  `--components` names the gcloud components a deploy needs. Bad stack names or workloads are errors.
 Not here: validating the rest of the stack configuration (infra/config.py does that at preview).
 """
 

@@ -1,18 +1,12 @@
 """Activation memory of one Gemma decoder layer under LoRA: the bytes autograd keeps for the backward pass.
 
-The W1 recipe (trainer/recipes/text-to-sql-gemma4-31b.yaml) decides whether gradient checkpointing
-is needed from a per-GPU memory estimate; its largest term is the activations, measured here rather
-than guessed. One decoder layer is built at full width in bf16 (random weights, no Hub access), the
-recipe's LoRA is applied (r16, dropout 0.05, the 7 projections; peft keeps adapters in fp32), one
-forward runs under `torch.autograd.graph.saved_tensors_hooks`, and the distinct storages saved for
-backward (weights excluded) are summed. Run it at two lengths: the result is bytes per token per
-layer, linear in tokens (the sdpa kernels keep no tokens x tokens matrix).
+    .venv/bin/python bench/activation_memory.py --tokens 64
 
-    .venv/bin/python bench/activation_memory.py --tokens 64     # ~2 min and ~2 GB RAM on a CPU
-
-Widths default to Gemma 3 27B's text model (hidden 5376, MLP 21504, 32 heads x 128, 16 KV heads):
-Gemma 4 31B's exact shapes were not checked (UNCONFIRMED; no Hub access here). What this does not
-measure: the weights, the optimizer, the LM head, or allocator overhead (the recipe adds those).
+The W1 recipe's memory estimate decides whether gradient checkpointing is needed; its largest term, the
+activations, is measured here: one full-width bf16 decoder layer with the recipe's LoRA, one forward under
+`torch.autograd.graph.saved_tensors_hooks`, the distinct saved storages summed (weights excluded). Run at
+two lengths: bytes per token per layer. Widths default to Gemma 3 27B's (Gemma 4 31B's: UNCONFIRMED).
+Method and what it leaves out: bench/README.md, "The estimates".
 """
 
 from __future__ import annotations

@@ -3,24 +3,12 @@
     bench/gpu_check.sh                       # on a lent GPU (after bench/prepare_wheelhouse.sh here)
     .venv/bin/python bench/gpu_check.py --dry-run --out build/gpu_check/dry.json   # CPU: the plumbing only
 
-What it runs, each check in its own process with a timeout (`CHECKS`):
-- every shipped cloud recipe (W3 emoji, W2 product descriptions, W1 text-to-SQL) with its own training
-  settings, shrunk to a few optimizer steps on the bundled sample, on a tiny random model of the
-  recipe's family and on the real Gemma 3 270M (`local:gemma3-270m`; not for the image task);
-- W1 through `python -m trainer.launch` as FSDP2 and as DDP with the one rank one GPU allows (accelerate
-  needs a GPU per rank), so the rendered accelerate config, torchrun and FSDP2's sharded save all run;
-- save and resume: a run stopped after its checkpoint at step 2, then started again, must resume at 2;
-- trl's fused LM head on CUDA, whichever kernel trl selects (recorded as `lm_head_kernel`);
-- bench/train_throughput.py on the Gemma 3 1B shape for a measured MFU against the H200's 989 TFLOP/s.
-Each check reports status, steps, tokens/s, MFU (tokens/s x the FLOPs per token of its model, the count
-of bench/mfu_estimate.py, over the GPU's dense bf16 peak) and seconds. Checks that no longer fit the time
-budget are recorded as skipped, never silently dropped.
-
-`--dry-run` runs the same plan on the CPU with the tiny models only (two steps, four for the resume check;
-`--cpu` launches, which accelerate 1.15 runs as one plain process: its FSDP and torchrun launcher are for
-accelerators, commands/launch.py `launch_command`) and lists the 270M and benchmark checks as planned:
-tests/bench/test_gpu_check.py proves the plumbing with it, not the timing. On a GPU the one-rank FSDP
-check goes through torchrun and FSDP2 for real.
+Each check runs in its own process with a timeout (`CHECKS`): every shipped cloud recipe on a tiny model
+of its family and on the real Gemma 3 270M; W1 through `python -m trainer.launch` as FSDP2 and as DDP;
+save and resume at step 2; trl's fused LM head on CUDA; bench/train_throughput.py on the Gemma 3 1B shape
+for a measured MFU. Each reports status, steps, tokens/s, MFU and seconds; a check that no longer fits the
+budget is recorded as skipped. `--dry-run` runs the tiny models on the CPU (tests/bench/test_gpu_check.py
+proves the plumbing with it, not the timing). Details: bench/README.md, "The prepared GPU check".
 """
 
 from __future__ import annotations

@@ -3,24 +3,11 @@
     .venv/bin/python bench/mfu_estimate.py                            # text-to-sql-gemma4-31b on 8 x B200
     .venv/bin/python bench/mfu_estimate.py --gemm-efficiency 0.6 --json build/bench/mfu.json
 
-An estimate, not a measurement (bench/RESULTS.md keeps the two apart). Per micro-step of one rank:
-
-- useful FLOPs = real tokens x (4 x N_frozen + 6 x N_lora + 12 x heads x head_dim x sum over layers of the
-  mean conversation length, capped by the layer's window): the frozen base runs forward and an
-  input-gradient backward, the adapters forward and both backwards; the same count as
-  bench/train_throughput.py's `flops_per_token`. Real tokens = conversations per packed row (recipe
-  validation's best-fit-decreasing count on the bundled sample) x their mean length.
-- compute time = matmul FLOPs / (peak x --gemm-efficiency) + attention as sdpa computes it on a packed row
-  (the whole row x row square under a block-diagonal mask) / (peak x --attention-efficiency) + element-wise
-  traffic (3 x the activation bytes autograd keeps, trainer/memory_plan.py) / HBM bandwidth.
-- communication per micro-step: DDP all-reduces the fp32 LoRA gradients once per update (2 (W-1)/W of them,
-  shared by the update's micro-steps); FSDP2 all-gathers (W-1)/W of the bf16 base once per micro-step when it
-  keeps layers gathered until their backward, twice when it reshards after forward; at NVLink bandwidth x
-  --nvlink-efficiency.
-- MFU = useful FLOPs / (time x peak), with time = max(compute, communication) when FSDP's prefetch overlaps
-  them perfectly and compute + communication when nothing overlaps: the two bound the expectation.
-
-The memory column is trainer/memory_plan.py's per-GPU estimate, the one recipe validation picks from.
+An estimate, not a measurement (bench/RESULTS.md keeps the two apart). Per micro-step of one rank it
+counts the useful LoRA FLOPs (the count of bench/train_throughput.py's `flops_per_token`), the compute
+time at the given GEMM / attention efficiencies and HBM bandwidth, and the DDP or FSDP2 communication at
+NVLink bandwidth; MFU is bounded by perfect overlap and none. The memory column is
+trainer/memory_plan.py's per-GPU estimate. The model in full: bench/README.md, "The estimates".
 """
 
 from __future__ import annotations

@@ -6,37 +6,13 @@
     .venv/bin/python bench/train_throughput.py --device cuda --model gemma3-1b   # H200: 1B shape, bf16, MFU
     .venv/bin/python bench/train_throughput.py --device cuda --model gemma3-4b --peak-tflops 989
 
-OURS is the recipe file (`--recipe`, default `text-to-sql-gemma4-31b`): its attention, packing / padding-free,
-gradient checkpointing, optimizer, Liger setting, LoRA adapter, per-device micro-batch and task, built by the
-trainer's own constructor (`trainer.lm_head.new_sft_trainer`, so the LM head scores labelled positions only).
-Swapped for the benchmark: the model (the bench model instead of the recipe's 31B / 1B), the sizes (rows,
-optimizer steps, sequences per step: a CPU cannot run 128 packed rows per update), the data (the task's
-bundled sample instead of the Hub dataset) and the learning rate (the same on both sides, so their losses
-compare). When the recipe changes, the benchmark follows; the JSON names the recipe.
-
-SEED is the workload's seed as its source tutorial sets it (docs/seeds.md), through trl's plain `SFTTrainer` as its pinned
-libraries resolve today (`SEED_SIDES`): W1 for text-to-SQL (batch 2 padded to the longest, gradient
-checkpointing, `adamw_torch`, sdpa, LoRA r16 on q/k/v/o/gate/up/down), W3 for emoji (batch 1, no packing,
-LoRA r8 on q/v; its QLoRA and `paged_adamw_32bit` need CUDA bitsandbytes, so fp32 / bf16 LoRA and
-`adamw_torch` stand in, and transformers 5 has no `group_by_length`).
-
-Both configurations are built in ONE process from the trainer's own pieces (recipe schema, `sft_config`,
-`prepare_datasets`, `lora_config`, `choose_loss_mode`) and trained by trl's SFTTrainer in two threads that
-hand a baton to each other after every optimizer step: seed step 1, ours step 1, seed step 2, ... Only one
-trains at a time, so background load on a shared machine hits both alike; the result is a ratio.
-
-Packing, where the recipe packs, is trl's best-fit-decreasing strategy, which is padding-free (sequences are
-concatenated into one row and `position_ids` restart at every sequence; transformers turns that into a
-block-diagonal mask for sdpa and eager, and flash-attention uses the sequence boundaries directly).
-
-Fairness: both see every training row exactly once in the same number of optimizer steps. The bin length of
-the packing is chosen so that the packed rows divide into exactly that many steps, so the mean number of real
-tokens per optimizer step is identical (packing regroups sequences, so a single step's count differs).
-Loss parity is therefore judged on a held-out set scored identically for both (padded batches, each model with
-its own attention), plus the mean training loss over the last steps.
-
-Not measured here: multi-GPU (FSDP) scaling, QLoRA (bitsandbytes), data loading from the Hub, the recipe's
-own batch geometry and learning-rate schedule.
+OURS is the recipe file (`--recipe`), built by the trainer's own constructor; SEED is the workload's seed
+(`SEED_SIDES`, docs/seeds.md) through trl's plain `SFTTrainer`. Only the model, sizes, data and learning
+rate are swapped for the benchmark. Both train in one process, in two threads that pass a baton after
+every optimizer step, so load on a shared machine hits both alike: the result is a ratio. Both see every
+row once in the same steps; loss parity is judged on a held-out set. Method: bench/README.md.
+Not measured here: multi-GPU (FSDP) scaling, QLoRA, Hub data loading, the recipe's own batch geometry
+and learning-rate schedule.
 """
 
 from __future__ import annotations

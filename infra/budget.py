@@ -5,35 +5,14 @@
     pulumi config set --path 'budgetEmails[0]' alice@example.com
     pulumi up
 
-Decisions
-- Declared only when the stack sets `billingAccount` and `budgetUsd` (config validation requires both).
-- The filter names the project by number (`projects/<number>`, pulumi-gcp 10.2 BudgetBudgetFilter
-  `projects`), taken from the stack bucket's `project_number` output (Cloud Storage buckets carry
-  `projectNumber`; pulumi-gcp 10.2 storage.Bucket `project_number`), not from a `getProject` invoke: a
-  preview then reads nothing more, so PR previews need no `resourcemanager.projects.get`.
-- Scope: the stack's project (`projects/<number>`) AND the label `stack=<stack>`, which every labelled
-  resource of the stack carries (`StackConfig.resource_labels`): other stacks in the same project do not
-  count. The Budget API takes one label with one value (pulumi-gcp 10.2 BudgetBudgetFilter `labels`: "A
-  single label and value pair"); spend on resources without labels is not counted.
-- Alerts at 50, 90 and 100 % of current spend (`thresholdRules`) go to the billing account's admins and
-  users (the API's default recipients, kept) and to one Cloud Monitoring email channel per `budgetEmails`
-  address (at most 5 channels per budget; `allUpdatesRule.monitoringNotificationChannels`).
-- An address appears only where the API needs it: the channel's `email_address` label (each channel type
-  requires its own labels, listed by projects.notificationChannelDescriptors.list: pulumi-gcp
-  NotificationChannel docs). Display names number the channels ("the display name and description focus
-  on the purpose/semantics of the channel rather than its destination", gcloud monitoring channels create
-  reference) and the stack's `budget` output counts the recipients, so the addresses stay out of outputs,
-  logs and PR preview comments (the stack configuration and the channel's label still hold them).
-- A budget alerts; it does not stop spending. The hard limits are the workload deadlines and
-  `maxRunCostUsd` (`infra.cost`, `infra.preflight`).
-
-Not here: credentials. Creating the budget needs `billing.budgets.create` on the billing account
-(roles/billing.costsManager, or roles/billing.admin); the channels need
-`monitoring.notificationChannels.create` on the project (roles/monitoring.notificationChannelEditor).
-`infra/offline/api_permissions.py` RESOURCES holds every call with its source; the CI deploy identity gets both roles
-from the one-time setup (infra/bootstrap/ci-identities.yaml, `uses: [budget]`). With
-user credentials (ADC) the Budget API also needs `gcp:billingProject` and `gcp:userProjectOverride: true`
-(pulumi-gcp Budget docs), and `serviceusage.services.use` on that project.
+Decisions (why and sources: docs/decisions/budget-guard.md)
+- Declared only when the stack sets `billingAccount` and `budgetUsd`.
+- Scoped to the project (by number, from the bucket's output: no extra read in a preview) AND the
+  label `stack=<stack>`: other stacks in the project do not count, unlabelled spend neither.
+- Alerts go to the billing account's admins and one email channel per `budgetEmails` address; an
+  address appears only in its channel's label, never in outputs, logs or PR comments.
+- A budget alerts; it does not stop spending (the deadlines and `maxRunCostUsd` do).
+Not here: credentials (`billing.budgets.create`, channel creation: infra/offline/api_permissions.py).
 """
 
 from __future__ import annotations

@@ -1,62 +1,16 @@
 """Stack `dev`: a Cloud Run GPU Job trains, a vLLM Cloud Run GPU Service serves.
 
-Decisions
-- A run is identified by `run_id`, a short hash of the trainer image's content (its build
-  context's hash, `Images.trainer_content`: known in a preview and the same from any checkout,
-  never the registry digest), the recipe file and its overrides. It names the run folder, so
-  each run resumes only its own checkpoints.
-- Training starts on `pulumi up` through a `command.local.Command` that runs
-  `gcloud run jobs execute … --async` (as the seed does), with `run_id` as its trigger: an
-  unchanged `pulumi up` starts nothing, a changed recipe or image starts one new execution,
-  after the Job's template was updated (the command depends on the Job).
-  Not the Job's `start_execution_token`: the API drops the token from the Job as soon as an
-  execution starts any other way (`gcloud run jobs execute`, the console), the provider then
-  reads null into state on refresh and re-sends the token on the next update, which fails
-  with "Resource '<job>-<token>' already exists" (terraform-provider-google #24451,
-  magic-modules PR #19060, still open). Re-running a failed training by hand is the natural
-  recovery, so it must leave the stack working: the Job here carries no token, and
-  `gcloud run jobs execute` (the `rerunTraining` output) resumes the run's checkpoints.
-  (`run_execution_token` would also block `pulumi up` until training ends.)
-- The bucket is mounted at /mnt/bucket (Cloud Storage volume); the trainer writes
-  `runs/<run_id>/merged/` and the completion marker last.
-- Serving is a second step (`servingEnabled: true`, then `pulumi up`), and it serves a
-  *pinned* run, not the current one: `servingRunId` when set, else the latest completed run
-  of the recipe. Changing the recipe or the image therefore starts a new training run while
-  the Service keeps serving the finished one; it moves only when a newer run has completed
-  (or `servingRunId` says so). The run is found by LISTING completion markers
-  (`gcp.storage.get_bucket_objects`: the provider's data source GETs `b/BUCKET/o` with
-  `prefix`/`matchGlob` and returns an empty list for no match, terraform-provider-google
-  `data_source_storage_bucket_objects.go`), so absence is a friendly message, not the 404 the
-  object-content read errors with. The chosen marker is then read and its inventory checked
-  against a listing of the run's folder (serving/completion.py, names only: a listing has no
-  sizes); the entrypoint checks sizes and readability when the revision starts.
-- The startup probe is serving/startup.py's window (`STARTUP_WINDOW`: 30 s initial delay + 24 x 10 s = 270 s);
-  the container gets the window, the marker wait (0: the served run's marker is already listed,
-  so it is not a stack setting) and the longest wait startup.py allows as env, and the
-  entrypoint refuses a longer one.
-- Concurrency: Cloud Run sends one instance at most `servingConcurrency` requests, and vLLM
-  gets the same number as `--max-num-seqs` (default: vLLM's own default for the GPU,
-  256 on L4), so Cloud Run holds back nothing vLLM would batch and sends nothing it would
-  only queue. Not measured on Cloud Run (UNCONFIRMED as the best throughput/latency point).
-- The Service is private: `roles/run.invoker` only for `servingInvokers`; it is public
-  only when the stack says `servingPublic: true` (then the invoker check is disabled,
-  with no allUsers binding: an unauthenticated GPU endpoint, see Pulumi.yaml). An optional
-  `servingApiKey` goes to Secret Manager (the foundation's secret, with the serving account's
-  accessor grant) and reaches vLLM as `VLLM_API_KEY` by reference. vLLM alone checks it only on
-  paths under /v1, /v2, /inference and /cohere (its `AuthenticationMiddleware`), and /invocations
-  serves the same completions without it (vllm-project/vllm#58144); so with a key the service
-  also loads serving/api_key_guard.py (`--middleware serving.api_key_guard.ApiKeyGuard`), which
-  asks for the key on every route except /health, the startup probe's path (the probe sends no
-  key). Scale to zero, `servingMaxInstances` GPUs at most.
-- No Direct VPC egress: the service reads the model through its Cloud Storage volume over
-  Google's network, and a subnet used by Direct VPC egress cannot be deleted for 1-2 hours
-  after the service is (Cloud Run docs, Direct VPC egress: wait 1-2 h before deleting the subnet), which would break `pulumi destroy`.
-  Nothing here measured a gain from it.
-- Jobs cannot use GPU zonal redundancy (Cloud Run jobs GPU docs: "unable to offer GPU enabled instances with zonal redundancy"): the Job always disables it; the
-  Service follows `gpuZonalRedundancy` (default off: the cheaper quota, see docs/cloud-path.md).
-
-Not here: Cloud Run GPU task timeouts above one hour are UNCONFIRMED (one snapshot of the Cloud Run jobs GPU page caps GPU tasks at 1 h), so the
-default deadline is 60 minutes; raise `trainingTimeoutMinutes` only after checking.
+Decisions (why: docs/decisions/cloud-run-training-start.md, docs/decisions/cloud-run-serving.md)
+- A run is `run_id`, a hash of the trainer image's content, the recipe and its overrides; it names the
+  run folder on the mounted bucket, so each run resumes only its own checkpoints.
+- `pulumi up` starts training with `gcloud run jobs execute --async`, triggered by `run_id` (not the
+  Job's execution token), so a re-run by hand (`rerunTraining`) leaves the stack working.
+- Serving (`servingEnabled`) serves a pinned, finished run: `servingRunId`, else the latest listed marker.
+- Startup probe: serving/startup.py's window, 30 s initial delay + 24 x 10 s = 270 s.
+- vLLM's `--max-num-seqs` equals Cloud Run's `servingConcurrency`; scale to zero.
+- Private unless `servingPublic: true`; with `servingApiKey` the key guards every route except /health
+  (vLLM alone leaves /invocations keyless, so serving/api_key_guard.py closes it).
+- No Direct VPC egress; the Job never uses GPU zonal redundancy; its deadline defaults to 60 minutes.
 """
 
 from __future__ import annotations

@@ -2,34 +2,16 @@
 
     runCostCeilingUsd = (hourly price x nodes + cluster fee) x (deadline + tail) x attempts
 
-Decisions
-- The ceiling is a true upper bound only where a deadline stops the GPUs, so it follows each workload's
-  real deadline and retry semantics (the values the workload modules render):
-  - gke-job: `activeDeadlineSeconds` bounds the whole Job, retries included ("the activeDeadlineSeconds
-    applies to the duration of the job, no matter how many Pods are created", kubernetes.io Job docs), so attempts = 1 whatever `backoffLimit` is.
-  - gke-ray (ephemeral): the RayJob deadline is per attempt: a retry deletes the cluster and starts over with
-    a fresh `Status.StartTime` (KubeRay rayjob_controller.go: Retrying -> New -> `initRayJobStatusIfNeed`
-    sets StartTime; `checkActiveDeadlineAndUpdateStatusIfNeeded` measures from it), so attempts =
-    `backoffLimit` + 1, and each attempt may add the cluster's `ttlSecondsAfterFinished`.
-  - cloud-run: the task timeout is per attempt (`gcloud run jobs create --task-timeout`, `--max-retries`), so
-    attempts = `maxRetries` + 1; an instance ends with its task (no tail).
-  - GKE nodes outlive their Pods until the autoscaler removes them: `NODE_RELEASE_S` per attempt (the cluster
-    autoscaler's default scale-down-unneeded-time, 10 min; Autopilot's own value is UNCONFIRMED).
-- GKE runs also pay the cluster management fee (`infra.pricing.GKE_CLUSTER_HOUR`, per cluster-hour) for the
-  same window; the cluster lives on between runs, so only the run's window is counted here. Cloud Run has
-  no such fee.
-- A standing Ray cluster (`rayCluster: standing`) has no deadline: no ceiling (None), only a cost per hour;
-  `maxRunCostUsd` refuses it (`infra.preflight.check_cost_ceiling`).
-- `servingCostPerHourUsd` is every instance `servingMaxInstances` allows, awake for an hour (the service
-  scales to zero, so idle hours cost nothing).
-
-- Every run gets its price (`price_document`) as a file in its output folder (`trainer.cost_line.PRICE_FILE`,
-  a `gcp.storage.BucketObject` next to what the trainer writes); the trainer turns it into the cost line
-  of its completion marker and run summary. A file, because env vars and arguments live in the pod
-  template, where a new price would replace a running Job.
-
-Not here: the prices themselves (`infra.pricing`), enforcing the limit (`infra.preflight`, and the policy
-pack's `run-cost-within-limit` over the rendered workloads, which a test keeps equal to this).
+Decisions (why and sources: docs/decisions/run-cost-ceiling.md)
+- The ceiling follows each workload's real deadline and retries: gke-job 1 attempt (its deadline covers
+  retries); gke-ray `backoffLimit` + 1, plus the cluster TTL; cloud-run `maxRetries` + 1, no tail.
+- GKE nodes outlive their Pods: `NODE_RELEASE_S` per attempt; GKE runs add the cluster fee for the window.
+- A standing Ray cluster has no deadline, so no ceiling (`maxRunCostUsd` refuses it).
+- `servingCostPerHourUsd`: every instance `servingMaxInstances` allows, awake for an hour.
+- Each run's price goes to a file in its output folder (`price_document`), not to the pod template,
+  where a new price would replace a running Job.
+Not here: the prices (`infra.pricing`), enforcing the limit (`infra.preflight`, the policy pack's
+`run-cost-within-limit`, which a test keeps equal to this).
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Wait, during `pulumi up`, until a cluster's CustomResourceDefinitions are Established.
 
-Decisions
-- The GKE Ray operator add-on installs `rayjobs.ray.io` and `rayclusters.ray.io` itself, at a time
-  no document states (GKE docs, add-on/ray-on-gke/how-to/enable-ray-on-gke, say nothing of it). pulumi-kubernetes retries the create of an object whose kind
-  the API server does not know yet for about a minute only, and `customTimeouts` cover only the await
-  after a create (pulumi/pulumi-kubernetes provider/pkg/await). So a pulumi-command step runs `kubectl` on the machine that runs
-  `pulumi up`: it polls until each CRD exists, then `kubectl wait --for=condition=Established` (the
-  condition the API server sets once it serves the kind). The Ray objects depend on this step.
-- Not pulumi-kubernetes' `pulumi.com/waitFor` annotation (v4.18+, pulumi/pulumi-kubernetes#3134): it
-  makes Pulumi wait on an object Pulumi itself creates or patches. The add-on owns these CRDs; hanging
-  an annotation on them would mean writing to a Google-managed object. Not
-  `CustomResourceDefinition.get`: a read happens once, and fails while the CRD is still absent.
-- The kubeconfig travels as a secret environment value and is written to a private temporary file
-  that is removed on exit; it holds no credential (`infra.gke`: gke-gcloud-auth-plugin).
-- Needs, on the machine that runs `pulumi up`: bash, `kubectl` and `gke-gcloud-auth-plugin`
-  (`gcloud components install kubectl gke-gcloud-auth-plugin`; in CI, deploy.yml's apply job installs
-  them, `.ci/stacks.py --components`). A preview does not run it (pulumi/pulumi-command
-  provider/pkg/provider/local/commandController.go: "If in preview, don't run the command"); a later
-  `up` runs it again only when one of its inputs changes (the cluster's kubeconfig, the CRD list, the
-  script). The identity needs container.customResourceDefinitions.get and .list (infra/offline/api_permissions.py).
-
-Not here: waiting for the KubeRay operator itself (Google runs it; an Established CRD is what the API
-server needs to accept a RayJob, which the operator then picks up whenever it is ready).
+Decisions (why and sources: docs/decisions/crd-wait-by-kubectl.md)
+- The GKE Ray operator add-on installs the Ray CRDs on its own schedule, and pulumi-kubernetes retries
+  an unknown kind for about a minute only: so a pulumi-command step runs `kubectl` where `pulumi up`
+  runs, polls until each CRD exists, then `kubectl wait --for=condition=Established`.
+- Not `pulumi.com/waitFor` (it would annotate a Google-managed object), not a one-time read.
+- The kubeconfig (no credential in it) goes to a private temporary file, removed on exit.
+- Needs bash, `kubectl` and `gke-gcloud-auth-plugin` on that machine; a preview does not run it.
+Not here: waiting for the KubeRay operator itself (an Established CRD is what the API server needs).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The trainer's read grant on the user's training data in a bucket (a `gs://` `data.path` / `data.image_dir`).
 
-Decisions
-- Exactly what the recipe reads: `roles/storage.objectViewer` on the data's bucket, to the trainer's service
-  account (on GKE the trainer's Kubernetes service account acts as it), with an IAM Condition on the object
-  prefix when the URL names one (trainer/recipe.py `DataSpec.gcs_read_scopes`). Data in the stack's own
-  bucket needs no grant (the trainer already holds objectUser there); Hub and local data need none.
-- The condition has two clauses because Cloud Storage checks `storage.objects.get` on the object
-  (`resource.name` is `projects/_/buckets/B/objects/NAME`) but `storage.objects.list` on the bucket, where the
-  listed prefix is the request attribute `storage.googleapis.com/objectListPrefix` (cloud.google.com/iam/docs/
-  conditions-attribute-reference, "Object list prefix"). A glob lists its folder (fsspec's glob lists the
-  directory above the first wildcard: fsspec/spec.py `AbstractFileSystem.glob` -> `find(root)`), so listing
-  is allowed under the prefix's folder and reading under the prefix itself: `gs://b/t/train-*.jsonl` may list
-  names under `t/` and read objects whose names start with `t/train-`.
-- One data bucket per recipe (infra/config.py refuses two): one grant, one scope in the permission proof.
-- Who may make the grant: the stack's deploy identity administers buckets named `PROJECT-gft-*` only
-  (infra/bootstrap/ci-identities.yaml). Data in such a bucket is granted by CI; any other bucket needs a
-  `pulumi up` by someone who administers that bucket (the permission proof reports the deploy's gap).
+Decisions (why and sources: docs/decisions/training-data-read-grant.md)
+- Exactly what the recipe reads: `roles/storage.objectViewer` on the data's bucket, to the trainer's
+  service account, with an IAM Condition on the object prefix when the URL names one (list under the
+  prefix's folder, read under the prefix). The stack's own bucket, Hub and local data need no grant.
+- One data bucket per recipe (infra/config.py refuses two).
+- CI can grant on buckets named `PROJECT-gft-*` only; any other bucket needs a `pulumi up` by someone
+  who administers it (the permission proof reports the gap).
 """
 
 from __future__ import annotations

@@ -1,82 +1,17 @@
 """The base every workload stands on: APIs, identities and their grants, the HF token, the bucket, the registry.
 
 Decisions
-- Only the APIs the chosen workload needs are enabled, and none is disabled on destroy
-  (other things in the project may use them). `cloudresourcemanager.googleapis.com` is one of
-  them, but the program reads through it (every `projects.Service` read checks the project)
-  before it can enable it: the README's cloud path enables it (and Service Usage, Cloud
-  Storage, which the bucket check below calls, and Cloud Quotas, which `infra.preflight` reads
-  before anything is declared) once, before the first `pulumi up` (`BOOTSTRAP_APIS`).
-- One Google service account per identity (`Identity`): the trainer; the vLLM server when
-  serving is on; the GKE nodes (a dedicated node account instead of the Compute Engine
-  default one, which orgs often leave without grants); the Cloud Build builder with
-  `imageBuild: cloud-build`. Each is bound to the one resource it uses: objects of this
-  bucket, this secret, this repository, the build's source staging bucket. Two grants are
-  project-wide because their permissions exist only there: the nodes' logging/monitoring role
-  (`roles/container.defaultNodeServiceAccount`) and the builder's `roles/logging.logWriter`.
-  No basic role is ever used (`infra.catalog.BASIC_ROLES`). What each identity needs and why
-  is `infra/offline/permissions.py`; a test proves these grants cover it and nothing more.
-- The accounts are adopted when they already exist: the CI setup (`infra/bootstrap/ci-setup.sh`)
-  creates them before the first `up`, because IAM Conditions cannot match service-account names and
-  the deploy identity may act as, and bind, only accounts that exist when the setup grants it that.
-  `create_ignore_already_exists=True` makes the provider treat Create's 409 as success and read the
-  existing account (terraform-provider-google resource_google_service_account.go; magic-modules PR
-  #9727); the provider still calls Create, so whoever runs `pulumi up` needs
-  `iam.serviceAccounts.create` on the project even when the account exists (IAM authorises the call on
-  the project before it looks at the name: UNCONFIRMED that it would answer 409 without it).
-  `deletion_policy="ABANDON"` (pulumi-gcp 10.2 sdk/python/pulumi_gcp/serviceaccount/account.py:
-  "remove the resource from Terraform management without updating or deleting the resource in the
-  API"; magic-modules docs, best-practices/deletion-policy) means `pulumi destroy` deletes every grant
-  TO the accounts (those are separate resources) but leaves the accounts themselves, holding no role
-  in the project; the next `up` adopts them again. A deleted account could not be recreated under the
-  same email with its CI bindings intact (those bindings would point at the deleted account).
-  The display name is ignored after creation (`ignore_changes`): an adopted account keeps the
-  setup's, and `pulumi up` never needs `iam.serviceAccounts.update`.
-- `grants_to(identity)` ends with a step that waits `IAM_PROPAGATION_S` (120 s, IAM's "typically 2
-  minutes") once the identity's grants exist, and the Workload Identity binding has its own: the
-  first `pulumi up` takes two minutes longer, and a grant that takes longer than that (IAM: 7
-  minutes or more, rarely) fails its consumer once; `pulumi up` again then succeeds.
-- `grants_to(identity)` lists every grant to one identity, so a workload can wait for all of
-  them (a Cloud Run Job that references a secret cannot be created before its accessor grant,
-  terraform-provider-google #13786).
-- The bucket outlives `pulumi destroy` by default (`retain_on_delete`): trained models
-  are never deleted silently. `bucketForceDestroy: true` removes it with its contents.
-  Soft delete (Cloud Storage keeps, and bills, a deleted object 7 days by default) is off unless
-  `bucketSoftDeleteDays` (7 to 90) turns it on: checkpoint rotation deletes GBs on every save, and
-  a force-destroyed bucket would bill a week for its models (https://cloud.google.com/storage/docs/soft-delete).
-  The build staging bucket has none. A bucket kept from before this key existed has the 7-day
-  default: a Pulumi CLI from v3.175 (CI pins 3.272) imports it and then updates the policy to the
-  key's value in the same `up` (pulumi/pulumi#19339: `ImportStep` no longer diffs, the step generator
-  continues from the imported state); only an older CLI fails that import, and needs
-  `bucketSoftDeleteDays: 7` for it.
-  Because its name is fixed, the next `pulumi up` of the stack would get 409 on create; so
-  when the bucket already exists in the project the program declares it with
-  `import_=<name>`: after a destroy the engine adopts it (models included); while it is in the
-  state, the same ID makes the option a no-op (pulumi/pulumi
-  pkg/resource/deploy/step_generator.go: an import happens only when there is no old state or
-  the old ID differs). A CLI before v3.175 fails an import on any difference between the program's
-  inputs and what the provider reads, except for `ignore_changes` paths (pulumi/pulumi v3.100.0
-  pkg/resource/deploy/step.go `ImportStep`: "inputs to import do not match the existing resource";
-  a newer one imports, then updates the difference). pulumi-gcp reads an
-  imported bucket's labels into `effectiveLabels` only, leaving `labels` and `pulumiLabels` empty
-  (pulumi-gcp #1961 / #3313: the patch that imported them was dropped in v9; #3044: the
-  `goog-pulumi-provisioned` label alone makes `pulumiLabels` differ), so every stack, which labels
-  its bucket, would fail that check. The adopted bucket therefore ignores changes to `labels` and
-  `pulumiLabels`: it keeps the labels it was created with, and a later change of `labels`
-  reaches the other resources but not this bucket. The engine hands `ignore_changes` to the
-  provider's Diff, and the bridge deletes those attributes (and their sub-keys) from the Terraform
-  diff (pulumi-terraform-bridge pkg/tfshim/sdk-v2/provider2.go `processIgnoreChanges`), which covers
-  the computed `pulumiLabels` too; that the bridge maps that Pulumi name to `terraform_labels`
-  there is UNCONFIRMED (no provider binary here to run an import against).
-- The HF token goes to Secret Manager only for a workload that reads it there (Cloud Run);
-  the GKE workloads read a Kubernetes Secret (`infra.gke_workload`). The optional vLLM API key
-  (`servingApiKey`) goes there too when serving is on. Each is one `_secret`: the secret, its
-  version and the reader's accessor grant, registered in `grants_to(reader)` like every other
-  grant, so the workload that reads it waits for it and the permission proof sees it. Both stay
-  secret Outputs everywhere.
-
-Not here: Kubernetes identities and the Workload Identity binding (the GKE components own
-them, because they know the namespace and the Kubernetes service account).
+- Only the APIs the chosen workload needs are enabled; none is disabled on destroy. The few the program
+  reads before it can enable anything are enabled once by hand (`BOOTSTRAP_APIS`).
+- One service account per identity (trainer, vLLM server, GKE nodes, Cloud Build builder), each bound to
+  the one resource it uses; no basic role. `infra/offline/permissions.py` says what each needs.
+- The accounts are adopted when they exist and kept by `pulumi destroy` (which deletes their grants);
+  `grants_to(identity)` lists every grant to one identity and waits `IAM_PROPAGATION_S` after them.
+  Why: docs/decisions/service-accounts-outlive-destroy.md.
+- The bucket outlives `pulumi destroy` (`bucketForceDestroy` removes it), soft delete is off unless
+  `bucketSoftDeleteDays` says, and an existing bucket is adopted: docs/decisions/bucket-outlives-destroy.md.
+- The HF token (Cloud Run only) and `servingApiKey` go to Secret Manager, each with its reader's grant.
+  Kubernetes identities and Workload Identity belong to the GKE components.
 """
 
 from __future__ import annotations
@@ -112,7 +47,8 @@ _WORKLOAD_APIS = {
     Workload.GKE_RAY: _GKE_APIS,
     Workload.CLOUD_RUN: ("run.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
 }
-# What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only (module docstring).
+# What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only
+# (docs/decisions/bucket-outlives-destroy.md).
 ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
 # What must be enabled before the first `pulumi up` can read anything (README, "The cloud path"): the preflight
 # reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists,
@@ -315,7 +251,8 @@ class Foundation(pulumi.ComponentResource):
         ]
         after_apis = pulumi.ResourceOptions(parent=self, depends_on=self.apis)
 
-        # Adopted when the CI setup created them first; kept by `destroy` (module docstring).
+        # Adopted when the CI setup created them first; kept by `destroy`
+        # (docs/decisions/service-accounts-outlive-destroy.md).
         adopt_accounts = pulumi.ResourceOptions(parent=self, depends_on=self.apis, ignore_changes=["display_name"])
         self.accounts = {
             identity: gcp.serviceaccount.Account(
@@ -354,7 +291,7 @@ class Foundation(pulumi.ComponentResource):
                 retain_on_delete=not cfg.bucket_force_destroy,
                 # The bucket's ID is its name (terraform-provider-google google_storage_bucket).
                 import_=adopt,
-                # An import reads no labels into `labels` / `pulumiLabels` (module docstring).
+                # An import reads no labels into `labels` / `pulumiLabels` (docs/decisions/bucket-outlives-destroy.md).
                 ignore_changes=list(ADOPTED_BUCKET_IGNORES) if adopt else None,
             ),
         )

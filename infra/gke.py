@@ -3,42 +3,15 @@
     pulumi up --stack a4-gemma4            # cluster + training Job
     gcloud container clusters get-credentials gft-a4-gemma4 --region us-central1 --project PROJECT
 
-Decisions
-- Autopilot, regional (`gcp:region`, the region of the GPU reservation): GKE provisions the
-  A4 nodes a Pod asks for and removes them when it ends, so no GPU node pool idles between runs.
-- Workload Identity pool `PROJECT.svc.id.goog` is set explicitly (Autopilot turns it on anyway)
-  so the Kubernetes service account bindings in `infra.gke_workload` name a pool we declared.
-- Release channel and deletion protection come from config; deletion protection is off by
-  default so `pulumi destroy` works on a disposable training stack.
-- The nodes run as the stack's node service account (`infra.foundation.Identity.NODES`), set with
-  `cluster_autoscaling.auto_provisioning_defaults.service_account`, the field pulumi-gcp documents
-  as "the service account to be used by the node VMs created by GKE Autopilot or NAP"
-  (terraform-provider-google #13024 made it settable with Autopilot).
-- The Ray operator add-on (Google-managed KubeRay, with Ray cluster logging and monitoring) is
-  enabled only for workload gke-ray. `ray_operator_configs` is a LIST in pulumi-gcp.
-- The cluster hands out ONE `pulumi_kubernetes.Provider`, built from its endpoint and CA with a
-  kubeconfig that authenticates through the `gke-gcloud-auth-plugin` exec plugin (the same path
-  `gcloud container clusters get-credentials` writes): no static token or client certificate
-  ever lands in state, and the kubeconfig is a secret Output all the same. Workload components
-  receive this provider; they never build their own.
-- The provider carries `cluster_identifier`, the cluster's resource path (known in a preview).
-  pulumi-kubernetes replaces a provider whose `kubeconfig` is unknown, and with it every
-  Kubernetes object of the stack (a running training Job included), unless `clusterIdentifier`
-  is set and unchanged (pulumi-kubernetes provider/pkg/provider/provider.go `DiffConfig`). The
-  kubeconfig is unknown in every preview that creates or updates the cluster. The path changes
-  exactly when another cluster is meant (project, region, name); a cluster replaced under the
-  same path (only an `enable_autopilot` change would do it here) keeps its provider.
-- The cluster lives in the stack's own VPC `gft-<stack>-net` (custom mode, no subnets of its own)
-  and one regional subnet `gft-<stack>-nodes` with named secondary ranges for Pods and Services
-  (`ip_allocation_policy`), Private Google Access on; never in the project's `default` network,
-  which organisations with `compute.skipDefaultNetworkCreation` do not have and whose 0.0.0.0/0
-  SSH/RDP/ICMP rules would reach the nodes. The VPC has no firewall rule of ours: only its implied
-  deny-ingress and the rules GKE itself creates and deletes with the cluster. Nodes keep public IPs,
-  so no Cloud NAT (docs/decisions/gke-network.md). The cluster takes the subnet's id as an input, so
-  `up` creates network -> subnet -> cluster and `destroy` deletes them in reverse.
-
-Not here: node pools (Autopilot has none to manage), private nodes / Cloud NAT and authorized networks
-(the default public endpoint is protected by IAM), Kubernetes objects (see `infra.gke_workload`).
+Decisions (why and sources: docs/decisions/gke-cluster-and-provider.md, docs/decisions/gke-network.md)
+- Autopilot, regional: GKE adds the GPU nodes a Pod asks for and removes them after, so none idles.
+- Workload Identity pool set explicitly; nodes run as the stack's node account; the Ray operator
+  add-on only for the Ray workload; deletion protection off by default (a disposable stack).
+- ONE Kubernetes provider, authenticated by the `gke-gcloud-auth-plugin` exec plugin (no credential in
+  state), with `cluster_identifier` so an unknown kubeconfig in a preview does not replace it.
+- The stack's own VPC and subnet, no firewall rule of ours, public nodes and no Cloud NAT.
+Not here: node pools (Autopilot has none), private nodes and authorized networks (the public endpoint
+is protected by IAM), Kubernetes objects (`infra.gke_workload`).
 """
 
 from __future__ import annotations

@@ -3,40 +3,15 @@
     pulumi up --stack a4-gemma4                      # cluster, identity, secret, and the training Job
     kubectl logs -f job/<jobName> -n gft-<stack>   # the exact command is a stack output
 
-Decisions
-- `render_training_job` is a pure function from plain values to camelCase Kubernetes manifests
-  (a headless Service when nodes > 1, then the Job); the tests validate its output strictly
-  against the Kubernetes 1.33 schemas. The Pulumi resources are created from those manifests
-  with the cluster's provider.
-- The Job's name is `train-<recipe>-<hash8>` over the trainer image's content (its build
-  context's hash, `Images.trainer_content`, never the registry digest), the recipe file's bytes,
-  the overrides and the shape (GPU type, GPUs per node, nodes): `pulumi up` with the same inputs
-  changes nothing, from any checkout; a new image or recipe gives a new Job, so a new training
-  run, whose output dir `gs://BUCKET/runs/<job>` starts empty. The manifests are rendered with
-  the image and bucket as slots (`infra.gke_workload.fill_slots`), so in a preview, where the
-  digest is unknown, only the container image is unknown and the policy pack sees the rest. Capacity is not in the hash: moving a run to spot
-  replaces the Job under the same name and it resumes from its last complete checkpoint.
-- `pulumi.com/skipAwait: "true"`: `pulumi up` returns once the Job exists (training takes hours);
-  watch it with the `logs` output. `ttlSecondsAfterFinished` (3 days) removes the finished Job
-  and its pods, after which a plain `pulumi up` still changes nothing (no refresh); after a
-  `pulumi refresh` the next `up` recreates it and the trainer finds its completed run.
-- Failures: `restartPolicy: Never` with a podFailurePolicy that ignores `DisruptionTarget`
-  (spot preemption, node maintenance) so those do not use up retries; `backoffLimit` =
-  trainingRetries x nodes (one failed multi-node run fails every pod); `activeDeadlineSeconds`
-  from trainingTimeoutMinutes. Each retry resumes from the latest complete checkpoint.
-  `terminationGracePeriodSeconds: 600` gives a checkpoint time to flush (Spot grants at most 25 s).
-- Pods take whole nodes: 8 GPUs and CPU/memory/ephemeral storage from `infra.gke_workload.GPU_SHARE`
-  (requests = limits); `/dev/shm` is a 64Gi Memory emptyDir (NCCL and dataloader workers need it).
-- Multi-node (nodes > 1): an Indexed Job (completions = parallelism = nodes) plus a headless
-  Service named like the Job; pods find rank 0 at `<job>-0.<job>:29500` and take their node rank
-  from the Job's completion index. World size = nodes x gpusPerNode.
-  The pods must share a zone (required pod affinity on the GPU-group label, which only GPU pods carry).
-- HF_TOKEN only through `secretKeyRef`; the image only by digest; pods run as non-root.
-- After `ttlSecondsAfterFinished` the Job is gone from the cluster but not from Pulumi's state:
-  run `pulumi refresh` before changing a setting of a finished run.
-
-Not here: JobSet (not installed on GKE), the A4 RDMA / GPUDirect multi-networking setup
-(multi-node NCCL runs over the pod network: correct, not fast), Kueue, waiting for completion.
+Decisions (why and sources: docs/decisions/gke-training-job.md)
+- `render_training_job` is a pure function to manifests (a headless Service when nodes > 1, the Job).
+- Named `train-<recipe>-<hash8>` over image content, recipe, overrides and shape: same inputs, no change;
+  a new image or recipe, a new run. Capacity is not in the hash (a move to spot resumes the run).
+- `pulumi up` does not wait for training (`skipAwait`); the finished Job is removed after 3 days, so run
+  `pulumi refresh` before changing a setting of a finished run.
+- Retries resume from the latest checkpoint; preemption and maintenance use none; a deadline bounds it.
+- Whole nodes; multi-node is an Indexed Job in one zone, rank 0 at `<job>-0.<job>:29500`.
+Not here: JobSet, A4 RDMA / GPUDirect networking (NCCL over the pod network: correct, not fast), Kueue.
 """
 
 from __future__ import annotations

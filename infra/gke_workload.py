@@ -1,31 +1,15 @@
 """Kubernetes pieces both GKE workloads share: namespace, identity, the HF token Secret, GPU placement.
 
-Decisions
-- One namespace per stack (`namespace`, default `gft-<stack>`) holds everything the stack runs; its own name keeps
-  the pods' Workload Identity principal (one per project: `PROJECT.svc.id.goog[NS/KSA]`) the stack's own.
-- Identity is Workload Identity through the trainer's Google service account (GSA): a Kubernetes
-  ServiceAccount annotated `iam.gke.io/gcp-service-account: <GSA>` and
-  `roles/iam.workloadIdentityUser` for `serviceAccount:PROJECT.svc.id.goog[NS/KSA]` granted ON
-  THAT GSA (not on the project). The GSA itself only holds object access on the stack's bucket
-  (plus its metadata for Ray; `infra.foundation`), so pods can write checkpoints there and nowhere
-  else. The nodes run as the stack's node account, whose grants the cluster waits for. The binding waits
-  for the cluster: the identity pool only exists once the cluster does.
-- The Hugging Face token lives in the Kubernetes Secret `hf-secret` (key `hf_api_token`, as in
-  the seed tutorial), written from the secret Output so it stays encrypted in Pulumi state;
-  containers read it only through `secretKeyRef`.
-- Capacity is chosen with pod nodeSelectors (GKE docs how-to/autopilot-gpus, consume-reservations, autopilot-spot-pods): every GPU pod names the accelerator,
-  its count and the `latest` driver; reservation adds the reservation name, `specific` affinity
-  (+ the owning project for shared reservations); spot and flex-start add their one label;
-  on-demand adds nothing. No tolerations: Autopilot adds the GPU and Spot ones itself.
-- GPU pods of a multi-node run share a zone through a required pod affinity on a label that only
-  GPU pods carry (`GPU_GROUP_LABEL`), never on one the CPU pods of the run carry too.
-- A run's name derives from what a preview knows (`run_name`: the image's content hash, recipe,
-  overrides, shape); manifests are rendered from plain values with the image digest and bucket as
-  slots (`fill_slots`), so in a preview only the image is unknown, as a leaf.
-
-Not here: the workloads (`infra.gke_job`, `infra.ray_job`), Kueue / quota management, network
-policies, and the GCS FUSE CSI driver (the trainer writes gs:// URIs directly with its
-Workload Identity credentials, so no pod needs a bucket mount).
+Decisions (why and sources: docs/decisions/gke-workload-identity-and-placement.md)
+- One namespace per stack (default `gft-<stack>`), so its Workload Identity principal is the stack's own.
+- Pods act as the trainer's Google service account through Workload Identity, bound on that account
+  only; it holds object access on the stack's bucket and nothing else.
+- The HF token is the Kubernetes Secret `hf-secret`, read only through `secretKeyRef`.
+- Capacity by nodeSelectors (accelerator, count, driver; reservation, spot or flex-start labels); no
+  tolerations (Autopilot adds them). A multi-node run's GPU pods share a zone.
+- Run names come from what a preview knows (`run_name`); image and bucket are slots (`fill_slots`).
+Not here: the workloads (`infra.gke_job`, `infra.ray_job`), Kueue, network policies, the GCS FUSE
+CSI driver (the trainer writes gs:// URIs with its Workload Identity credentials).
 """
 
 from __future__ import annotations

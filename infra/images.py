@@ -1,59 +1,15 @@
 """The trainer and serving images, built and wired in by digest.
 
-Three modes (`imageBuild`):
-- `docker`: pulumi-docker-build builds with the local Docker/BuildKit and pushes to the
-  stack's Artifact Registry; the provider rebuilds when the context changes.
-- `cloud-build`: for users without Docker. `gcloud builds submit` runs through
-  pulumi-command, only when the build context's content hash changes (the trigger); the
-  digest is read back with `gcloud builds describe`, so the image is still pinned. The build
-  runs as the stack's builder account (`--service-account`; its grants are in
-  `infra.foundation`), with logs in Cloud Logging only (`cloudbuild.yaml`) and the context
-  uploaded to the stack's staging bucket (`--gcs-source-staging-dir`), so it never falls back to
-  a default Cloud Build account that a fresh project may not have or may not trust.
-- `prebuilt`: references given in config, already pinned by digest; nothing is built.
-
-The shipped stacks build with `cloud-build`: CI deploys run `pulumi up` on GitHub's ubuntu-24.04 runner, which
-GitHub documents with 14 GB of disk, too little to pull the CUDA / vLLM bases, build and push; Cloud Build's VM
-gets the disk `cloudbuild.yaml` asks for (tests/lint/test_ci_builds.py checks every stack deploy.yml offers).
-The mode is part of a stack's state (a docker-build Image or a build command), so a stack keeps one mode
-wherever it is deployed from.
-
-Every workload receives `REGISTRY/NAME@sha256:…`, never a tag. A run's identity (the Job /
-RayJob name, the Cloud Run run id) is NOT the digest: it is `trainer_content`, the build
-context's content hash (or the prebuilt reference), which is known in `pulumi preview` (a
-preview builds nothing, so the digest is unknown there) and is the same for the same commit
-from any checkout, laptop or CI.
-
-What is built is exactly what is hashed: `stage_context` copies the files that define an image
-(`context_files`, the set `content_hash` covers) into `build/image-context/<name>/` with normalised
-permission bits (0644, or 0755 for a file with any execute bit), and the build reads that copy.
-pulumi-docker-build's own context hash covers each file's mode string next to its bytes (pulumi-docker-build
-provider/internal/context.go `hashFile`: "to detect file renames and mode changes"), and git writes a
-checkout's files with the user's umask: a laptop with umask 002 (Ubuntu's default for users with a
-private group) and CI with umask 022 would otherwise differ in every file's mode, so `pulumi up` from
-the other one would rebuild, push a new digest and replace a running training Job. The copy also
-leaves out the files no commit holds (caches, run outputs), which the provider's hash would see.
-
-Paths handed to the providers are relative to the working directory, never absolute:
-pulumi-docker-build diffs `context.location` / `dockerfile.location` as given and resolves them
-with `filepath.Abs` in the provider's working directory (pulumi-docker-build
-provider/internal/context.go), so an absolute path from another checkout would mean a rebuild, a
-new digest and a replaced training run. Pulumi starts the program and every provider plugin in
-the same directory, the project's `main` folder (pulumi/pulumi pkg/engine/project.go
-`getPwdMain`; sdk/go/common/resource/plugin/provider_plugin.go `newPlugin(ctx, ctx.Pwd, …)`),
-so one relative path means the same files to both.
-
-No credential is a resource input: state records every input (a secret is encrypted with the stack's
-key, not withheld), and whoever reads the state and can decrypt it would hold a live token of whoever ran
-`pulumi up`. So `docker` mode passes no `registries[].password`: pulumi-docker-build then pushes with the
-credentials of the Docker config on the machine that runs Pulumi (v0.0.22 provider/internal/host.go
-`newHost` loads `ConfigFile().GetAllCredentials()`, and client.go hands the build that ConfigFile's auth
-provider), which docker/cli resolves through `credHelpers` (cli/config/configfile/file.go
-`GetAllCredentials`). Run once: `gcloud auth configure-docker REGION-docker.pkg.dev`, which names the
-`gcloud` credential helper for the registry host; the helper mints a short token at push time and it stays
-on that machine; `docker_credentials` resolves the login as docker/cli does, and without one the program warns
-with that command. `cloud-build` mode passes no credential either (the build runs as the builder account).
-
+Decisions (why: docs/decisions/image-content-identity.md)
+- Three modes (`imageBuild`): `docker` builds locally with pulumi-docker-build; `cloud-build` runs
+  `gcloud builds submit` as the stack's builder account when the context's hash changes and reads the
+  digest back; `prebuilt` takes pinned references from config. The shipped stacks use `cloud-build`.
+- Every workload receives `REGISTRY/NAME@sha256:…`, never a tag. A run's identity is `trainer_content`,
+  the build context's content hash: known in a preview, the same from any checkout.
+- What is built is what is hashed: `stage_context` copies the hashed files with normalised permission
+  bits, and paths given to the providers are relative, so laptop and CI build the same thing.
+- No credential is a resource input (docs/decisions/ci-credentials-and-identities.md): `docker` mode
+  pushes with the machine's Docker credential helper (`gcloud auth configure-docker`).
 Not here: pushing to other registries, multi-arch builds (the GPU nodes are amd64).
 """
 
@@ -171,7 +127,8 @@ def content_hash(spec: ImageSpec) -> str:
 
 def stage_context(spec: ImageSpec, root: Path = STAGED_CONTEXTS) -> Path:
     """A fresh copy of the image's `context_files` in `root/<name>`, with permission bits that do not depend on
-    the checkout's umask (module docstring); returns the copy's folder, the context the build reads."""
+    the checkout's umask (docs/decisions/image-content-identity.md); returns the copy's folder, the context the
+    build reads."""
     target = root / spec.name
     if target.exists():
         shutil.rmtree(target)

@@ -3,57 +3,15 @@
     pulumi preview --stack a4-gemma4     # stops here, naming the key, when the capacity cannot exist
     pulumi config set preflight warn     # report the same problems as warnings and go on
 
-Decisions
-- `infra.config` judges values on their own; preflight asks the cloud whether they can work, through the
-  provider's invokes, so the same code runs in `pulumi preview`, in PR previews and under mocks in tests.
-- One entry point, `check(cfg)`: every check runs and every problem is reported at once, each with the key,
-  what was found, what is needed and the command that shows or fixes it. A check is a function
-  `StackConfig -> list[str]`. `CLOUD_CHECKS` ask the cloud and follow the `preflight` setting: `strict`
-  (default) stops on any problem, including one the caller may not read (the message names the missing
-  permission and `pulumi config set preflight warn`), `warn` logs them as warnings and goes on, `off` skips
-  them. `check_cost_ceiling` asks nothing and always applies: `maxRunCostUsd` is the stack's own limit.
-- `capacity: reservation`: GKE Autopilot consumes SPECIFIC reservations only (GKE docs about-custom-compute-classes, consume-reservations), in the
-  cluster's region, of the machine type that carries the stack's GPU (`infra.catalog`), with at least
-  `nodes` machines. A placeholder or a typo would otherwise leave the GPU pods Pending until the
-  training deadline, once per retry. Reservations are zonal and the data source needs the zone, so the
-  check lists the region's zones (`gcp.compute.get_zones`) and looks in each
-  (`gcp.compute.get_reservation`, pulumi-gcp 10.2: `specificReservationRequired`,
-  `specificReservations[].count` / `inUseCount` / `instanceProperties[].machineType`, `shareSettings`).
-  A reservation that is not found comes back either as an invoke error (404) or as an empty result
-  (the Terraform data source reads through the resource's Read, which clears the id on 404 without an
-  error: terraform-provider-google data_source_google_compute_reservation.go); both mean "not here".
-- A reservation with fewer than `nodes` machines can never hold the run: that stops. One that is big
-  enough but busy now (`count - inUseCount < nodes`) only warns: the machines in use may be this stack's
-  own running training, which a second `pulumi up` leaves alone and a new run replaces first (the Job /
-  RayJob is deleted before its successor), and every PR preview runs this check too. Stopping there
-  would make `pulumi up` fail for as long as the stack trains. Machines held by other VMs leave the pods
-  Pending until they are freed or the deadline ends the run; the warning says how to see who holds them.
-- GPU quota, other capacities on GKE: the regional quota of that capacity type covers nodes x gpusPerNode
-  (`infra.catalog.GKE_GPU_QUOTAS`: spot and flex-start draw on preemptible quota; on-demand also on
-  `GPUS-ALL-REGIONS-per-project`). Cloud Run: the training Job draws 1 GPU on the no-zonal-redundancy
-  quota; the service (`servingEnabled`) draws servingMaxInstances + 1 (a new revision starts before the
-  old one stops: a deploy can briefly need one more GPU, a field report on Cloud Run GPU quota) on the quota `gpuZonalRedundancy` selects; on one quota they add up. The
-  limit comes from the Cloud Quotas API (`gcp.cloudquota.get_s_quota_info`, pulumi-gcp 10.2:
-  `dimensionsInfos[].dimensions` / `details[].value` / `applicableLocations`): the row whose dimensions
-  all match (region, GPU family) and are the most specific wins (a row without a dimension applies to the
-  values no other row names, Cloud Quotas DimensionsInfo reference); a value of -1 means unlimited
-  (`gcloud quotas preferences create --preferred-value`: "-1 ... unlimited").
-- A quota the API does not know comes back as an empty result, not an error (the data source reads through
-  HandleNotFoundError), and a `gpu_family` no row names would fall to the quota's default row: both are
-  "could not check" (`QuotaNotFound`), reported like a quota the caller may not read (strict stops with the
-  `gcloud beta quotas info list` command and the warn switch), never as "the quota is 0".
-- With user credentials the API needs a quota project; the message then says `export
-  GOOGLE_CLOUD_QUOTA_PROJECT=PROJECT` (`QUOTA_PROJECT_MISSING`), not the `gcloud services enable` that the
-  error's SERVICE_DISABLED reason suggests.
-- The Cloud Quotas API returns limits, not usage: a quota that covers the run can still be in use by
-  something else. The check catches the common failure (a limit of 0 or too small for the shape).
-
-Not here: prices and the ceiling itself (`infra.cost`), and credentials: the identity that runs `pulumi
-preview` / `up` needs `compute.zones.list` and `compute.reservations.get` on the reservation's project (both
-in roles/compute.viewer) and `cloudquotas.quotas.get` on the project (roles/cloudquotas.viewer), with the
-Cloud Quotas API (cloudquotas.googleapis.com) enabled. `infra/offline/api_permissions.py` INVOKES holds these with
-their sources; the CI identities get them from infra/bootstrap/ci-identities.yaml (`gftCiReservationReader`,
-`gftCiQuotaReader`), and the permission proof checks both.
+Decisions (why and sources: docs/decisions/preflight-checks-the-cloud.md)
+- `infra.config` judges values on their own; preflight asks the cloud, through the provider's invokes
+  (so it runs in previews and under mocks). `check(cfg)` reports every problem at once with its fix.
+- `preflight`: `strict` (default) stops, `warn` logs, `off` skips; `check_cost_ceiling` always applies.
+- `capacity: reservation`: a SPECIFIC reservation of the right machine type in the region, with at least
+  `nodes` machines; one that is big enough but busy only warns (it may be this stack's own run).
+- Otherwise the GPU quota of the capacity type must cover the run; a quota that cannot be read or found
+  is "could not check", never "0". Limits only: usage by others is not seen.
+Not here: prices and the ceiling (`infra.cost`); its permissions: infra/offline/api_permissions.py.
 """
 
 from __future__ import annotations
@@ -370,7 +328,8 @@ def _quota_fix(cfg: StackConfig, need: QuotaNeed) -> str:
 def _quota_unreadable(cfg: StackConfig, need: QuotaNeed, error: Exception) -> str:
     text = str(error)
     where = f"GPU quota {need.quota.quota_id} ({need.quota.service}) in project {cfg.project}"
-    if QUOTA_PROJECT_MISSING in text:  # user ADC: Cloud Quotas bills the call to a quota project (module docstring)
+    # user ADC: Cloud Quotas bills the call to a quota project (docs/decisions/preflight-checks-the-cloud.md)
+    if QUOTA_PROJECT_MISSING in text:
         fix = (
             f"the Cloud Quotas API needs a quota project with user credentials: export "
             f"{QUOTA_PROJECT_ENV}={cfg.project} (then run pulumi again in that shell)"

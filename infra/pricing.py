@@ -2,37 +2,17 @@
 
     .venv/bin/python -m infra.pricing          # the table as Markdown (docs/costs.md shows this)
 
-Every figure carries its source, the date the source stated it and how sure it is (`Status`):
-PUBLISHED (Google's own pricing page), SECONDARY (a public transcription of Google's Cloud Billing
-Catalog), BOUND (an upper bound derived from a published rule, the rule named), UNCONFIRMED (no source
-that states it was found; the figure is the best public one and the note says where it comes from). The
-table was assembled on `PRICES_AS_OF`; prices move, so a stack overrides them with `trainingHourPriceUsd` /
-`servingHourPriceUsd` (`pulumi config set trainingHourPriceUsd 52.10`), and a figure the table lacks must be
-overridden before a ceiling can be enforced.
+Every figure carries its source, the date the source stated it and how sure it is (`Status`: PUBLISHED,
+SECONDARY, BOUND, UNCONFIRMED). Prices move, so a stack overrides them with `trainingHourPriceUsd` /
+`servingHourPriceUsd`; a figure the table lacks must be overridden before a ceiling can be enforced.
 
-Decisions
-- One unit per consumer: a GKE node-hour (the whole machine: Autopilot bills GPU Pods of the Accelerator
-  class per node, GKE docs how-to/autopilot-gpus) and a Cloud Run instance-hour (GPU + its vCPUs + its memory, billed per
-  second while the instance lives: instance-based billing, Cloud Run GPU docs). Hourly prices are rounded UP to
-  whole cents (`HourlyPrice.cents`), so the figure stays an upper bound and fits in a resource label, where
-  the policy pack reads it (`cost_labels`).
-- Figures are for us-central1, the stacks' region. Another region uses the us-central1 figure and says so
-  (status UNCONFIRMED for that region).
-- Capacity: Spot uses its own figure where the table has one; without one, the on-demand figure, the only
-  safe upper bound: Spot is a discount off on-demand ("up to 91%" today, cloud.google.com/spot-vms/pricing),
-  but the discount's floor is not fixed: the table's own a3-ultragpu-8g rows (50.09 Spot, 83.49 on-demand)
-  are 60 % of on-demand, above the 40 % an older "60-91% off" wording implied. Flex-start (DWS) is priced
-  at or below on-demand ("better economics", Google Cloud blog introducing Dynamic Workload Scheduler); its
-  own rate was not found, so the on-demand figure is its bound. A reservation bills its VMs whether used or
-  not; the run is priced at the on-demand rate of the machines it holds.
-- The GKE cluster management fee (`GKE_CLUSTER_HOUR`, $0.10 per cluster-hour in every mode, Autopilot
-  included) is a row of its own: `infra.cost` adds it once per cluster to a GKE run's ceiling. The free
-  tier's monthly credit ($74.40 per billing account) is not subtracted, so the ceiling stays a bound.
-
-Not here: the ceiling of a run (deadlines, retries: `infra.cost`), the Autopilot premium on accelerator
-nodes (node-based billing "at Compute Engine prices, with a small added premium", wdenniss.com, 2024:
-size UNCONFIRMED, so the GKE ceiling is compute + cluster fee, without it), the Ray head's CPU Pod,
-storage, egress and image builds.
+Decisions (why and sources: docs/decisions/run-cost-ceiling.md)
+- Units: a GKE node-hour (the whole machine) and a Cloud Run instance-hour; rounded UP to whole cents,
+  so each stays an upper bound and fits the label the policy pack reads (`cost_labels`).
+- Figures are for us-central1; Spot and flex-start fall back to on-demand where no figure of their own.
+- The GKE cluster fee (`GKE_CLUSTER_HOUR`) is a row of its own; the free tier's credit is not subtracted.
+Not here: the ceiling of a run (`infra.cost`), the Autopilot accelerator premium (size UNCONFIRMED), the
+Ray head's CPU Pod, storage, egress and image builds.
 """
 
 from __future__ import annotations
@@ -218,7 +198,7 @@ def gke_node_hour(cfg: StackConfig) -> HourlyPrice | None:
     basis: list[Price] = [on_demand]
     usd = on_demand.usd
     spot = rates.get("spot") if cfg.capacity is Capacity.SPOT else None
-    if spot is not None:  # without a Spot figure, the on-demand one bounds it (module docstring)
+    if spot is not None:  # without a Spot figure, the on-demand one bounds it (docs/decisions/run-cost-ceiling.md)
         basis = [spot]
         usd = spot.usd
     return HourlyPrice(_cents(usd), what, tuple(basis), _weakest(basis, cfg.region))

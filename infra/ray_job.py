@@ -3,52 +3,15 @@
     pulumi up --stack ray-gemma3-vision            # cluster (+ Ray add-on), identity, secret, RayJob
     kubectl get rayjob <rayJobName> -n gft-<stack>    # the exact commands are stack outputs
 
-Decisions
-- `render_ray_cluster_spec` / `render_ray_job` / `render_ray_cluster` are pure functions from plain
-  values to camelCase manifests; the tests validate them with `infra/offline/schemas/kuberay.schema.json`
-  (which `$ref`s the strict Kubernetes PodTemplateSpec) and every pod template strictly as a Pod.
-- Default (`rayCluster: ephemeral`): the RayJob carries its own `rayClusterSpec`, KubeRay creates
-  the cluster, runs `python -m trainer.ray_entry …` through a submitter Kubernetes Job
-  (`submissionMode: K8sJobMode`) and deletes the cluster `ttlSecondsAfterFinished` (60 s) after the
-  job ends (`shutdownAfterJobFinishes`): no GPU idles after a run. `activeDeadlineSeconds` comes
-  from trainingTimeoutMinutes and `backoffLimit` from trainingRetries (each retry is a new cluster
-  and resumes from the run's checkpoints).
-- `rayCluster: standing`: a RayCluster `gemma-tuning` (as in the seed tutorial) stays up for
-  interactive use and the RayJob targets it with `clusterSelector`; its GPU workers bill until
-  the stack changes `rayCluster` back or is destroyed. A changed image or shape replaces it. No
-  `backoffLimit` there: KubeRay >= 1.6 refuses it with `clusterSelector`, so trainingRetries does not
-  apply (a failed run is started again by hand; it resumes from its checkpoints). The offline
-  validation applies KubeRay's own rules (`infra.offline.validate_manifests.kuberay_rule_errors`).
-- Workers = total GPUs (nodes x gpusPerNode), one `gpu-group` worker per node holding all its
-  GPUs, placed by the same capacity nodeSelectors as the Job (`infra.gke_workload`) and, with more
-  than one node, kept in one zone by a required pod affinity that selects the GPU workers only
-  (NCCL across zones is slow; selecting the CPU head too would pin the workers to the head's zone,
-  away from a zonal reservation in another one). The head is
-  small (8 vCPU / 32Gi / 9Gi ephemeral: Autopilot caps ephemeral storage on general-purpose pods,
-  9Gi is what the seed ran with) and runs no Ray tasks (`num-cpus: "0"`). rayStartParams values are
-  strings and the field is always present.
-- Preemption: GPU worker pods get a preStop hook and `terminationGracePeriodSeconds` as the Job's: the hook
-  writes a notice the trainer reads at each step end and holds SIGTERM (which stops every Ray process of the
-  pod within ~1 s) until the step's checkpoint is with Ray (trainer/preemption.py).
-- Pods run as non-root (the image's uid 1000) and use the Workload Identity service account.
-- Image = the trainer image by digest (Ray is inside it): no runtimeEnv pip installs, no minutes
-  of idle GPUs while packages download. rayVersion comes from config and must match that Ray.
-- The RayJob's name is `ft-<recipe>-<hash8>` over the image's content (never its digest), recipe
-  bytes, overrides and shape (as the Job's, `infra.gke_workload.run_name`), at most 40 characters
-  (KubeRay allows 47), so it is known in a preview and the same from any checkout. The manifests
-  carry the image and bucket as slots filled with Outputs (`infra.gke_workload.fill_slots`). KubeRay
-  does not act on spec edits of a started RayJob, so any spec change replaces it (same name: delete
-  first).
-- Checkpoints: Ray Train's storage path `gs://BUCKET/ray/<name>`; the final adapter goes to
-  `gs://BUCKET/runs/<name>` (`output.dir`), as for the Job. Writes use the pods' Workload Identity.
-- The add-on installs the KubeRay CRDs on its own schedule (not ready at cluster creation for sure), so the RayJob and the
-  standing RayCluster depend on `infra.crd_wait.CrdWait`, which returns once `rayjobs.ray.io` and
-  `rayclusters.ray.io` are Established (it runs `kubectl` where `pulumi up` runs). They also wait for
-  every IAM grant to the trainer's and the nodes' service accounts.
-  `pulumi.com/skipAwait` keeps `pulumi up` from waiting on the training.
-
-Not here: Ray autoscaling (fixed-size worker group), RayService / serving, a ConfigMap with the
-training script (the image carries the trainer package), Kueue.
+Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-preemption.md)
+- Pure render functions to camelCase manifests, validated offline against KubeRay's schema and rules.
+- `rayCluster: ephemeral` (default): the RayJob brings its cluster and deletes it 60 s after the job
+  ends; `standing`: a RayCluster `gemma-tuning` stays up (and bills) and the RayJob targets it.
+- One GPU worker per node, in one zone; a small head that runs no Ray tasks; the trainer image by digest.
+- Named from content, recipe, overrides and shape (`infra.gke_workload.run_name`); any change replaces it.
+- GPU workers get the preStop hook that saves a checkpoint on preemption (trainer/preemption.py).
+- Waits for the KubeRay CRDs (`infra.crd_wait.CrdWait`) and every IAM grant; never for the training.
+Not here: Ray autoscaling, RayService / serving, Kueue.
 """
 
 from __future__ import annotations

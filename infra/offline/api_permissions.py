@@ -1,35 +1,17 @@
 """Which permission each cloud call of `pulumi preview` / `up` / `destroy` of this program needs, and on which resource.
 
-The permission proof (`infra.offline.permissions`) derives what the CI identities need from these tables and from what
-the program declares under mocks: `preview_needs(run)` for an identity that only previews, `deploy_needs(run)`
-for the one that previews, applies and destroys. Adding a resource type, a provider function or a command
-step to the program without a row here fails the proof, so the CI grants cannot drift from the program.
+The permission proof (`infra.offline.permissions`) derives what the CI identities need from these tables and from
+what the program declares under mocks: `preview_needs(run)` for an identity that only previews, `deploy_needs(run)`
+for the one that previews, applies and destroys. A resource type, provider function or command step without a row
+here fails the proof, so the CI grants cannot drift from the program.
 
     .venv/bin/python -m infra.offline.permissions --stack dev    # every need of every identity of a stack, with its call
 
-Decisions
-- Data, one row per kind of call, each with its source: `RESOURCES` (every resource type: what its provider
-  calls on create, read, update, delete, and which service account it runs as), `INVOKES` (every provider
-  function), `COMMANDS` (every command step, by its script), `KUBERNETES` (every Kubernetes kind).
-- A preview calls no Google API for resources: the Terraform bridge diffs state against inputs. Except an
-  import: the engine reads a resource with an `import_` ID (and no state of it yet) in a preview as well
-  (pulumi/pulumi v3.259.0 pkg/resource/deploy/step.go `ImportStep.Apply` calls the provider's Read with no
-  dry-run check; `CreateStep` passes `Preview` instead), e.g. the bucket `pulumi destroy` kept
-  (infra/foundation.py): so `preview_needs` counts the read of every resource with an import ID. It does run
-  every invoke, and pulumi-kubernetes previews its objects by server-side dry run once the cluster exists,
-  which IAM authorises like the write itself (GKE maps Kubernetes verbs to `container.<resource>.<verb>`,
-  a patch to `update`, custom resources to `container.thirdPartyObjects.*`: GKE docs,
-  kubernetes-engine/docs/reference/api-permissions). Command steps never run in a preview
-  (pulumi/pulumi-command provider/pkg/provider/local/commandController.go: "If in preview, don't run the
-  command").
-- `read` counts for `pulumi up`: providers read a resource back after creating or updating it, an `import_`
-  is a read, and `pulumi refresh` (the recovery docs/ci.md gives after an interrupted deploy) reads everything.
-- The engine, not the provider, decides some calls: a resource with `retain_on_delete` is never deleted,
-  one with `import_` is read instead of created, and an `ignore_changes` on every field an update could send
-  means no update. The provider's own options decide others (`no_delete_when`, `force_delete`).
-
-Not here: which identity may do what (`infra.offline.permissions`), and what Pulumi's state backend needs (listed with
-the CI identities there).
+Decisions (why and sources: docs/decisions/permission-proof.md)
+- Data, one row per kind of call with its source: `RESOURCES`, `INVOKES`, `COMMANDS`, `KUBERNETES`.
+- A preview reads only resources with an `import_` ID, runs every invoke and Kubernetes dry runs, no commands.
+- `read` counts for `pulumi up`; engine options (`retain_on_delete`, `import_`, `ignore_changes`) remove calls.
+Not here: which identity may do what (`infra.offline.permissions`), the state backend's needs (listed there).
 """
 
 from __future__ import annotations

@@ -2,30 +2,15 @@
 
 `run_stack("dev")` loads the real `Pulumi.yaml` defaults and `Pulumi.dev.yaml`, runs
 `infra.program.run` with Pulumi's real SDK classes (real argument checks) against a mock
-engine, and returns every resource the program declared: type, name, parent,
-dependencies, options and inputs (secrets kept wrapped, so tests can check them), plus
-the stack outputs.
+engine, and returns every resource the program declared (type, name, parent, dependencies,
+options, inputs with secrets kept wrapped) plus the stack outputs.
 
-Decisions
-- One `Mocks` class fills the computed outputs a real provider would (emails, digests,
-  cluster endpoints) by resource type; everything else echoes the inputs.
-- `preview=True` behaves like the first `pulumi preview` of a stack: nothing exists yet, so
-  every output the cloud computes (a digest — images are not built in a preview,
-  `build_on_preview=False` —, a command's stdout, an email, a cluster endpoint) is unknown,
-  and only inputs are echoed. Unknown values are recorded as the engine's sentinel
-  (`pulumi.runtime.rpc.UNKNOWN`), the value a policy pack sees for them.
-- Invokes answer as the provider would for a project that is ready: the reservation a stack
-  names exists as it must (`reservations` overrides it per `project/zone/name`; `None` there
-  models "not found", a `ProviderError` an invoke that fails); every GPU quota the Cloud Quotas
-  API is asked for has `MOCK_QUOTA_LIMIT` in every region, with a row for each GPU family the
-  catalog names (`quotas` overrides it per quota id with a `mock_quota_info` result, `{}` for the
-  data source's empty not-found answer, or a `ProviderError`).
-- Warnings the program logs (`pulumi.log.warn`, e.g. `preflight: warn`) are kept in
-  `StackRun.warnings` (and on the exception of a failed run).
-- The mock state is reset before each run (`reset_options` then `set_mocks`), so several
-  stacks run in one process.
-- A secret config value in a stack file is encrypted and cannot be read here; the caller
-  passes a stand-in (`hf_token=`), which the program must keep secret end to end.
+Decisions (why: docs/decisions/offline-engine-mocks.md)
+- One `Mocks` class fills what a real provider computes; everything else echoes the inputs.
+- `preview=True` is a first preview: every computed output is the engine's unknown sentinel.
+- Invokes answer as for a ready project (reservations, GPU quotas); per-run overrides model the rest.
+- Warnings are kept in `StackRun.warnings`; the mock state is reset before each run; a secret from a
+  stack file is a stand-in the caller passes (`hf_token=`).
 """
 
 from __future__ import annotations
@@ -305,20 +290,12 @@ def _fake_digest(*parts: Any) -> str:
 class Mocks(pulumi_mocks.Mocks):
     """Fills what a real provider computes; echoes everything else.
 
-    `bucket_objects` maps `bucket/object` to its content for the storage reads the program
-    makes (the serving step lists completion markers, then reads the chosen one and lists its
-    folder); later entries count as newer (their `updated` time). With `assume_trained` the
-    bucket also holds one finished run, `runs/<recipe>-MOCK_TRAINED_RUN/merged/`, as after a
-    training run that completed before this `up`.
-
-    `existing_buckets` are buckets already in the project (e.g. kept by `pulumi destroy`): the
-    bucket list answers with them, and creating one of them fails with Cloud Storage's 409
-    unless the registration imports it, as a real `pulumi up` would.
-
-    `existing_accounts` are service account ids already in the project (created by the CI setup, or
-    kept by `pulumi destroy`): creating one fails with IAM's 409 unless the account says
-    `createIgnoreAlreadyExists`, which the provider turns into a read of the existing account
-    (terraform-provider-google resource_google_service_account.go).
+    `bucket_objects` maps `bucket/object` to its content for the storage reads the program makes
+    (later entries are newer); `assume_trained` adds one finished run,
+    `runs/<recipe>-MOCK_TRAINED_RUN/merged/`. `existing_buckets` are already in the project: the
+    bucket list answers with them, and creating one fails with 409 unless it is imported.
+    `existing_accounts` are service account ids already in the project: creating one fails with 409
+    unless the account says `createIgnoreAlreadyExists` (docs/decisions/offline-engine-mocks.md).
     """
 
     def __init__(

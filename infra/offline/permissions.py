@@ -5,35 +5,14 @@ its grants cover exactly that, from public role data.
     .venv/bin/python -m infra.offline.permissions                         # every need, as Markdown (plans every stack)
     .venv/bin/python -m infra.offline.permissions --vendor ROLES.json     # refresh iam_roles.json from public role data
 
-For every stack and the variants users pick, the proof runs the program under mocks and checks each identity:
-- `missing`: every permission it needs is granted on the resource it is needed on, or on the project (IAM
-  inheritance), by a grant whose IAM Condition holds there (`condition_holds`);
-- `unneeded`: every role granted to it gives it at least one permission it needs where the grant applies. An
-  unconditioned project-level grant counts only for needs on the project itself: a need on one resource is
-  granted on that resource.
-
-Decisions
-- Grants come from two places: the IAM resources the program plans (`planned_grants`), and the one-time CI
-  setup (`ci_grants`: infra/bootstrap/ci-identities.yaml, which tests/lint/test_ci_setup.py proves
-  ci-setup.sh grants exactly), expanded for one stack as the setup would for a repository holding only that
-  stack file. A CI grant is judged over all the variants that share the stack settings the setup reads
-  (workload, capacity reservation, Cloud Build): it is made once for all of them.
-- Needs come from two places too. The workload identities' needs are rows here (`RUNTIMES`), each with the
-  code path or document that makes the call. The CI identities' needs are derived from what the program
-  declares (`infra.offline.api_permissions`: every resource type, provider function and command step mapped to
-  the calls it makes, with sources), plus what Pulumi's state backend needs (rows here); so a change to
-  the program changes them, and a new kind of call the tables do not know fails the proof.
-- Roles come from data, never from their names: `iam_roles.json` is copied from public role data
-  (iann0036/iam-dataset, see its `source`), one file for both kinds of identity; custom roles from
-  ci-identities.yaml. `--vendor` refreshes the subset from a newer copy.
-- Scopes are symbolic (`Scope`) and resolve to names through the naming functions `infra.foundation`
-  uses; conditions are evaluated on those names (`resource_name`), in the two forms the setup uses: a
-  disjunction of `resource.name.startsWith(…)`, and `modifiedGrantsByRole` limits on project IAM changes.
-
-Not here: grants to people (`servingInvokers` get roles/run.invoker on the service: the stack owner chooses
-them), Google-managed service agents (Cloud Run's pulls images of the same project), the federation bindings
-of the CI identities (tests/lint/test_ci_setup.py TestFederation), and a reservation in another project
-(reservationProject): the setup grants in this project only, so the proof reports those reads as missing.
+For every stack and variant, the program runs under mocks and each identity must have nothing `missing`
+(every need granted where it applies, conditions included) and nothing `unneeded` (every role serves a need).
+Decisions (why and sources: docs/decisions/permission-proof.md)
+- Grants: the IAM resources the program plans, and the one-time CI setup (infra/bootstrap/ci-identities.yaml).
+- Needs: rows for the workloads (`RUNTIMES`); derived for the CI identities from what the program declares
+  (`infra.offline.api_permissions`), so a new kind of call fails the proof.
+- Roles from data (`iam_roles.json`), never from their names; scopes and conditions on symbolic names.
+Not here: grants to people, Google-managed service agents, the CI federation bindings.
 """
 
 from __future__ import annotations

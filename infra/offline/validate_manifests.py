@@ -4,25 +4,11 @@
     .venv/bin/python -m infra.offline.validate_manifests --no-plan        # validate what build/plan already holds
     .venv/bin/python -m infra.offline.validate_manifests --files x.yaml   # validate these files only
 
-`make lint` runs the first form. Each stack is planned under mocks exactly as `make plan` does
-(infra/offline/plan.py), into `build/plan/<stack>/manifests/`, and every YAML document there is checked:
-
-- built-in kinds against the Kubernetes OpenAPI schemas bundled with kubernetes-validate, strict
-  (an unknown or misspelt field fails), for `KUBERNETES_VERSION` (the GKE REGULAR channel's minor);
-- KubeRay kinds (`ray.io/*`) against `infra/offline/schemas/kuberay.schema.json` when that file exists,
-  KubeRay's own admission rules (`kuberay_rule_errors`, ported from its validation.go), and each of
-  their pod templates strictly as the Pod it becomes;
-- any kind with no schema is reported as skipped, by name, never passed silently.
-
-Decisions
-- Every error of a document is listed (not only the first), with its path in the object.
-- `make plan` redacts secret values to "[secret]", which can replace a whole field (a Secret's
-  `stringData`). An error whose value is exactly that mark is reported as "redacted, not
-  validated" instead of failing: the file deliberately hides the field's shape.
-- Integral floats (`activeDeadlineSeconds: 28800.0`, from Pulumi's wire format) pass the JSON
-  schema but are listed as a warning: `kubectl apply -f` of such a file may be refused by a typed
-  decoder, so infra/offline/plan.py should write them as integers.
-
+`make lint` runs the first form. Built-in kinds are checked against kubernetes-validate's strict schemas
+for `KUBERNETES_VERSION`; KubeRay kinds against infra/offline/schemas/kuberay.schema.json, KubeRay's own
+admission rules (`kuberay_rule_errors`) and each pod template as a Pod; a kind with no schema is
+reported as skipped. Every error is listed with its path; a value redacted to "[secret]" is reported,
+not failed; integral floats are warnings. Why: docs/decisions/offline-manifest-validation.md.
 Not here: server-side admission (Autopilot's own rules), policy checks (infra/policy does those).
 """
 

@@ -1,63 +1,16 @@
 """The guard rails every stack is checked against, as plain functions over (resource_type, props).
 
-Each check takes a Pulumi resource type token (`gcp:storage/bucket:Bucket`) and the resource's
-inputs as the engine sends them to a policy pack (camelCase keys, secrets already unwrapped) and
-returns the violations it found as sentences; an empty list means the resource passes. `__main__.py`
-wraps each one in a `ResourceValidationPolicy` (`resource_policies()`); the tests call the
-functions directly over every resource of every stack run under mocks, and through the wrappers.
+Each check takes a Pulumi type token (`gcp:storage/bucket:Bucket`) and the resource's inputs as the
+engine sends them to a policy pack (camelCase keys, secrets unwrapped) and returns its violations as
+sentences (empty: the resource passes). `__main__.py` wraps each in a `ResourceValidationPolicy`
+(`resource_policies()`); the tests call the functions over every resource of every stack under mocks.
 
-Decisions
-- Checks look at structure, not at module names, where that is safer: every `containers` /
-  `initContainers` list anywhere in a resource is a set of containers whose images must be pinned
-  (Cloud Run job and service templates, Kubernetes pod templates, RayJob/RayCluster head, worker
-  and submitter templates alike); every `env` / `envs` list is checked for literal tokens.
-- Values the engine does not know yet during `pulumi preview` (a digest of an image built in the
-  same update, an email of a service account created with it) are skipped: they are checked again
-  at `pulumi up`, when the engine knows them. Known values are always judged.
-- A Cloud Run service may be public only by `invokerIamDisabled: true` AND the label
-  `public: "true"` on the service, which the program sets exactly when the stack says
-  `servingPublic: true`: the label makes the choice visible (`gcloud run services list
-  --filter=labels.public=true`) and turns an accidental flag into a violation. An `allUsers` /
-  `allAuthenticatedUsers` IAM member is never allowed, on any resource; nor is any other way of making
-  something public: a Cloud Storage ACL or default object ACL entity for them (`entity`, `roleEntities`, a
-  public `predefinedAcl`), Cloud Run v1's `run.googleapis.com/invoker-iam-disabled` annotation (the v1 form of
-  `invokerIamDisabled`, allowed on the same terms), a Kubernetes RoleBinding / ClusterRoleBinding to
-  `system:authenticated`, `system:unauthenticated` or `system:anonymous` (every Google account is
-  `system:authenticated` on GKE), and a Kubernetes Service of type LoadBalancer, an Ingress of any class but
-  `gce-internal` or a Gateway of an external class (each a public IP; the program serves through Cloud Run, whose
-  invoker IAM is the gate).
-- "GPU workload" means any resource that asks for a GPU (`nvidia.com/gpu` in a resource list, a GKE
-  accelerator nodeSelector, a Cloud Run accelerator). It is judged by what bounds its pods, not by an
-  allow-list of kinds: where a deadline field applies (Cloud Run job; Kubernetes Job, CronJob, JobSet, Pod,
-  RayJob) it must be set (Cloud Run's implicit 10 minute default is not a decision), and a RayJob that
-  creates its own cluster must also delete it when the job ends. Every other Kubernetes kind that carries a
-  pod spec (Deployment, StatefulSet, DaemonSet, ReplicaSet, RayCluster, RayService, LeaderWorkerSet, any
-  CRD) has no deadline and keeps its GPUs until deleted: it is allowed only with the label
-  `gemma-finetune/gpu-long-running: "true"`, so the choice is visible.
-- A credential is recognised by the words of its env var name (`HF_TOKEN`, `HuggingFaceToken`,
-  `HF_API_KEY`, `*_PASSWORD`), not by an exact list; a value that only references another variable
-  (`${HF_TOKEN}`, `$(HF_TOKEN)`) carries no secret and passes.
-- Rules fail closed: a malformed `policyData` is a violation (it cannot be checked), and a check that
-  raises becomes a violation of its rule instead of stopping the pack.
-- A standing RayCluster (`rayCluster: standing`) is an explicit choice for interactive use and has
-  no deadline field: with GPUs it needs the long-running label like any other such kind.
-- A workload whose whole spec is unknown in a preview hides it from every rule above, so the
-  `workload-known-at-preview` rule reports it, as an advisory (the rules run again at `pulumi up`).
-  The program keeps it from happening: workload names derive from the images' content hash, and
-  only the image digest is left unknown, as a leaf.
-
-- Cost: a training workload labelled with the stack's limit (`max-run-cost-usd`, from `maxRunCostUsd`) must
-  not be able to cost more. The pack sees resources, not config, so it reads the hourly price the program
-  wrote from its one price table (`node-hour-cents`, infra/pricing.py) and everything else from the workload
-  itself: nodes (Job `parallelism`, RayJob worker `replicas`, Cloud Run `taskCount`), the deadline
-  (`activeDeadlineSeconds`, Cloud Run `timeout`) and the retries that restart it (RayJob `backoffLimit`,
-  Cloud Run `maxRetries`; a Kubernetes Job's deadline covers its retries). A code change that raises a
-  deadline, a node count or a retry count is caught in the PR preview. A GKE workload (Job, RayJob) also pays
-  the cluster management fee for its window (`GKE_CLUSTER_FEE_CENTS`). `NODE_RELEASE_S`, the fee and the
-  formula are the program's (`infra.cost`, `infra.pricing`); a test computes them over every stack and keeps
-  them equal. A standing
-  RayCluster has no deadline, so one labelled with a limit is a violation.
-
+Decisions (the rules table: infra/policy/README.md; why: docs/decisions/policy-pack-judges-structure.md)
+- Checks look at structure, not names: any `containers` list must pin images, any `env` list must hold
+  no literal credential, any resource asking for a GPU must be bounded by a deadline or a visible label.
+- Nothing public but a Cloud Run service the stack made public (`invokerIamDisabled` plus `public: "true"`).
+- A labelled run limit is checked from the workload's own nodes, deadline and retries.
+- Rules fail closed; values unknown in a preview are judged at `pulumi up`.
 Not here: regions, quotas (the stack configuration and preflight check those), Kubernetes RBAC.
 """
 
