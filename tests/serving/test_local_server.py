@@ -30,7 +30,7 @@ from serving.local_server import (
 )
 from serving.vllm_args import COMPLETION_MARKER
 from tests.serving.privileges import in_child_as_nobody
-from tests.serving.tiny_model import build_tiny_gemma
+from tests.tiny_models import build_tiny_gemma
 from trainer.export import write_completion_marker
 
 REPO = Path(__file__).resolve().parents[2]
