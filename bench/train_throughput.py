@@ -282,7 +282,7 @@ def model_source(args: argparse.Namespace, workdir: Path) -> str:
 
         return str(ensure_local_model())
     if args.model == "tiny":
-        from tests.trainer.tiny import save_tiny_model
+        from tests.tiny_models import save_tiny_model
 
         return str(save_tiny_model(workdir / "tiny-gemma3", "gemma3"))
     # GPU shapes: weights are built in memory, only the Gemma 3 tokenizer comes from the local model folder

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.tiny_model import build_tiny_gemma
+from tests.tiny_models import build_tiny_gemma
 
 
 @pytest.fixture(scope="session")

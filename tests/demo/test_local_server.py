@@ -30,7 +30,7 @@ from demo.local_server import (
 from serving.client import ClientError, NotFoundError, chat, chat_completion, list_models
 from serving.vllm_args import COMPLETION_MARKER
 from tests.serving.privileges import in_child_as_nobody
-from tests.serving.tiny_model import build_tiny_gemma
+from tests.tiny_models import build_tiny_gemma
 from trainer.export import write_completion_marker
 
 REPO = Path(__file__).resolve().parents[2]

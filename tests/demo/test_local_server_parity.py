@@ -22,7 +22,7 @@ import pytest
 
 from demo import local_server
 from demo.local_server import _Engine, _make_handler, open_server
-from tests.serving.tiny_model import build_tiny_gemma
+from tests.tiny_models import build_tiny_gemma
 
 USER = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]
 CONTEXT = 1024  # the tiny model's max_position_embeddings: vLLM's max_model_len for it

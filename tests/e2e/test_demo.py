@@ -20,7 +20,7 @@ import pytest
 from demo import pipeline as demo
 from demo.local_server import PortBusyError, check_port_free
 from serving.vllm_args import COMPLETION_MARKER
-from tests.serving.tiny_model import build_tiny_gemma
+from tests.tiny_models import build_tiny_gemma
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -189,7 +189,7 @@ def real_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tests.serving.tiny_model import build_tiny_gemma
+    from tests.tiny_models import build_tiny_gemma
     from trainer.export import merge_and_export
 
     root = tmp_path_factory.mktemp("export")

@@ -23,7 +23,7 @@ PROMPT = [{"role": "user", "content": "Translate to emoji: I ate a banana"}]
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    from tests.serving.tiny_model import build_tiny_gemma
+    from tests.tiny_models import build_tiny_gemma
 
     model = build_tiny_gemma(tmp_path_factory.mktemp("openai") / "merged")
     with LocalServer(model) as server:

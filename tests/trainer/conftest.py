@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from tests.trainer import tiny
+from tests import tiny_models as tiny
 
 if TYPE_CHECKING:
     from tests.trainer.ray_cluster import LocalRayCluster, RayPlan
@@ -37,14 +37,8 @@ def tiny_gemma4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Gemma3ForConditionalGeneration + processor folder (tests/trainer/test_collator.py)."""
-    from tests.trainer.test_collator import tiny_vision_model, tiny_vision_processor
-
-    model_dir = tmp_path_factory.mktemp("tiny-gemma3-vision")
-    processor = tiny_vision_processor()
-    tiny_vision_model(processor).save_pretrained(model_dir)
-    processor.save_pretrained(model_dir)
-    return model_dir
+    """A random tiny Gemma3ForConditionalGeneration + processor folder."""
+    return tiny.save_tiny_vision_model(tmp_path_factory.mktemp("tiny-gemma3-vision"))
 
 
 @pytest.fixture(scope="session")

@@ -4,98 +4,26 @@ Why it matters: a label on an image soft token asks the model to predict image p
 and a magic id like 262144 silently stops matching when the vocabulary changes. Here the ids
 come from a tiny Gemma 3 processor built on this machine (no Hub), including one whose image
 tokens sit at other ids, and the masks are checked position by position.
-
-`tiny_vision_processor` / `tiny_vision_model` also build the Ray tests' tiny model (tests/trainer/conftest.py).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.tiny_models import (
+    IMAGE_SEQ_LENGTH,
+    IMAGE_SIZE,
+    IMAGE_SPECIALS,
+    product_rows,
+    tiny_vision_model,
+    tiny_vision_processor,
+)
 from trainer.collators import IGNORE_INDEX, VisionSFTCollator, image_token_ids, masked_token_ids
 from trainer.formatting import format_product_description
 
 DATA = Path(__file__).resolve().parents[2] / "trainer" / "samples"
-IMAGE_SEQ_LENGTH = 4  # soft tokens per image: a perfect square, (image_size / patch_size)^2 pooled to 2x2
-IMAGE_SIZE = 32
-GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-IMAGE_SPECIALS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-
-
-def product_rows() -> list[dict]:
-    return [json.loads(line) for line in (DATA / "products.jsonl").read_text().splitlines()]
-
-
-def tiny_vision_processor(image_tokens_first: bool = False):
-    """A Gemma3Processor around a small BPE tokenizer with Gemma's special and image tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Gemma3Processor, PreTrainedTokenizerFast
-    from transformers.models.gemma3 import Gemma3ImageProcessorPil
-
-    from trainer.local_model import trl_chat_template
-
-    specials = IMAGE_SPECIALS + GEMMA_SPECIALS if image_tokens_first else GEMMA_SPECIALS + IMAGE_SPECIALS
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    corpus = [r["description"] + " " + r["Product Name"] + " " + r["Category"] for r in product_rows()]
-    corpus += ["You are an expert product description writer. Create a Short Product description <PRODUCT>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    backend.train_from_iterator(corpus * 2, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-        extra_special_tokens={
-            "boi_token": "<start_of_image>",
-            "eoi_token": "<end_of_image>",
-            "image_token": "<image_soft_token>",
-        },
-    )
-    image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    return Gemma3Processor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        chat_template=trl_chat_template("gemma3"),
-        image_seq_length=IMAGE_SEQ_LENGTH,
-    )
-
-
-def tiny_vision_model(processor, seed: int = 0):
-    """A random Gemma3ForConditionalGeneration: 2 text layers, a 1-layer SigLIP on 32x32 images."""
-    import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    tokenizer = processor.tokenizer
-    torch.manual_seed(seed)
-    config = Gemma3Config(
-        text_config={
-            "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "query_pre_attn_scalar": 16,
-            "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"],
-            "max_position_embeddings": 1024, "pad_token_id": tokenizer.pad_token_id,
-            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-        },
-        vision_config={
-            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "image_size": IMAGE_SIZE, "patch_size": 8,
-        },
-        mm_tokens_per_image=IMAGE_SEQ_LENGTH,
-        image_token_index=tokenizer.image_token_id,
-        boi_token_index=tokenizer.boi_token_id,
-        eoi_token_index=tokenizer.eoi_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    return Gemma3ForConditionalGeneration(config)
 
 
 def examples(n: int = 3) -> list[dict]:

@@ -245,7 +245,7 @@ def tiny_vision_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LoRA adapter (W2's spec: all-linear, vision tower too) on a tiny Gemma 3 vision model, as W2 saves it."""
     from peft import get_peft_model
 
-    from tests.trainer.test_collator import tiny_vision_model, tiny_vision_processor
+    from tests.tiny_models import tiny_vision_model, tiny_vision_processor
     from trainer.modeling import lora_config
 
     root = tmp_path_factory.mktemp("vision-eval")

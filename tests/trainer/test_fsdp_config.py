@@ -13,40 +13,22 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import tiny_models
 from trainer.fsdp import FsdpConfigError, decoder_layer_class, render_accelerate_config
 
 REFERENCE = Path(__file__).resolve().parents[2] / "trainer" / "accelerate" / "fsdp2-gemma4-1x8.yaml"
 
 
 def tiny_gemma3_text_config():
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-    )  # fmt: skip
+    return tiny_models.gemma3_text_config(64)
 
 
 def tiny_gemma3_vision_config():
-    from transformers import Gemma3Config
-
-    return Gemma3Config(
-        text_config=tiny_gemma3_text_config().to_dict(),
-        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
-        mm_tokens_per_image=4,
-    )  # fmt: skip
+    return tiny_models.gemma3_vision_config(64, 63, 62, 61)
 
 
 def tiny_gemma4_config():
-    from transformers import Gemma4Config
-
-    return Gemma4Config(
-        text_config={"vocab_size": 64, "vocab_size_per_layer_input": 64, "hidden_size": 16,
-                     "hidden_size_per_layer_input": 4, "intermediate_size": 32, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "global_head_dim": 8,
-                     "layer_types": ["sliding_attention", "full_attention"]},
-    )  # fmt: skip
+    return tiny_models.gemma4_config(64)
 
 
 class TestDecoderLayerClass:

@@ -31,26 +31,12 @@ def build_model():
     """Tiny random Gemma 3 text model with LoRA on attention and MLP (dropout 0: deterministic)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM
+
+    from tests.tiny_models import gemma3_text_config
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    model = Gemma3ForCausalLM(config)
+    model = Gemma3ForCausalLM(gemma3_text_config(VOCAB, sliding_window=8, max_position_embeddings=64))
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
     peft_model = get_peft_model(model, lora)
     # LoRA B starts at zero; a non-zero start makes any shard mix-up visible in the first step.

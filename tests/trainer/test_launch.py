@@ -26,15 +26,10 @@ RECIPE = "text-to-sql-gemma4-31b"
 @pytest.fixture(scope="module")
 def gemma4_model_dir(tmp_path_factory) -> Path:
     """A folder with only a tiny Gemma 4 config.json: all AutoConfig.from_pretrained needs."""
-    from transformers import Gemma4Config
+    from tests.tiny_models import gemma4_config
 
     directory = tmp_path_factory.mktemp("gemma4-config")
-    Gemma4Config(
-        text_config={"vocab_size": 64, "vocab_size_per_layer_input": 64, "hidden_size": 16,
-                     "hidden_size_per_layer_input": 4, "intermediate_size": 32, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "global_head_dim": 8,
-                     "layer_types": ["sliding_attention", "full_attention"]},
-    ).save_pretrained(directory)  # fmt: skip
+    gemma4_config(64).save_pretrained(directory)
     return directory
 
 

@@ -64,7 +64,7 @@ def _peft_model(tokenizer: Any, family: str, labels_only: bool) -> Any:
     from peft import get_peft_model
     from trl.trainer.utils import add_fused_lm_head
 
-    from tests.trainer.tiny import tiny_gemma3, tiny_gemma4
+    from tests.tiny_models import tiny_gemma3, tiny_gemma4
     from trainer.modeling import lora_config
     from trainer.recipe import LoraSpec
 

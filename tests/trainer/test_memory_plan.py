@@ -70,14 +70,9 @@ def test_a_strategy_that_does_not_fit_is_refused_with_key_value_and_fix() -> Non
 def gemma4_config(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """The recipe keeps its Hub id (the memory model reads its published shape); the wrap class comes from a
     tiny Gemma 4 config instead of the Hub."""
-    from transformers import Gemma4Config
+    from tests.tiny_models import gemma4_config
 
-    config = Gemma4Config(
-        text_config={"vocab_size": 64, "vocab_size_per_layer_input": 64, "hidden_size": 16,
-                     "hidden_size_per_layer_input": 4, "intermediate_size": 32, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "global_head_dim": 8,
-                     "layer_types": ["sliding_attention", "full_attention"]},
-    )  # fmt: skip
+    config = gemma4_config(64)
     monkeypatch.setattr(launch, "load_model_config", lambda recipe: config)
     return config
 

@@ -38,32 +38,13 @@ def test_qlora_config_follows_the_recipe() -> None:
 
 
 def _tiny_gemma3_vision(vocab_size: int) -> torch.nn.Module:
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers import Gemma3ForConditionalGeneration
 
-    config = Gemma3Config(
-        text_config={
-            "vocab_size": vocab_size,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 16,
-        },
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 28,
-            "patch_size": 14,
-        },
-        mm_tokens_per_image=4,
-        image_token_index=vocab_size - 1,
-        boi_token_index=vocab_size - 2,
-        eoi_token_index=vocab_size - 3,
+    from tests.tiny_models import gemma3_vision_config
+
+    return Gemma3ForConditionalGeneration(
+        gemma3_vision_config(vocab_size, vocab_size - 1, vocab_size - 2, vocab_size - 3)
     )
-    return Gemma3ForConditionalGeneration(config)
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "out_proj"]])
@@ -104,7 +85,7 @@ def test_text_only_model_gets_no_exclusion(tiny_gemma3_dir: Path) -> None:
 
 def test_missing_chat_template_comes_from_trl(tiny_tokenizer) -> None:  # type: ignore[no-untyped-def]
     tiny_tokenizer = type(tiny_tokenizer).from_pretrained
-    from tests.trainer.tiny import tiny_tokenizer as make_tokenizer
+    from tests.tiny_models import tiny_tokenizer as make_tokenizer
 
     tokenizer = make_tokenizer()
     tokenizer.chat_template = None

@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from demo.local_server import free_port
-from tests.trainer.inject import AFTER_IMPORT
+from tests.trainer.inject import AFTER_IMPORT, launch_argv, launch_env, w1_overrides
 from trainer.checkpoints import CHECKPOINT_MARKER, RUN_MARKER, checkpoint_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,51 +75,18 @@ if "LOCAL_RANK" in os.environ:
 
 
 def launch_command(model_dir: Path, url: str, config_out: Path) -> list[str]:
-    overrides = [
-        f"model.name_or_path={model_dir}",
-        "model.dtype=float32",
-        "data.source=local",
-        "data.path=trainer/samples/text_to_sql.jsonl",
-        "data.max_rows=110",
-        "data.eval_rows=0",
-        f"training.max_steps={MAX_STEPS}",
-        f"training.save_steps={SAVE_STEPS}",
-        "training.save_total_limit=null",
-        "training.eval_steps=null",
-        "training.logging_steps=1",
-        "training.per_device_train_batch_size=1",
-        "training.gradient_accumulation_steps=1",
-        "training.report_to=[]",
-        f"distributed.world_size={NPROC}",
-        f"output.dir={url}",
-    ]
-    command = [sys.executable, "-m", "trainer.launch", "--recipe", "text-to-sql-gemma4-31b"]
-    command += ["--nproc-per-node", str(NPROC), "--cpu", "--main-process-port", str(free_port())]
-    command += ["--config-out", str(config_out)]
-    for item in overrides:
-        command += ["--set", item]
-    return command
+    overrides = [*w1_overrides(model_dir, url, NPROC, MAX_STEPS, SAVE_STEPS), "training.save_total_limit=null"]
+    return launch_argv("text-to-sql-gemma4-31b", NPROC, config_out, overrides)
 
 
 def run_env(tmp_path: Path, staging: Path, slow_bucket: bool) -> dict[str, str]:
-    inject = tmp_path / "inject"
-    inject.mkdir(exist_ok=True)
-    (inject / "sitecustomize.py").write_text(SLOW_MACHINE)
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{inject}{os.pathsep}{REPO}",
-        "GEMMA_FT_STAGING": str(staging),
-        "GLOO_SOCKET_IFNAME": "lo",  # loopback only
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "SLOW_RNG_SAVE_S": str(SLOW_RNG_SAVE_S),
-    }
-    env.pop("SLOW_BUCKET_READ_S", None)
-    if slow_bucket:
-        env["SLOW_BUCKET_READ_S"] = str(SLOW_BUCKET_READ_S)
-    return env
+    return launch_env(
+        tmp_path,
+        SLOW_MACHINE,
+        GEMMA_FT_STAGING=str(staging),
+        SLOW_RNG_SAVE_S=str(SLOW_RNG_SAVE_S),
+        SLOW_BUCKET_READ_S=str(SLOW_BUCKET_READ_S) if slow_bucket else None,
+    )
 
 
 def marked_checkpoints(remote: Path) -> dict[int, Path]:

@@ -1,7 +1,7 @@
 """Fine-tuning on your own data (docs/own-data.md): the standard formats, data behind any fsspec URL, a recipe file
 outside trainer/recipes/, and bad rows stopped before the model loads with the file, row and field named.
 
-Training runs use the tiny Gemma 3 (tests/trainer/tiny.py): 2 steps each, no merge.
+Training runs use the tiny Gemma 3 (tests/tiny_models.py): 2 steps each, no merge.
 """
 
 from __future__ import annotations
@@ -623,7 +623,7 @@ def test_image_rows_in_a_bucket_reach_the_vision_collator_with_the_answer_alone_
     import torch
     from PIL import Image
 
-    from tests.trainer.test_collator import tiny_vision_model, tiny_vision_processor
+    from tests.tiny_models import tiny_vision_model, tiny_vision_processor
     from trainer.collators import VisionSFTCollator
 
     rows = []

@@ -16,14 +16,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from demo.local_server import free_port
-from tests.trainer.inject import AFTER_IMPORT
+from tests.trainer.inject import AFTER_IMPORT, launch_argv, launch_env, w1_overrides
 from tests.trainer.test_multirank_resume import marked_checkpoints
 from trainer.checkpoints import RUN_MARKER
 
@@ -58,50 +56,18 @@ if "LOCAL_RANK" in os.environ and os.environ.get("STEP_LOG"):
 
 
 def command(model_dir: Path, url: str, tmp_path: Path, name: str) -> list[str]:
-    overrides = [
-        f"model.name_or_path={model_dir}",
-        "model.dtype=float32",
-        "data.source=local",
-        "data.path=trainer/samples/text_to_sql.jsonl",
-        "data.max_rows=110",
-        "data.eval_rows=0",
-        f"training.max_steps={MAX_STEPS}",
-        f"training.save_steps={SAVE_STEPS}",
-        "training.eval_steps=null",
-        "training.logging_steps=1",
-        "training.per_device_train_batch_size=1",
-        "training.gradient_accumulation_steps=1",
-        "training.report_to=[]",
-        f"distributed.world_size={NPROC}",
-        f"output.dir={url}",
-    ]
-    argv = [sys.executable, "-m", "trainer.launch", "--recipe", "text-to-sql-gemma4-31b"]
-    argv += ["--nproc-per-node", str(NPROC), "--cpu", "--main-process-port", str(free_port())]
-    argv += ["--config-out", str(tmp_path / f"accelerate-{name}.yaml")]
-    for item in overrides:
-        argv += ["--set", item]
-    return argv
+    overrides = w1_overrides(model_dir, url, NPROC, MAX_STEPS, SAVE_STEPS)
+    return launch_argv("text-to-sql-gemma4-31b", NPROC, tmp_path / f"accelerate-{name}.yaml", overrides)
 
 
 def environment(tmp_path: Path, staging: Path, step_log: Path | None) -> dict[str, str]:
-    inject = tmp_path / "inject"
-    inject.mkdir(exist_ok=True)
-    (inject / "sitecustomize.py").write_text(SLOW_STEPS)
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{inject}{os.pathsep}{REPO}",
-        "GEMMA_FT_STAGING": str(staging),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    env.pop("STEP_LOG", None)
-    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)  # the launcher's own setting
-    if step_log is not None:
-        env["STEP_LOG"] = str(step_log)
-    return env
+    return launch_env(
+        tmp_path,
+        SLOW_STEPS,
+        GEMMA_FT_STAGING=str(staging),
+        STEP_LOG=None if step_log is None else str(step_log),
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT=None,  # the launcher's own setting
+    )
 
 
 def steps_reached(step_log: Path) -> int:

@@ -147,7 +147,7 @@ def worker(out_dir: str, model_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ranks_other_than_0_load_no_weights_and_fsdp2_fills_them(tmp_path: Path) -> None:
-    from tests.trainer.tiny import save_tiny_model
+    from tests.tiny_models import save_tiny_model
     from trainer import launch
 
     model_dir = save_tiny_model(tmp_path / "model", "gemma4", **TEXT_DIMS)

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from tests.trainer import tiny
+from tests import tiny_models as tiny
 from trainer.train import save_adapter
 
 

@@ -23,15 +23,12 @@ The run must finish.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from demo.local_server import free_port
-from tests.trainer.inject import AFTER_IMPORT
+from tests.trainer.inject import AFTER_IMPORT, launch_argv, launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 NPROC = 2
@@ -87,24 +84,8 @@ def test_ranks_wait_for_a_model_download_longer_than_the_collective_timeout(
         "output.merge=false",
         f"output.dir={out}",
     ]
-    command = [sys.executable, "-m", "trainer.launch", "--recipe", "emoji-local", "--nproc-per-node", str(NPROC)]
-    command += ["--cpu", "--main-process-port", str(free_port()), "--config-out", str(tmp_path / "acc.yaml")]
-    for item in overrides:
-        command += ["--set", item]
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SLOW_RANK_0)
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{inject}{os.pathsep}{REPO}",
-        "SLOW_LOAD_S": str(SLOW_LOAD_S),
-        "DDP_TIMEOUT_S": str(DDP_TIMEOUT_S),
-        "GLOO_SOCKET_IFNAME": "lo",  # loopback only
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    command = launch_argv("emoji-local", NPROC, tmp_path / "acc.yaml", overrides)
+    env = launch_env(tmp_path, SLOW_RANK_0, SLOW_LOAD_S=str(SLOW_LOAD_S), DDP_TIMEOUT_S=str(DDP_TIMEOUT_S))
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     output = done.stdout + done.stderr
     (tmp_path / "launch.log").write_text(output)
