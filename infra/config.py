@@ -835,7 +835,7 @@ def memory_fixes(cfg: StackConfig, recipe: Recipe) -> list[str]:
                 break
     length = t.max_length // 2
     while length >= 128:
-        found = first_fit(cfg.gpu_type or "", cfg.nodes, [f"training.max_length={length}"])
+        found = attempt(cfg.gpu_type or "", cfg.nodes, [f"training.max_length={length}"])
         if found:
             fixes.append(shown([], found) + f": rows longer than {length} tokens are skipped")
             break
