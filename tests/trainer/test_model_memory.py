@@ -184,3 +184,26 @@ def test_qlora_and_vision_tokens_enter_the_estimate() -> None:
     vision = memory_verdict(parse_recipe(DEV_TEMPLATE, [*base, "model.text_only=false"]), "h100", 1).estimate
     head = 1024 * 262_208 * 8 / 1e9
     assert vision.terms["LM head"] == pytest.approx(head * (1024 + 256) / 1024)
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "max_length", "lora_fits", "qlora_fits"),
+    [
+        ("google/gemma-3-4b-it", "l4", 1024, True, True),
+        ("google/gemma-3-12b-it", "l4", 1024, False, False),
+        ("google/gemma-3-12b-it", "l4", 512, False, True),
+        ("google/gemma-3-27b-it", "rtx-pro-6000", 1024, True, True),
+        ("google/gemma-4-31b-it", "rtx-pro-6000", 1024, True, True),
+        ("google/gemma-4-31b-it", "h100", 1024, False, True),
+    ],
+)
+def test_the_table_of_docs_own_data(model: str, gpu: str, max_length: int, lora_fits: bool, qlora_fits: bool) -> None:
+    """docs/own-data.md "Which Gemma fits": the dev template, 1 x max_length tokens, gradient checkpointing, one GPU."""
+    sets = [
+        f"model.name_or_path={model}",
+        "training.per_device_train_batch_size=1",
+        f"training.max_length={max_length}",
+    ]
+    lora = memory_verdict(parse_recipe(DEV_TEMPLATE, [*sets, "quantization=null"]), gpu, 1)
+    qlora = memory_verdict(parse_recipe(DEV_TEMPLATE, sets), gpu, 1)
+    assert (lora.fits, qlora.fits) == (lora_fits, qlora_fits), (lora.line(), qlora.line())
