@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS, TRAINING_GPU
 from serving.vllm_args import SERVED_MAX_MODEL_LEN, VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda_major
+from trainer.memory_plan import GPUS
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import (
     REPO_ROOT,
@@ -805,14 +806,8 @@ def memory_fixes(cfg: StackConfig, recipe: Recipe) -> list[str]:
     gpu_here = TRAINING_GPU[cfg.gpu_type or ""]
     fixes = []
     offered = CLOUD_RUN_GPUS if cfg.workload is Workload.CLOUD_RUN else GKE_ACCELERATORS
-    from trainer.memory_plan import GPUS
-
-    for gpu_type in sorted(offered, key=lambda g: GPUS[TRAINING_GPU[g]].memory_gb):
-        if (
-            gpu_type == cfg.gpu_type
-            or GPUS[TRAINING_GPU[gpu_type]].memory_gb <= GPUS[TRAINING_GPU[cfg.gpu_type or ""]].memory_gb
-        ):
-            continue
+    bigger = [g for g in offered if GPUS[TRAINING_GPU[g]].memory_gb > GPUS[gpu_here].memory_gb]
+    for gpu_type in sorted(bigger, key=lambda g: GPUS[TRAINING_GPU[g]].memory_gb):  # the smallest that fits
         if cfg.workload is not Workload.CLOUD_RUN and per_node not in GKE_ACCELERATORS[gpu_type].counts:
             continue
         found = first_fit(gpu_type, cfg.nodes, [])
@@ -831,7 +826,10 @@ def memory_fixes(cfg: StackConfig, recipe: Recipe) -> list[str]:
         for nodes in range(cfg.nodes + 1, 9):
             found = first_fit(cfg.gpu_type or "", nodes, [f"distributed.world_size={nodes * per_node}", *fsdp])
             if found:
-                fixes.append(shown([_set("nodes", nodes)], found))
+                fixes.append(
+                    shown([_set("nodes", nodes)], found) + ": more ranks, more rows per update (scale "
+                    "training.gradient_accumulation_steps down to keep them)"
+                )
                 break
     length = t.max_length // 2
     while length >= 128:
@@ -876,7 +874,8 @@ def _memory_problem(cfg: StackConfig) -> str | None:
     fix = (
         "; or ".join(fixes)
         if fixes
-        else "none of another gpuType, QLoRA, more nodes or a shorter max_length fits: pick a smaller Gemma (docs/own-data.md, 'Which Gemma fits')"
+        else "none of another gpuType, QLoRA, more nodes or a shorter max_length fits: a smaller Gemma "
+        "(docs/own-data.md, 'Which Gemma fits')"
     )
     return f"recipe {cfg.recipe!r} does not fit {where}: {verdict.line()}. Fix: {fix}"
 
