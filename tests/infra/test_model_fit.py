@@ -182,3 +182,19 @@ def test_an_unknown_local_model_folder_is_read_from_its_config_json(tmp_path: Pa
     checkpointing = [model, "training.gradient_checkpointing=true"]
     cfg = validate(stack_raw("dev", recipeOverrides=checkpointing), "dev", hf_token_set=True)
     assert cfg.recipe_overrides == checkpointing
+
+
+def test_preview_logs_the_verdict_of_a_run_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pulumi preview` / `up` run the same program: it logs the verdict once the configuration has passed."""
+    import pulumi
+
+    logged: list[str] = []
+    monkeypatch.setattr(pulumi.log, "info", lambda message, *args, **kwargs: logged.append(message))
+    run_stack("ray-gemma3-vision")
+    memory = [m for m in logged if m.startswith("memory per GPU: ")]
+    assert len(memory) == 1, logged
+    assert memory[0].startswith(
+        "memory per GPU: google/gemma-3-4b-it (4.30B params, 4-bit QLoRA) on 16 x B200 (180 GB): strategy none "
+        "(one replica per GPU), "
+    )
+    assert re.search(r"~\d+ GB of 162 usable \(frozen weights 3\.3, ", memory[0]), memory[0]
