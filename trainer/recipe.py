@@ -448,7 +448,8 @@ class DistributedSpec(_Strict):
         "validation computes the optimizer steps with it",
     )
     gpu: str | None = Field(
-        None, description="the accelerator one rank has (b200 | h200): validation checks the run fits its memory"
+        None,
+        description="the accelerator one rank has (b200 | h200 | h100 | rtx-pro-6000 | l4; a stack requires its own gpuType's): validation checks the run fits its memory",
     )
     fsdp_reshard_after_forward: bool = Field(
         True,
