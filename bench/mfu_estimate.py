@@ -44,6 +44,8 @@ def estimate(recipe_name: str, args: argparse.Namespace) -> dict[str, Any]:
     if shape is None or d.gpu is None:
         raise SystemExit(f"{recipe_name}: needs a known model shape and distributed.gpu")
     gpu = memory_plan.GPUS[d.gpu]
+    if gpu.bf16_dense_tflops is None or gpu.nvlink_gb_s is None or gpu.hbm_tb_s is None:
+        raise SystemExit(f"{recipe_name}: trainer/memory_plan.py has no speeds for {gpu.name} (memory only)")
     plan = step_plan(recipe)
     lengths = [n for n in sample_token_lengths()["tasks"][recipe.data.task.value]["conversation"] if n <= t.max_length]
     mean_len = statistics.fmean(lengths)

@@ -60,6 +60,17 @@ CLOUD_RUN_GPUS: dict[str, CloudRunGpu] = {
     )
 }
 
+# The memory model's name of each training GPU (trainer/memory_plan.py GPUS: its memory), for the fit check of
+# infra/config.py: both H100 machine shapes carry the 80 GB part.
+TRAINING_GPU: dict[str, str] = {
+    "nvidia-b200": "b200",
+    "nvidia-h200-141gb": "h200",
+    "nvidia-h100-mega-80gb": "h100",
+    "nvidia-h100-80gb": "h100",
+    "nvidia-l4": "l4",
+    "nvidia-rtx-pro-6000": "rtx-pro-6000",
+}
+
 # Quota each Cloud Run GPU setting draws on (run.googleapis.com; the `region` dimension); see docs/cloud-path.md
 # "Cloud Run GPU quota". Sources: Cloud Run docs "GPU zonal redundancy for services"
 # (cloud.google.com/run/docs/configuring/services/gpu-zonal-redundancy: one quota with zonal redundancy, one

@@ -14,6 +14,9 @@ Decisions
 - The recipe must be sized for the ranks the stack starts (`distributed.world_size` = nodes x
   gpusPerNode): a stack with `nodes: 2` for an 8-rank recipe fails here, with the recipeOverrides
   that re-size it.
+- The recipe's run must fit the stack's GPUs (`gpuType` x `gpusPerNode` x `nodes`): the per-GPU memory
+  model recipe validation uses (trainer/memory_plan.py) estimates it with the strategy the run takes, and a
+  run that does not fit fails here with the settings that would make it fit (`memory_fixes`).
 - The Hugging Face token never enters this model: only whether it is set. The value
   stays a Pulumi secret Output (see `load`).
 """
@@ -31,10 +34,21 @@ from typing import Any
 import pulumi
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS
+from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS, TRAINING_GPU
 from serving.vllm_args import SERVED_MAX_MODEL_LEN, VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda_major
+from trainer.memory_plan import GPUS
 from trainer.ray_entry import RAY_VERSION
-from trainer.recipe import REPO_ROOT, RecipeError, list_recipes, load_recipe, parse_recipe, world_size_problem
+from trainer.recipe import (
+    REPO_ROOT,
+    MemoryVerdict,
+    Recipe,
+    RecipeError,
+    list_recipes,
+    load_recipe,
+    memory_verdict,
+    parse_recipe,
+    world_size_problem,
+)
 
 PROJECT_NAMESPACE = "gemma-finetune"
 
@@ -718,7 +732,7 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
         )
     except ValidationError as exc:
         raise ConfigError(_render(stack, [_describe(e) for e in exc.errors()])) from None
-    token_problem = _url_rows_problem(cfg) or _hf_token_problem(cfg) or _world_size_problem(cfg)
+    token_problem = _url_rows_problem(cfg) or _memory_problem(cfg) or _hf_token_problem(cfg) or _world_size_problem(cfg)
     if token_problem:
         raise ConfigError(_render(stack, [token_problem]))
     return cfg
@@ -742,6 +756,128 @@ def _world_size_problem(cfg: StackConfig) -> str | None:
         f"{problem}. Fix: {back}size the recipe for {ranks} with "
         f"`pulumi config set --path 'recipeOverrides[{len(cfg.recipe_overrides)}]' distributed.world_size={ranks}`"
     )
+
+
+def stack_memory_verdict(cfg: StackConfig, recipe: Recipe | None = None) -> MemoryVerdict | None:
+    """The memory model's verdict on the stack's recipe over its GPUs (None for a gpuType it does not know).
+
+    gke-job runs the strategy the recipe resolves to (trainer/launch.py renders it); a RayJob's workers and a Cloud
+    Run task each hold a whole replica, whatever the recipe says."""
+    gpu = TRAINING_GPU.get(cfg.gpu_type or "")
+    if gpu is None:
+        return None
+    recipe = recipe or parse_recipe(cfg.recipe_source, cfg.recipe_overrides)
+    return memory_verdict(recipe, gpu, cfg.total_gpus, replicated=cfg.workload is not Workload.GKE_JOB)
+
+
+def _override(cfg: StackConfig, items: list[str]) -> list[str]:
+    n = len(cfg.recipe_overrides)
+    return [f"pulumi config set --path 'recipeOverrides[{n + i}]' {item}" for i, item in enumerate(items)]
+
+
+def memory_fixes(cfg: StackConfig, recipe: Recipe) -> list[str]:
+    """Settings that make the recipe's run fit, each with its estimate, in this order: another gpuType, QLoRA or
+    gradient checkpointing on this GPU, more nodes (gke-job, FSDP), a shorter training.max_length."""
+    t = recipe.training
+    per_node = cfg.gpus_per_node or 1
+    quantized = recipe.quantization is not None and recipe.quantization.load_in_4bit
+    ladder = [x for x, done in (("training.gradient_checkpointing=true", t.gradient_checkpointing),
+                                ("quantization.load_in_4bit=true", quantized)) if not done]  # fmt: skip
+    changes = [[], *([x] for x in ladder), *([ladder] if len(ladder) == 2 else [])]
+
+    def attempt(gpu_type: str, nodes: int, extra: list[str]) -> tuple[MemoryVerdict, list[str]] | None:
+        gpu = TRAINING_GPU[gpu_type]
+        candidate = parse_recipe(cfg.recipe_source, [*cfg.recipe_overrides, *extra])
+        if candidate.distributed.gpu not in (None, gpu):
+            extra = [*extra, f"distributed.gpu={gpu}"]
+            candidate = parse_recipe(cfg.recipe_source, [*cfg.recipe_overrides, *extra])
+        replicated = cfg.workload is not Workload.GKE_JOB
+        verdict = memory_verdict(candidate, gpu, per_node * nodes, replicated=replicated)
+        return (verdict, extra) if verdict.fits else None
+
+    def first_fit(gpu_type: str, nodes: int, base: list[str]) -> tuple[MemoryVerdict, list[str]] | None:
+        return next((found for c in changes if (found := attempt(gpu_type, nodes, [*base, *c]))), None)
+
+    def shown(sets: list[str], found: tuple[MemoryVerdict, list[str]]) -> str:
+        verdict, extra = found
+        e = verdict.estimate
+        return f"{' && '.join([*sets, *_override(cfg, extra)])} (~{e.total_gb:.0f} GB of {e.usable_gb:.0f} usable)"
+
+    gpu_here = TRAINING_GPU[cfg.gpu_type or ""]
+    fixes = []
+    offered = CLOUD_RUN_GPUS if cfg.workload is Workload.CLOUD_RUN else GKE_ACCELERATORS
+    bigger = [g for g in offered if GPUS[TRAINING_GPU[g]].memory_gb > GPUS[gpu_here].memory_gb]
+    for gpu_type in sorted(bigger, key=lambda g: GPUS[TRAINING_GPU[g]].memory_gb):  # the smallest that fits
+        if cfg.workload is not Workload.CLOUD_RUN and per_node not in GKE_ACCELERATORS[gpu_type].counts:
+            continue
+        found = first_fit(gpu_type, cfg.nodes, [])
+        if found:
+            fixes.append(shown([_set("gpuType", gpu_type)], found))
+            break
+    here = changes[1:]
+    if cfg.workload is Workload.GKE_JOB and cfg.total_gpus > 1 and recipe.distributed.strategy != "auto":
+        auto = ["distributed.strategy=auto", *([] if recipe.distributed.gpu else [f"distributed.gpu={gpu_here}"])]
+        here = [auto, *here, *([*auto, *c] for c in here)]
+    found = next((f for c in here if (f := attempt(cfg.gpu_type or "", cfg.nodes, c))), None)
+    if found:
+        fixes.append(shown([], found))
+    if cfg.workload is Workload.GKE_JOB:
+        fsdp = [] if recipe.distributed.strategy in {"fsdp", "auto"} else ["distributed.strategy=fsdp"]
+        for nodes in range(cfg.nodes + 1, 9):
+            found = first_fit(cfg.gpu_type or "", nodes, [f"distributed.world_size={nodes * per_node}", *fsdp])
+            if found:
+                fixes.append(
+                    shown([_set("nodes", nodes)], found) + ": more ranks, more rows per update (scale "
+                    "training.gradient_accumulation_steps down to keep them)"
+                )
+                break
+    length = t.max_length // 2
+    while length >= 128:
+        found = attempt(cfg.gpu_type or "", cfg.nodes, [f"training.max_length={length}"])
+        if found:
+            fixes.append(shown([], found) + f": rows longer than {length} tokens are skipped")
+            break
+        length //= 2
+    return fixes
+
+
+def _memory_problem(cfg: StackConfig) -> str | None:
+    """The recipe's run must fit the stack's GPUs; see `stack_memory_verdict` and `memory_fixes`."""
+    gpu = TRAINING_GPU.get(cfg.gpu_type or "")
+    if gpu is None:
+        return None
+    try:  # the schema only: a run whose strategy does not fit its own distributed.gpu is reported here, with fixes
+        recipe = parse_recipe(cfg.recipe_source, cfg.recipe_overrides)
+    except RecipeError:
+        return None  # _hf_token_problem reports it
+    if recipe.distributed.world_size != cfg.total_gpus:
+        return None  # _world_size_problem reports it
+    if recipe.distributed.gpu not in (None, gpu):
+        return (
+            f"recipe {cfg.recipe!r} sizes its run for distributed.gpu={recipe.distributed.gpu}, but this stack trains "
+            f"on gpuType={cfg.gpu_type} ({gpu}): its strategy and memory check would be for another GPU. "
+            f"Fix: {_override(cfg, [f'distributed.gpu={gpu}'])[0]}"
+        )
+    verdict = stack_memory_verdict(cfg, recipe)
+    if verdict is None or verdict.fits:
+        return None
+    where = f"{cfg.total_gpus} x {cfg.gpu_type} (nodes={cfg.nodes} x gpusPerNode={cfg.gpus_per_node or 1})"
+    if verdict.shape is None:
+        name = recipe.model.name_or_path
+        return (
+            f"model.name_or_path={name!r}: {verdict.source}, so whether it fits {where} cannot be checked. Fix: a Gemma "
+            f"the memory model knows (docs/own-data.md, 'Which Gemma fits'), or its config.json in the Hugging Face "
+            f"cache (`hf download {name} config.json`), or a local model folder with its config.json in "
+            "model.name_or_path"
+        )
+    fixes = memory_fixes(cfg, recipe)
+    fix = (
+        "; or ".join(fixes)
+        if fixes
+        else "none of another gpuType, QLoRA, more nodes or a shorter max_length fits: a smaller Gemma "
+        "(docs/own-data.md, 'Which Gemma fits')"
+    )
+    return f"recipe {cfg.recipe!r} does not fit {where}: {verdict.line()}. Fix: {fix}"
 
 
 def _hf_token_problem(cfg: StackConfig) -> str | None:

@@ -26,6 +26,9 @@ def run() -> dict[str, Any]:
     loaded = stack_config.load()
     cfg = loaded.cfg
     preflight.check(cfg)  # asks the cloud whether the configuration can work, before anything is declared
+    verdict = stack_config.stack_memory_verdict(cfg)  # a run that does not fit failed in load(); this one does
+    if verdict is not None:
+        pulumi.log.info(f"memory per GPU: {verdict.line()}")
     name = f"gft-{cfg.stack}"
 
     foundation = Foundation(

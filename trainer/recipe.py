@@ -448,7 +448,8 @@ class DistributedSpec(_Strict):
         "validation computes the optimizer steps with it",
     )
     gpu: str | None = Field(
-        None, description="the accelerator one rank has (b200 | h200): validation checks the run fits its memory"
+        None,
+        description="the accelerator one rank has (b200 | h200 | h100 | rtx-pro-6000 | l4; a stack requires its own gpuType's): validation checks the run fits its memory",
     )
     fsdp_reshard_after_forward: bool = Field(
         True,
@@ -817,27 +818,97 @@ class Strategy:
 
 def _estimates(recipe: Recipe) -> dict[str, Any] | None:
     """Per-GPU memory of each strategy for this recipe (None when the GPU or the model's shape is unknown)."""
+    d = recipe.distributed
+    return None if d.gpu is None else memory_estimates(recipe, d.gpu, d.world_size)
+
+
+def memory_estimates(recipe: Recipe, gpu: str, world_size: int, shape: Any = None) -> dict[str, Any] | None:
+    """Per-GPU memory of each strategy for this recipe on `world_size` x `gpu` (a trainer/memory_plan.py GPUS key);
+    None when the model's shape is unknown. A vision recipe (`model.text_only: false`) counts one image per row."""
     from trainer import memory_plan
 
-    d, t = recipe.distributed, recipe.training
-    shape = memory_plan.model_shape(recipe.model.name_or_path, REPO_ROOT)
-    if d.gpu is None or shape is None:
+    t = recipe.training
+    if shape is None:
+        shape = memory_plan.model_shape(recipe.model.name_or_path, REPO_ROOT, recipe.model.revision)
+    if shape is None:
         return None
     extra = sum(shape.embedding_params for name in recipe.lora.modules_to_save if name in {"lm_head", "embed_tokens"})
+    q = recipe.quantization
     return {
         strategy: memory_plan.estimate(
             shape,
-            memory_plan.GPUS[d.gpu],
+            memory_plan.GPUS[gpu],
             strategy,
-            world_size=d.world_size,
+            world_size=world_size,
             tokens_per_micro_batch=t.per_device_train_batch_size * t.max_length,
             lora_r=recipe.lora.r,
             lora_targets=recipe.lora.target_modules,
             modules_to_save_params=extra,
             gradient_checkpointing=t.gradient_checkpointing,
+            quantization=memory_plan.Quantization(q.double_quant) if q is not None and q.load_in_4bit else None,
+            images_per_micro_batch=0 if recipe.model.text_only else t.per_device_train_batch_size,
+            vision_tower_lora=recipe.lora.vision_tower,
         )
         for strategy in memory_plan.STRATEGIES
     }
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """Whether a recipe's run fits `world_size` GPUs of one type, with the strategy the run takes (`memory_verdict`)."""
+
+    model: str
+    gpu: str  # a trainer/memory_plan.py GPUS key
+    world_size: int
+    strategy: str  # none | ddp | fsdp, as the run takes it
+    key: str  # the memory model's estimate of it: ddp for one replica per GPU (none), fsdp-gathered, fsdp
+    shape: Any  # memory_plan.ModelShape, None when unknown
+    source: str  # where the shape came from, or why there is none
+    quantized: bool
+    estimate: Any = None  # memory_plan.Estimate, None when the shape is unknown
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None and self.estimate.fits
+
+    def line(self) -> str:
+        from trainer.memory_plan import GPUS
+
+        if self.shape is None or self.estimate is None:
+            return f"{self.model}: not estimated ({self.source})"
+        weights = "4-bit QLoRA" if self.quantized else "bf16 LoRA"
+        how = {"none": "one replica per GPU", "ddp": "DDP over LoRA", "fsdp": "FSDP"}[self.strategy]
+        how += {"fsdp-gathered": " kept gathered", "fsdp": " resharded after forward"}.get(self.key, "")
+        return (
+            f"{self.model} ({self.shape.total_params / 1e9:.2f}B params, {weights}) on {self.world_size} x "
+            f"{GPUS[self.gpu].name} ({GPUS[self.gpu].memory_gb:g} GB): strategy {self.strategy} ({how}), "
+            f"{self.estimate.line().split(': ', 1)[1]}"
+        )
+
+
+def memory_verdict(recipe: Recipe, gpu: str, world_size: int, replicated: bool = False) -> MemoryVerdict:
+    """Does the recipe's run fit `world_size` x `gpu`? The strategy is the one the run takes (`resolve_strategy`:
+    the recipe's, or `auto`'s pick for `distributed.gpu`); `none` holds one replica per GPU, as DDP does, and so
+    does every run where the platform starts replicas whatever the recipe says (`replicated`: Ray Train's workers,
+    a Cloud Run task)."""
+    from trainer import memory_plan
+
+    name = recipe.model.name_or_path
+    shape, source = memory_plan.find_shape(name, REPO_ROOT, recipe.model.revision)
+    strategy = Strategy("none", True, {}) if replicated else resolve_strategy(recipe)
+    key = "ddp" if strategy.name == "none" else strategy.key
+    estimates = memory_estimates(recipe, gpu, world_size, shape) if shape is not None else None
+    return MemoryVerdict(
+        model=name,
+        gpu=gpu,
+        world_size=world_size,
+        strategy=strategy.name,
+        key=key,
+        shape=shape,
+        source=source,
+        quantized=recipe.quantization is not None and recipe.quantization.load_in_4bit,
+        estimate=estimates[key] if estimates else None,
+    )
 
 
 def resolve_strategy(recipe: Recipe) -> Strategy:

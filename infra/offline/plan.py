@@ -14,7 +14,10 @@ as "[secret]") and every Kubernetes object the stack would apply as YAML under
 Computed values are the mocks' stand-ins (digests, emails, endpoints), not real ones; the
 shape of every request is real. It does not contact Google Cloud and needs no Pulumi CLI.
 The table ends with what one training run can cost at most (`runCostCeilingUsd`) and what serving
-costs per hour, from the price table in infra/pricing.py, and any warning the program logged.
+costs per hour, from the price table in infra/pricing.py, the memory model's verdict on the recipe over the
+stack's GPUs (model, parameters, per-GPU estimate against the usable memory, strategy; a run that does not fit
+is a configuration error instead, with its fixes: infra/config.py `memory_fixes`), and any warning the program
+logged.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import pulumi
 import yaml
 
 from infra import cost
-from infra.config import StackConfig, validate
+from infra.config import StackConfig, stack_memory_verdict, validate
 from infra.offline.engine import (
     PROJECT,
     REPO_ROOT,
@@ -138,6 +141,10 @@ def print_table(run: StackRun, out: Path) -> None:
     print(f"    one training run at most: {run.outputs.get('runCostCeiling')}")
     if "servingCostPerHourUsd" in run.outputs:
         print(f"    serving, every instance awake: {run.outputs['servingCostPerHourUsd']} USD/h")
+    verdict = stack_memory_verdict(run.cfg) if run.cfg is not None else None
+    if verdict is not None:
+        print("\nMemory (per GPU, trainer/memory_plan.py):")
+        print(f"    {verdict.line()}")
     for warning in run.warnings:
         print(f"\nWarning: {warning}")
     print(f"\nWrote {out / 'resources.json'} and {out / 'manifests'}/")

@@ -23,7 +23,11 @@ GET_RESERVATION = "gcp:compute/getReservation:getReservation"
 LIST_COMMAND = f"gcloud compute reservations list --project {PROJECT} --filter='name={NAME}'"
 
 # the recipe sized for the 4 GPUs of one H100 x4 node (the stack refuses another world size)
-SIZED_FOR_4 = {"recipeOverrides": ["distributed.world_size=4"]}
+# W1 on 4 x H100: sized for 4 ranks, its strategy picked for the H100, and checkpointing so that it fits one
+# (the stack's memory check, infra/config.py `memory_fixes`)
+SIZED_FOR_4 = {
+    "recipeOverrides": ["distributed.world_size=4", "distributed.gpu=h100", "training.gradient_checkpointing=true"]
+}
 
 
 def fails(stack: str = A4, reservations: dict[str, Any] | None = None, **overrides: Any) -> str:
