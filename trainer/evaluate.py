@@ -368,6 +368,11 @@ def sharded_answers(
     share = -(-len(conversations) // world)
     padded = conversations + [conversations[-1]] * (share * world - len(conversations))
     mine = padded[rank * share : (rank + 1) * share]
+    if distributed:
+        last = min((rank + 1) * share, len(conversations))
+        log.info(
+            "rank %d of %d answers held-out rows %d-%d of %d", rank, world, rank * share + 1, last, len(conversations)
+        )
     answers: list[str] = []
     for first in range(0, len(mine), batch_size):
         answers += generate_batch(model, processing_class, mine[first : first + batch_size], max_new_tokens)
