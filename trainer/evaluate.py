@@ -39,8 +39,8 @@ Decisions:
   model is never scored on rows it trained on. Returns a dict and writes it as JSON (`--out`, default
   `<model>/eval_results.json`).
 
-Not done here: sampling-based generation, LLM-as-judge scoring, or evaluating during training (the
-trainer reports its own eval loss).
+Not done here: sampling-based generation or LLM-as-judge scoring. The training run scores the base and the
+tuned model itself with these functions (trainer/run_eval.py, `eval` in run_summary.json).
 """
 
 from __future__ import annotations
@@ -184,8 +184,9 @@ def generate_batch(
 ) -> list[str]:
     """Greedy completions of each conversation's next assistant turn (left-padded batch), without special tokens.
 
-    The KV cache is asked for: a model fresh out of training with gradient checkpointing has
-    `use_cache: false` in its config, and without a cache every new token recomputes the whole sequence.
+    The KV cache is asked for: the Trainer sets the model's `config.use_cache` to `TrainingArguments.use_cache`
+    (False by default: transformers 5 trainer.py, "Finalize"), and without a cache every new token of the run's
+    own evaluation (trainer/run_eval.py) would recompute the whole sequence.
     Under FSDP with several ranks transformers' `generate` keeps the ranks' forwards in step by itself
     (`synced_gpus` defaults to on for an FSDP-managed module: transformers 5 generation/utils.py)."""
     import torch
