@@ -30,7 +30,7 @@ from infra.config import LoadedConfig, StackConfig
 from infra.foundation import Foundation, Identity, finished_run
 from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
-from infra.serving_gate import RUN_SUMMARY, gate, run_loss
+from infra.serving_gate import RUN_SUMMARY, gate, run_eval
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
 from serving.startup import COLD_START_VLLM, STARTUP_WINDOW
 from serving.vllm_args import VLLM_HEALTH_PATH, Dtype, VllmServerConfig, model_type_of, render_args
@@ -308,9 +308,9 @@ def finished_runs(cfg: StackConfig, markers: list[Any]) -> list[str]:
 
 def gated(cfg: StackConfig, finished: list[str], summaries: list[str | None]) -> str:
     """The run the serving gate serves; warns (with the override) when it is not the newest finished run."""
-    losses = {rid: run_loss(text) for rid, text in zip(finished, summaries, strict=True)}
+    evals = {rid: run_eval(text) for rid, text in zip(finished, summaries, strict=True)}
     try:
-        decision = gate(finished, losses, cfg.serving_max_eval_loss)
+        decision = gate(finished, evals, cfg.serving_max_eval_loss, cfg.serving_min_score)
     except ValueError as exc:
         raise pulumi.RunError(str(exc)) from None
     if decision.warning:

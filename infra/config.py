@@ -180,6 +180,7 @@ class StackConfig(BaseModel):
     serving_extra_args: list[str] = Field(default_factory=list, alias="servingExtraArgs")
     serving_run_id: str | None = Field(None, alias="servingRunId")
     serving_max_eval_loss: float | None = Field(None, alias="servingMaxEvalLoss", gt=0)
+    serving_min_score: float | None = Field(None, alias="servingMinScore")
     serving_vllm_image: str = Field(VLLM_IMAGE, alias="servingVllmImage")
     serving_env: list[str] = Field(default_factory=list, alias="servingEnv")
     serving_concurrency: int | None = Field(None, alias="servingConcurrency", gt=0, le=1000)
@@ -368,6 +369,18 @@ class StackConfig(BaseModel):
                 "run). List completed runs with `gcloud storage ls 'gs://BUCKET/runs/*/merged/_COMPLETE.json'`. "
                 "Fix: pulumi config set servingRunId 0123456789ab, or pulumi config rm servingRunId to serve the "
                 "latest completed run"
+            )
+        return v
+
+    @field_validator("serving_min_score")
+    @classmethod
+    def _min_score(cls, v: float | None) -> float | None:
+        if v is not None and not 0 <= v <= 1:
+            raise ValueError(
+                f"servingMinScore={v!r} is not a score: the serving gate compares a run's score (emoji_f1, "
+                "execution_match or ROUGE-L F1 in its run_summary.json eval), a number from 0 to 1. "
+                f"Fix: {_set('servingMinScore', '0.5')}, or pulumi config rm servingMinScore (serve a run when it is "
+                "not worse than the served one)"
             )
         return v
 

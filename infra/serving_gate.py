@@ -1,42 +1,77 @@
 """The serving gate (`dev`): the vLLM Service moves to a newly finished run only when it is not worse.
 
 Decisions
-- The score is the run's held-out loss: `eval_loss` in the run's `run_summary.json` (trainer/train.py
-  `run_summary`: the trainer evaluates the held-out rows after training, for every format). Lower is better.
-  The run summary is published before the merged model and its completion marker (trainer/train.py
-  `_publish`), so a run whose marker is listed has its summary in the bucket.
+- A run's evaluation is read from its `run_summary.json` (trainer/train.py `run_summary`, trainer/run_eval.py):
+  the held-out loss `eval_loss` (lower is better; the tuned model's, = `eval.after.loss`) and, where the run
+  answered held-out rows, its score `eval.after[eval.score]` (higher is better): the task's own metric for a
+  tutorial task (emoji_f1, execution_match), ROUGE-L F1 for the user's own formats. The run summary is published
+  before the merged model and its completion marker (trainer/train.py `_publish`), so a run whose marker is
+  listed has its summary in the bucket.
 - No state is read: the served run is replayed from the bucket. Walking the finished runs oldest first, the
-  served run moves to the next one when that one's loss is not higher than the served run's; this is what a
-  `pulumi up` after each finished run would have served, from any checkout and after a lost state.
-- `servingMaxEvalLoss`, when set, replaces the comparison: the newest finished run whose loss is at most that
-  value is served, and none at all is an error with the fix.
-- A run without a score (no held-out rows: `data.eval_rows: 0`) is not gated: serving moves to it, as before
-  the gate, and the log says so; `servingRunId` always wins.
-- When the newest finished run is not the one served, `pulumi up` warns with both losses and the override
-  (`pulumi config set servingRunId RUN`).
+  served run moves to the next one when that one is not worse than the served run: its loss not higher and,
+  when both runs have the same score, its score not lower. This is what a `pulumi up` after each finished run
+  would have served, from any checkout and after a lost state.
+- `servingMaxEvalLoss` and `servingMinScore`, when set, replace the comparison: the newest finished run whose
+  loss is at most the one and whose score is at least the other is served, and none at all is an error with
+  the fix.
+- A run without a loss (no held-out rows: `data.eval_rows: 0`) is not gated: serving moves to it, as before
+  the gate, and the log says so; a run without a score (`evaluation.generate_rows: 0`, or a summary from
+  before scores) is compared on the loss alone. `servingRunId` always wins.
+- When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was
+  worse, and the override (`pulumi config set servingRunId RUN`).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 RUN_SUMMARY = "run_summary.json"  # trainer/train.py SUMMARY_FILE (tests/infra/test_serving_gate.py checks it)
 SCORE_KEY = "eval_loss"
+EVAL_KEY = "eval"  # trainer/run_eval.py: {"score": NAME, "after": {NAME: value, ...}, ...}
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _summary(summary_text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(summary_text or "null")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def run_loss(summary_text: str | None) -> float | None:
     """The held-out loss in a run summary's text, or None (no summary, no held-out rows, not a number)."""
-    try:
-        value = json.loads(summary_text or "null")
-    except ValueError:
-        return None
-    loss = value.get(SCORE_KEY) if isinstance(value, dict) else None
-    return float(loss) if isinstance(loss, int | float) and not isinstance(loss, bool) else None
+    return _number(_summary(summary_text).get(SCORE_KEY))
 
 
-def _shown(loss: float | None) -> str:
-    return "no held-out loss" if loss is None else f"held-out loss {loss:.4f}"
+@dataclass(frozen=True)
+class RunEval:
+    """What the gate knows of a finished run: its held-out loss and its score (name, value), each maybe missing."""
+
+    loss: float | None = None
+    score_name: str | None = None
+    score: float | None = None
+
+    def shown(self) -> str:
+        loss = "no held-out loss" if self.loss is None else f"held-out loss {self.loss:.4f}"
+        return loss if self.score is None else f"{loss}, {self.score_name} {self.score:.4f}"
+
+
+def run_eval(summary_text: str | None) -> RunEval:
+    """The held-out loss and the score of a run summary's text (trainer/run_eval.py's `eval`)."""
+    summary = _summary(summary_text)
+    evaluation = summary.get(EVAL_KEY)
+    name, score = None, None
+    if isinstance(evaluation, dict) and isinstance(evaluation.get("score"), str):
+        after = evaluation.get("after")
+        score = _number(after.get(evaluation["score"])) if isinstance(after, dict) else None
+        name = evaluation["score"] if score is not None else None
+    return RunEval(_number(summary.get(SCORE_KEY)), name, score)
 
 
 @dataclass(frozen=True)
@@ -46,38 +81,81 @@ class GateDecision:
     note: str | None = None
 
 
-def gate(finished: list[str], losses: dict[str, float | None], max_loss: float | None) -> GateDecision:
+def _worse(new: RunEval, old: RunEval) -> tuple[bool, list[str]]:
+    """(comparable, what is worse) of `new` against `old`: the loss when both have one, the score when both have
+    the same one."""
+    comparable, worse = False, []
+    if new.loss is not None and old.loss is not None:
+        comparable = True
+        if new.loss > old.loss:
+            worse.append("held-out loss higher")
+    if new.score is not None and old.score is not None and new.score_name == old.score_name:
+        comparable = True
+        if new.score < old.score:
+            worse.append(f"{new.score_name} lower")
+    return comparable, worse
+
+
+def _bars(max_loss: float | None, min_score: float | None) -> str:
+    parts = [f"a held-out loss at most servingMaxEvalLoss={max_loss}"] if max_loss is not None else []
+    parts += [f"a score at least servingMinScore={min_score}"] if min_score is not None else []
+    return " and ".join(parts)
+
+
+def _misses(run: RunEval, max_loss: float | None, min_score: float | None) -> list[str]:
+    """The bars `run` misses (a missing number misses none: that run is not gated on it)."""
+    misses = []
+    if max_loss is not None and run.loss is not None and run.loss > max_loss:
+        misses.append(f"above servingMaxEvalLoss={max_loss}")
+    if min_score is not None and run.score is not None and run.score < min_score:
+        misses.append(f"below servingMinScore={min_score}")
+    return misses
+
+
+def gate(
+    finished: list[str], evals: dict[str, RunEval], max_loss: float | None, min_score: float | None = None
+) -> GateDecision:
     """The run to serve among `finished` (oldest first, at least one) and what `pulumi up` says about it."""
     newest = finished[-1]
     override = f"To serve it anyway: pulumi config set servingRunId {newest}"
-    if max_loss is not None:
-        passing = [r for r in finished if losses.get(r) is None or float(losses[r] or 0) <= max_loss]
+
+    def of(rid: str) -> RunEval:
+        return evals.get(rid) or RunEval()
+
+    if max_loss is not None or min_score is not None:
+        passing = [r for r in finished if not _misses(of(r), max_loss, min_score)]
         if not passing:
+            setting = "servingMaxEvalLoss" if max_loss is not None else "servingMinScore"
             raise ValueError(
-                f"no finished run has a held-out loss at most servingMaxEvalLoss={max_loss}: "
-                + ", ".join(f"{r} {_shown(losses.get(r))}" for r in reversed(finished))
-                + f". Fix: pulumi config set servingMaxEvalLoss VALUE, or pulumi config set servingRunId {newest}"
+                f"no finished run has {_bars(max_loss, min_score)}: "
+                + ", ".join(f"{r} {of(r).shown()}" for r in reversed(finished))
+                + f". Fix: pulumi config set {setting} VALUE, or pulumi config set servingRunId {newest}"
             )
         served = passing[-1]
+        unscored = [] if min_score is None or of(served).score is not None else [served]
+        note = f"run {served} has no score: servingMinScore={min_score} was not applied to it" if unscored else None
         if served == newest:
-            return GateDecision(served)
+            return GateDecision(served, note=note)
         return GateDecision(
             served,
-            f"serving keeps run {served} ({_shown(losses.get(served))}): the newest finished run {newest} has "
-            f"{_shown(losses.get(newest))}, above servingMaxEvalLoss={max_loss}. {override}",
+            f"serving keeps run {served} ({of(served).shown()}): the newest finished run {newest} has "
+            f"{of(newest).shown()}, {' and '.join(_misses(of(newest), max_loss, min_score))}. {override}",
+            note,
         )
-    served, note = finished[0], None
+    served, note, reasons = finished[0], None, []
     for rid in finished[1:]:
-        new, old = losses.get(rid), losses.get(served)
-        if new is None or old is None:
-            note = f"run {rid} moved serving without a comparison ({_shown(new)}; served run {served}: {_shown(old)})"
+        comparable, worse = _worse(of(rid), of(served))
+        if not comparable:
+            note = f"run {rid} moved serving without a comparison ({of(rid).shown()}; served run {served}: {of(served).shown()})"
             served = rid
-        elif new <= old:
+        elif not worse:
             served = rid
+        else:
+            reasons = worse
     if served == newest:
         return GateDecision(served, note=note)
     return GateDecision(
         served,
-        f"serving keeps run {served} ({_shown(losses.get(served))}): the newest finished run {newest} has "
-        f"{_shown(losses.get(newest))}, worse. {override}",
+        f"serving keeps run {served} ({of(served).shown()}): the newest finished run {newest} has "
+        f"{of(newest).shown()}, worse: {' and '.join(reasons)}. {override}",
     )

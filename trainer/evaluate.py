@@ -39,8 +39,8 @@ Decisions:
   model is never scored on rows it trained on. Returns a dict and writes it as JSON (`--out`, default
   `<model>/eval_results.json`).
 
-Not done here: sampling-based generation, LLM-as-judge scoring, or evaluating during training (the
-trainer reports its own eval loss).
+Not done here: sampling-based generation or LLM-as-judge scoring. The training run scores the base and the
+tuned model itself with these functions (trainer/run_eval.py, `eval` in run_summary.json).
 """
 
 from __future__ import annotations
@@ -182,7 +182,13 @@ def generate_batch(
     conversations: list[dict[str, Any]],
     max_new_tokens: int,
 ) -> list[str]:
-    """Greedy completions of each conversation's next assistant turn (left-padded batch), without special tokens."""
+    """Greedy completions of each conversation's next assistant turn (left-padded batch), without special tokens.
+
+    The KV cache is asked for: the Trainer sets the model's `config.use_cache` to `TrainingArguments.use_cache`
+    (False by default: transformers 5 trainer.py, "Finalize"), and without a cache every new token of the run's
+    own evaluation (trainer/run_eval.py) would recompute the whole sequence.
+    Under FSDP with several ranks transformers' `generate` keeps the ranks' forwards in step by itself
+    (`synced_gpus` defaults to on for an FSDP-managed module: transformers 5 generation/utils.py)."""
     import torch
 
     tokenizer = _tokenizer(processing_class)
@@ -195,7 +201,11 @@ def generate_batch(
     prompt_length = int(inputs["input_ids"].shape[1])
     with torch.no_grad():
         output: Any = cast(Any, model).generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=tokenizer.pad_token_id,
         )
     return [str(tokenizer.decode(row[prompt_length:], skip_special_tokens=True)).strip() for row in output]
 
@@ -305,9 +315,73 @@ def rouge_l_f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def exact_match(prediction: str, reference: str, task: Task | None = None) -> float:
+    """1.0 when the texts are the same up to runs of whitespace (emoji: up to any whitespace), else 0.0."""
+    if task is Task.EMOJI:
+        return float("".join(prediction.split()) == "".join(reference.split()))
+    return float(" ".join(prediction.split()) == " ".join(reference.split()))
+
+
 _METRIC = {Task.EMOJI: "emoji_f1", Task.TEXT_TO_SQL: "execution_match", Task.PRODUCT_DESCRIPTION: "rouge_l_f1"}
 # data.format messages / prompt-completion / columns (no task): ROUGE-L F1 as the text overlap, and exact_match
 GENERIC_METRIC = "rouge_l_f1"
+
+
+def score_name(task: Task | None) -> str:
+    """The headline score of a format: the tutorial task's own metric, else ROUGE-L F1 (what the serving gate compares)."""
+    return _METRIC[task] if task is not None else GENERIC_METRIC
+
+
+def text_scores(task: Task | None, answers: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> dict[str, float]:
+    """Mean exact match, ROUGE-L F1 and the task's own metric over (prediction, conversation, raw row) triples."""
+    if not answers:
+        return {}
+    pairs = [(prediction, reference_text(conversation)) for prediction, conversation, _ in answers]
+    scores = {
+        "exact_match": sum(exact_match(p, r, task) for p, r in pairs) / len(pairs),
+        GENERIC_METRIC: sum(rouge_l_f1(p, r) for p, r in pairs) / len(pairs),
+    }
+    if task is not None and score_name(task) not in scores:
+        own = [_score(task, p, reference_text(c), row) for p, c, row in answers]
+        scores[score_name(task)] = sum(own) / len(own)
+    return scores
+
+
+def sharded_answers(
+    model: PreTrainedModel,
+    processing_class: Any,
+    conversations: list[dict[str, Any]],
+    max_new_tokens: int,
+    batch_size: int,
+) -> list[str]:
+    """Greedy answers to `conversations` (each without its last assistant turn), on every rank the same list.
+
+    With several ranks (torch.distributed) each answers an even, contiguous share (the last conversation repeated
+    to fill the shares, its repeats dropped) in the same number of batches, and the shares are gathered with
+    `all_gather_object`: under FSDP every rank must run each forward anyway, so each does 1/world of the rows.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if not conversations:
+        return []
+    share = -(-len(conversations) // world)
+    padded = conversations + [conversations[-1]] * (share * world - len(conversations))
+    mine = padded[rank * share : (rank + 1) * share]
+    if distributed:
+        last = min((rank + 1) * share, len(conversations))
+        log.info(
+            "rank %d of %d answers held-out rows %d-%d of %d", rank, world, rank * share + 1, last, len(conversations)
+        )
+    answers: list[str] = []
+    for first in range(0, len(mine), batch_size):
+        answers += generate_batch(model, processing_class, mine[first : first + batch_size], max_new_tokens)
+    if not distributed:
+        return answers
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, answers)
+    return [answer for part in shares for answer in part][: len(conversations)]
 
 
 def evaluate(
@@ -341,18 +415,14 @@ def evaluate(
         "recipe": recipe.name,
         "samples": len(predictions),
         "max_new_tokens": recipe.max_new_tokens,
-        _METRIC.get(recipe.data.task, GENERIC_METRIC): sum(scores) / len(scores) if scores else None,
+        score_name(recipe.data.task): sum(scores) / len(scores) if scores else None,
         "held_out_loss": loss_sum / loss_tokens if loss_tokens else None,
         "held_out_perplexity": math.exp(loss_sum / loss_tokens) if loss_tokens else None,
         "predictions": predictions,
     }
-    if recipe.data.task is Task.EMOJI:
+    if recipe.data.task is Task.EMOJI or recipe.data.task is None:
         results["exact_match"] = sum(
-            "".join(p["prediction"].split()) == "".join(p["reference"].split()) for p in predictions
-        ) / max(len(predictions), 1)
-    if recipe.data.task is None:  # the same text up to runs of whitespace
-        results["exact_match"] = sum(
-            " ".join(p["prediction"].split()) == " ".join(p["reference"].split()) for p in predictions
+            exact_match(p["prediction"], p["reference"], recipe.data.task) for p in predictions
         ) / max(len(predictions), 1)
     out_path = Path(out) if out else Path(model_dir) / "eval_results.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)

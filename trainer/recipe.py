@@ -431,6 +431,12 @@ class EvaluationSpec(_Strict):
         None, gt=0, description="generation budget per answer; default by task (emoji 32, SQL and descriptions 512)"
     )
     batch_size: int = Field(8, gt=0, description="prompts generated together (left-padded, greedy)")
+    generate_rows: int = Field(
+        32,
+        ge=0,
+        description="held-out rows the training run answers with the base and the tuned model, scored into "
+        "run_summary.json `eval` (trainer/run_eval.py); 0: the held-out loss only",
+    )
 
 
 class DistributedSpec(_Strict):

@@ -10,8 +10,10 @@ Output layout under `output.dir` (a folder, or a URL mirrored from a local stagi
     adapter/                    the final LoRA adapter + tokenizer
     merged/                     base + adapter merged in bf16, with _COMPLETE.json last (output.merge)
     logs/                       TensorBoard event files
-    run_summary.json            steps, non-pad tokens seen, tokens/s, losses, wall time, recipe, model, and the
+    run_summary.json            steps, non-pad tokens seen, tokens/s, losses, wall time, recipe, model, the
                                 cost line (`cost`: trainer/cost_line.py, priced from the stack's _PRICE.json)
+                                and `eval`: held-out loss and generated answers' scores of the base model and
+                                the tuned one (trainer/run_eval.py)
     _RUN_COMPLETE.json          written LAST: the run finished; a rerun on this output.dir does nothing
 
 Decisions:
@@ -68,6 +70,7 @@ from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mir
 from trainer.cost_line import SUMMARY_COST_KEY, run_cost_line
 from trainer.preemption import Preempted, preemption_callback
 from trainer.recipe import Recipe, RecipeError, world_size_problem
+from trainer.run_eval import run_evaluation
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -335,7 +338,8 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         preemption.uninstall()
     if preemption.stopped_at is not None:
         raise Preempted(preemption.stopped_at)
-    eval_loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else None
+    evaluation = run_evaluation(trainer, recipe, tokenizer)  # None without held-out rows
+    eval_loss = evaluation["after"]["loss"] if evaluation else None
 
     adapter_dir = location.local / "adapter"
     save_adapter(trainer, adapter_dir)
@@ -346,6 +350,7 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         )
 
     summary = run_summary(recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started)
+    summary["eval"] = evaluation
     result = RunResult(
         output_dir=recipe.output.dir,
         adapter_dir=location.remote_path("adapter") or str(adapter_dir),

@@ -1,6 +1,7 @@
-"""The serving gate on `dev` (infra/serving_gate.py): serving moves to a newly finished run only when its held-out
-loss is not worse than the served run's (or at most `servingMaxEvalLoss`); else `pulumi up` keeps the served run
-and warns with the override. The real program under the project's mocks, with runs in the mocked bucket."""
+"""The serving gate on `dev` (infra/serving_gate.py): serving moves to a newly finished run only when its evaluation
+is not worse than the served run's (held-out loss not higher, score not lower), or passes `servingMaxEvalLoss` /
+`servingMinScore`; else `pulumi up` keeps the served run and warns with the override. The real program under the
+project's mocks, with runs in the mocked bucket."""
 
 from __future__ import annotations
 
@@ -9,16 +10,28 @@ import json
 import pulumi
 import pytest
 
+from infra.config import ConfigError, validate
 from infra.offline.engine import run_stack
-from infra.serving_gate import RUN_SUMMARY, gate, run_loss
+from infra.serving_gate import RUN_SUMMARY, RunEval, gate, run_eval, run_loss
 from tests.infra.test_cloud_run import BUCKET, SERVING, completed_run, served_path
+from tests.infra.test_config import CLOUD_RUN
 
 A, B, C = "a" * 12, "b" * 12, "c" * 12
 
 
-def finished(rid: str, eval_loss: float | None) -> dict[str, str]:
-    """A finished run of the dev recipe: its summary (published before the export) and its export."""
-    summary = {"recipe": "emoji-gemma3-1b", "steps": 10, "eval_loss": eval_loss}
+def finished(rid: str, eval_loss: float | None, score: float | None = None) -> dict[str, str]:
+    """A finished run of the dev recipe: its summary (published before the export) and its export. With `score`,
+    the summary's `eval` as trainer/run_eval.py writes it (emoji_f1 after training; the base model's before)."""
+    summary: dict = {"recipe": "emoji-gemma3-1b", "steps": 10, "eval_loss": eval_loss}
+    if score is not None:
+        summary["eval"] = {
+            "score": "emoji_f1",
+            "generated_rows": 32,
+            "max_new_tokens": 32,
+            "before": {"loss": 3.0, "exact_match": 0.0, "rouge_l_f1": 0.0, "emoji_f1": 0.05},
+            "after": {"loss": eval_loss, "exact_match": score / 2, "rouge_l_f1": 0.0, "emoji_f1": score},
+            "examples": [],
+        }
     return {f"{BUCKET}/runs/emoji-gemma3-1b-{rid}/{RUN_SUMMARY}": json.dumps(summary), **completed_run(rid)}
 
 
@@ -80,4 +93,80 @@ def test_the_gate_reads_the_trainers_summary_and_its_loss() -> None:
     assert (
         run_loss('{"eval_loss": 0.25}') == 0.25 and run_loss('{"eval_loss": null}') is None and run_loss(None) is None
     )
-    assert gate([A], {A: 9.0}, None).served == A
+    assert gate([A], {A: RunEval(9.0)}, None).served == A
+
+
+def test_the_gate_reads_the_runs_score_from_its_eval() -> None:
+    """trainer/run_eval.py's shape, from a real run's summary keys: the score named by eval.score, after training."""
+    from trainer.run_eval import BEFORE_PREFIX  # the trainer module that writes `eval` (imported: it exists)
+
+    assert BEFORE_PREFIX
+    text = json.dumps({"eval_loss": 0.5, "eval": {"score": "rouge_l_f1", "after": {"loss": 0.5, "rouge_l_f1": 0.25}}})
+    assert run_eval(text) == RunEval(0.5, "rouge_l_f1", 0.25)
+    assert run_eval('{"eval_loss": 0.5}') == RunEval(0.5) and run_eval("not json") == RunEval()
+    assert run_eval('{"eval_loss": 0.5, "eval": null}') == RunEval(0.5)  # no held-out rows to answer
+
+
+def test_a_lower_score_is_not_served_though_the_loss_is_lower() -> None:
+    objects = {**finished(A, 0.80, score=0.60), **finished(B, 0.70, score=0.40)}
+    run = run_stack("dev", overrides=SERVING, bucket_objects=objects)
+    assert _served(run) == A and run.outputs["servingRunId"] == A
+    (warning,) = [w for w in run.warnings if "serving keeps run" in w]
+    assert f"serving keeps run {A} (held-out loss 0.8000, emoji_f1 0.6000)" in warning
+    assert f"{B} has held-out loss 0.7000, emoji_f1 0.4000, worse: emoji_f1 lower" in warning
+    assert f"pulumi config set servingRunId {B}" in warning
+
+
+def test_a_higher_loss_is_not_served_though_the_score_is_higher() -> None:
+    objects = {**finished(A, 0.80, score=0.40), **finished(B, 0.90, score=0.60)}
+    run = run_stack("dev", overrides=SERVING, bucket_objects=objects)
+    assert _served(run) == A
+    assert any("worse: held-out loss higher" in w and f"servingRunId {B}" in w for w in run.warnings)
+
+
+def test_a_run_not_worse_on_either_is_served() -> None:
+    for loss, score in ((0.80, 0.60), (0.70, 0.70)):
+        objects = {**finished(A, 0.80, score=0.60), **finished(B, loss, score=score)}
+        run = run_stack("dev", overrides=SERVING, bucket_objects=objects)
+        assert _served(run) == B, (loss, score)
+        assert not [w for w in run.warnings if "serving keeps run" in w]
+
+
+def test_a_run_without_a_score_is_compared_on_the_loss() -> None:
+    """An older summary (eval_loss only) against a scored one: the loss decides, both ways."""
+    assert (
+        _served(run_stack("dev", overrides=SERVING, bucket_objects={**finished(A, 0.8), **finished(B, 0.7, 0.1)})) == B
+    )
+    assert (
+        _served(run_stack("dev", overrides=SERVING, bucket_objects={**finished(A, 0.7, 0.9), **finished(B, 0.8)})) == A
+    )
+
+
+def test_serving_min_score_replaces_the_comparison() -> None:
+    objects = {**finished(A, 0.80, score=0.60), **finished(B, 0.70, score=0.45)}
+    bar = {**SERVING, "servingMinScore": "0.5"}  # Pulumi config values are strings (Pulumi.yaml: type string)
+    run = run_stack("dev", overrides=bar, bucket_objects=objects)
+    assert _served(run) == A
+    assert any("below servingMinScore=0.5" in w and f"servingRunId {B}" in w for w in run.warnings)
+    # a lower score than the served run's, but above the bar: served (the bar replaces the comparison)
+    lower_but_passing = {**finished(A, 0.80, score=0.60), **finished(B, 0.70, score=0.55)}
+    assert _served(run_stack("dev", overrides=bar, bucket_objects=lower_but_passing)) == B
+    with pytest.raises(pulumi.RunError, match=r"no finished run has a score at least servingMinScore=0\.7: "):
+        run_stack("dev", overrides={**SERVING, "servingMinScore": "0.7"}, bucket_objects=objects)
+    both = {**SERVING, "servingMinScore": "0.5", "servingMaxEvalLoss": "0.75"}
+    with pytest.raises(pulumi.RunError, match=r"servingMaxEvalLoss=0\.75 and a score at least servingMinScore=0\.5"):
+        run_stack("dev", overrides=both, bucket_objects=objects)
+
+
+def test_the_override_serves_a_run_with_a_lower_score() -> None:
+    objects = {**finished(A, 0.80, score=0.60), **finished(B, 0.70, score=0.40)}
+    for extra in ({}, {"servingMinScore": "0.5"}):
+        run = run_stack("dev", overrides={**SERVING, **extra, "servingRunId": B}, bucket_objects=objects)
+        assert _served(run) == B and not [w for w in run.warnings if "serving keeps run" in w]
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "high"])
+def test_serving_min_score_is_a_number_from_0_to_1(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"servingMinScore=.*Fix: pulumi config set servingMinScore"):
+        validate({**CLOUD_RUN, "servingMinScore": value}, "dev", True)
+    assert validate({**CLOUD_RUN, "servingMinScore": "0.5"}, "dev", True).serving_min_score == 0.5

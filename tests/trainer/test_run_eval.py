@@ -1,0 +1,174 @@
+"""The training run scores the base model and the tuned one on its held-out rows, for any format (trainer/run_eval.py).
+
+Why it matters: a run of the user's own data must say whether training helped, in the summary the serving gate
+reads, and "before" must really be the base model: it is computed with the adapter switched off, so it is checked
+here against the evaluator run on the base model's own folder, and "after" against the saved adapter's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_own_data import own_recipe
+from trainer.evaluate import exact_match, rouge_l_f1, text_scores
+from trainer.recipe import Task, load_recipe
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def _turns(prompt: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+
+
+class TestMetrics:
+    def test_exact_match_ignores_runs_of_whitespace_only(self) -> None:
+        assert exact_match("billing", "billing") == 1.0
+        assert exact_match("  the  red\nmug ", "the red mug") == 1.0
+        assert exact_match("Billing", "billing") == 0.0 and exact_match("billing.", "billing") == 0.0
+        assert exact_match("theredmug", "the red mug") == 0.0
+        assert exact_match("🍌 😋", "🍌😋", Task.EMOJI) == 1.0  # emoji: any whitespace
+
+    def test_scores_of_a_few_answers_by_hand(self) -> None:
+        # ROUGE-L F1: "a red mug" vs itself 1; "a sturdy red enamel mug" vs "a red mug for camp": LCS 3 of 5 and 5
+        # words, F1 0.6; "blue lamp" vs "red mug" 0. Exact match: 1 of 3.
+        answers = [
+            ("a red mug", _turns("q1", "a red mug"), {}),
+            ("a sturdy red enamel mug", _turns("q2", "a red mug for camp"), {}),
+            ("blue lamp", _turns("q3", "red mug"), {}),
+        ]
+        scores = text_scores(None, answers)
+        assert scores == pytest.approx({"exact_match": 1 / 3, "rouge_l_f1": (1 + 0.6 + 0) / 3})
+        assert rouge_l_f1("the cat sat on the mat", "the cat on a mat") == pytest.approx(
+            2 * 0.8 * 4 / 6 / (0.8 + 4 / 6)
+        )
+
+    def test_a_tutorial_task_adds_its_own_metric(self) -> None:
+        # emoji F1 of {🍌,😋} vs {😋}: P 1/2, R 1, F1 2/3; the generic scores come too
+        scores = text_scores(Task.EMOJI, [("🍌😋", _turns("banana yum", "😋"), {})])
+        assert scores == pytest.approx({"exact_match": 0.0, "rouge_l_f1": 1.0, "emoji_f1": 2 / 3})
+
+    def test_the_budget_is_a_recipe_key(self) -> None:
+        assert load_recipe("emoji-gemma3-1b").evaluation.generate_rows == 32
+        assert load_recipe("emoji-local").evaluation.generate_rows == 4  # the CPU demo answers a few
+        assert load_recipe("emoji-local", ["evaluation.generate_rows=0"]).evaluation.generate_rows == 0
+
+
+@pytest.mark.slow
+def test_a_messages_run_summary_holds_the_base_and_the_tuned_scores(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    from trainer.evaluate import evaluate
+    from trainer.train import SUMMARY_FILE, main
+
+    settings = ["evaluation.generate_rows=3", "evaluation.max_new_tokens=6", "evaluation.batch_size=2"]
+    recipe = own_recipe(tiny_gemma3_dir, tmp_path / "run", "training.learning_rate=0.05", *settings)
+    summary = main(recipe).summary
+    assert json.loads((tmp_path / "run" / SUMMARY_FILE).read_text()) == summary
+    run_eval = summary["eval"]
+    assert run_eval["score"] == "rouge_l_f1" and run_eval["generated_rows"] == 3 and run_eval["max_new_tokens"] == 6
+    before, after = run_eval["before"], run_eval["after"]
+    assert set(before) == set(after) == {"loss", "exact_match", "rouge_l_f1"}
+    assert after["loss"] == summary["eval_loss"] and math.isfinite(before["loss"])
+    assert after["loss"] < before["loss"]  # 2 steps at a high learning rate on 4-word answers
+    assert all(0.0 <= side[k] <= 1.0 for side in (before, after) for k in ("exact_match", "rouge_l_f1"))
+
+    # "before" is the base model's folder scored by the evaluator, "after" the saved adapter's
+    base = evaluate(tiny_gemma3_dir, recipe, max_samples=3, out=tmp_path / "base.json")
+    tuned = evaluate(tmp_path / "run" / "adapter", recipe, max_samples=3, out=tmp_path / "tuned.json")
+    examples = run_eval["examples"]
+    assert [e["before"] for e in examples] == [p["prediction"] for p in base["predictions"]]
+    assert [e["after"] for e in examples] == [p["prediction"] for p in tuned["predictions"]]
+    assert [e["reference"] for e in examples] == [p["reference"] for p in base["predictions"]]
+    assert examples[0]["before"] != examples[0]["after"]  # the adapter is on for one and off for the other
+    for side, scored in ((before, base), (after, tuned)):
+        assert side["rouge_l_f1"] == pytest.approx(scored["rouge_l_f1"])
+        assert side["exact_match"] == pytest.approx(scored["exact_match"])
+
+
+@pytest.mark.slow
+def test_no_generated_rows_keeps_the_loss_on_both_sides(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    from trainer.train import main
+
+    summary = main(own_recipe(tiny_gemma3_dir, tmp_path / "run", "evaluation.generate_rows=0")).summary
+    assert summary["eval"]["generated_rows"] == 0 and summary["eval"]["examples"] == []
+    assert set(summary["eval"]["before"]) == set(summary["eval"]["after"]) == {"loss"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_fsdp_ranks_share_the_answers_and_rank_0_writes_them_all(tiny_gemma4_dir: Path, tmp_path: Path) -> None:
+    """W1 (FSDP2) on a tiny Gemma 4, 2 ranks by the real launcher, sharded as on GPUs (test_fsdp_checkpoint.py's
+    view): 3 rows answered, rank 0 the first 2 and rank 1 the third (and a repeat, dropped), every forward in step;
+    the summary holds all 3, and the answers are the evaluator's on the base model's folder (adapter off) and on
+    the adapter the run saved (adapter on)."""
+    import os
+    import subprocess
+
+    from demo.local_server import free_port
+    from tests.trainer.test_fsdp_checkpoint import FSDP_ON_CPU, RECIPE
+    from trainer import launch as launcher
+    from trainer.evaluate import evaluate
+    from trainer.recipe import REPO_ROOT
+
+    out = tmp_path / "run"
+    overrides = [
+        f"model.name_or_path={tiny_gemma4_dir}",
+        "model.dtype=float32",
+        "distributed.strategy=fsdp",
+        "data.source=local",
+        "data.path=trainer/samples/text_to_sql.jsonl",
+        "data.max_rows=40",
+        "data.eval_rows=4",
+        "training.max_steps=2",
+        "training.save_steps=2",
+        "training.learning_rate=0.05",
+        "training.warmup_ratio=0.0",
+        "training.eval_steps=null",
+        "training.gradient_accumulation_steps=1",
+        "training.optim=adamw_torch",
+        "training.report_to=[]",
+        "distributed.world_size=2",
+        "evaluation.generate_rows=3",
+        "evaluation.max_new_tokens=5",
+        "evaluation.batch_size=2",
+        "output.merge=false",
+        f"output.dir={out}",
+    ]
+    argv = ["--recipe", RECIPE, "--nproc-per-node", "2", "--main-process-port", str(free_port())]
+    argv += ["--config-out", str(tmp_path / "acc.yaml")]
+    for item in overrides:
+        argv += ["--set", item]
+    plan = launcher.plan(launcher.parse_args(argv), env={})
+    assert plan.config["distributed_type"] == "FSDP"
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FSDP_ON_CPU)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{inject}{os.pathsep}{REPO_ROOT}",
+        "ACCELERATE_USE_CPU": "true",  # the CPU processes, over gloo; the sitecustomize makes it FSDP
+        "GATHER_LOG": str(tmp_path / "gathers.jsonl"),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    done = subprocess.run(plan.command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=540)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-8000:]
+    # each side (base, tuned): rank 0 answers rows 1-2, rank 1 row 3 (its second share is a repeat, dropped)
+    assert output.count("rank 0 of 2 answers held-out rows 1-2 of 3") == 2, output[-8000:]
+    assert output.count("rank 1 of 2 answers held-out rows 3-3 of 3") == 2, output[-8000:]
+    run_eval = json.loads((out / "run_summary.json").read_text())["eval"]
+    assert run_eval["score"] == "execution_match" and run_eval["generated_rows"] == 3
+    assert set(run_eval["after"]) == {"loss", "exact_match", "rouge_l_f1", "execution_match"}
+    assert run_eval["after"]["loss"] < run_eval["before"]["loss"]
+
+    recipe = load_recipe(RECIPE, overrides)
+    base = evaluate(tiny_gemma4_dir, recipe, max_samples=3, out=tmp_path / "base.json")
+    tuned = evaluate(out / "adapter", recipe, max_samples=3, out=tmp_path / "tuned.json")
+    assert [e["before"] for e in run_eval["examples"]] == [p["prediction"] for p in base["predictions"]]
+    assert [e["after"] for e in run_eval["examples"]] == [p["prediction"] for p in tuned["predictions"]]
+    assert [e["reference"] for e in run_eval["examples"]] == [p["reference"] for p in base["predictions"]]
