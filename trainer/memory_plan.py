@@ -22,6 +22,7 @@ validation runs in the Pulumi program, which has no torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -147,9 +148,10 @@ class ModelShape:
         shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         return shapes
 
-    @property
-    def layer_params(self) -> list[int]:
-        return [sum(a * b for a, b in self.projections(n).values()) for n in range(self.layers)]
+    @functools.cached_property
+    def layer_params(self) -> tuple[int, ...]:
+        """Each layer's projection weights (counted once per shape: config validation asks for every variant)."""
+        return tuple(sum(a * b for a, b in self.projections(n).values()) for n in range(self.layers))
 
     @property
     def embedding_params(self) -> int:
