@@ -235,6 +235,9 @@ def build_recipe(opts: DemoOptions) -> Recipe:
         f"training.logging_steps={max(1, steps // 15)}",
         # a progress bar (with the logged losses) instead of bare log lines
         "training.extra.disable_tqdm=false",
+        # the demo answers the held-out rows itself, before (cached per base build) and after: the trainer's
+        # own answers would repeat both; its held-out loss before and after stays in run_summary.json
+        "evaluation.generate_rows=0",
     ]
     if opts.eval_samples is not None:
         overrides.append(f"evaluation.max_samples={opts.eval_samples}")
