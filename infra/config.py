@@ -6,19 +6,13 @@ description in `Pulumi.yaml` (a test keeps the two in step). Validation runs bef
 resource is declared: a bad stack fails with every problem listed, each naming the key,
 the value, what is allowed and the command that fixes it.
 
-Decisions
-- Keys are flat: Pulumi's project-level config declarations only type strings,
-  integers, booleans and arrays, so maps (labels) are arrays of `key=value`.
-- Defaults that depend on the workload (GPU type, GPUs per node, timeouts) are computed
-  here, not in `Pulumi.yaml`.
-- The recipe must be sized for the ranks the stack starts (`distributed.world_size` = nodes x
-  gpusPerNode): a stack with `nodes: 2` for an 8-rank recipe fails here, with the recipeOverrides
-  that re-size it.
-- The recipe's run must fit the stack's GPUs (`gpuType` x `gpusPerNode` x `nodes`): the per-GPU memory
-  model recipe validation uses (trainer/memory_plan.py) estimates it with the strategy the run takes, and a
-  run that does not fit fails here with the settings that would make it fit (`memory_fixes`).
-- The Hugging Face token never enters this model: only whether it is set. The value
-  stays a Pulumi secret Output (see `load`).
+Decisions (docs/decisions/typed-stack-config.md)
+- Keys are flat (Pulumi's project config types no maps): labels are arrays of `key=value`. Defaults that
+  depend on the workload (GPU type, GPUs per node, timeouts) are computed here, not in `Pulumi.yaml`.
+- The recipe must be sized for the ranks the stack starts (nodes x gpusPerNode) and its run must fit the
+  stack's GPUs (trainer/memory_plan.py); each failure lists the settings that fix it (the recipeOverrides
+  that re-size it, `memory_fixes`).
+- The Hugging Face token never enters this model, only whether it is set: it stays a secret Output (`load`).
 """
 
 from __future__ import annotations

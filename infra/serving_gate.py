@@ -1,24 +1,16 @@
 """The serving gate (`dev`): the vLLM Service moves to a newly finished run only when it is not worse.
 
-Decisions
-- A run's evaluation is read from its `run_summary.json` (trainer/train.py `run_summary`, trainer/run_eval.py):
-  the held-out loss `eval_loss` (lower is better; the tuned model's, = `eval.after.loss`) and, where the run
-  answered held-out rows, its score `eval.after[eval.score]` (higher is better): the task's own metric for a
-  tutorial task (emoji_f1, execution_match), ROUGE-L F1 for the user's own formats. The run summary is published
-  before the merged model and its completion marker (trainer/train.py `_publish`), so a run whose marker is
-  listed has its summary in the bucket.
-- No state is read: the served run is replayed from the bucket. Walking the finished runs oldest first, the
-  served run moves to the next one when that one is not worse than the served run: its loss not higher and,
-  when both runs have the same score, its score not lower. This is what a `pulumi up` after each finished run
-  would have served, from any checkout and after a lost state.
-- `servingMaxEvalLoss` and `servingMinScore`, when set, replace the comparison: the newest finished run whose
-  loss is at most the one and whose score is at least the other is served, and none at all is an error with
-  the fix.
-- A run without a loss (no held-out rows: `data.eval_rows: 0`) is not gated: serving moves to it, as before
-  the gate, and the log says so; a run without a score (`evaluation.generate_rows: 0`, or a summary from
-  before scores) is compared on the loss alone. `servingRunId` always wins.
-- When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was
-  worse, and the override (`pulumi config set servingRunId RUN`).
+Decisions (sources and the publication order they rely on: docs/decisions/serving-gate.md)
+- A run's evaluation is its `run_summary.json`: the held-out loss `eval_loss` (lower is better) and, where the run
+  answered held-out rows, its score `eval.after[eval.score]` (higher is better; trainer/run_eval.py).
+- No state is read: walking the bucket's finished runs oldest first, the served run moves to the next one when
+  that one's loss is not higher and, when both have the same score metric, its score not lower: what a `pulumi up`
+  after each finished run would have served, from any checkout and after a lost state.
+- `servingMaxEvalLoss` / `servingMinScore`, when set, replace the comparison (the newest run meeting both is
+  served; none is an error with the fix). A run without a loss is not gated; without a score, the loss alone
+  decides. `servingRunId` always wins.
+- When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was worse,
+  and the override (`pulumi config set servingRunId RUN`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@
 - `serving.startup`     the Cloud Run startup window, stated once with its sources
 - `serving.client`      a stdlib-only chat client for Cloud Run (identity token) or 127.0.0.1
 
-The local demo and its CPU server live in `demo/`.
-
-This package deliberately imports nothing heavy at import time: torch and transformers are
-loaded only inside the functions that need them.
+The local demo and its CPU server live in `demo/`. This package deliberately imports nothing heavy at
+import time: torch and transformers are loaded only inside the functions that need them.
 """

@@ -2,44 +2,15 @@
 
     vllm serve /mnt/models/merged --middleware serving.api_key_guard.ApiKeyGuard   # VLLM_API_KEY in the env
 
-Decision: deny by default. vLLM's own check (`AuthenticationMiddleware`,
-vllm/entrypoints/serve/utils/server_utils.py) asks for the key only on paths starting with
-`GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")`; every other route answers without it,
-among them `/invocations`, the SageMaker route that serves the same chat and completion requests
-(vllm-project/vllm#58144 measured full completions there without a key on 0.27.1 and 0.29.0; the
-`--api-key` help in vllm/entrypoints/openai/cli_args.py says so too), and `/tokenize`,
-`/detokenize`, `/pooling`, `/classify`, `/score`, `/rerank`, `/metrics`. A public service with a
-key would still hand out GPU inference. So when `VLLM_API_KEY` is set, this middleware asks for
-`Authorization: Bearer <key>` on every HTTP and WebSocket request except `OPEN_PATHS`:
-
-- `/health` only: Cloud Run's startup probe (infra/cloud_run.py; it sends no header) is its one
-  keyless caller. The product's clients (serving/client.py) call `/v1/…` and send the key.
-  Everything else, `/ping`, `/metrics`, `/version`, `/docs`, CORS preflights (`OPTIONS`)
-  included, needs the key: a new vLLM route is closed until it is listed here.
-- The comparison is constant-time over SHA-256 digests (`hmac.compare_digest`), so neither the
-  key nor its length leaks through timing. The key is read once from the environment and never
-  logged, echoed or kept in plain form.
-- A refused HTTP request gets 401 with vLLM's own body, `{"error": "Unauthorized"}`, plus
-  `WWW-Authenticate: Bearer` (RFC 6750); a refused WebSocket is closed before it is accepted
-  (code 1008, policy violation; the server answers the handshake with 403).
-- Without `VLLM_API_KEY` (or with it empty, as vLLM treats it) every request passes unchanged:
-  no key, no authentication, as with vLLM alone.
-- vLLM's own check still runs inside this one on its prefixes, with the same key and the same
-  parsing (scheme `Bearer` in any case, the token is everything after the first space), so a
-  request let through here with the key passes there too.
-
-How vLLM loads it: `FrontendArgs.middleware` (vllm/entrypoints/openai/cli_args.py): "If a class is
-provided, vLLM will add it to the server using `app.add_middleware()`"; `build_app` imports the
-path with `importlib.import_module` and calls `app.add_middleware(cls)` with no arguments, after
-CORS and its own authentication, so this layer is the outermost of the app's middlewares (the
-SageMaker bootstrap that runs afterwards keeps the engine's middlewares in order and puts only
-an optional "throttle" outside them: model_hosting_container_standards
-common/fastapi/middleware/core.py `load_middlewares`). serving/vllm_args.py renders the flag
-whenever the service has a key, and serving/Dockerfile puts this package on `PYTHONPATH`.
-
-Imports: the standard library and Starlette only (the vLLM image has both; FastAPI is built on
-Starlette). Not here: several keys, per-caller keys, rate limits, key rotation without a new
-revision.
+Decision: deny by default. vLLM's own check asks for the key only on `/v1`, `/v2`, `/inference` and `/cohere`
+paths; `/invocations` (the same chat and completion requests), `/tokenize`, `/metrics` and more answer without it.
+So when `VLLM_API_KEY` is set, every HTTP and WebSocket request but `OPEN_PATHS` (`/health`, Cloud Run's keyless
+startup probe) needs `Authorization: Bearer <key>`: a new vLLM route is closed until it is listed there.
+- Constant-time comparison over SHA-256 digests; the key is read once, never logged, echoed or kept in plain form.
+- Refused: HTTP 401 with vLLM's own body plus `WWW-Authenticate: Bearer`; a WebSocket closed before it is accepted.
+- Without `VLLM_API_KEY` (or with it empty) every request passes unchanged; vLLM's check still runs inside this one.
+vLLM adds the class with `app.add_middleware()`, outermost of its middlewares; serving/vllm_args.py renders the flag
+when the service has a key. Standard library and Starlette only. Sources: docs/decisions/api-key-guard.md.
 """
 
 from __future__ import annotations

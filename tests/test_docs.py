@@ -3,11 +3,13 @@
 Links are checked as GitHub renders them: a relative target is a path from the file's own folder, and an
 `#anchor` must be the slug GitHub gives one of the target's headings (lower case, punctuation dropped,
 spaces to hyphens, `-1`, `-2` … for repeats: github/cmark-gfm's anchor filter, as github.com applies it).
-Links inside code blocks and code spans are text, not links.
+Links inside code blocks and code spans are text, not links. Docstrings state a decision in at most 15 lines
+(counted as `ast.get_docstring(node, clean=False)` splits); the evidence lives in docs/decisions/.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 160
+DOCSTRING_MAX_LINES = 15  # the decision in a few lines; the evidence in docs/decisions/
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.DOTALL)
@@ -43,6 +46,23 @@ def pointers_outside(files: list[Path]) -> list[str]:
         except (UnicodeDecodeError, FileNotFoundError):
             continue
         found += [f"{path}: {outside}" for outside in OUTSIDE if outside in text]
+    return found
+
+
+def long_docstrings(files: list[Path], limit: int = DOCSTRING_MAX_LINES) -> list[str]:
+    """Every module, class and function docstring of `files` over `limit` lines, as "path:line name: N lines"."""
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in [
+            tree,
+            *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)),
+        ]:
+            doc = ast.get_docstring(node, clean=False)
+            lines = len(doc.splitlines()) if doc else 0
+            if lines > limit:
+                where = f"{path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}"
+                found.append(f"{where}:{getattr(node, 'lineno', 1)} {getattr(node, 'name', '<module>')}: {lines} lines")
     return found
 
 
@@ -124,8 +144,32 @@ class TestLinks:
         assert pointers_outside(tracked_files()) == []
 
 
+class TestDocstrings:
+    def test_every_docstring_is_at_most_15_lines(self) -> None:
+        """A docstring states its decision; sources and history go to a record in docs/decisions/."""
+        python = [p for p in tracked_files() if p.suffix == ".py" and p.exists()]
+        assert python and long_docstrings(python) == []
+
+
 class TestTheCheckCanFail:
-    """The link check reports what is broken, and leaves code and external URLs alone."""
+    """The checks report what is broken (and only that), and leave code and external URLs alone."""
+
+    def test_a_docstring_of_16_lines_is_reported(self, tmp_path: Path) -> None:
+        def docstring(lines: int, indent: str) -> str:
+            return (
+                '"""Line 1.\n' + "".join(f"{indent}line {n}\n" for n in range(2, lines)) + f'{indent}line {lines}."""'
+            )
+
+        source = (
+            f"{docstring(15, '')}\n\n\n"  # the module's: 15 lines, allowed
+            f"class Long:\n    {docstring(16, '    ')}\n\n\n"
+            f"async def longer() -> None:\n    {docstring(20, '    ')}\n"
+        )
+        (tmp_path / "m.py").write_text(source)
+        assert long_docstrings([tmp_path / "m.py"]) == [
+            f"{tmp_path / 'm.py'}:18 Long: 16 lines",
+            f"{tmp_path / 'm.py'}:37 longer: 20 lines",
+        ]
 
     def test_a_pointer_outside_is_reported(self, tmp_path: Path) -> None:
         (tmp_path / "a.py").write_text(f"# facts from {_UP}/notes.md\n")

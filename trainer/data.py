@@ -2,37 +2,16 @@
 
     .venv/bin/python -c "from trainer.data import preview; preview('emoji-local')"
     .venv/bin/python -m trainer.data check my-recipe.yaml        # or a data file: check data.jsonl
-    (`trainer.data` is this module: the folder trainer/samples/ beside it holds samples and has no
-    __init__.py, and Python's path finder takes a module file over a folder without one)
 
-Decisions:
-- Rows come from the Hugging Face Hub (`datasets.load_dataset(path, split=…, revision=…)`), or from
-  files: a local .jsonl/.json/.parquet/.csv file resolved against the repository root, or any fsspec
-  URL (`gs://bucket/tickets/*.jsonl`, several files through a glob). Local files and URLs are read by
-  one function (`read_files`) through fsspec (a local path is fsspec's `file` filesystem), so a
-  `memory://` or `file://` URL in a test takes the path a `gs://` one takes on the cluster.
-- Before the model loads, the first CHECK_ROWS rows of a standard format (`data.format` messages,
-  prompt-completion, columns) are checked in file order (format, roles, empty turns, images that
-  do not open, length against `max_length`): any bad one stops the run with a `DataError` naming
-  the file, the row and the field (exit 2 from `python -m trainer`). The tutorial tasks keep
-  skipping such rows, as they always did.
-- The split is reproducible: a seeded shuffle, then `max_rows`, then the FIRST `eval_rows` are
-  held out. The same recipe always trains and evaluates on the same rows.
-- Bad rows never crash a run: rows with missing or empty fields, or longer than `max_length`
-  tokens once the chat template is applied, are counted, skipped and reported in one line,
-  e.g. `skipped 3 of 200 rows: 2 missing field 'emoji', 1 longer than max_length=128`.
-- Formatting is lazy-friendly: rows go through `Dataset.map`, so a large Hub dataset is not
-  materialised as a Python list.
-- A tokenizer is fingerprinted by digest (`fingerprint_tokenizers_by_digest`). `Dataset.map` hashes
-  its function and arguments to name its cache (datasets `fingerprint.update_fingerprint`), and
-  datasets' own tokenizer reducer pickles the whole object: for Gemma's 262k vocabulary the
-  vocabulary dict, the merges and the backend's JSON, ~28 MB, 12-15 s per map on a busy 2-core
-  machine (ours and trl's maps in `SFTTrainer._prepare_dataset` alike). The digest covers the same
-  state (the backend's JSON with truncation / padding off, as datasets does, the constructor
-  arguments, every small attribute), so a cache is reused exactly when it was before.
-
-This module does not tokenise for training (trl's SFTTrainer does) and does not build
-vision batches (trainer/collators.py does).
+Decisions (sources: docs/decisions/training-data-rows.md):
+- Rows come from the Hub, or from local files and fsspec URLs (`gs://bucket/tickets/*.jsonl`) read by one
+  function, `read_files`, so a `memory://` URL in a test takes the path a `gs://` one takes on the cluster.
+- Before the model loads, the first CHECK_ROWS rows of a standard format are checked; a bad one stops the run
+  with a `DataError` naming the file, the row and the field. Other bad rows are counted, skipped and reported.
+- The split is reproducible: a seeded shuffle, then `max_rows`, then the FIRST `eval_rows` are held out.
+- Rows go through `Dataset.map`; a tokenizer is fingerprinted by digest, not pickled whole, with the same reuse.
+- `trainer.data` is this module (trainer/samples/ beside it has no __init__.py). It does not tokenise for
+  training (trl's SFTTrainer does) or build vision batches (trainer/collators.py).
 """
 
 from __future__ import annotations
@@ -335,7 +314,7 @@ def _save_tokenizer_by_digest(pickler: Any, tokenizer: Any) -> None:
 
 
 def fingerprint_tokenizers_by_digest(tokenizer: Any) -> None:
-    """Make datasets fingerprint this tokenizer's class by digest (module docstring); only its hashing changes.
+    """Make datasets fingerprint this tokenizer's class by digest (docs/decisions/training-data-rows.md).
 
     datasets' `Pickler` is used for fingerprints only (`datasets.fingerprint.Hasher`), and picks a
     reducer by the exact type (`utils/_dill.py` `pklregister`); ordinary pickling is untouched.

@@ -4,43 +4,15 @@
     .venv/bin/python -m trainer.evaluate --model outputs/emoji-local/adapter --recipe emoji-local   # adapter folder works too
     python -m trainer.evaluate --model /mnt/run/adapter --recipe text-to-sql-gemma4-31b   # a GPU machine: bf16, device_map=auto
 
-Scores:
-- emoji: **emoji F1**. Both texts are reduced to their SETS of emoji (a ZWJ sequence, a flag, or an
-  emoji with its variation selector / skin tone counts as one); precision = |pred ∩ ref| / |pred|,
-  recall = |pred ∩ ref| / |ref|, F1 their harmonic mean; two empty sets score 1, one empty set 0.
-  Order and repetition are ignored on purpose: "🍌🍌😋" for "😋🍌" is a perfect translation.
-  `exact_match` (the same emoji string, whitespace ignored) is reported too.
-- text-to-sql: **execution match** from trainer.sql_eval (the predicted query returns the same
-  result as the reference on the row's schema, in a sandboxed in-memory SQLite), imported only for that task.
-- product descriptions (image + name + category): **ROUGE-L F1**, the longest common subsequence of
-  lower-cased words over prediction and reference (precision = LCS / prediction words, recall = LCS /
-  reference words). It rewards saying the reference's facts in its order; it cannot judge style.
-- your own data (`data.format` messages, prompt-completion, columns): **ROUGE-L F1** as the text
-  overlap, and `exact_match` (the same text, runs of whitespace aside).
-- every task: **held-out loss**, the mean cross-entropy of the reference answer's tokens given the
-  prompt (the same tokens the training loss covers; image tokens are part of the prompt).
-
-Decisions:
-- On a GPU the model loads in the recipe's dtype (bf16 for the cloud recipes) with
-  `device_map="auto"` (accelerate spreads a 31B model over the node's GPUs); on a CPU it loads in
-  float32 (bf16 matmuls on a CPU are slow and lossy). An adapter folder loads its base (from
-  adapter_config.json) with the recipe's model class, then the adapter; a QLoRA adapter is scored on
-  the unquantised base, the model it is merged into and served with.
-- Generation is greedy, up to the recipe's budget (`evaluation.max_new_tokens`, by task: SQL and
-  descriptions 512, emoji 32), in left-padded batches of `evaluation.batch_size`: the same outputs as
-  one prompt at a time (tests/trainer/test_evaluate.py checks it), fewer forward passes.
-- The held-out loss of a batch is one forward over its left-padded rows, positions counted from each
-  row's first token as for the row alone, scored by trl's fused LM head on the answers' positions only,
-  as training scores them (trl `add_fused_lm_head` + trainer/lm_head.py): no logits tensor at all, where
-  the model's own head held `[batch, answer positions, 262,144]` fp32 logits (~1 GB per 1,024 positions)
-  and their log-softmax. The same numbers as a forward per row with the model's own loss
-  (tests/trainer/test_evaluate.py), one pass over the weights instead of one per row.
-- The held-out rows are exactly the recipe's eval split (seeded shuffle, first `eval_rows`), so a
-  model is never scored on rows it trained on. Returns a dict and writes it as JSON (`--out`, default
-  `<model>/eval_results.json`).
-
-Not done here: sampling-based generation or LLM-as-judge scoring. The training run scores the base and the
-tuned model itself with these functions (trainer/run_eval.py, `eval` in run_summary.json).
+Scores: emoji F1 over SETS of emoji (order and repetition ignored), SQL execution match, ROUGE-L F1 over words for
+descriptions and the user's own formats, exact match, and for every task the held-out loss of the answer tokens.
+Decisions (the definitions and the sources: docs/decisions/held-out-evaluation.md):
+- A GPU loads the recipe's dtype with `device_map="auto"`, a CPU float32; an adapter loads its base, then itself
+  (a QLoRA adapter is scored on the unquantised base it is merged into and served with).
+- Greedy generation in left-padded batches (the same outputs as one at a time); the held-out loss is one forward
+  per batch through trl's fused head on the answers' positions only, with no logits tensor.
+- The rows are exactly the recipe's eval split, never a training row. Results go to `--out` (default
+  `<model>/eval_results.json`). The training run scores its base and itself with these (trainer/run_eval.py).
 """
 
 from __future__ import annotations
@@ -106,7 +78,7 @@ def extract_emoji(text: str) -> list[str]:
 
 
 def emoji_f1(prediction: str, reference: str) -> float:
-    """F1 over the sets of emoji in prediction and reference (see the module docstring)."""
+    """F1 over the sets of emoji in prediction and reference (docs/decisions/held-out-evaluation.md)."""
     predicted, expected = set(extract_emoji(prediction)), set(extract_emoji(reference))
     if not predicted and not expected:
         return 1.0
@@ -298,7 +270,7 @@ _WORD = re.compile(r"\w+")
 
 
 def rouge_l_f1(prediction: str, reference: str) -> float:
-    """ROUGE-L F1 over lower-cased words (see the module docstring); two empty texts score 1."""
+    """ROUGE-L F1 over lower-cased words (docs/decisions/held-out-evaluation.md); two empty texts score 1."""
     pred, ref = _WORD.findall(prediction.lower()), _WORD.findall(reference.lower())
     if not pred or not ref:
         return float(pred == ref)

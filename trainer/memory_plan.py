@@ -1,23 +1,16 @@
 """Per-GPU memory of a LoRA run, and the data-parallel strategy recipe validation picks from it.
 
-Decision: a recipe with `distributed.strategy: auto` trains with the strategy that moves the fewest
-frozen bytes and still fits one GPU (`distributed.gpu`), in this order:
-1. `ddp`: the frozen base replicated on every GPU; only the LoRA gradients are all-reduced, once per
-   update. Nothing else crosses NVLink.
-2. `fsdp` with `fsdp_reshard_after_forward: false`: the base sharded at rest, each layer gathered once
-   per micro-step and kept until its backward (FSDP2 `reshard_after_forward=False`).
-3. `fsdp` resharding after forward (the seed's): each layer gathered twice per micro-step.
-An explicit `ddp` or `fsdp` is checked the same way and refused when it does not fit. The estimate
-(`estimate`) is deliberately simple and conservative; bench/mfu_estimate.py prints it beside the
-expected MFU of each choice, and bench/RESULTS.md records both.
+Decision: `distributed.strategy: auto` trains with the strategy that moves the fewest frozen bytes and still fits
+one GPU (`distributed.gpu`): `ddp` (the base replicated, only LoRA gradients all-reduced), then `fsdp` with
+`fsdp_reshard_after_forward: false` (each layer gathered once per micro-step), then `fsdp` resharding after
+forward (gathered twice). An explicit `ddp` or `fsdp` is checked the same way and refused when it does not fit.
+The estimate (`estimate`) is deliberately simple and conservative (bench/mfu_estimate.py prints it).
 
-Model shapes come from the published config (`MODEL_SHAPES`, keyed by Hub id: every Gemma 3 size and the
-Gemma 4 the recipes use), else from a local folder's config.json or the one the Hugging Face cache holds
-(`model_shape`); an unknown remote model has no shape, and a stack refuses it (infra/config.py). Frozen
-weights are bf16, or 4-bit for QLoRA (`weight_bytes`: bitsandbytes' nf4/fp4 blocks, the embedding and an
-untied head kept in bf16); a Gemma 3 vision checkpoint adds its SigLIP tower and projector
-(docs/decisions/model-memory.md). This module imports nothing beyond the standard library: recipe
-validation runs in the Pulumi program, which has no torch.
+Model shapes come from the published config (`MODEL_SHAPES`, keyed by Hub id), else from a local folder's
+config.json or the one the Hugging Face cache holds (`model_shape`); an unknown remote model has no shape, and a
+stack refuses it (infra/config.py). Frozen weights are bf16, or 4-bit for QLoRA (`weight_bytes`); a Gemma 3
+vision checkpoint adds its SigLIP tower and projector. Sources: docs/decisions/model-memory.md.
+Standard library only: recipe validation runs in the Pulumi program, which has no torch.
 """
 
 from __future__ import annotations

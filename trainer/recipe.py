@@ -1,38 +1,16 @@
 """Recipe schema: one YAML file is one complete fine-tuning experiment.
 
-A recipe names the model, the data and its task formatter, the LoRA/QLoRA settings,
-the SFT arguments and where the results go. It is validated on load (unknown keys are
-rejected, values are checked) so a typo fails before any GPU is rented.
+A recipe names the model, the data and its task formatter, the LoRA/QLoRA settings, the SFT arguments and where
+the results go. It is validated on load (`parse_recipe`: unknown keys are rejected, values are checked), and
+`load_recipe` then checks the run it describes (`step_plan`, `check_run`), so a typo fails before any GPU is rented:
+- the optimizer steps are computed from the data as transformers counts them; a run whose length comes from the
+  data must save and evaluate inside it (a `training.max_steps` smoke run is exempt);
+- packing may not cut the updates per epoch by more than 2x without `training.packing_reason`; a packed
+  micro-batch of several rows needs flash_attention_2, which Gemma 4 cannot use; `constant` cannot warm up.
+`world_size_problem` refuses a process count other than `distributed.world_size`, for which every number is
+computed. The rules and their sources: docs/decisions/recipe-run-checks.md.
 
-Beyond the schema (`parse_recipe`), `load_recipe` checks the run the recipe describes (`step_plan`,
-`require_valid_run`), before any GPU is rented:
-- the optimizer steps are computed from the data: rows (a local file is counted; a Hub dataset
-  declares `data.rows`), `max_rows`/`eval_rows`, the task's conversation lengths (trainer/samples/
-  token_lengths.json, measured on the bundled sample with the Gemma 3 tokenizer) packed into
-  `max_length` rows the way trl's best-fit-decreasing packing does, the micro-batch, gradient
-  accumulation and `distributed.world_size`, as transformers counts them (updates per epoch =
-  ceil(micro-batches per rank / accumulation), steps = ceil(epochs x updates per epoch));
-- a run whose length comes from the data must checkpoint and evaluate inside it: `save_steps` and
-  `eval_steps` may not exceed its optimizer steps;
-- packing may not change the updates per epoch by more than 2x unless `training.packing_reason`
-  says why (packing ~19 emoji conversations into one 512-token row turned 500 updates into 27);
-- with packing, a micro-batch is one packed row unless the attention is flash_attention_2 (trl's
-  padding-free collator flattens a micro-batch into one row, and sdpa/eager compute its full square);
-- a Gemma 4 model may not use flash_attention_2: its global-attention heads are 512 wide, flash-attn
-  2 takes at most 256 (sdpa is the shipped choice);
-- `constant` ignores warmup: a warmup needs `constant_with_warmup` (or another warming schedule).
-
-Where the processes are started (`trainer.launch`, `trainer.ray_entry`, `python -m trainer`, and the
-stack's config in infra/config.py), `world_size_problem` refuses a process count other than
-`distributed.world_size`: every number above (sequences per update, updates, the checkpoint rule) is
-computed for that many ranks, and another count silently changes the run (16 ranks double W1's
-examples per update and halve its updates).
-
-This module deliberately imports only pydantic and PyYAML: the Pulumi program uses it
-to check that a stack names a real recipe and whether that recipe needs a Hugging Face
-token, and `pulumi up` does not install torch. For the same reason a run bounded by
-`training.max_steps` (a smoke run, `--set training.max_steps=5`) is not held to the checkpoint
-rule: its length is chosen, not computed from the data.
+Only pydantic and PyYAML are imported: the Pulumi program reads recipes, and `pulumi up` installs no torch.
 
     python -m trainer --recipe emoji-local --set training.max_steps=5
 """
@@ -732,7 +710,7 @@ def _updates_per_epoch(sequences: int, batch: int, accumulation: int, world_size
 
 
 def step_plan(recipe: Recipe) -> StepPlan:
-    """The optimizer updates of the recipe's run, computed from its data (see the module docstring)."""
+    """The optimizer updates of the recipe's run, computed from its data (docs/decisions/recipe-run-checks.md)."""
     data, t = recipe.data, recipe.training
     rows = data_rows(data)
     train_rows = max(min(rows, data.max_rows or rows) - data.eval_rows, 0)
@@ -762,7 +740,7 @@ def step_plan(recipe: Recipe) -> StepPlan:
 
 
 def check_run(recipe: Recipe) -> list[str]:
-    """What is wrong with the run the recipe describes (empty when nothing is); see the module docstring."""
+    """What is wrong with the run the recipe describes (empty when nothing is): docs/decisions/recipe-run-checks.md."""
     plan = step_plan(recipe)
     t, problems = recipe.training, []
     how = (

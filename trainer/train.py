@@ -4,51 +4,16 @@
     .venv/bin/python -c "from trainer.recipe import load_recipe; from trainer.train import main; \
         print(main(load_recipe('emoji-local', ['training.max_steps=5'])).summary)"
 
-Output layout under `output.dir` (a folder, or a URL mirrored from a local staging folder):
-
-    checkpoints/checkpoint-N/   trainer checkpoints, each with _CHECKPOINT_COMPLETE.json written last
-    adapter/                    the final LoRA adapter + tokenizer
-    merged/                     base + adapter merged in bf16, with _COMPLETE.json last (output.merge)
-    logs/                       TensorBoard event files
-    run_summary.json            steps, non-pad tokens seen, tokens/s, losses, wall time, recipe, model, the
-                                cost line (`cost`: trainer/cost_line.py, priced from the stack's _PRICE.json)
-                                and `eval`: held-out loss and generated answers' scores of the base model and
-                                the tuned one (trainer/run_eval.py)
-    _RUN_COMPLETE.json          written LAST: the run finished; a rerun on this output.dir does nothing
-
-Decisions:
-- Loss is on the assistant's tokens only. trl does this with `assistant_only_loss` when the chat
-  template has (or trl can patch in) `{% generation %}` markers; for templates trl cannot patch
-  (Gemma 4's, in trl 1.16) the conversations become prompt/completion pairs and trl's
-  `completion_only_loss` masks the prompt instead. Same loss, any template.
-- The LM head projects only the positions that carry a label, on the CPU as on a GPU
-  (trainer/lm_head.py; trl does it itself only on Triton devices): same loss, gradients and
-  metrics, a fraction of the head's work when prompts are long.
-- `training.packing` packs with trl's best-fit-decreasing strategy, which is padding-free;
-  `training.padding_free` alone is honoured too: each batch's conversations go into one row without
-  pad tokens (positions restart at each conversation, so each sees only itself), the same examples,
-  updates and loss as padded batches, without the pad positions' work.
-- A run resumes by itself from the latest complete checkpoint (trainer/checkpoints.py); with
-  several ranks on a machine only local rank 0 downloads it, the others wait for it.
-- A run whose `output.dir` already holds `_RUN_COMPLETE.json` (written last, after everything
-  else is published) returns that run's summary at once, before loading a model, a tokenizer or
-  data: a re-created Job does not train, download 31B or re-export again.
-- The SFTConfig is built before the model: building it sets up torch.distributed, and only then
-  can FSDP2's RAM-efficient loading keep the weights off the ranks that are not local rank 0
-  (trainer/modeling.py `load_model`).
-- Those ranks are ready in seconds while local rank 0 downloads the weights (31B: ~62 GB on a fresh
-  node). The first collective after loading is trl's dataset preparation (`main_process_first`), whose
-  wait the process group bounds by `ddp_timeout` (30 min; the NCCL watchdog then kills every rank, and
-  the retried pod downloads again). So every rank first meets at a barrier of its own gloo group, with
-  a timeout of STARTUP_TIMEOUT (2 h), right after loading; later collectives keep `ddp_timeout`.
-- A run whose process count (torchrun's WORLD_SIZE, else 1) is not the recipe's
-  `distributed.world_size` stops before loading anything (`trainer.recipe.world_size_problem`).
-- A SIGTERM during training saves the step's checkpoint on every rank and stops (trainer/preemption.py):
-  `main` raises `Preempted` instead of exporting, so a restarted pod resumes from that step.
-- `training.extra` is passed verbatim to SFTConfig, so any trl/transformers argument can be set
-  from a recipe without a code change.
-
-It does not launch processes (trainer/launch.py) or wrap the model for FSDP/Ray.
+Decisions (docs/decisions/sft-training-run.md, with the output layout under `output.dir`):
+- Loss on the assistant's tokens only, with any chat template: trl's `assistant_only_loss`, else (a template trl
+  cannot patch, Gemma 4's) prompt/completion pairs with `completion_only_loss`. Packing and
+  `training.padding_free` batch without pad tokens.
+- A run resumes from its latest complete checkpoint, and a SIGTERM raises `Preempted` after saving; a run whose
+  `output.dir` holds `_RUN_COMPLETE.json` returns that summary before loading anything; a process count other
+  than the recipe's stops it first.
+- The SFTConfig is built before the model (FSDP2's RAM-efficient loading needs torch.distributed up); then every
+  rank waits up to STARTUP_TIMEOUT for local rank 0's download (docs/decisions/startup-barrier.md).
+- `training.extra` goes verbatim to SFTConfig. It does not launch processes (trainer/launch.py).
 """
 
 from __future__ import annotations

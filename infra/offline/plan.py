@@ -5,19 +5,13 @@
     python -m infra.offline.plan --stack a4-gemma4 --out build/plan
     python -m infra.offline.plan --stack a4-gemma4 --set maxRunCostUsd=500     # fails when a run can cost more
 
-Runs the program under mocks (infra/offline/engine.py) with the real stack file, prints a
-preview-like table (type, name, parent, key inputs), and writes
-`build/plan/<stack>/resources.json` (every resource: type, name, parent, inputs; secrets
-as "[secret]") and every Kubernetes object the stack would apply as YAML under
-`build/plan/<stack>/manifests/`, ready for strict schema validation.
-
-Computed values are the mocks' stand-ins (digests, emails, endpoints), not real ones; the
-shape of every request is real. It does not contact Google Cloud and needs no Pulumi CLI.
-The table ends with what one training run can cost at most (`runCostCeilingUsd`) and what serving
-costs per hour, from the price table in infra/pricing.py, the memory model's verdict on the recipe over the
-stack's GPUs (model, parameters, per-GPU estimate against the usable memory, strategy; a run that does not fit
-is a configuration error instead, with its fixes: infra/config.py `memory_fixes`), and any warning the program
-logged.
+Runs the program under mocks (infra/offline/engine.py) with the real stack file, prints a preview-like
+table (type, name, parent, key inputs), and writes `build/plan/<stack>/resources.json` (secrets as
+"[secret]") and every Kubernetes object the stack would apply as YAML under `build/plan/<stack>/manifests/`.
+The table ends with a run's cost ceiling and serving's hourly cost (infra/pricing.py), the memory model's
+verdict on the recipe over the stack's GPUs, and any warning the program logged.
+Computed values are the mocks' stand-ins (digests, emails, endpoints); the shape of every request is real.
+It does not contact Google Cloud and needs no Pulumi CLI (more: infra/offline/README.md).
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """A preempted 4-rank W1 run, through the real launcher: killed after a checkpoint, resumed on a fresh machine.
 
-Why it matters: the a4-gemma4 Job runs 8 ranks on one node, all sharing one local staging folder.
-When the node is lost, the Job's retry lands on a new node with an EMPTY staging folder and has
-to resume from the bucket. Two things broke that:
-- every rank downloaded the remote checkpoint into the same folder at once (rmtree + os.replace
-  races: `Directory not empty`, missing files); now local rank 0 downloads, the others wait;
-- rank 0 marked a checkpoint complete (and mirrored it) in `on_save` before the other ranks had
-  written their `rng_state_<rank>.pth`; now every rank passes a barrier first.
+Why it matters: the a4-gemma4 Job runs 8 ranks on one node sharing one local staging folder; the retry after a
+lost node lands on an EMPTY staging folder and resumes from the bucket. Two things broke that: every rank
+downloaded the checkpoint into the same folder at once (now local rank 0 downloads, the others wait), and rank
+0 marked a checkpoint before the other ranks had written their `rng_state_<rank>.pth` (now a barrier first).
+docs/decisions/checkpoints-mirrored-with-markers.md has the rules.
 
-The run is the W1 recipe on a tiny Gemma 4 (the class the recipe loads), 4 processes started by
-`python -m trainer.launch --cpu` (accelerate launch → torchrun, gloo on loopback), output to a
-`file://` "bucket". Ranks 1..3 write their RNG state 1.5 s late (a slow disk), and on the second
-machine every file read from the bucket takes 0.5 s (a slow network), both injected by a
-sitecustomize module that delays the real functions (transformers' `Trainer._save_rng_state`,
-fsspec's `LocalFileSystem.get_file`): a mark that does not wait for every rank, and ranks that
-download side by side, are then caught every time. The first launch is SIGKILLed, launcher and every rank at
-once with no grace (a lost node), as soon as a checkpoint is marked in the bucket; the second
-launch, on a new empty staging folder, must resume from the newest marked checkpoint and finish.
+W1 on a tiny Gemma 4, 4 processes of `python -m trainer.launch --cpu` (gloo on loopback), a `file://` bucket.
+A sitecustomize module delays the real functions: ranks 1..3 save their RNG state 1.5 s late (transformers'
+`Trainer._save_rng_state`), and on the second machine each bucket read takes 0.5 s (fsspec's
+`LocalFileSystem.get_file`). The first launch is SIGKILLed, launcher and ranks at once, as soon as a
+checkpoint is marked; the second, on a new empty staging folder, must resume from it and finish.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The other ranks outwait local rank 0's model download, however long it takes, through the real launcher.
 
-Why it matters: with FSDP2's RAM-efficient loading only local rank 0 reads the weights; on a fresh A4
-node that is the first download of Gemma 4 31B from the Hub (~62 GB). The other 7 ranks are done in
-seconds and wait for it at the first collective, trl's dataset preparation in SFTTrainer
-(`global_then_local_main_first`: accelerate's `main_process_first`, a plain barrier), bounded by the
-process group's timeout (`ddp_timeout`, 30 min): a download slower than that killed every rank with a
-collective timeout, and the Job's retry, on a new pod with an empty cache, started the same download
-again. Before the fix this test failed there ("Timed out waiting 20000ms", rank 1 in trl's
-`_prepare_dataset`); now rank 1 waits at the trainer's own startup barrier (trainer/train.py).
+Why it matters: only local rank 0 reads the weights (first download of Gemma 4 31B on a fresh A4 node); the
+other ranks waited at trl's dataset preparation, a barrier bounded by `ddp_timeout` (30 min), and a slower
+download killed every rank. Before the fix this test failed there ("Timed out waiting 20000ms", rank 1 in
+trl's `_prepare_dataset`); now rank 1 waits at the trainer's own startup barrier (trainer/train.py;
+sources: docs/decisions/startup-barrier.md).
 
-2 processes started by `python -m trainer.launch --cpu` (accelerate launch -> torchrun, gloo on
-loopback) train a tiny Gemma 3. A sitecustomize module sets the two conditions of the cloud run:
-- the process group's timeout is DDP_TIMEOUT_S. On GPUs transformers passes `ddp_timeout` to the
-  process group; on CPUs it passes none (transformers 5.23 training_args.py `_setup_devices`) and torch
-  falls back to its default, so the workers' default (`distributed_c10d._get_default_timeout`) is
-  lowered instead;
-- rank 0's `trainer.modeling.load_model` starts SLOW_LOAD_S late, longer than that timeout (the same
-  real function, called late: a slow download).
+2 processes started by `python -m trainer.launch --cpu` (accelerate launch -> torchrun, gloo on loopback)
+train a tiny Gemma 3. A sitecustomize module sets the two conditions of the cloud run:
+- the workers' default process-group timeout is lowered to DDP_TIMEOUT_S (on CPUs transformers passes
+  no `ddp_timeout` to the process group, so torch's default is lowered instead);
+- rank 0's real `trainer.modeling.load_model` starts SLOW_LOAD_S late, longer than that timeout.
 The run must finish.
 """
 
