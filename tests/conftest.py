@@ -39,18 +39,22 @@ GROUPS = {
 }
 # what puts a test in a group: a fixture it uses, or a marker it carries
 NEEDS = {"ray-cluster": ("fixture", "ray_cluster"), "gemma3-270m": ("marker", "gemma3_270m")}
-# The groups that take longest, started first, longest first (seconds on 2 cores at load ~2-3, 2026-11-30,
-# each group's tests one at a time). Only the order of the run depends on this list.
+# The groups that take longest (the durations pytest prints at the end of `make test`), started first, longest
+# first, so that the two workers end together. Only the order of the run depends on this list.
 LONGEST_FIRST = (
-    # ~235: the cluster, a RayJob entrypoint, an interrupted Ray run; + ~240: a preempted one (2026-12-01)
-    "ray-cluster",
-    "gemma3-270m",  # ~250: the demo end to end, a LoRA run on the 270M, its tokenizer
-    "tests/trainer/test_multirank_resume.py",  # ~135: two launches of 4 ranks
-    "tests/infra/",  # ~130: every stack planned under mocks, many times
-    "tests/infra/test_pulumi_install.py",  # ~95 (~240 on a loaded machine): Pulumi's pip install into a fresh venv
-    "tests/demo/test_local_server.py",  # ~85: a local server started per test
-    "tests/bench/test_train_throughput.py",  # ~85: both sides of the benchmark, two memory probes
-    "tests/trainer/test_startup_wait.py",  # ~78: 2 ranks, rank 0 loads 50 s late
+    "ray-cluster",  # the cluster, a RayJob through job submission, an interrupted and a preempted Ray run
+    "gemma3-270m",  # the demo end to end twice, a LoRA run on the 270M, its tokenizer
+    "tests/infra/",  # every stack and variant planned under mocks, the permission proof
+    "tests/trainer/test_multirank_resume.py",  # two launches of 4 ranks
+    "tests/lint/test_ci_setup.py",  # the one-time setup script, run many times against a recording gcloud
+    "tests/trainer/test_fsdp_checkpoint.py",  # two FSDP2 launches of 2 ranks
+    "tests/trainer/test_run_eval.py",  # a 2-rank FSDP2 launch, two in-process runs
+    "tests/trainer/test_startup_wait.py",  # 2 ranks, rank 0 loads late
+    "tests/trainer/test_preemption.py",  # a SIGTERM mid-run and the restart
+    "tests/bench/test_gpu_check.py",  # the GPU check's dry run: several tiny trainings
+    "tests/bench/test_train_throughput.py",  # both sides of the benchmark, two memory probes
+    "tests/demo/test_local_server.py",  # a local server started per test
+    "tests/infra/test_pulumi_install.py",  # Pulumi's pip install into a fresh venv
 )
 # after those, the other groups by an estimate: a test marked slow as SLOW_S, any other as FAST_S
 SLOW_S, FAST_S = 10.0, 0.3
