@@ -25,10 +25,14 @@ import pulumi_kubernetes as k8s
 from infra.config import StackConfig
 from infra.foundation import Identity, finished_run
 from infra.gke_workload import (
+    ADAPTER_SUBDIR,
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
     IMAGE_SLOT,
     POD_SECURITY_CONTEXT,
+    RUNS_PREFIX,
+    SKIP_AWAIT,
+    TERMINATION_GRACE_S,
     TrainingNamespace,
     common_labels,
     declare_gke_base,
@@ -52,14 +56,10 @@ JOB_NAME_PREFIX = "train"
 JOB_NAME_MAX = 56
 MAIN_PROCESS_PORT = 29500
 TTL_AFTER_FINISHED_S = 3 * 24 * 3600
-TERMINATION_GRACE_S = 600
 SHM_SIZE = "64Gi"
 NODE_RANK_ENV = "NODE_RANK"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
-RUNS_PREFIX = "runs"
 TENSORBOARD_SUBDIR = "logs"
-ADAPTER_SUBDIR = "adapter"
 
 
 @dataclass(frozen=True)

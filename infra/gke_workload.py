@@ -46,6 +46,12 @@ RESERVATION_PROJECT_LABEL = "cloud.google.com/reservation-project"
 SPOT_LABEL = "cloud.google.com/gke-spot"
 FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
 GSA_ANNOTATION = "iam.gke.io/gcp-service-account"
+# Both workloads' objects: `pulumi up` does not wait for training; runs write under gs://BUCKET/runs/<run>.
+SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
+RUNS_PREFIX = "runs"
+ADAPTER_SUBDIR = "adapter"
+# A GPU pod's grace: the trainer saves the step it is on before SIGTERM's deadline (trainer/preemption.py).
+TERMINATION_GRACE_S = 600
 # The trainer image runs as uid 1000 (trainer/Dockerfile); Kubernetes checks it, nothing escalates.
 POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True}
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False}

@@ -26,13 +26,16 @@ import pulumi_kubernetes as k8s
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
 from infra.foundation import Identity, finished_run
-from infra.gke_job import TERMINATION_GRACE_S
 from infra.gke_workload import (
+    ADAPTER_SUBDIR,
     BUCKET_SLOT,
     CONTAINER_SECURITY_CONTEXT,
     IMAGE_SLOT,
     POD_SECURITY_CONTEXT,
     RUN_LABEL,
+    RUNS_PREFIX,
+    SKIP_AWAIT,
+    TERMINATION_GRACE_S,
     TrainingNamespace,
     common_labels,
     declare_gke_base,
@@ -58,10 +61,7 @@ RAYJOB_NAME_MAX = 40
 STANDING_CLUSTER_NAME = "gemma-tuning"
 WORKER_GROUP = "gpu-group"
 RAY_STORAGE_PREFIX = "ray"
-RUNS_PREFIX = "runs"
-ADAPTER_SUBDIR = "adapter"
 CLUSTER_TTL_AFTER_FINISHED_S = 60
-SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
 HEAD_RESOURCES = {"cpu": "8", "memory": "32Gi", "ephemeral-storage": "9Gi"}
 HEAD_PORTS = [
     {"name": "gcs-server", "containerPort": 6379},
