@@ -4,7 +4,8 @@
     kubectl logs -f job/<jobName> -n gft-<stack>   # the exact command is a stack output
 
 Decisions (why and sources: docs/decisions/gke-training-job.md)
-- `render_training_job` is a pure function to manifests (a headless Service when nodes > 1, the Job).
+- Top to bottom: `declare` → `TrainingJob` → `render_training_job`, a pure function of a
+  `gke_workload.GpuRun` to manifests (a headless Service when nodes > 1, the Job).
 - Named `train-<recipe>-<hash8>` over image content, recipe, overrides and shape: same inputs, no change;
   a new image or recipe, a new run. Capacity is not in the hash (a move to spot resumes the run).
 - `pulumi up` does not wait for training (`skipAwait`); the finished Job is removed after 3 days, so run

@@ -1,15 +1,16 @@
-"""Kubernetes pieces both GKE workloads share: namespace, identity, the HF token Secret, GPU placement.
+"""What both GKE workloads call down into: the cluster and namespace, one run's values, its GPU pod.
 
+Flow of a workload (`infra.gke_job`, `infra.ray_job`): `declare_gke_base` (cluster, namespace, what pods
+wait for) → `gpu_run` (name, placement, labels; image and bucket as slots) → its own renderer, built on
+`trainer_container` and `gpu_pod_template` → `fill_slots` → `GkeBase.outputs`. Nothing here calls back.
 Decisions (why and sources: docs/decisions/gke-workload-identity-and-placement.md)
-- One namespace per stack (default `gft-<stack>`), so its Workload Identity principal is the stack's own.
-- Pods act as the trainer's Google service account through Workload Identity, bound on that account
-  only; it holds object access on the stack's bucket and nothing else.
+- One namespace per stack (default `gft-<stack>`), so its Workload Identity principal is the stack's own;
+  pods act as the trainer's Google service account (bound on that account only, bucket access only).
 - The HF token is the Kubernetes Secret `hf-secret`, read only through `secretKeyRef`.
 - Capacity by nodeSelectors (accelerator, count, driver; reservation, spot or flex-start labels); no
   tolerations (Autopilot adds them). A multi-node run's GPU pods share a zone.
 - Run names come from what a preview knows (`run_name`); image and bucket are slots (`fill_slots`).
-Not here: the workloads (`infra.gke_job`, `infra.ray_job`), Kueue, network policies, the GCS FUSE
-CSI driver (the trainer writes gs:// URIs with its Workload Identity credentials).
+Not here: Kueue, network policies, the GCS FUSE CSI driver (the trainer writes gs:// URIs itself).
 """
 
 from __future__ import annotations

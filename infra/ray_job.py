@@ -4,7 +4,8 @@
     kubectl get rayjob <rayJobName> -n gft-<stack>    # the exact commands are stack outputs
 
 Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-preemption.md)
-- Pure render functions to camelCase manifests, validated offline against KubeRay's schema and rules.
+- Top to bottom: `declare` → `RayTraining` → pure renderers of a `RayRunSpec` (a `gke_workload.GpuRun`
+  plus Ray's fields) to manifests, validated offline against KubeRay's schema and rules.
 - `rayCluster: ephemeral` (default): the RayJob brings its cluster and deletes it 60 s after the job
   ends; `standing`: a RayCluster `gemma-tuning` stays up (and bills) and the RayJob targets it.
 - One GPU worker per node, in one zone; a small head that runs no Ray tasks; the trainer image by digest.
