@@ -4,7 +4,8 @@
     kubectl logs -f job/<jobName> -n gft-<stack>   # the exact command is a stack output
 
 Decisions (why and sources: docs/decisions/gke-training-job.md)
-- `render_training_job` is a pure function to manifests (a headless Service when nodes > 1, the Job).
+- Top to bottom: `declare` → `TrainingJob` → `render_training_job`, a pure function of a
+  `gke_workload.GpuRun` to manifests (a headless Service when nodes > 1, the Job).
 - Named `train-<recipe>-<hash8>` over image content, recipe, overrides and shape: same inputs, no change;
   a new image or recipe, a new run. Capacity is not in the hash (a move to spot resumes the run).
 - `pulumi up` does not wait for training (`skipAwait`); the finished Job is removed after 3 days, so run
@@ -16,31 +17,28 @@ Not here: JobSet, A4 RDMA / GPUDirect networking (NCCL over the pod network: cor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
-from infra.foundation import Identity, finished_run
+from infra.foundation import finished_run
 from infra.gke_workload import (
+    ADAPTER_SUBDIR,
     BUCKET_SLOT,
-    CONTAINER_SECURITY_CONTEXT,
     IMAGE_SLOT,
-    POD_SECURITY_CONTEXT,
-    TrainingNamespace,
-    common_labels,
+    RUNS_PREFIX,
+    SKIP_AWAIT,
+    GkeBase,
+    GpuRun,
     declare_gke_base,
     fill_slots,
-    gpu_node_selector,
-    gpu_pod_labels,
-    gpu_pod_resources,
-    gpu_pods_same_zone,
-    hf_token_env,
-    run_name,
+    gpu_pod_template,
+    gpu_run,
+    trainer_container,
 )
-from infra.pricing import cost_labels, gke_node_hour
 
 if TYPE_CHECKING:
     from infra.config import LoadedConfig
@@ -52,200 +50,56 @@ JOB_NAME_PREFIX = "train"
 JOB_NAME_MAX = 56
 MAIN_PROCESS_PORT = 29500
 TTL_AFTER_FINISHED_S = 3 * 24 * 3600
-TERMINATION_GRACE_S = 600
 SHM_SIZE = "64Gi"
 NODE_RANK_ENV = "NODE_RANK"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
-RUNS_PREFIX = "runs"
 TENSORBOARD_SUBDIR = "logs"
-ADAPTER_SUBDIR = "adapter"
 
 
-@dataclass(frozen=True)
-class TrainingJobSpec:
-    """Everything the training Job's manifests depend on, as plain values."""
-
-    name: str
-    namespace: str
-    image: str
-    recipe: str
-    output_dir: str
-    gpus_per_node: int
-    nodes: int
-    node_selector: dict[str, str]
-    resources: dict[str, dict[str, str]]
-    service_account: str
-    hf_secret_name: str | None
-    retries: int
-    timeout_seconds: int
-    overrides: tuple[str, ...] = ()
-    labels: dict[str, str] = field(default_factory=dict)
-    cost_labels: dict[str, str] = field(default_factory=dict)
-    """Price and limit labels, on the Job's metadata only: a new price must not replace a running Job."""
-
-    @property
-    def multi_node(self) -> bool:
-        return self.nodes > 1
-
-    @property
-    def main_process_ip(self) -> str:
-        """Rank 0's stable DNS name: `<job>-<index>` hostname under the headless Service `<job>`."""
-        return f"{self.name}-0.{self.name}"
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-def run_dir(bucket: str, job: str) -> str:
-    return f"gs://{bucket}/{RUNS_PREFIX}/{job}"
-
-
-def launch_args(spec: TrainingJobSpec) -> list[str]:
-    """Arguments of `python -m trainer.launch`: recipe, processes per node, rendezvous, overrides, output dir."""
-    args = ["--recipe", spec.recipe, "--nproc-per-node", str(spec.gpus_per_node)]
-    if spec.multi_node:
-        args += [
-            "--nnodes",
-            str(spec.nodes),
-            "--node-rank",
-            f"$({NODE_RANK_ENV})",  # expanded by the kubelet from the env var below
-            "--main-process-ip",
-            spec.main_process_ip,
-            "--main-process-port",
-            str(MAIN_PROCESS_PORT),
-        ]
-    for override in spec.overrides:
-        args += ["--set", override]
-    # Last, so the stack's run directory always wins: the outputs below point there.
-    args += ["--set", f"output.dir={spec.output_dir}"]
-    return args
-
-
-def render_training_job(spec: TrainingJobSpec) -> list[dict[str, Any]]:
-    """The manifests of one training run: [headless Service (nodes > 1)], Job."""
-    env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}, *hf_token_env(spec.hf_secret_name)]
-    if spec.multi_node:
-        env.append(
-            {
-                "name": NODE_RANK_ENV,
-                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}},
-            }
-        )
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": spec.service_account,
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
-        "nodeSelector": dict(spec.node_selector),
-        "securityContext": dict(POD_SECURITY_CONTEXT),
-        "containers": [
-            {
-                "name": "trainer",
-                "image": spec.image,
-                "command": ["python", "-m", "trainer.launch"],
-                "args": launch_args(spec),
-                "env": env,
-                "resources": spec.resources,
-                "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-                "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
-            }
-        ],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}],
-    }
-    if spec.multi_node:
-        pod_spec["subdomain"] = spec.name
-        pod_spec["affinity"] = gpu_pods_same_zone(spec.name)
-
-    job_spec: dict[str, Any] = {
-        "backoffLimit": spec.retries * spec.nodes,
-        "activeDeadlineSeconds": spec.timeout_seconds,
-        "ttlSecondsAfterFinished": TTL_AFTER_FINISHED_S,
-        "completions": spec.nodes,
-        "parallelism": spec.nodes,
-        "podFailurePolicy": {
-            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
-        },
-        "template": {"metadata": {"labels": {**spec.labels, **gpu_pod_labels(spec.name)}}, "spec": pod_spec},
-    }
-    if spec.multi_node:
-        job_spec["completionMode"] = "Indexed"
-
-    manifests: list[dict[str, Any]] = []
-    if spec.multi_node:
-        manifests.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": dict(spec.labels)},
-                "spec": {
-                    "clusterIP": "None",
-                    "selector": {"job-name": spec.name},
-                    # Peers resolve each other while they start, before any readiness.
-                    "publishNotReadyAddresses": True,
-                    "ports": [{"name": "rendezvous", "port": MAIN_PROCESS_PORT, "targetPort": MAIN_PROCESS_PORT}],
-                },
-            }
-        )
-    manifests.append(
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {
-                "name": spec.name,
-                "namespace": spec.namespace,
-                "labels": {**spec.labels, **spec.cost_labels},
-                "annotations": dict(SKIP_AWAIT),
-            },
-            "spec": job_spec,
-        }
+def declare(
+    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
+) -> dict[str, pulumi.Input[Any]]:
+    """The a4-gemma4 workload: cluster, namespace pieces, training Job; returns the stack outputs."""
+    gke = declare_gke_base(cfg, loaded, foundation)
+    job = TrainingJob(
+        f"gft-{cfg.stack}",
+        TrainingJobArgs(
+            cfg=cfg,
+            gke=gke,
+            image=images.trainer_image,
+            image_content=images.trainer_content,
+            bucket_name=foundation.bucket_name,
+            bucket_kept=foundation.bucket_kept,
+        ),
     )
-    return manifests
-
-
-def job_spec_for(
-    cfg: StackConfig, image_content: str, image: str, bucket: str, service_account: str, hf_secret: str | None
-) -> TrainingJobSpec:
-    """The plain values for this stack's Job; the name derives from `image_content`, not from `image`."""
-    assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
-    name = run_name(JOB_NAME_PREFIX, cfg, image_content, JOB_NAME_MAX)
-    return TrainingJobSpec(
-        name=name,
-        namespace=cfg.namespace,
-        image=image,
-        recipe=cfg.recipe,
-        output_dir=run_dir(bucket, name),
-        gpus_per_node=cfg.gpus_per_node,
-        nodes=cfg.nodes,
-        node_selector=gpu_node_selector(cfg),
-        resources=gpu_pod_resources(cfg),
-        service_account=service_account,
-        hf_secret_name=hf_secret,
-        retries=cfg.training_retries,
-        timeout_seconds=cfg.timeout_minutes * 60,
-        overrides=tuple(cfg.recipe_overrides),
-        labels={**common_labels(cfg, "training"), "gemma-finetune/recipe": cfg.recipe[:63]},
-        cost_labels=cost_labels(cfg, gke_node_hour(cfg), kubernetes=True),
-    )
+    ns, job_name = cfg.namespace, job.job_name
+    return {
+        **gke.outputs(),
+        "jobName": job_name,
+        "worldSize": cfg.total_gpus,
+        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
+        "status": f"kubectl get job {job_name} -n {ns} -o wide && kubectl get pods -n {ns} -l job-name={job_name}",
+        "runDir": job.run_dir,
+        "tensorboardLogs": job.run_dir.apply(lambda d: f"{d}/{TENSORBOARD_SUBDIR}"),
+        "tensorboard": job.run_dir.apply(lambda d: f"tensorboard --logdir {d}/{TENSORBOARD_SUBDIR}"),
+        "adapter": job.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
+        **({"trainingState": f"finished ({job.finished}): no Job started"} if job.finished else {}),
+    }
 
 
 @dataclass
 class TrainingJobArgs:
     cfg: StackConfig
     """The validated stack configuration."""
-    provider: k8s.Provider
-    """The cluster's Kubernetes provider."""
-    namespace: TrainingNamespace
-    """Namespace, service account and HF Secret the pods use (created first)."""
+    gke: GkeBase
+    """The cluster (its provider), the namespace pieces and what the pods wait for besides: the APIs and
+    every IAM grant to the trainer's and the nodes' service accounts (bucket access, image pulls)."""
     image: pulumi.Input[str]
     """The trainer image, pinned by digest."""
     image_content: str
     """`Images.trainer_content`: what the Job's name derives from (known in a preview)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: runs write under gs://BUCKET/runs/<job>."""
-    after: list[pulumi.Resource] = field(default_factory=list)
-    """What the pods need in place besides the namespace pieces: the APIs and every IAM grant to the
-    trainer's and the nodes' service accounts (bucket access, image pulls)."""
     bucket_kept: bool = False
     """`Foundation.bucket_kept`: the bucket may hold this run finished (then no Job is declared)."""
 
@@ -263,30 +117,28 @@ class TrainingJob(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: TrainingJobArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:k8s:TrainingJob", name, None, opts)
-        cfg = args.cfg
-        ns = args.namespace
-        spec = job_spec_for(
-            cfg, args.image_content, IMAGE_SLOT, BUCKET_SLOT, ns.service_account_name, ns.hf_secret_name
-        )
+        gke = args.gke
+        run = gpu_run(args.cfg, gke.namespace, JOB_NAME_PREFIX, JOB_NAME_MAX, args.image_content)
         slots = {IMAGE_SLOT: args.image, BUCKET_SLOT: args.bucket_name}
-        manifests: list[dict[str, Any]] = [fill_slots(m, slots) for m in render_training_job(spec)]
-        self.job_name = spec.name
-        self.run_dir = pulumi.Output.from_input(fill_slots(spec.output_dir, slots))
-        self.finished = finished_run(cfg, args.bucket_kept, f"{RUNS_PREFIX}/{spec.name}")
+        manifests: list[dict[str, Any]] = [fill_slots(m, slots) for m in render_training_job(run)]
+        self.job_name = run.name
+        self.run_dir = pulumi.Output.from_input(fill_slots(run.output_dir, slots))
+        self.finished = finished_run(args.cfg, args.bucket_kept, f"{RUNS_PREFIX}/{run.name}")
         self.service, self.job = None, None
         if self.finished is not None:
             self.register_outputs({"job_name": self.job_name, "run_dir": self.run_dir})
             return
 
-        depends: list[pulumi.Resource] = [*ns.ready, *args.after]
-        if cfg.nodes > 1:
+        depends: list[pulumi.Resource] = [*gke.namespace.ready, *gke.after]
+        provider = gke.cluster.provider
+        if run.nodes > 1:
             service_manifest = manifests[0]
             self.service = k8s.core.v1.Service(
                 f"{name}-svc",
                 metadata=service_manifest["metadata"],
                 spec=service_manifest["spec"],
                 opts=pulumi.ResourceOptions(
-                    parent=self, provider=args.provider, depends_on=depends, delete_before_replace=True
+                    parent=self, provider=provider, depends_on=depends, delete_before_replace=True
                 ),
             )
             depends = [*depends, self.service]
@@ -298,7 +150,7 @@ class TrainingJob(pulumi.ComponentResource):
             spec=job_manifest["spec"],
             opts=pulumi.ResourceOptions(
                 parent=self,
-                provider=args.provider,
+                provider=provider,
                 depends_on=depends,
                 # The name is fixed by content; a capacity change replaces the Job under the same name.
                 delete_before_replace=True,
@@ -307,36 +159,93 @@ class TrainingJob(pulumi.ComponentResource):
         self.register_outputs({"job_name": self.job_name, "run_dir": self.run_dir})
 
 
-def declare(
-    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
-) -> dict[str, pulumi.Input[Any]]:
-    """The a4-gemma4 workload: cluster, namespace pieces, training Job; returns the stack outputs."""
-    base = f"gft-{cfg.stack}"
-    gke = declare_gke_base(cfg, loaded, foundation)
-    cluster, namespace = gke.cluster, gke.namespace
-    job = TrainingJob(
-        base,
-        TrainingJobArgs(
-            cfg=cfg,
-            provider=cluster.provider,
-            namespace=namespace,
-            image=images.trainer_image,
-            image_content=images.trainer_content,
-            bucket_name=foundation.bucket_name,
-            after=[*foundation.apis, *foundation.grants_to(Identity.TRAINER), *foundation.grants_to(Identity.NODES)],
-            bucket_kept=foundation.bucket_kept,
-        ),
-    )
-    ns, job_name = cfg.namespace, job.job_name
-    return {
-        **gke.outputs(cfg),
-        "jobName": job_name,
-        "worldSize": cfg.total_gpus,
-        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
-        "status": f"kubectl get job {job_name} -n {ns} -o wide && kubectl get pods -n {ns} -l job-name={job_name}",
-        "runDir": job.run_dir,
-        "tensorboardLogs": job.run_dir.apply(lambda d: f"{d}/{TENSORBOARD_SUBDIR}"),
-        "tensorboard": job.run_dir.apply(lambda d: f"tensorboard --logdir {d}/{TENSORBOARD_SUBDIR}"),
-        "adapter": job.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
-        **({"trainingState": f"finished ({job.finished}): no Job started"} if job.finished else {}),
+def render_training_job(run: GpuRun) -> list[dict[str, Any]]:
+    """The manifests of one training run: [headless Service (nodes > 1)], Job."""
+    multi_node = run.nodes > 1
+    container = trainer_container("trainer", run, run.resources)
+    container["command"] = ["python", "-m", "trainer.launch"]
+    container["args"] = launch_args(run)
+    container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if multi_node:
+        container["env"].append(
+            {
+                "name": NODE_RANK_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}},
+            }
+        )
+    template = gpu_pod_template(run, container, run.name)
+    template["spec"]["restartPolicy"] = "Never"
+    template["spec"]["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
+    if multi_node:
+        template["spec"]["subdomain"] = run.name
+
+    job_spec: dict[str, Any] = {
+        "backoffLimit": run.retries * run.nodes,
+        "activeDeadlineSeconds": run.timeout_seconds,
+        "ttlSecondsAfterFinished": TTL_AFTER_FINISHED_S,
+        "completions": run.nodes,
+        "parallelism": run.nodes,
+        "podFailurePolicy": {
+            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        },
+        "template": template,
     }
+    if multi_node:
+        job_spec["completionMode"] = "Indexed"
+
+    manifests: list[dict[str, Any]] = []
+    if multi_node:
+        manifests.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": run.name, "namespace": run.namespace, "labels": dict(run.labels)},
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": {"job-name": run.name},
+                    # Peers resolve each other while they start, before any readiness.
+                    "publishNotReadyAddresses": True,
+                    "ports": [{"name": "rendezvous", "port": MAIN_PROCESS_PORT, "targetPort": MAIN_PROCESS_PORT}],
+                },
+            }
+        )
+    manifests.append(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": run.name,
+                "namespace": run.namespace,
+                "labels": {**run.labels, **run.cost_labels},
+                "annotations": dict(SKIP_AWAIT),
+            },
+            "spec": job_spec,
+        }
+    )
+    return manifests
+
+
+def main_process_ip(run: GpuRun) -> str:
+    """Rank 0's stable DNS name: `<job>-<index>` hostname under the headless Service `<job>`."""
+    return f"{run.name}-0.{run.name}"
+
+
+def launch_args(run: GpuRun) -> list[str]:
+    """Arguments of `python -m trainer.launch`: recipe, processes per node, rendezvous, overrides, output dir."""
+    args = ["--recipe", run.recipe, "--nproc-per-node", str(run.gpus_per_node)]
+    if run.nodes > 1:
+        args += [
+            "--nnodes",
+            str(run.nodes),
+            "--node-rank",
+            f"$({NODE_RANK_ENV})",  # the kubelet expands it from the pod env (render_training_job)
+            "--main-process-ip",
+            main_process_ip(run),
+            "--main-process-port",
+            str(MAIN_PROCESS_PORT),
+        ]
+    for override in run.overrides:
+        args += ["--set", override]
+    # Last, so the stack's run directory always wins: the outputs below point there.
+    args += ["--set", f"output.dir={run.output_dir}"]
+    return args

@@ -1,15 +1,16 @@
-"""Kubernetes pieces both GKE workloads share: namespace, identity, the HF token Secret, GPU placement.
+"""What both GKE workloads call down into: the cluster and namespace, one run's values, its GPU pod.
 
+Flow of a workload (`infra.gke_job`, `infra.ray_job`): `declare_gke_base` (cluster, namespace, what pods
+wait for) → `gpu_run` (name, placement, labels; image and bucket as slots) → its own renderer, built on
+`trainer_container` and `gpu_pod_template` → `fill_slots` → `GkeBase.outputs`. Nothing here calls back.
 Decisions (why and sources: docs/decisions/gke-workload-identity-and-placement.md)
-- One namespace per stack (default `gft-<stack>`), so its Workload Identity principal is the stack's own.
-- Pods act as the trainer's Google service account through Workload Identity, bound on that account
-  only; it holds object access on the stack's bucket and nothing else.
+- One namespace per stack (default `gft-<stack>`), so its Workload Identity principal is the stack's own;
+  pods act as the trainer's Google service account (bound on that account only, bucket access only).
 - The HF token is the Kubernetes Secret `hf-secret`, read only through `secretKeyRef`.
 - Capacity by nodeSelectors (accelerator, count, driver; reservation, spot or flex-start labels); no
   tolerations (Autopilot adds them). A multi-node run's GPU pods share a zone.
 - Run names come from what a preview knows (`run_name`); image and bucket are slots (`fill_slots`).
-Not here: the workloads (`infra.gke_job`, `infra.ray_job`), Kueue, network policies, the GCS FUSE
-CSI driver (the trainer writes gs:// URIs with its Workload Identity credentials).
+Not here: Kueue, network policies, the GCS FUSE CSI driver (the trainer writes gs:// URIs itself).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pulumi
@@ -27,6 +28,7 @@ import pulumi_kubernetes as k8s
 from infra.config import Capacity, LoadedConfig, StackConfig
 from infra.foundation import Identity, iam_propagation_wait
 from infra.gke import AutopilotCluster, AutopilotClusterArgs
+from infra.pricing import cost_labels, gke_node_hour
 from trainer.recipe import recipe_sha256
 
 if TYPE_CHECKING:
@@ -46,6 +48,12 @@ RESERVATION_PROJECT_LABEL = "cloud.google.com/reservation-project"
 SPOT_LABEL = "cloud.google.com/gke-spot"
 FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
 GSA_ANNOTATION = "iam.gke.io/gcp-service-account"
+# Both workloads' objects: `pulumi up` does not wait for training; runs write under gs://BUCKET/runs/<run>.
+SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
+RUNS_PREFIX = "runs"
+ADAPTER_SUBDIR = "adapter"
+# A GPU pod's grace: the trainer saves the step it is on before SIGTERM's deadline (trainer/preemption.py).
+TERMINATION_GRACE_S = 600
 # The trainer image runs as uid 1000 (trainer/Dockerfile); Kubernetes checks it, nothing escalates.
 POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True}
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False}
@@ -291,18 +299,99 @@ class TrainingNamespace(pulumi.ComponentResource):
         )
 
 
+@dataclass(frozen=True)
+class GpuRun:
+    """One training run on whole GPU nodes, as plain values (the image and bucket as slots): what both
+    workloads render their manifests from."""
+
+    name: str
+    namespace: str
+    image: str
+    recipe: str
+    output_dir: str
+    gpus_per_node: int
+    nodes: int
+    node_selector: dict[str, str]
+    resources: dict[str, dict[str, str]]
+    service_account: str
+    hf_secret_name: str | None
+    retries: int
+    timeout_seconds: int
+    overrides: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    cost_labels: dict[str, str] = field(default_factory=dict)
+    """Price and limit labels, on the workload object's metadata only: a new price must not replace a run."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def gpu_run(cfg: StackConfig, namespace: TrainingNamespace, prefix: str, max_len: int, image_content: str) -> GpuRun:
+    """This stack's run: named by `run_name` (from `image_content`, never the digest), placed by
+    `gpu_node_selector` and `gpu_pod_resources`, writing under gs://BUCKET/runs/<name>."""
+    assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
+    name = run_name(prefix, cfg, image_content, max_len)
+    return GpuRun(
+        name=name,
+        namespace=cfg.namespace,
+        image=IMAGE_SLOT,
+        recipe=cfg.recipe,
+        output_dir=f"gs://{BUCKET_SLOT}/{RUNS_PREFIX}/{name}",
+        gpus_per_node=cfg.gpus_per_node,
+        nodes=cfg.nodes,
+        node_selector=gpu_node_selector(cfg),
+        resources=gpu_pod_resources(cfg),
+        service_account=namespace.service_account_name,
+        hf_secret_name=namespace.hf_secret_name,
+        retries=cfg.training_retries,
+        timeout_seconds=cfg.timeout_minutes * 60,
+        overrides=tuple(cfg.recipe_overrides),
+        labels={**common_labels(cfg, "training"), "gemma-finetune/recipe": cfg.recipe[:63]},
+        cost_labels=cost_labels(cfg, gke_node_hour(cfg), kubernetes=True),
+    )
+
+
+def trainer_container(name: str, run: GpuRun, resources: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """A container of the trainer image: unbuffered logs, the HF token by reference, no escalation."""
+    return {
+        "name": name,
+        "image": run.image,
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, *hf_token_env(run.hf_secret_name)],
+        "resources": resources,
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
+def gpu_pod_template(run: GpuRun, container: dict[str, Any], group: str) -> dict[str, Any]:
+    """The template of a pod that takes one whole GPU node: labelled with the run and its GPU `group`,
+    placed by the run's nodeSelector, and with nodes > 1 kept in the zone of the group's first pod."""
+    spec: dict[str, Any] = {
+        "serviceAccountName": run.service_account,
+        "nodeSelector": dict(run.node_selector),
+        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "containers": [container],
+    }
+    if run.nodes > 1:
+        spec["affinity"] = gpu_pods_same_zone(group)
+    return {"metadata": {"labels": {**run.labels, **gpu_pod_labels(group)}}, "spec": spec}
+
+
 @dataclass
 class GkeBase:
-    """What both GKE workloads stand on: the Autopilot cluster and the training namespace."""
+    """What both GKE workloads stand on: the Autopilot cluster, the training namespace, and what their
+    pods wait for besides (the foundation's APIs and every grant to the trainer's and nodes' accounts)."""
 
     cluster: AutopilotCluster
     namespace: TrainingNamespace
+    after: list[pulumi.Resource]
 
-    def outputs(self, cfg: StackConfig) -> dict[str, pulumi.Input[Any]]:
+    def outputs(self) -> dict[str, pulumi.Input[Any]]:
         return {
             "clusterName": self.cluster.name,
             "getCredentials": self.cluster.get_credentials,
-            "namespace": cfg.namespace,
+            "namespace": self.namespace.namespace,
         }
 
 
@@ -329,4 +418,5 @@ def declare_gke_base(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundat
             hf_token=loaded.hf_token,
         ),
     )
-    return GkeBase(cluster=cluster, namespace=namespace)
+    after = [*foundation.apis, *foundation.grants_to(Identity.TRAINER), *foundation.grants_to(Identity.NODES)]
+    return GkeBase(cluster=cluster, namespace=namespace, after=after)

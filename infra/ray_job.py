@@ -4,7 +4,8 @@
     kubectl get rayjob <rayJobName> -n gft-<stack>    # the exact commands are stack outputs
 
 Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-preemption.md)
-- Pure render functions to camelCase manifests, validated offline against KubeRay's schema and rules.
+- Top to bottom: `declare` → `RayTraining` → pure renderers of a `RayRunSpec` (a `gke_workload.GpuRun`
+  plus Ray's fields) to manifests, validated offline against KubeRay's schema and rules.
 - `rayCluster: ephemeral` (default): the RayJob brings its cluster and deletes it 60 s after the job
   ends; `standing`: a RayCluster `gemma-tuning` stays up (and bills) and the RayJob targets it.
 - One GPU worker per node, in one zone; a small head that runs no Ray tasks; the trainer image by digest.
@@ -17,7 +18,7 @@ Not here: Ray autoscaling, RayService / serving, Kueue.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pulumi
@@ -25,26 +26,24 @@ import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
-from infra.foundation import Identity, finished_run
-from infra.gke_job import TERMINATION_GRACE_S
+from infra.foundation import finished_run
 from infra.gke_workload import (
+    ADAPTER_SUBDIR,
     BUCKET_SLOT,
-    CONTAINER_SECURITY_CONTEXT,
     IMAGE_SLOT,
     POD_SECURITY_CONTEXT,
     RUN_LABEL,
-    TrainingNamespace,
-    common_labels,
+    RUNS_PREFIX,
+    SKIP_AWAIT,
+    TERMINATION_GRACE_S,
+    GkeBase,
+    GpuRun,
     declare_gke_base,
     fill_slots,
-    gpu_node_selector,
-    gpu_pod_labels,
-    gpu_pod_resources,
-    gpu_pods_same_zone,
-    hf_token_env,
-    run_name,
+    gpu_pod_template,
+    gpu_run,
+    trainer_container,
 )
-from infra.pricing import cost_labels, gke_node_hour
 from trainer.preemption import prestop_command
 
 if TYPE_CHECKING:
@@ -58,232 +57,73 @@ RAYJOB_NAME_MAX = 40
 STANDING_CLUSTER_NAME = "gemma-tuning"
 WORKER_GROUP = "gpu-group"
 RAY_STORAGE_PREFIX = "ray"
-RUNS_PREFIX = "runs"
-ADAPTER_SUBDIR = "adapter"
 CLUSTER_TTL_AFTER_FINISHED_S = 60
-SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
 HEAD_RESOURCES = {"cpu": "8", "memory": "32Gi", "ephemeral-storage": "9Gi"}
 HEAD_PORTS = [
     {"name": "gcs-server", "containerPort": 6379},
     {"name": "dashboard", "containerPort": 8265},
     {"name": "client", "containerPort": 10001},
 ]
-
-
-@dataclass(frozen=True)
-class RayRunSpec:
-    """Everything the Ray manifests depend on, as plain values."""
-
-    name: str
-    namespace: str
-    image: str
-    recipe: str
-    ray_version: str
-    nodes: int
-    gpus_per_node: int
-    node_selector: dict[str, str]
-    worker_resources: dict[str, dict[str, str]]
-    service_account: str
-    hf_secret_name: str | None
-    storage_path: str
-    output_dir: str
-    retries: int
-    timeout_seconds: int
-    standing_cluster: str | None = None
-    overrides: tuple[str, ...] = ()
-    labels: dict[str, str] = field(default_factory=dict)
-    cost_labels: dict[str, str] = field(default_factory=dict)
-    """Price and limit labels, on the RayJob's / RayCluster's metadata only (never in the pod templates)."""
-
-    @property
-    def num_workers(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-def entrypoint(spec: RayRunSpec) -> str:
-    """The command KubeRay submits: the trainer's Ray adapter with one Ray Train worker per GPU."""
-    args = [
-        "python",
-        "-m",
-        "trainer.ray_entry",
-        "--recipe",
-        spec.recipe,
-        "--num-workers",
-        str(spec.num_workers),
-        "--use-gpu",
-        "--storage-path",
-        spec.storage_path,
-        "--name",
-        spec.name,
-    ]
-    for override in spec.overrides:
-        args += ["--set", override]
-    args += ["--set", f"output.dir={spec.output_dir}"]
-    return shlex.join(args)
-
-
-def _ray_container(name: str, spec: RayRunSpec, resources: dict[str, dict[str, str]]) -> dict[str, Any]:
-    # No command: KubeRay writes `ray start …` from rayStartParams. It also mounts /dev/shm itself.
-    return {
-        "name": name,
-        "image": spec.image,
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, *hf_token_env(spec.hf_secret_name)],
-        "resources": resources,
-        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
-    }
-
-
-def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
-    """A fixed-size Ray cluster: a small CPU head and one whole-node GPU worker per node."""
-    head_resources = {"requests": dict(HEAD_RESOURCES), "limits": dict(HEAD_RESOURCES)}
-    head = _ray_container("ray-head", spec, head_resources)
-    head["ports"] = [dict(p) for p in HEAD_PORTS]
-    worker = _ray_container("ray-worker", spec, spec.worker_resources)
-    # Preemption: the hook holds SIGTERM back until the trainer saved the step (trainer/preemption.py).
-    worker["lifecycle"] = {"preStop": {"exec": {"command": prestop_command(wait_s=TERMINATION_GRACE_S - 30)}}}
-    run = spec.standing_cluster or spec.name
-    head_labels = {**spec.labels, RUN_LABEL: run}
-    worker_labels = {**spec.labels, **gpu_pod_labels(run)}
-    worker_pod: dict[str, Any] = {
-        "serviceAccountName": spec.service_account,
-        "nodeSelector": dict(spec.node_selector),
-        "securityContext": dict(POD_SECURITY_CONTEXT),
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
-        "containers": [worker],
-    }
-    if spec.nodes > 1:
-        # NCCL between GPU workers stays in one zone; the head is not selected, so it pins nothing.
-        worker_pod["affinity"] = gpu_pods_same_zone(run)
-    return {
-        "rayVersion": spec.ray_version,
-        "enableInTreeAutoscaling": False,
-        "headGroupSpec": {
-            # Strings only; num-cpus "0" keeps Ray tasks off the head (the driver still runs there).
-            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-            "template": {
-                "metadata": {"labels": head_labels},
-                "spec": {
-                    "serviceAccountName": spec.service_account,
-                    "securityContext": dict(POD_SECURITY_CONTEXT),
-                    "containers": [head],
-                },
-            },
-        },
-        "workerGroupSpecs": [
-            {
-                "groupName": WORKER_GROUP,
-                "replicas": spec.nodes,
-                "minReplicas": spec.nodes,
-                "maxReplicas": spec.nodes,
-                "rayStartParams": {},
-                "template": {
-                    "metadata": {"labels": worker_labels},
-                    "spec": worker_pod,
-                },
-            }
-        ],
-    }
-
-
 # A standing cluster holds its GPUs until deleted, by the user's choice (rayCluster: standing): the policy pack's
 # deadline rule passes such a workload only with this label (infra/policy/policies.py LONG_RUNNING_LABEL).
 LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
 
 
-def render_ray_cluster(spec: RayRunSpec) -> dict[str, Any]:
-    """The standing RayCluster (rayCluster: standing): long-running by choice, and labelled so."""
-    assert spec.standing_cluster is not None
-    return {
-        "apiVersion": RAY_API_VERSION,
-        "kind": "RayCluster",
-        "metadata": {
-            "name": spec.standing_cluster,
-            "namespace": spec.namespace,
-            "labels": {**spec.labels, **spec.cost_labels, LONG_RUNNING_LABEL: "true"},
-            "annotations": dict(SKIP_AWAIT),
-        },
-        "spec": render_ray_cluster_spec(spec),
-    }
-
-
-def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
-    """The RayJob: with its own cluster (ephemeral) or on the standing one (clusterSelector)."""
-    job_spec: dict[str, Any] = {
-        "entrypoint": entrypoint(spec),
-        "submissionMode": "K8sJobMode",
-        "activeDeadlineSeconds": spec.timeout_seconds,
-    }
-    if spec.standing_cluster is None:
-        job_spec["backoffLimit"] = spec.retries
-        job_spec["rayClusterSpec"] = render_ray_cluster_spec(spec)
-        job_spec["shutdownAfterJobFinishes"] = True
-        job_spec["ttlSecondsAfterFinished"] = CLUSTER_TTL_AFTER_FINISHED_S
-    else:
-        # KubeRay rejects a TTL without shutdownAfterJobFinishes (a standing cluster is never shut down by a job),
-        # and from v1.6 any backoffLimit > 0 with clusterSelector (validation.go ValidateRayJobSpec, PR #4527).
-        job_spec["clusterSelector"] = {"ray.io/cluster": spec.standing_cluster}
-        job_spec["shutdownAfterJobFinishes"] = False
-    return {
-        "apiVersion": RAY_API_VERSION,
-        "kind": "RayJob",
-        "metadata": {
-            "name": spec.name,
-            "namespace": spec.namespace,
-            "labels": {**spec.labels, **spec.cost_labels},
-            "annotations": dict(SKIP_AWAIT),
-        },
-        "spec": job_spec,
-    }
-
-
-def ray_spec_for(
-    cfg: StackConfig, image_content: str, image: str, bucket: str, service_account: str, hf_secret: str | None
-) -> RayRunSpec:
-    """The plain values for this stack's RayJob; the name derives from `image_content`, not from `image`."""
-    assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
-    name = run_name(RAYJOB_NAME_PREFIX, cfg, image_content, RAYJOB_NAME_MAX)
-    return RayRunSpec(
-        name=name,
-        namespace=cfg.namespace,
-        image=image,
-        recipe=cfg.recipe,
-        ray_version=cfg.ray_version,
-        nodes=cfg.nodes,
-        gpus_per_node=cfg.gpus_per_node,
-        node_selector=gpu_node_selector(cfg),
-        worker_resources=gpu_pod_resources(cfg),
-        service_account=service_account,
-        hf_secret_name=hf_secret,
-        storage_path=f"gs://{bucket}/{RAY_STORAGE_PREFIX}",
-        output_dir=f"gs://{bucket}/{RUNS_PREFIX}/{name}",
-        retries=cfg.training_retries,
-        timeout_seconds=cfg.timeout_minutes * 60,
-        standing_cluster=STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None,
-        overrides=tuple(cfg.recipe_overrides),
-        labels={**common_labels(cfg, "training"), "gemma-finetune/recipe": cfg.recipe[:63]},
-        cost_labels=cost_labels(cfg, gke_node_hour(cfg), kubernetes=True),
+def declare(
+    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
+) -> dict[str, pulumi.Input[Any]]:
+    """The ray-gemma3-vision workload: cluster with the Ray add-on, namespace pieces, RayJob; returns outputs."""
+    base = f"gft-{cfg.stack}"
+    gke = declare_gke_base(cfg, loaded, foundation)
+    cluster = gke.cluster
+    crds = CrdWait(base, CrdWaitArgs(kubeconfig=cluster.kubeconfig, crds=KUBERAY_CRDS, depends_on=[cluster.cluster]))
+    training = RayTraining(
+        base,
+        RayTrainingArgs(
+            cfg=cfg,
+            gke=gke,
+            image=images.trainer_image,
+            image_content=images.trainer_content,
+            bucket_name=foundation.bucket_name,
+            crds=crds.command,
+            bucket_kept=foundation.bucket_kept,
+        ),
     )
+    ns, job_name = cfg.namespace, training.job_name
+    standing = STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None
+    outputs: dict[str, pulumi.Input[Any]] = {
+        **gke.outputs(),
+        "rayJobName": job_name,
+        "rayWorkers": cfg.total_gpus,
+        "rayJobStatus": f"kubectl get rayjob {job_name} -n {ns}",
+        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
+        "dashboard": dashboard_command(ns, job_name, standing),
+        "checkpoints": training.checkpoints,
+        "runDir": training.run_dir,
+        "adapter": training.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
+    }
+    if standing is not None:
+        outputs["rayCluster"] = standing
+    if training.finished is not None:
+        outputs["trainingState"] = f"finished ({training.finished}): no RayJob started"
+    return outputs
 
 
 @dataclass
 class RayTrainingArgs:
     cfg: StackConfig
     """The validated stack configuration."""
-    provider: k8s.Provider
-    """The cluster's Kubernetes provider."""
-    cluster: pulumi.Resource
-    """The GKE cluster whose Ray add-on installs the KubeRay CRDs."""
-    namespace: TrainingNamespace
-    """Namespace, service account and HF Secret the Ray pods use (created first)."""
+    gke: GkeBase
+    """The cluster (its provider; its Ray add-on installs the KubeRay CRDs), the namespace pieces the Ray
+    pods use, and what they wait for besides: the APIs and every IAM grant to the trainer's and nodes' accounts."""
     image: pulumi.Input[str]
     """The trainer image (with Ray inside), pinned by digest."""
     image_content: str
     """`Images.trainer_content`: what the RayJob's name derives from (known in a preview)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: Ray checkpoints under gs://BUCKET/ray, the adapter under gs://BUCKET/runs."""
-    after: list[pulumi.Resource] = field(default_factory=list)
-    """What the Ray objects need in place besides the namespace pieces: the KubeRay CRDs Established
-    (`infra.crd_wait`), the APIs and every IAM grant to the trainer's and the nodes' service accounts."""
+    crds: pulumi.Resource
+    """The step that waits until the KubeRay CRDs are Established (`infra.crd_wait`)."""
     bucket_kept: bool = False
     """`Foundation.bucket_kept`: the bucket may hold this run finished (then no RayJob is declared)."""
 
@@ -302,47 +142,44 @@ class RayTraining(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: RayTrainingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:k8s:RayTraining", name, None, opts)
-        cfg = args.cfg
-        ns = args.namespace
-        spec = ray_spec_for(
-            cfg, args.image_content, IMAGE_SLOT, BUCKET_SLOT, ns.service_account_name, ns.hf_secret_name
+        cfg, gke = args.cfg, args.gke
+        spec = RayRunSpec(
+            run=gpu_run(cfg, gke.namespace, RAYJOB_NAME_PREFIX, RAYJOB_NAME_MAX, args.image_content),
+            ray_version=cfg.ray_version,
+            storage_path=f"gs://{BUCKET_SLOT}/{RAY_STORAGE_PREFIX}",
+            standing_cluster=STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None,
         )
         slots = {IMAGE_SLOT: args.image, BUCKET_SLOT: args.bucket_name}
-        self.job_name = spec.name
-        self.checkpoints = pulumi.Output.from_input(fill_slots(f"{spec.storage_path}/{spec.name}", slots))
-        self.run_dir = pulumi.Output.from_input(fill_slots(spec.output_dir, slots))
+        self.job_name = spec.run.name
+        self.checkpoints = pulumi.Output.from_input(fill_slots(f"{spec.storage_path}/{spec.run.name}", slots))
+        self.run_dir = pulumi.Output.from_input(fill_slots(spec.run.output_dir, slots))
 
-        depends: list[pulumi.Resource] = [args.cluster, *ns.ready, *args.after]
+        depends: list[pulumi.Resource] = [gke.cluster.cluster, *gke.namespace.ready, args.crds, *gke.after]
         self.ray_cluster = None
-        if cfg.ray_cluster is RayClusterMode.STANDING:
+        if spec.standing_cluster is not None:
             self.ray_cluster = self._custom_resource(
-                f"{name}-raycluster", "RayCluster", fill_slots(render_ray_cluster(spec), slots), args.provider, depends
+                f"{name}-raycluster", fill_slots(render_ray_cluster(spec), slots), gke.cluster.provider, depends
             )
             depends = [*depends, self.ray_cluster]
         # A finished run (an `up` after `destroy` with the bucket kept) gets no RayJob: its ephemeral cluster would
         # take the GPU nodes only for the entry point to find the marker and exit.
-        self.finished = finished_run(cfg, args.bucket_kept, f"{RUNS_PREFIX}/{spec.name}")
+        self.finished = finished_run(cfg, args.bucket_kept, f"{RUNS_PREFIX}/{spec.run.name}")
         self.ray_job = None
         if self.finished is None:
             self.ray_job = self._custom_resource(
-                f"{name}-rayjob", "RayJob", fill_slots(render_ray_job(spec), slots), args.provider, depends
+                f"{name}-rayjob", fill_slots(render_ray_job(spec), slots), gke.cluster.provider, depends
             )
         self.register_outputs({"job_name": self.job_name, "checkpoints": self.checkpoints, "run_dir": self.run_dir})
 
     def _custom_resource(
-        self,
-        name: str,
-        kind: str,
-        manifest: dict[str, Any],
-        provider: k8s.Provider,
-        depends: list[pulumi.Resource],
+        self, name: str, manifest: dict[str, Any], provider: k8s.Provider, depends: list[pulumi.Resource]
     ) -> k8s.apiextensions.CustomResource:
         """A KubeRay object. KubeRay ignores edits to a started job and does not roll a cluster's pods on
         template edits, so a changed spec replaces the object (deleted first: the name is content-derived)."""
         return k8s.apiextensions.CustomResource(
             name,
             api_version=RAY_API_VERSION,
-            kind=kind,
+            kind=manifest["kind"],
             metadata=manifest["metadata"],
             spec=manifest["spec"],
             opts=pulumi.ResourceOptions(
@@ -355,56 +192,117 @@ class RayTraining(pulumi.ComponentResource):
         )
 
 
+@dataclass(frozen=True)
+class RayRunSpec:
+    """Everything the Ray manifests depend on, as plain values: the GPU run and what Ray adds to it."""
+
+    run: GpuRun
+    ray_version: str
+    storage_path: str
+    standing_cluster: str | None = None
+
+
+def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
+    """The RayJob: with its own cluster (ephemeral) or on the standing one (clusterSelector)."""
+    run = spec.run
+    job_spec: dict[str, Any] = {
+        "entrypoint": entrypoint(spec),
+        "submissionMode": "K8sJobMode",
+        "activeDeadlineSeconds": run.timeout_seconds,
+    }
+    if spec.standing_cluster is None:
+        job_spec["backoffLimit"] = run.retries
+        job_spec["rayClusterSpec"] = render_ray_cluster_spec(spec)
+        job_spec["shutdownAfterJobFinishes"] = True
+        job_spec["ttlSecondsAfterFinished"] = CLUSTER_TTL_AFTER_FINISHED_S
+    else:
+        # KubeRay rejects a TTL without shutdownAfterJobFinishes (a standing cluster is never shut down by a job),
+        # and from v1.6 any backoffLimit > 0 with clusterSelector (validation.go ValidateRayJobSpec, PR #4527).
+        job_spec["clusterSelector"] = {"ray.io/cluster": spec.standing_cluster}
+        job_spec["shutdownAfterJobFinishes"] = False
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayJob",
+        "metadata": {
+            "name": run.name,
+            "namespace": run.namespace,
+            "labels": {**run.labels, **run.cost_labels},
+            "annotations": dict(SKIP_AWAIT),
+        },
+        "spec": job_spec,
+    }
+
+
+def render_ray_cluster(spec: RayRunSpec) -> dict[str, Any]:
+    """The standing RayCluster (rayCluster: standing): long-running by choice, and labelled so."""
+    assert spec.standing_cluster is not None
+    run = spec.run
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayCluster",
+        "metadata": {
+            "name": spec.standing_cluster,
+            "namespace": run.namespace,
+            "labels": {**run.labels, **run.cost_labels, LONG_RUNNING_LABEL: "true"},
+            "annotations": dict(SKIP_AWAIT),
+        },
+        "spec": render_ray_cluster_spec(spec),
+    }
+
+
+def entrypoint(spec: RayRunSpec) -> str:
+    """The command KubeRay submits: the trainer's Ray adapter with one Ray Train worker per GPU."""
+    run = spec.run
+    args = ["python", "-m", "trainer.ray_entry", "--recipe", run.recipe, "--num-workers", str(run.world_size)]
+    args += ["--use-gpu", "--storage-path", spec.storage_path, "--name", run.name]
+    for override in run.overrides:
+        args += ["--set", override]
+    args += ["--set", f"output.dir={run.output_dir}"]
+    return shlex.join(args)
+
+
+def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
+    """A fixed-size Ray cluster: a small CPU head and one whole-node GPU worker per node."""
+    run = spec.run
+    group = spec.standing_cluster or run.name
+    # No command: KubeRay writes `ray start …` from rayStartParams. It also mounts /dev/shm itself.
+    head = trainer_container("ray-head", run, {"requests": dict(HEAD_RESOURCES), "limits": dict(HEAD_RESOURCES)})
+    head["ports"] = [dict(p) for p in HEAD_PORTS]
+    worker = trainer_container("ray-worker", run, run.resources)
+    # Preemption: the hook holds SIGTERM back until the trainer saved the step (trainer/preemption.py).
+    worker["lifecycle"] = {"preStop": {"exec": {"command": prestop_command(wait_s=TERMINATION_GRACE_S - 30)}}}
+    return {
+        "rayVersion": spec.ray_version,
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": {
+            # Strings only; num-cpus "0" keeps Ray tasks off the head (the driver still runs there).
+            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+            "template": {
+                # The head carries the run's label but not the GPU group's: it pins no GPU worker's zone.
+                "metadata": {"labels": {**run.labels, RUN_LABEL: group}},
+                "spec": {
+                    "serviceAccountName": run.service_account,
+                    "securityContext": dict(POD_SECURITY_CONTEXT),
+                    "containers": [head],
+                },
+            },
+        },
+        "workerGroupSpecs": [
+            {
+                "groupName": WORKER_GROUP,
+                "replicas": run.nodes,
+                "minReplicas": run.nodes,
+                "maxReplicas": run.nodes,
+                "rayStartParams": {},
+                "template": gpu_pod_template(run, worker, group),
+            }
+        ],
+    }
+
+
 def dashboard_command(namespace: str, job_name: str, standing_cluster: str | None) -> str:
     """Port-forward to the Ray dashboard; an ephemeral cluster's name is in the RayJob's status."""
     if standing_cluster is not None:
         return f"kubectl port-forward -n {namespace} service/{standing_cluster}-head-svc 8265:8265"
     cluster = f"$(kubectl get rayjob {job_name} -n {namespace} -o jsonpath='{{.status.rayClusterName}}')"
     return f"kubectl port-forward -n {namespace} service/{cluster}-head-svc 8265:8265"
-
-
-def declare(
-    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
-) -> dict[str, pulumi.Input[Any]]:
-    """The ray-gemma3-vision workload: cluster with the Ray add-on, namespace pieces, RayJob; returns outputs."""
-    base = f"gft-{cfg.stack}"
-    gke = declare_gke_base(cfg, loaded, foundation)
-    cluster, namespace = gke.cluster, gke.namespace
-    crds = CrdWait(base, CrdWaitArgs(kubeconfig=cluster.kubeconfig, crds=KUBERAY_CRDS, depends_on=[cluster.cluster]))
-    training = RayTraining(
-        base,
-        RayTrainingArgs(
-            cfg=cfg,
-            provider=cluster.provider,
-            cluster=cluster.cluster,
-            namespace=namespace,
-            image=images.trainer_image,
-            image_content=images.trainer_content,
-            bucket_name=foundation.bucket_name,
-            after=[
-                crds.command,
-                *foundation.apis,
-                *foundation.grants_to(Identity.TRAINER),
-                *foundation.grants_to(Identity.NODES),
-            ],
-            bucket_kept=foundation.bucket_kept,
-        ),
-    )
-    ns, job_name = cfg.namespace, training.job_name
-    standing = STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None
-    outputs: dict[str, pulumi.Input[Any]] = {
-        **gke.outputs(cfg),
-        "rayJobName": job_name,
-        "rayWorkers": cfg.total_gpus,
-        "rayJobStatus": f"kubectl get rayjob {job_name} -n {ns}",
-        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
-        "dashboard": dashboard_command(ns, job_name, standing),
-        "checkpoints": training.checkpoints,
-        "runDir": training.run_dir,
-        "adapter": training.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
-    }
-    if standing is not None:
-        outputs["rayCluster"] = standing
-    if training.finished is not None:
-        outputs["trainingState"] = f"finished ({training.finished}): no RayJob started"
-    return outputs

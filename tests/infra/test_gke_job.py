@@ -348,8 +348,8 @@ class TestBadConfig:
 class TestRenderer:
     """`render_training_job` is pure: plain values in, manifests out."""
 
-    def spec(self, nodes: int) -> gke_job.TrainingJobSpec:
-        return gke_job.TrainingJobSpec(
+    def spec(self, nodes: int) -> gke_workload.GpuRun:
+        return gke_workload.GpuRun(
             name="train-x-0123abcd",
             namespace="ns",
             image=PREBUILT["trainerImage"],

@@ -58,3 +58,22 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     module = tmp_path / "program.py"
     module.write_text("def run():\n    from infra.offline.engine import run_stack\n    return run_stack\n")
     assert "infra.offline.engine" in imported_modules(module)
+
+
+GKE_WORKLOADS = ("infra.gke_job", "infra.ray_job")
+GKE_SHARED = ("infra.gke_workload", "infra.gke")
+
+
+def test_gke_workloads_call_down_into_the_shared_modules_only() -> None:
+    """Each GKE workload reads as one flow that calls down: the shared modules import no workload, and
+    neither workload imports the other (a constant both need lives in `infra.gke_workload`)."""
+    for shared in GKE_SHARED:
+        file = module_file(shared)
+        assert file is not None, shared
+        assert sorted(imported_modules(file) & set(GKE_WORKLOADS)) == [], f"{shared} imports a workload"
+    for workload in GKE_WORKLOADS:
+        file = module_file(workload)
+        assert file is not None, workload
+        others = set(GKE_WORKLOADS) - {workload}
+        assert sorted(imported_modules(file) & others) == [], f"{workload} imports the other workload"
+        assert "infra.gke_workload" in imported_modules(file)

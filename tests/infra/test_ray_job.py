@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from infra import ray_job
+from infra import gke_workload, ray_job
 from infra.offline.engine import MOCK_HF_TOKEN, StackRun, run_stack
 from tests.infra.conftest import PREBUILT, contains, plain_paths
 from tests.infra.k8s_validate import (
@@ -299,23 +299,22 @@ class TestStandingCluster:
 
 class TestRenderer:
     def test_pure(self) -> None:
-        spec = ray_job.RayRunSpec(
+        run = gke_workload.GpuRun(
             name="ft-x-0123abcd",
             namespace="ns",
             image=PREBUILT["trainerImage"],
             recipe="x",
-            ray_version="2.48.0",
-            nodes=1,
+            output_dir="gs://b/runs/ft-x-0123abcd",
             gpus_per_node=8,
+            nodes=1,
             node_selector={"cloud.google.com/gke-accelerator": "nvidia-b200"},
-            worker_resources={"limits": {"nvidia.com/gpu": "8"}, "requests": {"nvidia.com/gpu": "8"}},
+            resources={"limits": {"nvidia.com/gpu": "8"}, "requests": {"nvidia.com/gpu": "8"}},
             service_account="trainer",
             hf_secret_name=None,
-            storage_path="gs://b/ray",
-            output_dir="gs://b/runs/ft-x-0123abcd",
             retries=0,
             timeout_seconds=60,
         )
+        spec = ray_job.RayRunSpec(run=run, ray_version="2.48.0", storage_path="gs://b/ray")
         job = ray_job.render_ray_job(spec)
         validate_object(job)
         assert "--num-workers 8" in job["spec"]["entrypoint"]
