@@ -870,12 +870,14 @@ def _memory_problem(cfg: StackConfig) -> str | None:
         return None
     where = f"{cfg.total_gpus} x {cfg.gpu_type} (nodes={cfg.nodes} x gpusPerNode={cfg.gpus_per_node or 1})"
     if verdict.shape is None:
+        if cfg.preflight is not PreflightMode.STRICT:
+            return None  # the program warns that the fit was not checked
         name = recipe.model.name_or_path
         return (
             f"model.name_or_path={name!r}: {verdict.source}, so whether it fits {where} cannot be checked. Fix: a Gemma "
-            f"the memory model knows (docs/own-data.md, 'Which Gemma fits'), or its config.json in the Hugging Face "
-            f"cache (`hf download {name} config.json`), or a local model folder with its config.json in "
-            "model.name_or_path"
+            f"the memory model knows (docs/own-data.md, 'Which Gemma fits'); or its config.json in the Hugging Face "
+            f"cache of the machine that runs Pulumi (`hf download {name} config.json`); or, to go on unchecked (a run "
+            "that does not fit then fails at its first step), pulumi config set preflight warn"
         )
     fixes = memory_fixes(cfg, recipe)
     fix = (

@@ -27,7 +27,9 @@ def run() -> dict[str, Any]:
     cfg = loaded.cfg
     preflight.check(cfg)  # asks the cloud whether the configuration can work, before anything is declared
     verdict = stack_config.stack_memory_verdict(cfg)  # a run that does not fit failed in load(); this one does
-    if verdict is not None:
+    if verdict is not None and verdict.shape is None:  # preflight warn/off let an unknown shape through
+        pulumi.log.warn(f"memory per GPU not checked: {verdict.line()}")
+    elif verdict is not None:
         pulumi.log.info(f"memory per GPU: {verdict.line()}")
     name = f"gft-{cfg.stack}"
 

@@ -95,11 +95,15 @@ def _bars(max_loss: float | None, min_score: float | None) -> str:
 
 
 def _misses(run: RunEval, max_loss: float | None, min_score: float | None) -> list[str]:
-    """The bars `run` misses (a missing number misses none: that run is not gated on it)."""
+    """The bars `run` misses. A run without a loss is not gated on servingMaxEvalLoss; a run without a score (one
+    trained before runs scored themselves, or with evaluation.generate_rows 0) misses servingMinScore: it cannot
+    show the score the bar asks for, and an old unscored run must not win over newer scored ones."""
     misses = []
     if max_loss is not None and run.loss is not None and run.loss > max_loss:
         misses.append(f"above servingMaxEvalLoss={max_loss}")
-    if min_score is not None and run.score is not None and run.score < min_score:
+    if min_score is not None and run.score is None:
+        misses.append(f"no score for servingMinScore={min_score}")
+    elif min_score is not None and run.score is not None and run.score < min_score:
         misses.append(f"below servingMinScore={min_score}")
     return misses
 
@@ -123,9 +127,7 @@ def gate(
                 + ", ".join(f"{r} {of(r).shown()}" for r in reversed(finished))
                 + f". Fix: pulumi config set {setting} VALUE, or pulumi config set servingRunId {newest}"
             )
-        served = passing[-1]
-        unscored = [] if min_score is None or of(served).score is not None else [served]
-        note = f"run {served} has no score: servingMinScore={min_score} was not applied to it" if unscored else None
+        served, note = passing[-1], None
         if served == newest:
             return GateDecision(served, note=note)
         return GateDecision(

@@ -275,6 +275,7 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
 
     from trainer.checkpoints import OutputLocation, upload_dir
     from trainer.preemption import Preempted, acknowledge, preemption_callback
+    from trainer.run_eval import run_evaluation
     from trainer.train import SUMMARY_FILE, build_trainer, run_summary
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -311,13 +312,17 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
             acknowledge(notice)
         raise Preempted(preemption.stopped_at)
 
+    # every worker: the held-out loss and the answers are collectives over the Ray workers' process group
+    evaluation = run_evaluation(trainer, recipe, processor)
     adapter_dir = location.local / "adapter"
     trainer.save_model(str(adapter_dir))
     if trainer.is_world_process_zero():
         processor.save_pretrained(adapter_dir)
-        summary = run_summary(recipe, trainer, train_output, None, None, time.perf_counter() - started)
+        eval_loss = evaluation["after"]["loss"] if evaluation else None
+        summary = run_summary(recipe, trainer, train_output, eval_loss, None, time.perf_counter() - started)
         summary.update(
             {
+                "eval": evaluation,
                 "ray_workers": context.get_world_size(),
                 "epoch": trainer.state.epoch,
                 "resumed_from_ray": resume is not None,

@@ -404,7 +404,7 @@ USER_FORMAT_MAX_NEW_TOKENS = 256  # data.format messages / prompt-completion / c
 
 
 class EvaluationSpec(_Strict):
-    enabled: bool = True
+    enabled: bool = Field(True, description="false: the run evaluates nothing (no held-out loss, no answers)")
     max_samples: int = Field(50, gt=0)
     max_new_tokens: int | None = Field(
         None, gt=0, description="generation budget per answer; default by task (emoji 32, SQL and descriptions 512)"

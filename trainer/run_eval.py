@@ -32,7 +32,8 @@ BEFORE_PREFIX = "eval_before"  # trainer.evaluate's metric prefix for the base m
 
 
 def run_evaluation(trainer: SFTTrainer, recipe: Recipe, processing_class: Any) -> dict[str, Any] | None:
-    """`eval` of the run summary (see the module docstring), or None when the recipe holds out no rows.
+    """`eval` of the run summary (see the module docstring), or None when the recipe holds out no rows or turns the
+    evaluation off (`evaluation.enabled: false`: no held-out loss, no answers; the GPU check's timed runs).
 
     Every rank calls it (the loss and the answers are collectives under DDP and FSDP)."""
     from trl.models.utils import unwrap_model_for_generation
@@ -40,9 +41,9 @@ def run_evaluation(trainer: SFTTrainer, recipe: Recipe, processing_class: Any) -
     from trainer.evaluate import held_out_rows, score_name, sharded_answers, text_scores
     from trainer.formatting import prompt_messages, reference_text
 
-    if trainer.eval_dataset is None:
-        return None
     task, spec = recipe.data.task, recipe.evaluation
+    if trainer.eval_dataset is None or not spec.enabled:
+        return None
     rows = held_out_rows(recipe, spec.generate_rows) if spec.generate_rows else []
     prompts = [{**conversation, "messages": prompt_messages(conversation)} for conversation, _ in rows]
 

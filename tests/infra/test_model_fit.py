@@ -171,7 +171,23 @@ def test_an_unknown_remote_model_is_refused_with_the_reason(tmp_path: Path, monk
     assert (
         "Fix: a Gemma the memory model knows" in message
         and "`hf download someone/gemma-3-9b-custom config.json`" in message
+        and "pulumi config set preflight warn" in message
     )
+
+
+def test_preflight_warn_lets_an_unknown_model_through_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CI runner has no Hugging Face cache: with `preflight: warn` the unknown model is planned, and said unchecked."""
+    import pulumi
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    warned: list[str] = []
+    monkeypatch.setattr(pulumi.log, "warn", lambda message, *args, **kwargs: warned.append(message))
+    overrides = {"recipeOverrides": ["model.name_or_path=someone/gemma-3-9b-custom"], "preflight": "warn"}
+    run = run_stack("dev", overrides=overrides)
+    assert any(r.type == "gcp:cloudrunv2/job:Job" for r in run.resources)
+    assert [m for m in warned if m.startswith("memory per GPU not checked: someone/gemma-3-9b-custom: ")], warned
 
 
 def test_an_unknown_local_model_folder_is_read_from_its_config_json(tmp_path: Path) -> None:

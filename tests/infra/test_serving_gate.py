@@ -158,6 +158,15 @@ def test_serving_min_score_replaces_the_comparison() -> None:
         run_stack("dev", overrides=both, bucket_objects=objects)
 
 
+def test_an_unscored_run_does_not_pass_serving_min_score() -> None:
+    """A run from before runs scored themselves (no `eval`) cannot show the score the bar asks for: with newer
+    scored runs below the bar it must not be served, the bar's error names it, and scored runs above it win."""
+    old_unscored = {**finished(A, 1.20), **finished(B, 0.80, score=0.60), **finished(C, 0.70, score=0.65)}
+    with pytest.raises(pulumi.RunError, match=rf"servingMinScore=0\.7: .*{A} .*Fix: "):
+        run_stack("dev", overrides={**SERVING, "servingMinScore": "0.7"}, bucket_objects=old_unscored)
+    assert _served(run_stack("dev", overrides={**SERVING, "servingMinScore": "0.6"}, bucket_objects=old_unscored)) == C
+
+
 def test_the_override_serves_a_run_with_a_lower_score() -> None:
     objects = {**finished(A, 0.80, score=0.60), **finished(B, 0.70, score=0.40)}
     for extra in ({}, {"servingMinScore": "0.5"}):

@@ -274,7 +274,11 @@ def test_a_preempted_worker_pod_saves_the_step_it_had_and_the_restart_resumes_th
     spec = parse_args(
         [*planned, "--num-workers", "2", "--no-use-gpu", "--storage-path", str(storage), "--max-failures", "1",
          "--set", "distributed.world_size=2", "--set", f"training.max_steps={max_steps}",
-         "--set", "training.save_steps=1000", "--set", "quantization=null", "--set", f"output.dir=file://{out}"],
+         "--set", "training.save_steps=1000", "--set", "quantization=null", "--set", f"output.dir=file://{out}",
+         # 2 rows held out of 10 (8 train, as in the other runs): the run scores itself on images after training
+         # (bf16 LoRA here: bitsandbytes' CPU 4-bit inference kernel needs wider layers than the tiny model's)
+         "--set", "data.max_rows=10", "--set", "data.eval_rows=2", "--set", "evaluation.generate_rows=2",
+         "--set", "evaluation.max_new_tokens=3", "--set", "evaluation.batch_size=1"],
         env={},
     )  # fmt: skip
     spec = dataclasses.replace(spec, preemption_notice=str(notice))
@@ -324,3 +328,7 @@ def test_a_preempted_worker_pod_saves_the_step_it_had_and_the_restart_resumes_th
         assert second["start_step"] == step and second["steps"] == list(range(step + 1, max_steps + 1)), second
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["resumed_from_step"] == step and summary["steps"] == max_steps, summary
+    # the run scored itself, base and tuned, on its 2 held-out products (each worker answers one)
+    evaluation = summary["eval"]
+    assert evaluation["generated_rows"] == 2 and summary["eval_loss"] == evaluation["after"]["loss"] > 0
+    assert evaluation["before"]["loss"] > 0 and len(evaluation["examples"]) == 2, evaluation

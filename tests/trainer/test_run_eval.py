@@ -57,6 +57,20 @@ class TestMetrics:
         assert load_recipe("emoji-local", ["evaluation.generate_rows=0"]).evaluation.generate_rows == 0
 
 
+def test_evaluation_off_evaluates_nothing() -> None:
+    """`evaluation.enabled: false` (the GPU check's timed runs): no held-out loss, no answers, no forward at all."""
+    from trainer.run_eval import run_evaluation
+
+    class NoForward:
+        eval_dataset = ("a held-out row",)
+
+        def evaluate(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("evaluated although evaluation.enabled is false")
+
+    recipe = load_recipe("emoji-local", ["evaluation.enabled=false"])
+    assert run_evaluation(NoForward(), recipe, None) is None  # type: ignore[arg-type]
+
+
 @pytest.mark.slow
 def test_a_messages_run_summary_holds_the_base_and_the_tuned_scores(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
     from trainer.evaluate import evaluate
