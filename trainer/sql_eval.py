@@ -201,7 +201,7 @@ class UnsupportedStatement(ValueError):
     """A statement the evaluator refuses to run (unparsed Command, PRAGMA, ATTACH, more than one, ...)."""
 
 
-def _parse(sql: str) -> list[exp.Expression]:
+def _parse(sql: str) -> list[exp.Expr]:
     statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
     for statement in statements:
         if isinstance(statement, exp.Command):
@@ -211,11 +211,11 @@ def _parse(sql: str) -> list[exp.Expression]:
     return statements
 
 
-def _access(statement: exp.Expression) -> _Access:
+def _access(statement: exp.Expr) -> _Access:
     return _Access.READ if isinstance(statement, exp.Query) else _Access.CHANGE
 
 
-def _to_sqlite_text(statement: exp.Expression) -> str:
+def _to_sqlite_text(statement: exp.Expr) -> str:
     return statement.transform(_rewrite).sql(dialect="sqlite")
 
 
