@@ -7,8 +7,8 @@ Decisions (sources and the publication order they rely on: docs/decisions/servin
   that one's loss is not higher and, when both have the same score metric, its score not lower: what a `pulumi up`
   after each finished run would have served, from any checkout and after a lost state.
 - `servingMaxEvalLoss` / `servingMinScore`, when set, replace the comparison (the newest run meeting both is
-  served; none is an error with the fix). A run without a loss is not gated; without a score, the loss alone
-  decides. `servingRunId` always wins.
+  served; none is an error with the fix). A run without a loss is not gated; in the comparison a run without a
+  score is judged on its loss, and it never meets `servingMinScore`. `servingRunId` always wins.
 - When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was worse,
   and the override (`pulumi config set servingRunId RUN`).
 """

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from infra.offline.engine import MOCK_HF_TOKEN, StackRun, is_secret, run_stack, stack_names, unwrap_secrets
+from infra.offline.engine import MOCK_HF_TOKEN, REPO_ROOT, StackRun, is_secret, run_stack, stack_names, unwrap_secrets
 
 PREBUILT = {
     "imageBuild": "prebuilt",
@@ -127,3 +129,15 @@ def all_runs() -> list[StackRun]:
 
 
 __all__ = ["MOCK_HF_TOKEN", "PREBUILT", "contains", "plain_paths"]
+
+
+@pytest.fixture
+def own_dir() -> Iterator[Path]:
+    """A folder of the repository outside trainer/recipes/ (under build/, which git ignores), for a user's recipe."""
+    import shutil
+    import uuid
+
+    folder = REPO_ROOT / "build" / "own-recipe-tests" / uuid.uuid4().hex[:8]
+    folder.mkdir(parents=True)
+    yield folder
+    shutil.rmtree(folder)

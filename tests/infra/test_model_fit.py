@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ import pytest
 from infra.config import ConfigError, validate
 from infra.offline import plan
 from infra.offline.engine import REPO_ROOT, project_defaults, run_stack, stack_file_config
+from tests.infra.test_own_recipe import dev_recipe
 
 GEMMA3_27B = "model.name_or_path=google/gemma-3-27b-it"
 
@@ -80,26 +78,8 @@ def test_the_same_through_make_plan(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "Fix: pulumi config set gpuType nvidia-rtx-pro-6000" in err
 
 
-@pytest.fixture
-def own_dir() -> Iterator[Path]:
-    """A folder of the repository outside trainer/recipes/ (under build/, which git ignores)."""
-    folder = REPO_ROOT / "build" / "model-fit-tests" / uuid.uuid4().hex[:8]
-    folder.mkdir(parents=True)
-    yield folder
-    shutil.rmtree(folder)
-
-
 def test_a_users_recipe_file_naming_gemma3_27b_on_dev_is_refused(own_dir: Path) -> None:
-    template = (REPO_ROOT / "trainer/recipes/templates/my-data-dev.yaml").read_text()
-    text = template.replace("google/gemma-3-1b-it", "google/gemma-3-27b-it")
-    text = text.replace(
-        "path: gs://your-bucket/my-data/train-*.jsonl", "path: trainer/samples/own/tickets-messages.jsonl"
-    )
-    text = (
-        text.replace("  rows: 2000", "")
-        .replace("eval_rows: 100", "eval_rows: 8")
-        .replace("save_steps: 50", "save_steps: 4")
-    )
+    text = dev_recipe().replace("google/gemma-3-1b-it", "google/gemma-3-27b-it")  # the template, on the tickets
     recipe = own_dir / "tickets-27b.yaml"
     recipe.write_text(text)
     with pytest.raises(ConfigError, match=r"recipe 'tickets-27b' does not fit 1 x nvidia-l4") as info:

@@ -8,8 +8,6 @@ Every test runs the real program under the project's mocks (infra/offline/engine
 from __future__ import annotations
 
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,15 +26,6 @@ def dev_recipe(data_lines: str = f"path: {TICKETS}\n  eval_rows: 8") -> str:
     text = text.replace("path: gs://your-bucket/my-data/train-*.jsonl", data_lines.split("\n", 1)[0])
     text = text.replace("  rows: 2000", "").replace("  eval_rows: 100", "  " + data_lines.split("\n", 1)[1].strip())
     return text.replace("max_samples: 50", "max_samples: 8").replace("save_steps: 50", "save_steps: 4")
-
-
-@pytest.fixture
-def own_dir() -> Iterator[Path]:
-    """A folder of the repository outside trainer/recipes/ (under build/, which git ignores)."""
-    folder = REPO_ROOT / "build" / "own-recipe-tests" / uuid.uuid4().hex[:8]
-    folder.mkdir(parents=True)
-    yield folder
-    shutil.rmtree(folder)
 
 
 def _rel(path: Path) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -118,12 +119,15 @@ def overrides(model_dir: Path, out_dir: Path, max_steps: int) -> list[str]:
     ]
 
 
-def launch(tmp_path: Path, model_dir: Path, out_dir: Path, max_steps: int, gather_log: Path) -> str:
+def launch(
+    tmp_path: Path, model_dir: Path, out_dir: Path, max_steps: int, gather_log: Path, extra: Sequence[str] = ()
+) -> str:
+    """Both ranks by the real launcher on CPU processes made FSDP2 (`FSDP_ON_CPU`); `extra` overrides win."""
     from trainer import launch as launcher
 
     argv = ["--recipe", RECIPE, "--nproc-per-node", str(NPROC), "--main-process-port", str(free_port())]
     argv += ["--config-out", str(tmp_path / f"accelerate-{max_steps}.yaml")]
-    for item in overrides(model_dir, out_dir, max_steps):
+    for item in [*overrides(model_dir, out_dir, max_steps), *extra]:
         argv += ["--set", item]
     plan = launcher.plan(launcher.parse_args(argv), env={})
     fsdp = plan.config["fsdp_config"]

@@ -117,61 +117,21 @@ def test_two_fsdp_ranks_share_the_answers_and_rank_0_writes_them_all(tiny_gemma4
     view): 3 rows answered, rank 0 the first 2 and rank 1 the third (and a repeat, dropped), every forward in step;
     the summary holds all 3, and the answers are the evaluator's on the base model's folder (adapter off) and on
     the adapter the run saved (adapter on)."""
-    import os
-    import subprocess
-
-    from demo.local_server import free_port
-    from tests.trainer.test_fsdp_checkpoint import FSDP_ON_CPU, RECIPE
-    from trainer import launch as launcher
+    from tests.trainer.test_fsdp_checkpoint import RECIPE, launch, overrides
     from trainer.evaluate import evaluate
-    from trainer.recipe import REPO_ROOT
 
     out = tmp_path / "run"
-    overrides = [
-        f"model.name_or_path={tiny_gemma4_dir}",
-        "model.dtype=float32",
-        "distributed.strategy=fsdp",
-        "data.source=local",
-        "data.path=trainer/samples/text_to_sql.jsonl",
-        "data.max_rows=40",
+    evaluated = [
         "data.eval_rows=4",
-        "training.max_steps=2",
         "training.save_steps=2",
         "training.learning_rate=0.05",
         "training.warmup_ratio=0.0",
-        "training.eval_steps=null",
-        "training.gradient_accumulation_steps=1",
-        "training.optim=adamw_torch",
-        "training.report_to=[]",
-        "distributed.world_size=2",
         "evaluation.generate_rows=3",
         "evaluation.max_new_tokens=5",
         "evaluation.batch_size=2",
         "output.merge=false",
-        f"output.dir={out}",
     ]
-    argv = ["--recipe", RECIPE, "--nproc-per-node", "2", "--main-process-port", str(free_port())]
-    argv += ["--config-out", str(tmp_path / "acc.yaml")]
-    for item in overrides:
-        argv += ["--set", item]
-    plan = launcher.plan(launcher.parse_args(argv), env={})
-    assert plan.config["distributed_type"] == "FSDP"
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(FSDP_ON_CPU)
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{inject}{os.pathsep}{REPO_ROOT}",
-        "ACCELERATE_USE_CPU": "true",  # the CPU processes, over gloo; the sitecustomize makes it FSDP
-        "GATHER_LOG": str(tmp_path / "gathers.jsonl"),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
-    done = subprocess.run(plan.command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=540)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-8000:]
+    output = launch(tmp_path, tiny_gemma4_dir, out, 2, tmp_path / "gathers.jsonl", extra=evaluated)
     # each side (base, tuned): rank 0 answers rows 1-2, rank 1 row 3 (its second share is a repeat, dropped)
     assert output.count("rank 0 of 2 answers held-out rows 1-2 of 3") == 2, output[-8000:]
     assert output.count("rank 1 of 2 answers held-out rows 3-3 of 3") == 2, output[-8000:]
@@ -180,7 +140,7 @@ def test_two_fsdp_ranks_share_the_answers_and_rank_0_writes_them_all(tiny_gemma4
     assert set(run_eval["after"]) == {"loss", "exact_match", "rouge_l_f1", "execution_match"}
     assert run_eval["after"]["loss"] < run_eval["before"]["loss"]
 
-    recipe = load_recipe(RECIPE, overrides)
+    recipe = load_recipe(RECIPE, [*overrides(tiny_gemma4_dir, out, 2), *evaluated])
     base = evaluate(tiny_gemma4_dir, recipe, max_samples=3, out=tmp_path / "base.json")
     tuned = evaluate(out / "adapter", recipe, max_samples=3, out=tmp_path / "tuned.json")
     assert [e["before"] for e in run_eval["examples"]] == [p["prediction"] for p in base["predictions"]]
