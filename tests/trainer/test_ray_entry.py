@@ -169,6 +169,9 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
     from trainer.ray_entry import run
 
     monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "1")
+    # Ray Train's controller polls the workers every 2 s (ray/train/v2/_internal/constants.py); each attempt's
+    # end is seen sooner at 0.5 s, the driver passes it on (get_env_vars_to_propagate)
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     record, out, storage = tmp_path / "record", tmp_path / "out", tmp_path / "ray"
     record.mkdir()
     planned = shlex.split(ray_plan.entrypoint)[3:]
@@ -265,11 +268,15 @@ def test_a_preempted_worker_pod_saves_the_step_it_had_and_the_restart_resumes_th
     from trainer.ray_entry import run
 
     monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "1")
+    # Ray Train's controller polls the workers every 2 s (ray/train/v2/_internal/constants.py); each attempt's
+    # end is seen sooner at 0.5 s, the driver passes it on (get_env_vars_to_propagate)
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     record, out, storage = tmp_path / "record", tmp_path / "out", tmp_path / "ray"
     record.mkdir()
     notice = tmp_path / "pod-tmp" / "preemption"
     notice.parent.mkdir()
-    max_steps, hook_at = 8, 2
+    # the claim needs hook_at + 2 < max_steps (the hook may land up to 2 steps late) and steps after the resume
+    max_steps, hook_at = 6, 2
     planned = shlex.split(ray_plan.entrypoint)[3:]
     spec = parse_args(
         [*planned, "--num-workers", "2", "--no-use-gpu", "--storage-path", str(storage), "--max-failures", "1",
