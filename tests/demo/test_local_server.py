@@ -1,6 +1,7 @@
 """demo/local_server.py on a tiny Gemma 3: a real server on 127.0.0.1, queried by serving/client.py.
 
-Every test checks that nothing is left running: the process group is gone and the port is free.
+Every test checks that nothing is left running: the process group is gone and the port is free (the tests that
+only ask a server share one, checked when their class ends).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,14 +78,20 @@ def _assert_stopped(pid: int, port: int) -> None:
 
 
 class TestServesTheModel:
-    def test_models_chat_and_shape(self, tiny_model_dir: Path, tmp_path: Path) -> None:
-        log = tmp_path / "server.log"
-        with LocalServer(tiny_model_dir, log_path=log) as server:
-            assert server.url.startswith("http://127.0.0.1:")
-            assert list_models(server.url) == ["gemma"]
-            body = chat_completion(server.url, USER, max_tokens=6)
-            answer = chat(server.url, USER, max_tokens=6)
+    @pytest.fixture(scope="class")
+    def server(self, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
+        """ONE server (default name, a picked port) for the tests that only ask it; checked stopped at the end."""
+        with LocalServer(tiny_model_dir, log_path=tmp_path_factory.mktemp("server") / "server.log") as server:
             pid, port = server.pid, server.port
+            yield server
+        assert pid is not None
+        _assert_stopped(pid, port)
+
+    def test_models_chat_and_shape(self, server: LocalServer) -> None:
+        assert server.url.startswith("http://127.0.0.1:")
+        assert list_models(server.url) == ["gemma"]
+        body = chat_completion(server.url, USER, max_tokens=6)
+        answer = chat(server.url, USER, max_tokens=6)
         assert body["object"] == "chat.completion" and body["model"] == "gemma"
         choice = body["choices"][0]
         assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
@@ -91,18 +99,15 @@ class TestServesTheModel:
         assert body["usage"]["completion_tokens"] <= 6
         assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
         assert answer == choice["message"]["content"], "greedy decoding is repeatable"
-        assert "POST /v1/chat/completions" in log.read_text()
-        assert pid is not None
-        _assert_stopped(pid, port)
+        assert server.log_path is not None and "POST /v1/chat/completions" in Path(server.log_path).read_text()
 
-    def test_unknown_model_and_bad_request(self, tiny_model_dir: Path) -> None:
-        with LocalServer(tiny_model_dir) as server:
-            with pytest.raises(NotFoundError, match="The model `other` does not exist"):
-                chat(server.url, USER, model="other")
-            with pytest.raises(ClientError, match=r"HTTP 400.*max_tokens=100000"):
-                chat(server.url, USER, max_tokens=100_000)
-            # the server survives bad requests
-            assert list_models(server.url) == ["gemma"]
+    def test_unknown_model_and_bad_request(self, server: LocalServer) -> None:
+        with pytest.raises(NotFoundError, match="The model `other` does not exist"):
+            chat(server.url, USER, model="other")
+        with pytest.raises(ClientError, match=r"HTTP 400.*max_tokens=100000"):
+            chat(server.url, USER, max_tokens=100_000)
+        # the server survives bad requests
+        assert list_models(server.url) == ["gemma"]
 
     def test_given_port_and_name(self, tiny_model_dir: Path) -> None:
         port = free_port()
@@ -186,11 +191,13 @@ class TestAlwaysStops:
         assert pid is not None
         _assert_stopped(pid, port)
 
-    def test_keyboard_interrupt_inside_the_block(self, tiny_model_dir: Path) -> None:
+    def test_keyboard_interrupt_inside_the_block_and_stop_twice(self, tiny_model_dir: Path) -> None:
+        """Ctrl-C inside the block stops the server; a second stop() (a caller's own clean-up) is a no-op."""
         with pytest.raises(KeyboardInterrupt), LocalServer(tiny_model_dir) as server:
             pid, port = server.pid, server.port
             raise KeyboardInterrupt
-        assert pid is not None
+        server.stop()
+        assert pid is not None and server.pid is None
         _assert_stopped(pid, port)
 
     def test_startup_timeout_stops_the_child(self, tiny_model_dir: Path) -> None:
@@ -198,11 +205,6 @@ class TestAlwaysStops:
         with pytest.raises(LocalServerError, match="not ready within"):
             server.start()
         assert server.pid is None
-
-    def test_stop_twice(self, tiny_model_dir: Path) -> None:
-        server = LocalServer(tiny_model_dir).start()
-        server.stop()
-        server.stop()
 
     @pytest.mark.slow
     def test_child_exits_when_the_keeper_is_killed(self, tiny_model_dir: Path) -> None:

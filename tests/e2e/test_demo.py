@@ -62,26 +62,43 @@ def _tensor(folder: Path, suffix: str) -> Any:
     raise AssertionError(f"no tensor ending in {suffix} in {folder}")
 
 
-@pytest.mark.slow
-@pytest.mark.gemma3_270m
-def test_demo_pipeline(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def demo_270m_on_the_users_file(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path, list[str]]:
+    """ONE real `make demo DATA=my.jsonl` run on the 270M (a subprocess, as the user runs it), read by two tests.
+
+    The 270M is trained and served once per module instead of twice: the default data path (emoji-local, the seed
+    prompt, emoji F1) is the same orchestration, proven on a tiny model below, and emoji-local on the real 270M
+    is trained, merged and scored in tests/trainer/test_local_model.py.
+    """
+    tmp_path = tmp_path_factory.mktemp("demo-270m")
+    (tmp_path / "my.jsonl").write_text(TICKETS.read_text())
     out = tmp_path / "demo"
+    argv = ["--data", str(tmp_path / "my.jsonl"), "--max-steps", "2", "--eval-samples", "2", "--port", "0",
+            "--max-tokens", "8", "--output-dir", str(out)]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "demo.pipeline", "--max-steps", "2", "--eval-samples", "2", "--port", "0",
-         "--max-tokens", "8", "--output-dir", str(out)],
+        [sys.executable, "-m", "demo.pipeline", *argv],
         # a bound, not an expectation: 180 s at load average ~2-3, 450 s at 5-10 before the speed-ups
         cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
+    return done, out, argv
+
+
+@pytest.mark.slow
+@pytest.mark.gemma3_270m
+def test_demo_pipeline(demo_270m_on_the_users_file: tuple[subprocess.CompletedProcess[str], Path, list[str]]) -> None:
+    """The real 270M end to end: the report, the real HTTP answer, an export that LoRA changed, nothing left running."""
+    done, out, _ = demo_270m_on_the_users_file
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     # the report: answer, scores, outputs, next steps
-    assert "Answer : " in done.stdout and "Before : emoji F1" in done.stdout and "After  : emoji F1" in done.stdout
+    assert "Answer : " in done.stdout and "Before : " in done.stdout and "After  : " in done.stdout
     assert "pulumi config set --secret hfToken" in done.stdout and "pulumi destroy" in done.stdout
 
     # the real HTTP response, as the client received it
     summary = json.loads((out / "demo_summary.json").read_text())
     response = summary["response"]
-    assert summary["prompt"] == demo.SEED_PROMPT
     assert response["object"] == "chat.completion" and response["model"] == "gemma"
     choice = response["choices"][0]
     assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
@@ -96,6 +113,19 @@ def test_demo_pipeline(tmp_path: Path) -> None:
     # exported as the cloud expects, and actually trained
     merged, base = out / "merged", Path(summary["paths"]["base_model"])
     assert (merged / COMPLETION_MARKER).is_file() and (merged / "config.json").is_file()
+    _assert_lora_merged(merged, base)
+
+    # the loss curve and the trainer's run summary
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    run_summary = json.loads((out / "run_summary.json").read_text())
+    assert run_summary["steps"] == 2
+
+    # nothing left running
+    assert _server_pids(str(out)) == []
+
+
+def _assert_lora_merged(merged: Path, base: Path) -> None:
+    """The merged LoRA target differs from the base; a weight LoRA does not target is the base's, bit for bit."""
     merged_q = _tensor(merged, "layers.0.self_attn.q_proj.weight")
     base_q = _tensor(base, "layers.0.self_attn.q_proj.weight").to(merged_q.dtype)
     assert merged_q.shape == base_q.shape
@@ -109,14 +139,6 @@ def test_demo_pipeline(tmp_path: Path) -> None:
     assert (untouched_m.float() - untouched_b.to(untouched_m.dtype).float()).abs().max().item() == 0, (
         "a weight LoRA does not target changed: the merge is not what the recipe trained"
     )
-
-    # the loss curve and the trainer's run summary
-    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
-    run_summary = json.loads((out / "run_summary.json").read_text())
-    assert run_summary["steps"] == 2
-
-    # nothing left running
-    assert _server_pids(str(out)) == []
 
 
 def _fake_pipeline(monkeypatch: pytest.MonkeyPatch, model_dir: Path, failure: BaseException) -> dict[str, Any]:
@@ -169,7 +191,8 @@ def test_failure_after_the_server_started_leaves_nothing_running(
     _wait_port_free(seen["port"])
 
 
-@pytest.mark.parametrize("scoring_fails", [pytest.param(False, marks=pytest.mark.slow), True])
+# the run that succeeds (scoring_fails=False) is the real default demo below, which checks the same overlap
+@pytest.mark.parametrize("scoring_fails", [True])
 def test_the_server_loads_while_the_fine_tuned_model_is_scored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scoring_fails: bool
 ) -> None:
@@ -288,20 +311,66 @@ def test_the_demo_trains_scores_and_serves_the_users_file(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.gemma3_270m
-def test_make_demo_data_fine_tunes_the_270m_on_the_users_file(tmp_path: Path) -> None:
-    """`make demo DATA=my.jsonl`, as the user types it: the real 270M on this CPU, on their file."""
-    (tmp_path / "my.jsonl").write_text(TICKETS.read_text())
+def test_the_default_demo_trains_scores_and_serves_the_emoji_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make demo` without DATA: emoji-local, the seed prompt, emoji F1; the real trainer, evaluator, server and
+    client, a tiny model standing in for the built 270M (which the 270M tests above and test_local_model.py run)."""
+    import trainer.local_model
+
+    model_dir = build_tiny_gemma(tmp_path / "tiny")
+    monkeypatch.setenv("GEMMA_FT_CACHE", str(tmp_path / "cache"))  # the tiny base's scores stay out of the real cache
+    monkeypatch.setattr(trainer.local_model, "ensure_local_model", lambda *a, **k: model_dir)
     out = tmp_path / "demo"
-    done = subprocess.run(
-        [sys.executable, "-m", "demo.pipeline", "--data", str(tmp_path / "my.jsonl"), "--max-steps", "2",
-         "--eval-samples", "2", "--port", "0", "--max-tokens", "4", "--output-dir", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
+    real_score, servers_while_scoring_after = demo.score, []
+
+    def scoring(model: Path, recipe: Any, result_file: Path, **kwargs: Any) -> dict[str, Any]:
+        if result_file.name == "eval_after.json":
+            servers_while_scoring_after.append(_server_pids(str(out)))
+        return real_score(model, recipe, result_file, **kwargs)
+
+    monkeypatch.setattr(demo, "score", scoring)
+    argv = ["--max-steps", "2", "--eval-samples", "2", "--max-tokens", "8", "--port", "0", "--output-dir", str(out)]
+    assert demo.main(argv) == 0
+    assert [len(pids) for pids in servers_while_scoring_after] == [1], (
+        "the server was not running while the fine-tuned model was scored"
+    )
+    stdout = capsys.readouterr().out
+    assert "Before : emoji F1" in stdout and "After  : emoji F1" in stdout
+    assert "pulumi config set --secret hfToken" in stdout and "pulumi destroy" in stdout
+    summary = json.loads((out / "demo_summary.json").read_text())
+    assert summary["prompt"] == demo.SEED_PROMPT and summary["messages"] == [
+        {"role": "user", "content": demo.SEED_PROMPT}
+    ]
+    response = summary["response"]
+    assert response["model"] == "gemma" and response["choices"][0]["message"]["content"] == summary["answer"]
+    assert 0 < response["usage"]["completion_tokens"] <= 8
+    for side in ("before", "after"):
+        assert summary[side]["samples"] == 2 and 0 <= summary[side]["emoji_f1"] <= 1
+    assert summary["after"]["held_out_loss"] is not None
+    run_summary = json.loads((out / "run_summary.json").read_text())
+    assert run_summary["recipe"] == "emoji-local" and run_summary["model"] == "local:gemma3-270m"
+    assert run_summary["steps"] == 2
+    assert (out / "merged" / COMPLETION_MARKER).is_file() and Path(summary["paths"]["base_model"]) == model_dir
+    _assert_lora_merged(out / "merged", model_dir)
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert _server_pids(str(out)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.gemma3_270m
+def test_make_demo_data_fine_tunes_the_270m_on_the_users_file(
+    demo_270m_on_the_users_file: tuple[subprocess.CompletedProcess[str], Path, list[str]],
+) -> None:
+    """`make demo DATA=my.jsonl`, as the user types it: the real 270M on this CPU, on their file."""
+    done, out, argv = demo_270m_on_the_users_file
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Before : ROUGE-L F1" in done.stdout and "After  : ROUGE-L F1" in done.stdout
     summary = json.loads((out / "demo_summary.json").read_text())
+    first_held_out = demo.seed_messages(demo.build_recipe(demo._parse_args(argv)))
+    assert summary["messages"] == first_held_out and summary["prompt"] == first_held_out[-1]["content"]
     assert summary["run_summary"]["recipe"] == "my-data-local" and summary["run_summary"]["steps"] == 2
+    assert summary["run_summary"]["model"] == "local:gemma3-270m"
     assert summary["after"]["samples"] == 2 and summary["after"]["held_out_loss"] is not None
     assert summary["response"]["choices"][0]["message"]["role"] == "assistant"
     assert _server_pids(str(out)) == []
