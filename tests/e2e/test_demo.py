@@ -2,7 +2,7 @@
 
 And the promise that matters on a laptop: whatever fails, nothing is left running.
 
-    .venv/bin/python -m pytest -q tests/e2e          # 3.5 min on 2 cores at load average ~2-3 (2026-11-30)
+    .venv/bin/python -m pytest -q tests/e2e
 """
 
 from __future__ import annotations
