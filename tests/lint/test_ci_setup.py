@@ -99,8 +99,8 @@ READ_VERBS = ("get", "list", "useToDecrypt")
 # The billing account the fake `gcloud billing projects describe` says the project is billed to.
 PROJECT_BILLING_ACCOUNT = "0A1B2C-3D4E5F-6A7B8C"
 
-# The recording gcloud on PATH is a bash client (a few ms a call; a Python process a call cost ~50 ms of CPU, ~150 calls
-# a run): it sends its argv, NUL-separated, to the recorder below over 127.0.0.1 and prints what it answers.
+# The recording gcloud on PATH is a bash client, not a Python process per call (a run makes ~150 calls): it sends
+# its argv, NUL-separated, to the recorder below (fake_gcloud) over 127.0.0.1 and prints what it answers.
 GCLOUD_CLIENT = r"""#!/usr/bin/env bash
 exec 3<>"/dev/tcp/127.0.0.1/$FAKE_GCLOUD_PORT"
 printf '%s\0' "$#" "$@" >&3
