@@ -26,7 +26,7 @@ import celpy
 import pytest
 
 from infra.offline.api_permissions import Need, Scope
-from infra.offline.engine import REPO_ROOT, run_stack, stack_names
+from infra.offline.engine import REPO_ROOT, StackRun, run_stack, stack_names
 from infra.offline.permissions import ci_grant_applies, ci_grants, ci_identities, covers, permissions_of
 from tests.lint.conftest import ci_module, fake_command
 
@@ -580,21 +580,27 @@ class TestTheProgramFindsWhatItNeeds:
     """The setup must match what the program declares, for every stack and the options users pick."""
 
     @pytest.fixture(scope="class")
-    def declared(self) -> tuple[set[str], set[str]]:
+    def runs(self) -> dict[tuple[str, str], StackRun]:
+        """The program under mocks for every stack as committed and building with Cloud Build, and every Cloud Run
+        stack serving: one run of each, which the tests below only read."""
+        runs = {}
+        for stack in stack_names():
+            runs[stack, "committed"] = run_stack(stack)
+            runs[stack, "cloud-build"] = run_stack(stack, overrides={"imageBuild": "cloud-build"})
+            if ci_stacks.stacks()[stack] == "cloud-run":
+                runs[stack, "serving"] = run_stack(
+                    stack,
+                    overrides={"servingEnabled": True, "servingInvokers": ["user:a@example.com"]},
+                    assume_trained=True,
+                )
+        return runs
+
+    @pytest.fixture(scope="class")
+    def declared(self, runs: dict[tuple[str, str], StackRun]) -> tuple[set[str], set[str]]:
+        assert set(stack_names()) == set(ci_stacks.stacks()), "the setup's stacks are the program's"
         apis: set[str] = set()
         accounts: set[str] = set()
-        runs = [run_stack(stack) for stack in stack_names()]
-        for stack, workload in ci_stacks.stacks().items():
-            runs.append(run_stack(stack, overrides={"imageBuild": "cloud-build"}))
-            if workload == "cloud-run":
-                runs.append(
-                    run_stack(
-                        stack,
-                        overrides={"servingEnabled": True, "servingInvokers": ["user:a@example.com"]},
-                        assume_trained=True,
-                    )
-                )
-        for run in runs:
+        for run in runs.values():
             apis |= {r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")}
             accounts |= {r.plain_inputs()["accountId"] for r in run.of_type("gcp:serviceaccount/account:Account")}
         return apis, accounts
@@ -620,7 +626,7 @@ class TestTheProgramFindsWhatItNeeds:
 
     @pytest.mark.slow
     def test_the_program_adopts_the_pre_created_accounts_with_their_display_names(
-        self, first_run: tuple[Path, SetupRun]
+        self, first_run: tuple[Path, SetupRun], runs: dict[tuple[str, str], StackRun]
     ) -> None:
         """The deploy identity may not bind accounts it did not get per-account grants on: the program adopts the
         setup's (a 409 on create is a read; destroy leaves them), named as the setup named them."""
@@ -631,14 +637,16 @@ class TestTheProgramFindsWhatItNeeds:
             if call[:2] == ["iam", "service-accounts"]
         }
         for stack in stack_names():
-            for account in run_stack(stack).of_type("gcp:serviceaccount/account:Account"):
+            for account in runs[stack, "committed"].of_type("gcp:serviceaccount/account:Account"):
                 inputs = account.plain_inputs()
                 assert inputs.get("createIgnoreAlreadyExists") is True, account.urn
                 assert inputs.get("deletionPolicy") == "ABANDON", account.urn
                 assert names[inputs["accountId"]] == inputs["displayName"], account.urn
 
     @pytest.mark.slow
-    def test_one_project_iam_change_may_grant_every_project_role_of_an_update(self) -> None:
+    def test_one_project_iam_change_may_grant_every_project_role_of_an_update(
+        self, runs: dict[tuple[str, str], StackRun]
+    ) -> None:
         """google_project_iam_member is registered with `tpgiamresource.IamWithBatching`: the provider combines the
         project IAM members an update creates within `send_after` (default on, 3 s: transport_tpg
         DefaultBatchSendIntervalSec) into ONE read-modify-write (tpgiamresource/iam_batching.go), and IAM judges
@@ -647,8 +655,8 @@ class TestTheProgramFindsWhatItNeeds:
         Cloud Build grants the node and the builder roles at once)."""
         together = 0
         for stack in stack_names():
-            for overrides in ({}, {"imageBuild": "cloud-build"}):
-                run = run_stack(stack, overrides=overrides)
+            for variant in ("committed", "cloud-build"):
+                run = runs[stack, variant]
                 assert run.cfg is not None
                 members = run.of_type("gcp:projects/iAMMember:IAMMember")
                 roles = frozenset(member.plain_inputs()["role"] for member in members)
@@ -656,7 +664,7 @@ class TestTheProgramFindsWhatItNeeds:
                     continue
                 batched = Need("resourcemanager.projects.setIamPolicy", Scope.PROJECT, "batched", grants_roles=roles)
                 assert any(covers(grant, batched, run.cfg) for grant in ci_grants(run.cfg)), (
-                    f"{stack} {overrides}: no grant of the deploy identity may change {sorted(roles)} in one call"
+                    f"{stack} {variant}: no grant of the deploy identity may change {sorted(roles)} in one call"
                 )
                 together += len(roles) > 1
         assert together, "no update grants two project roles: the check would be empty"
