@@ -615,16 +615,32 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def memory_probe(side: str, argv: Sequence[str], steps: int) -> float | None:
-    """Peak memory of one configuration trained alone for a few steps in a fresh process."""
+def start_memory_probe(side: str, argv: Sequence[str], steps: int) -> subprocess.Popen[str]:
+    """One configuration trained alone for a few steps in a fresh process, which prints its peak memory."""
     script = str(Path(__file__).resolve())
     command = [sys.executable, script, *argv, "--memory-probe", side, "--probe-steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    for line in reversed(done.stdout.splitlines()):
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_memory_probe(side: str, probe: subprocess.Popen[str]) -> float | None:
+    """The peak memory a probe printed, or None (logged) when it printed none."""
+    stdout, stderr = probe.communicate()
+    for line in reversed(stdout.splitlines()):
         if line.startswith("PEAK_MEMORY_GIB="):
             return float(line.split("=", 1)[1])
-    log.warning("memory probe for %s failed (rc %s): %s", side, done.returncode, done.stderr[-2000:])
+    log.warning("memory probe for %s failed (rc %s): %s", side, probe.returncode, stderr[-2000:])
     return None
+
+
+def memory_probes(argv: Sequence[str], steps: int, device: str, threads: int) -> dict[str, float | None]:
+    """Each side's peak memory, each side in its own fresh process. On the CPU the two run at once, on half the
+    `threads` each (more would contend for the cores): each reads its own process's peak resident set, which the
+    other does not change. On a GPU one at a time, each alone on it."""
+    if device == "cpu":
+        half = [*argv, "--threads", str(max(1, threads // 2))]
+        probes = {side: start_memory_probe(side, half, steps) for side in ("seed", "ours")}
+        return {side: finish_memory_probe(side, probe) for side, probe in probes.items()}
+    return {side: finish_memory_probe(side, start_memory_probe(side, argv, steps)) for side in ("seed", "ours")}
 
 
 def run_memory_probe(args: argparse.Namespace) -> None:
@@ -862,9 +878,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lengths = token_lengths(seed.trainer)
         flops = flops_per_token(ours.trainer.model, sum(n * n for n in lengths) / sum(lengths))
     if not args.no_memory_probe:
-        for name in ("seed", "ours"):
-            argv = [*probe_argv(args), "--pack-length", str(ours_cfg.pack_length or 0)]
-            reports[name]["peak_memory_gib"] = memory_probe(name, argv, args.probe_steps)
+        argv = [*probe_argv(args), "--pack-length", str(ours_cfg.pack_length or 0)]
+        for name, peak in memory_probes(argv, args.probe_steps, args.device, torch.get_num_threads()).items():
+            reports[name]["peak_memory_gib"] = peak
     if args.device == "cuda":
         for report in reports.values():
             report["mfu"] = round(report["tokens_per_second"] * flops["per_token"] / (args.peak_tflops * 1e12), 4)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import re
+import socketserver
 import subprocess
 import sys
+import threading
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ import celpy
 import pytest
 
 from infra.offline.api_permissions import Need, Scope
-from infra.offline.engine import REPO_ROOT, run_stack, stack_names
+from infra.offline.engine import REPO_ROOT, StackRun, run_stack, stack_names
 from infra.offline.permissions import ci_grant_applies, ci_grants, ci_identities, covers, permissions_of
 from tests.lint.conftest import ci_module, fake_command
 
@@ -96,96 +99,128 @@ READ_VERBS = ("get", "list", "useToDecrypt")
 # The billing account the fake `gcloud billing projects describe` says the project is billed to.
 PROJECT_BILLING_ACCOUNT = "0A1B2C-3D4E5F-6A7B8C"
 
-FAKE_GCLOUD = r'''#!{python}
-"""A recording gcloud: logs argv, remembers what `create` made, answers `describe` from that memory."""
-import json, os, sys
+# The recording gcloud on PATH is a bash client, not a Python process per call (a run makes ~150 calls): it sends
+# its argv, NUL-separated, to the recorder below (fake_gcloud) over 127.0.0.1 and prints what it answers.
+GCLOUD_CLIENT = r"""#!/usr/bin/env bash
+exec 3<>"/dev/tcp/127.0.0.1/$FAKE_GCLOUD_PORT"
+printf '%s\0' "$#" "$@" >&3
+IFS= read -r rc <&3
+cat <&3
+exit "$rc"
+"""
+GCLOUD_VERBS = ("describe", "create", "create-oidc", "update-oidc", "update", "enable", "add-iam-policy-binding")
 
-args = sys.argv[1:]
-with open(os.environ["FAKE_LOG"], "a") as log:
-    log.write(json.dumps(args) + "\n")
-state_path = os.environ["FAKE_GCLOUD_STATE"]
-state = set(json.load(open(state_path))) if os.path.exists(state_path) else set()
-VERBS = ("describe", "create", "create-oidc", "update-oidc", "update", "enable", "add-iam-policy-binding")
 
-
-def key(argv):
-    index = next(i for i, a in enumerate(argv) if a in VERBS)
-    name = next((a for a in argv[index + 1:] if not a.startswith("-")), "")
+def _gcloud_key(argv: list[str]) -> str:
+    index = next(i for i, a in enumerate(argv) if a in GCLOUD_VERBS)
+    name = next((a for a in argv[index + 1 :] if not a.startswith("-")), "")
     if argv[:2] == ["iam", "service-accounts"]:
         name = name.split("@")[0]
     scoped = [a for a in argv if a.startswith(("--workload-identity-pool=", "--keyring="))]
-    return " ".join(argv[:index] + [name] + scoped)
+    return " ".join([*argv[:index], name, *scoped])
 
 
-# IAM policies: what add-iam-policy-binding bound, per resource, for get-iam-policy / remove-iam-policy-binding
-policies_path = state_path + ".policies"
-policies = json.load(open(policies_path)) if os.path.exists(policies_path) else {}
+def fake_gcloud(args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """One gcloud call: logs argv (a JSON line in FAKE_LOG), remembers what `create` made and what
+    add-iam-policy-binding bound (files beside FAKE_GCLOUD_STATE, so the memory outlives a run), answers `describe`,
+    `list` and `get-iam-policy` from that memory. Returns the exit code and the standard output."""
+    out: list[str] = []
+    with open(env["FAKE_LOG"], "a") as log:
+        log.write(json.dumps(args) + "\n")
+    state_path = Path(env["FAKE_GCLOUD_STATE"])
+    state = set(json.loads(state_path.read_text())) if state_path.exists() else set()
+    policies_path = Path(f"{state_path}.policies")
+    policies = json.loads(policies_path.read_text()) if policies_path.exists() else {}
+
+    def target_of(verb: str) -> str:
+        return " ".join([*args[: args.index(verb)], args[args.index(verb) + 1]])
+
+    def condition_of() -> dict[str, str] | None:
+        given = next((a.split("=", 1)[1] for a in args if a.startswith("--condition=")), "None")
+        if given == "None":
+            return None
+        items = dict(item.split("=", 1) for item in given.removeprefix("^;^").split(";"))
+        return {"expression": items["expression"], "title": items.get("title", "")}
+
+    def flag(name: str) -> str:
+        return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
+
+    for verb in ("add-iam-policy-binding", "remove-iam-policy-binding"):
+        if verb in args:
+            entry = {"role": flag("role"), "member": flag("member"), "condition": condition_of()}
+            bound = [e for e in policies.get(target_of(verb), []) if e != entry]
+            policies[target_of(verb)] = bound + ([entry] if verb.startswith("add") else [])
+            policies_path.write_text(json.dumps(policies))
+            return 0, ""
+    if args[:2] == ["projects", "get-iam-policy"] and any(a.startswith("--flatten") for a in args):
+        return 0, env.get("FAKE_LEGACY_BUILD_ROLES", "") + "\n"  # the roles of the filtered member, one per line
+    if "get-iam-policy" in args:
+        bindings = []
+        for entry in policies.get(target_of("get-iam-policy"), []):
+            binding = {"role": entry["role"], "members": [entry["member"]]}
+            if entry["condition"]:
+                binding["condition"] = entry["condition"]
+            bindings.append(binding)
+        return 0, json.dumps({"bindings": bindings}) + "\n"
+    if args[:3] == ["kms", "keys", "list"]:
+        for made in sorted(state):
+            if made.startswith("kms keys ") and "--keyring=" in made:
+                out.append(f"projects/p/locations/global/keyRings/gft-pulumi/cryptoKeys/{made.split()[2]}\n")
+        return 0, "".join(out)
+    if args[:3] == ["iam", "service-accounts", "list"]:
+        for made in sorted(state):
+            if made.startswith("iam service-accounts "):
+                out.append(made.split()[2] + f"@{VALUES['PROJECT_ID']}.iam.gserviceaccount.com\n")
+        return 0, "".join(out)
+    if args[:2] == ["projects", "describe"]:
+        return 0, VALUES["PROJECT_NUMBER"] + "\n"
+    if args[:3] == ["billing", "projects", "describe"]:
+        return 0, f"billingAccounts/{PROJECT_BILLING_ACCOUNT}\n"
+    if args[:2] == ["builds", "get-default-service-account"]:  # value(serviceAccountEmail)
+        compute = f"projects/p/serviceAccounts/{VALUES['PROJECT_NUMBER']}-compute@developer.gserviceaccount.com"
+        return 0, env.get("FAKE_DEFAULT_BUILD_ACCOUNT", compute) + "\n"
+    verb = next((a for a in args if a in GCLOUD_VERBS), None)
+    if verb == "describe":
+        return (0 if _gcloud_key(args) in state else 1), ""
+    if verb in ("create", "create-oidc"):
+        state.add(_gcloud_key(args))
+        state_path.write_text(json.dumps(sorted(state)))
+    return 0, ""
 
 
-def target_of(verb):
-    return " ".join(args[: args.index(verb)] + [args[args.index(verb) + 1]])
+class _GcloudRecorder(socketserver.ThreadingTCPServer):
+    """Answers the bash clients' calls one at a time with fake_gcloud; what went wrong in it fails the test."""
+
+    daemon_threads = True
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__(("127.0.0.1", 0), _GcloudCall)
+        self.env = env
+        self.lock = threading.Lock()
+        self.errors: list[str] = []
 
 
-def condition_of():
-    given = next((a.split("=", 1)[1] for a in args if a.startswith("--condition=")), "None")
-    if given == "None":
-        return None
-    items = dict(item.split("=", 1) for item in given.removeprefix("^;^").split(";"))
-    return {"expression": items["expression"], "title": items.get("title", "")}
+class _GcloudCall(socketserver.StreamRequestHandler):
+    server: _GcloudRecorder
 
-
-def flag(name):
-    return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
-
-
-for verb in ("add-iam-policy-binding", "remove-iam-policy-binding"):
-    if verb in args:
-        entry = {"role": flag("role"), "member": flag("member"), "condition": condition_of()}
-        bound = [e for e in policies.get(target_of(verb), []) if e != entry]
-        policies[target_of(verb)] = bound + ([entry] if verb.startswith("add") else [])
-        json.dump(policies, open(policies_path, "w"))
-        sys.exit(0)
-if args[:2] == ["projects", "get-iam-policy"] and any(a.startswith("--flatten") for a in args):
-    print(os.environ.get("FAKE_LEGACY_BUILD_ROLES", ""))  # the roles of the filtered member, one per line
-    sys.exit(0)
-if "get-iam-policy" in args:
-    bindings = []
-    for entry in policies.get(target_of("get-iam-policy"), []):
-        binding = {"role": entry["role"], "members": [entry["member"]]}
-        if entry["condition"]:
-            binding["condition"] = entry["condition"]
-        bindings.append(binding)
-    print(json.dumps({"bindings": bindings}))
-    sys.exit(0)
-if args[:3] == ["kms", "keys", "list"]:
-    for made in sorted(state):
-        if made.startswith("kms keys ") and "--keyring=" in made:
-            print(f"projects/p/locations/global/keyRings/gft-pulumi/cryptoKeys/{made.split()[2]}")
-    sys.exit(0)
-if args[:3] == ["iam", "service-accounts", "list"]:
-    for made in sorted(state):
-        if made.startswith("iam service-accounts "):
-            print(made.split()[2] + "@{project}.iam.gserviceaccount.com")
-    sys.exit(0)
-if args[:2] == ["projects", "describe"]:
-    print("{number}")
-    sys.exit(0)
-if args[:3] == ["billing", "projects", "describe"]:
-    print("billingAccounts/{billing}")
-    sys.exit(0)
-if args[:2] == ["builds", "get-default-service-account"]:  # value(serviceAccountEmail)
-    compute = "projects/p/serviceAccounts/{number}-compute@developer.gserviceaccount.com"
-    print(os.environ.get("FAKE_DEFAULT_BUILD_ACCOUNT", compute))
-    sys.exit(0)
-verb = next((a for a in args if a in VERBS), None)
-if verb == "describe":
-    sys.exit(0 if key(args) in state else 1)
-if verb in ("create", "create-oidc"):
-    state.add(key(args))
-    with open(state_path, "w") as out:
-        json.dump(sorted(state), out)
-sys.exit(0)
-'''
+    def handle(self) -> None:
+        received = b""
+        while True:  # argc, then that many arguments, each ending in NUL
+            parts = received.split(b"\0")
+            if len(parts) > 1 and len(parts) - 2 >= int(parts[0]):
+                break
+            chunk = self.request.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"the client hung up after {received!r}")
+            received += chunk
+        args = [part.decode() for part in parts[1 : 1 + int(parts[0])]]
+        with self.server.lock:
+            try:
+                code, output = fake_gcloud(args, self.server.env)
+            except Exception:  # reported by run_setup: a broken fake must not pass as a gcloud error
+                self.server.errors.append(f"{args}: {traceback.format_exc()}")
+                code, output = 1, ""
+        self.wfile.write(f"{code}\n{output}".encode())
 
 
 @dataclass(frozen=True)
@@ -271,14 +306,13 @@ def pulumi_calls(tmp_path: Path) -> list[dict[str, Any]]:
 
 def run_setup(tmp_path: Path, repo: Path = REPO_ROOT, **overrides: str) -> SetupRun:
     """Run ci-setup.sh with a recording gcloud and pulumi; the recorder's memory persists in tmp_path between runs."""
-    base, log = fake_command(
-        tmp_path,
-        "gcloud",
-        FAKE_GCLOUD.replace("{number}", VALUES["PROJECT_NUMBER"])
-        .replace("{billing}", PROJECT_BILLING_ACCOUNT)
-        .replace("{project}", VALUES["PROJECT_ID"]),
-    )
+    base, log = fake_command(tmp_path, "gcloud", GCLOUD_CLIENT)
     fake_command(tmp_path, "pulumi", FAKE_PULUMI)
+    # The script's `python3` (.ci/stacks.py, the stale-grant filter): the interpreter the tests run on, outside the
+    # venv, called directly (a pyenv shim on PATH costs a chain of bash processes a call, ~20 calls a run).
+    python3, interpreter = tmp_path / "bin" / "python3", Path(sys.base_prefix) / "bin" / "python3"
+    if interpreter.exists() and not python3.exists():
+        python3.symlink_to(interpreter)
     state = tmp_path / "gcloud-state.json"
     env = {
         **base,
@@ -288,7 +322,17 @@ def run_setup(tmp_path: Path, repo: Path = REPO_ROOT, **overrides: str) -> Setup
         **{k: v for k, v in VALUES.items() if k != "PROJECT_NUMBER"},
         **overrides,
     }
-    result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120, check=False)
+    with _GcloudRecorder(env) as recorder:
+        env["FAKE_GCLOUD_PORT"] = str(recorder.server_address[1])
+        serving = threading.Thread(target=recorder.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        serving.start()
+        try:
+            result = subprocess.run(
+                ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120, check=False
+            )
+        finally:
+            recorder.shutdown()
+    assert not recorder.errors, recorder.errors
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     return SetupRun(result.returncode, result.stdout, result.stderr, calls)
 
@@ -536,21 +580,27 @@ class TestTheProgramFindsWhatItNeeds:
     """The setup must match what the program declares, for every stack and the options users pick."""
 
     @pytest.fixture(scope="class")
-    def declared(self) -> tuple[set[str], set[str]]:
+    def runs(self) -> dict[tuple[str, str], StackRun]:
+        """The program under mocks for every stack as committed and building with Cloud Build, and every Cloud Run
+        stack serving: one run of each, which the tests below only read."""
+        runs = {}
+        for stack in stack_names():
+            runs[stack, "committed"] = run_stack(stack)
+            runs[stack, "cloud-build"] = run_stack(stack, overrides={"imageBuild": "cloud-build"})
+            if ci_stacks.stacks()[stack] == "cloud-run":
+                runs[stack, "serving"] = run_stack(
+                    stack,
+                    overrides={"servingEnabled": True, "servingInvokers": ["user:a@example.com"]},
+                    assume_trained=True,
+                )
+        return runs
+
+    @pytest.fixture(scope="class")
+    def declared(self, runs: dict[tuple[str, str], StackRun]) -> tuple[set[str], set[str]]:
+        assert set(stack_names()) == set(ci_stacks.stacks()), "the setup's stacks are the program's"
         apis: set[str] = set()
         accounts: set[str] = set()
-        runs = [run_stack(stack) for stack in stack_names()]
-        for stack, workload in ci_stacks.stacks().items():
-            runs.append(run_stack(stack, overrides={"imageBuild": "cloud-build"}))
-            if workload == "cloud-run":
-                runs.append(
-                    run_stack(
-                        stack,
-                        overrides={"servingEnabled": True, "servingInvokers": ["user:a@example.com"]},
-                        assume_trained=True,
-                    )
-                )
-        for run in runs:
+        for run in runs.values():
             apis |= {r.plain_inputs()["service"] for r in run.of_type("gcp:projects/service:Service")}
             accounts |= {r.plain_inputs()["accountId"] for r in run.of_type("gcp:serviceaccount/account:Account")}
         return apis, accounts
@@ -576,7 +626,7 @@ class TestTheProgramFindsWhatItNeeds:
 
     @pytest.mark.slow
     def test_the_program_adopts_the_pre_created_accounts_with_their_display_names(
-        self, first_run: tuple[Path, SetupRun]
+        self, first_run: tuple[Path, SetupRun], runs: dict[tuple[str, str], StackRun]
     ) -> None:
         """The deploy identity may not bind accounts it did not get per-account grants on: the program adopts the
         setup's (a 409 on create is a read; destroy leaves them), named as the setup named them."""
@@ -587,14 +637,16 @@ class TestTheProgramFindsWhatItNeeds:
             if call[:2] == ["iam", "service-accounts"]
         }
         for stack in stack_names():
-            for account in run_stack(stack).of_type("gcp:serviceaccount/account:Account"):
+            for account in runs[stack, "committed"].of_type("gcp:serviceaccount/account:Account"):
                 inputs = account.plain_inputs()
                 assert inputs.get("createIgnoreAlreadyExists") is True, account.urn
                 assert inputs.get("deletionPolicy") == "ABANDON", account.urn
                 assert names[inputs["accountId"]] == inputs["displayName"], account.urn
 
     @pytest.mark.slow
-    def test_one_project_iam_change_may_grant_every_project_role_of_an_update(self) -> None:
+    def test_one_project_iam_change_may_grant_every_project_role_of_an_update(
+        self, runs: dict[tuple[str, str], StackRun]
+    ) -> None:
         """google_project_iam_member is registered with `tpgiamresource.IamWithBatching`: the provider combines the
         project IAM members an update creates within `send_after` (default on, 3 s: transport_tpg
         DefaultBatchSendIntervalSec) into ONE read-modify-write (tpgiamresource/iam_batching.go), and IAM judges
@@ -603,8 +655,8 @@ class TestTheProgramFindsWhatItNeeds:
         Cloud Build grants the node and the builder roles at once)."""
         together = 0
         for stack in stack_names():
-            for overrides in ({}, {"imageBuild": "cloud-build"}):
-                run = run_stack(stack, overrides=overrides)
+            for variant in ("committed", "cloud-build"):
+                run = runs[stack, variant]
                 assert run.cfg is not None
                 members = run.of_type("gcp:projects/iAMMember:IAMMember")
                 roles = frozenset(member.plain_inputs()["role"] for member in members)
@@ -612,7 +664,7 @@ class TestTheProgramFindsWhatItNeeds:
                     continue
                 batched = Need("resourcemanager.projects.setIamPolicy", Scope.PROJECT, "batched", grants_roles=roles)
                 assert any(covers(grant, batched, run.cfg) for grant in ci_grants(run.cfg)), (
-                    f"{stack} {overrides}: no grant of the deploy identity may change {sorted(roles)} in one call"
+                    f"{stack} {variant}: no grant of the deploy identity may change {sorted(roles)} in one call"
                 )
                 together += len(roles) > 1
         assert together, "no update grants two project roles: the check would be empty"

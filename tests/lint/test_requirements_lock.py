@@ -52,29 +52,51 @@ def test_the_lock_satisfies_its_requirements(source: Path, lock: Path) -> None:
         )
 
 
-def _dry_run(lock: Path) -> subprocess.CompletedProcess[str]:
+def _dry_run(lock: Path) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--require-hashes"]
     command += ["--only-binary", ":all:", "-q", "-r", str(lock)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+TAMPERED = "tampered.lock"
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """pip's dry run of each lock and of a lock whose first hash is wrong, by the lock's name: the three run at once
+    (each mostly waits on the index and the downloads), each its own pip process."""
+    lock = LOCKS[REPO_ROOT / "infra" / "policy" / "requirements.txt"]
+    _, (_, digest) = next(iter(pins(lock).items()))
+    tampered = tmp_path_factory.mktemp("locks") / TAMPERED
+    tampered.write_text(lock.read_text().replace(digest, "0" * 64))
+    started = {path.name: _dry_run(path) for path in [*LOCKS.values(), tampered]}
+    done = {}
+    for name, process in started.items():
+        try:
+            stdout, stderr = process.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return done
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("source", "lock"), PAIRS)
-def test_pip_installs_the_lock_in_hash_checking_mode(source: Path, lock: Path) -> None:
+def test_pip_installs_the_lock_in_hash_checking_mode(
+    source: Path, lock: Path, dry_runs: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     """Every dependency is pinned with a hash (pip's hash-checking mode refuses an unpinned one) and each hash is
     that of the wheel pip downloads."""
-    result = _dry_run(lock)
+    result = dry_runs[lock.name]
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.slow
-def test_a_wrong_hash_is_refused(tmp_path: Path) -> None:
+def test_a_wrong_hash_is_refused(dry_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     lock = LOCKS[REPO_ROOT / "infra" / "policy" / "requirements.txt"]
-    text = lock.read_text()
-    name, (_, digest) = next(iter(pins(lock).items()))
-    tampered = tmp_path / "tampered.lock"
-    tampered.write_text(text.replace(digest, "0" * 64))
-    result = _dry_run(tampered)
+    name = next(iter(pins(lock)))
+    result = dry_runs[TAMPERED]
     assert result.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in result.stdout + result.stderr, name
 
 
