@@ -573,9 +573,8 @@ def _spec_for_file(path: str, data_format: str | None) -> DataSpec:
 
 def check_tokenizer(recipe: Any, tokenizer: str | None) -> tuple[Any, str]:
     """The tokenizer the length check uses, and a note: `--tokenizer`, else the recipe's model if it is on this
-    machine (a folder, the built local 270M, or a Hub id in the local cache); never a download."""
-    from transformers import AutoTokenizer
-
+    machine (a folder, the built local 270M, or a Hub id in the local cache); never a download. transformers (and
+    torch with it) is imported only when there is a tokenizer to load: a file check without one needs neither."""
     from trainer.local_model import LOCAL_MODEL_PREFIX, cache_root, is_built
 
     if tokenizer is None and recipe is not None:
@@ -587,6 +586,8 @@ def check_tokenizer(recipe: Any, tokenizer: str | None) -> tuple[Any, str]:
             tokenizer = name
     if tokenizer is None:
         return None, "lengths not measured (no tokenizer: pass --tokenizer MODEL_OR_FOLDER)"
+    from transformers import AutoTokenizer
+
     try:
         loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -10,7 +10,9 @@ with the config `trainer.launch` renders (FSDP2, FULL_STATE_DICT, RAM-efficient 
 A sitecustomize module gives accelerate's state a GPU node's view (as tests/trainer/test_ram_efficient_loading.py
 does); accelerate's `fsdp2_prepare_model` really shards (torch `fully_shard` on CPU). Spies record every gather
 (`get_model_state_dict` with full_state_dict, `DTensor.full_tensor`) and each `fully_shard`'s policy. The first
-launch stops after checkpoint-1 (`max_steps=1`), the second resumes from it to step 2.
+launch stops after checkpoint-1 (`max_steps=1`), the second resumes from it to step 2, and an uninterrupted
+2-step launch (module fixture `straight_run`) is what the resumed one must equal; that launch also answers
+held-out rows, which the run-evaluation test below checks (one launch serves both, the same configuration).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -97,6 +100,8 @@ if "LOCAL_RANK" in os.environ:
 )
 
 
+# Every launch here: 4 held-out rows, a learning rate at which 2 steps change the answers; no answers generated
+# (only the loss is evaluated) unless ANSWERING is added, which changes nothing the training does.
 def overrides(model_dir: Path, out_dir: Path, max_steps: int) -> list[str]:
     return [
         f"model.name_or_path={model_dir}",
@@ -105,7 +110,11 @@ def overrides(model_dir: Path, out_dir: Path, max_steps: int) -> list[str]:
         "data.source=local",
         "data.path=trainer/samples/text_to_sql.jsonl",
         "data.max_rows=40",
-        "data.eval_rows=0",
+        "data.eval_rows=4",
+        "training.learning_rate=0.05",
+        "training.warmup_ratio=0.0",
+        "evaluation.generate_rows=0",
+        "output.merge=false",
         f"training.max_steps={max_steps}",
         "training.save_steps=1",
         "training.save_total_limit=null",
@@ -156,9 +165,30 @@ def gathers(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+# the uninterrupted run also answers 3 held-out rows (batches of 2 over 2 ranks)
+ANSWERING = ("evaluation.generate_rows=3", "evaluation.max_new_tokens=5", "evaluation.batch_size=2")
+
+
+@dataclass(frozen=True)
+class StraightRun:
+    out_dir: Path
+    output: str
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_gemma4_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> StraightRun:
+    """The uninterrupted 2-step launch: the resume test's reference and the run-evaluation test's run."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    out_dir = tmp_path / "run"
+    output = launch(tmp_path, tiny_gemma4_dir, out_dir, 2, tmp_path / "gathers.jsonl", extra=ANSWERING)
+    return StraightRun(out_dir, output)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_checkpoint_holds_the_adapter_and_resumes(tiny_gemma4_dir: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_holds_the_adapter_and_resumes(
+    tiny_gemma4_dir: Path, tmp_path: Path, straight_run: StraightRun
+) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -212,8 +242,36 @@ def test_a_checkpoint_holds_the_adapter_and_resumes(tiny_gemma4_dir: Path, tmp_p
 
     # resumed from the checkpoint's adapter and optimizer, not from a fresh adapter: the same weights as an
     # uninterrupted 2-step run (a load that matched no key would pass strict=False silently)
-    straight_dir = tmp_path / "straight"
-    launch(tmp_path, tiny_gemma4_dir, straight_dir, max_steps=2, gather_log=tmp_path / "gathers-3.jsonl")
+    straight_dir = straight_run.out_dir
     straight = torch.load(straight_dir / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin", weights_only=True)
     for key, tensor in straight.items():
         torch.testing.assert_close(resumed[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_fsdp_ranks_share_the_answers_and_rank_0_writes_them_all(
+    tiny_gemma4_dir: Path, tmp_path: Path, straight_run: StraightRun
+) -> None:
+    """trainer/run_eval.py under FSDP2 (from tests/trainer/test_run_eval.py, which scores the one-process runs): the
+    uninterrupted launch answers 3 rows, rank 0 the first 2 and rank 1 the third (and a repeat, dropped), every forward
+    in step; the summary holds all 3, and the answers are the evaluator's on the base model's folder (adapter off) and
+    on the adapter the run saved (adapter on)."""
+    from trainer.evaluate import evaluate
+    from trainer.recipe import load_recipe
+
+    out, output = straight_run.out_dir, straight_run.output
+    # each side (base, tuned): rank 0 answers rows 1-2, rank 1 row 3 (its second share is a repeat, dropped)
+    assert output.count("rank 0 of 2 answers held-out rows 1-2 of 3") == 2, output[-8000:]
+    assert output.count("rank 1 of 2 answers held-out rows 3-3 of 3") == 2, output[-8000:]
+    run_eval = json.loads((out / "run_summary.json").read_text())["eval"]
+    assert run_eval["score"] == "execution_match" and run_eval["generated_rows"] == 3
+    assert set(run_eval["after"]) == {"loss", "exact_match", "rouge_l_f1", "execution_match"}
+    assert run_eval["after"]["loss"] < run_eval["before"]["loss"]
+
+    recipe = load_recipe(RECIPE, [*overrides(tiny_gemma4_dir, out, 2), *ANSWERING])
+    base = evaluate(tiny_gemma4_dir, recipe, max_samples=3, out=tmp_path / "base.json")
+    tuned = evaluate(out / "adapter", recipe, max_samples=3, out=tmp_path / "tuned.json")
+    assert [e["before"] for e in run_eval["examples"]] == [p["prediction"] for p in base["predictions"]]
+    assert [e["after"] for e in run_eval["examples"]] == [p["prediction"] for p in tuned["predictions"]]
+    assert [e["reference"] for e in run_eval["examples"]] == [p["reference"] for p in base["predictions"]]

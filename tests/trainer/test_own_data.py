@@ -526,6 +526,20 @@ def test_python_m_trainer_data_check_on_a_bad_file(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_a_file_check_without_a_tokenizer_imports_neither_transformers_nor_torch(tmp_path: Path) -> None:
+    """Without a tokenizer no length is measured, so the check of a file (the bad one above, or a good one) needs no
+    model library: a fresh process, as `python -m trainer.data check FILE` starts, imports neither."""
+    path = _write_jsonl(tmp_path / "rows.jsonl", [_good(0), _good(1)])
+    code = (
+        "import sys; from trainer.data import check; print(check(sys.argv[1]));"
+        " print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    done = _python("-c", code, str(path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"ok: 2 rows in {path}") and "lengths not measured" in done.stdout, done.stdout
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
 @pytest.mark.slow
 def test_python_m_trainer_runs_a_recipe_file_outside_trainer_recipes(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
     """The user's copy of the template, in their own folder, with their own CSV: through the real command line."""

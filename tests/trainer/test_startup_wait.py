@@ -2,7 +2,7 @@
 
 Why it matters: only local rank 0 reads the weights (first download of Gemma 4 31B on a fresh A4 node); the
 other ranks waited at trl's dataset preparation, a barrier bounded by `ddp_timeout` (30 min), and a slower
-download killed every rank. Before the fix this test failed there ("Timed out waiting 20000ms", rank 1 in
+download killed every rank. Before the fix this test failed there ("Timed out waiting 12000ms", rank 1 in
 trl's `_prepare_dataset`); now rank 1 waits at the trainer's own startup barrier (trainer/train.py;
 sources: docs/decisions/startup-barrier.md).
 
@@ -26,8 +26,10 @@ from tests.trainer.inject import AFTER_IMPORT, launch_argv, launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 NPROC = 2
-DDP_TIMEOUT_S = 20
-SLOW_LOAD_S = 50
+# The claim is only that rank 0's load outlasts the collective timeout (2.5x here). Every other collective
+# of the run waits on ranks doing the same work in step: 12 s stays far above their skew on 2 busy cores.
+DDP_TIMEOUT_S = 12
+SLOW_LOAD_S = 30
 
 # Imported by every Python process of the run (first on PYTHONPATH); only the torchrun workers
 # (RANK set) are changed: their default process-group timeout, and rank 0's load_model.
