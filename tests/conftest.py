@@ -43,18 +43,18 @@ NEEDS = {"ray-cluster": ("fixture", "ray_cluster"), "gemma3-270m": ("marker", "g
 # first, so that the two workers end together. Only the order of the run depends on this list.
 LONGEST_FIRST = (
     "ray-cluster",  # the cluster, a RayJob through job submission, an interrupted and a preempted Ray run
-    "gemma3-270m",  # the demo end to end twice, a LoRA run on the 270M, its tokenizer
+    "gemma3-270m",  # the demo end to end on the 270M, a LoRA run on the 270M, its tokenizer
     "tests/infra/",  # every stack and variant planned under mocks, the permission proof
     "tests/trainer/test_multirank_resume.py",  # two launches of 4 ranks
-    "tests/lint/test_ci_setup.py",  # the one-time setup script, run many times against a recording gcloud
-    "tests/trainer/test_fsdp_checkpoint.py",  # two FSDP2 launches of 2 ranks
-    "tests/trainer/test_run_eval.py",  # a 2-rank FSDP2 launch, two in-process runs
+    "tests/trainer/test_fsdp_checkpoint.py",  # three FSDP2 launches of 2 ranks (one also scores held-out rows)
+    "tests/bench/test_gpu_check.py",  # the GPU check's dry run: several tiny trainings
     "tests/trainer/test_startup_wait.py",  # 2 ranks, rank 0 loads late
     "tests/trainer/test_preemption.py",  # a SIGTERM mid-run and the restart
-    "tests/bench/test_gpu_check.py",  # the GPU check's dry run: several tiny trainings
-    "tests/bench/test_train_throughput.py",  # both sides of the benchmark, two memory probes
-    "tests/demo/test_local_server.py",  # a local server started per test
+    "tests/demo/test_local_server.py",  # local servers, one per test that stops or kills its own
+    "tests/lint/test_ci_setup.py",  # the one-time setup script, run many times against a recording gcloud
     "tests/infra/test_pulumi_install.py",  # Pulumi's pip install into a fresh venv
+    "tests/bench/test_train_throughput.py",  # both sides of the benchmark, two memory probes
+    "tests/trainer/test_run_eval.py",  # in-process runs on the tiny model
 )
 # after those, the other groups by an estimate: a test marked slow as SLOW_S, any other as FAST_S
 SLOW_S, FAST_S = 10.0, 0.3
