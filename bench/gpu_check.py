@@ -60,6 +60,8 @@ class Check:
 
 CHECKS = [
     Check("w3-emoji-tiny", "emoji-gemma3-1b", "tiny-gemma3", "train"),
+    # second: the measured MFU is the check's main number; what the budget then leaves out is rerun with --only
+    Check("bench-1b-shape", "emoji-gemma3-1b", "gemma3-1b-shape", "bench", timeout_s=180, gpu_only=True),
     Check("w3-emoji-tiny-save-resume", "emoji-gemma3-1b", "tiny-gemma3", "resume"),
     Check("w2-products-tiny", "product-descriptions-gemma3-4b", "tiny-gemma3-vision", "vision"),
     Check("w1-sql-tiny-fsdp", "text-to-sql-gemma4-31b", "tiny-gemma4", "launch-fsdp"),
@@ -83,7 +85,6 @@ CHECKS = [
     Check("w3-emoji-270m", "emoji-gemma3-1b", "gemma3-270m", "train", steps=10, gpu_only=True),
     Check("w1-sql-270m-fsdp", "text-to-sql-gemma4-31b", "gemma3-270m", "launch-fsdp", steps=6, gpu_only=True),
     Check("w1-sql-270m-resume", "text-to-sql-gemma4-31b", "gemma3-270m", "resume", gpu_only=True),
-    Check("bench-1b-shape", "emoji-gemma3-1b", "gemma3-1b-shape", "bench", timeout_s=180, gpu_only=True),
 ]
 
 
