@@ -1,13 +1,14 @@
-"""The prepared GPU check: each recipe's first optimizer steps on CUDA, within 10 minutes, results to a file.
+"""The prepared GPU check: each recipe's first optimizer steps on CUDA, in a 300 s budget, results to a file.
 
     bench/gpu_check.sh                       # on a lent GPU (after bench/prepare_wheelhouse.sh here)
     .venv/bin/python bench/gpu_check.py --dry-run --out build/gpu_check/dry.json   # CPU: the plumbing only
 
 Each check runs in its own process with a timeout (`CHECKS`): every shipped cloud recipe on a tiny model
-of its family and on the real Gemma 3 270M; W1 through `python -m trainer.launch` as FSDP2 and as DDP;
-save and resume at step 2; trl's fused LM head on CUDA; bench/train_throughput.py on the Gemma 3 1B shape
-for a measured MFU. Each reports status, steps, tokens/s, MFU and seconds; a check that no longer fits the
-budget is recorded as skipped. `--dry-run` runs the tiny models on the CPU (tests/bench/test_gpu_check.py
+of its family and on the real Gemma 3 270M; W1 through `python -m trainer.launch` as FSDP2 (also resumed from
+its adapter-only checkpoint) and as the DDP recipe's single-process path; save and resume at step 2; the
+kernel trl's fused LM head takes in training; bench/train_throughput.py on the Gemma 3 1B shape for a
+measured MFU. Results go under $OUT when it is set. Each reports status, steps, tokens/s, MFU and seconds;
+a check that no longer fits the budget is recorded as skipped. `--dry-run` runs the tiny models on the CPU (tests/bench/test_gpu_check.py
 proves the plumbing with it, not the timing). Details: bench/README.md, "The prepared GPU check".
 """
 
