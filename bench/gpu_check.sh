@@ -21,9 +21,11 @@ fi
 WHEELHOUSE=${WHEELHOUSE:-build/gpu-wheelhouse}
 SITE=${GPU_SITE:-/tmp/gpu-site}
 probe_only=false
+hard_stop=420  # the 300 s budget, the models' preparation and a margin: under the device call's timeout_s
 args=()
 for arg in "$@"; do
   if [ "$arg" = --probe-only ]; then probe_only=true; else args+=("$arg"); fi
+  if [ "$arg" = --dry-run ]; then hard_stop=960; fi  # a CPU has no lease: its 900 s budget
 done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
 site_arg=()
@@ -43,5 +45,5 @@ if [ ${#site_arg[@]} -gt 0 ]; then  # installed just now: check it (a CPU venv t
   "$PY" bench/prepare_wheelhouse.py --probe "$WHEELHOUSE" "${site_arg[@]}"
 fi
 if $probe_only; then exit 0; fi
-# the driver keeps its own budget (--budget-s, 300 s by default); this is the hard stop
-exec timeout "${GPU_CHECK_HARD_STOP_S:-420}" "$PY" bench/gpu_check.py "${args[@]}"
+# the driver keeps its own budget (--budget-s: 300 s, 900 s with --dry-run); this is the hard stop
+exec timeout "${GPU_CHECK_HARD_STOP_S:-$hard_stop}" "$PY" bench/gpu_check.py "${args[@]}"
