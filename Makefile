@@ -81,7 +81,7 @@ bench: $(STAMP) ## training throughput, each shipped text recipe vs its seed (CP
 	$(PY) bench/train_throughput.py --device cpu --recipe text-to-sql-gemma4-31b --out build/bench/text-to-sql.json
 	$(PY) bench/train_throughput.py --device cpu --recipe emoji-gemma3-1b --out build/bench/emoji.json
 
-gpu-wheelhouse: $(STAMP) ## wheels a GPU machine lacks, for bench/gpu_check.sh offline (build/gpu-wheelhouse)
+gpu-wheelhouse: $(STAMP) ## wheels the lent GPU machine lacks (cp312), for bench/gpu_check.sh offline: one carry
 	bench/prepare_wheelhouse.sh --dest build/gpu-wheelhouse
 
 gpu-check-dry: $(STAMP) ## the GPU check's plan on this CPU with tiny models (plumbing, not timing)

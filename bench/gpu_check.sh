@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The prepared GPU check (bench/gpu_check.py): each recipe's first steps on CUDA, results to a file.
 #
-#   bench/prepare_wheelhouse.sh               # here, with PyPI: the wheels the GPU machine lacks
-#   bench/gpu_check.sh [--out FILE]            # there: installs them offline, runs the checks (< 10 min)
-#   bench/gpu_check.sh --dry-run --out F.json  # on a CPU: the same plan with tiny models (plumbing only)
+#   bench/prepare_wheelhouse.sh               # here, with PyPI: the wheels the GPU machine lacks (one carry)
+#   bench/gpu_check.sh [--only a,b] [--out F] # there: installs them offline, probes, runs the checks (~300 s)
+#   bench/gpu_check.sh --probe-only           # there: the install and the probe only (seconds)
+#   bench/gpu_check.sh --dry-run --out F.json # on a CPU: the same plan with tiny models (plumbing only)
 #
-# The GPU machine has torch, triton, transformers, peft and accelerate but no network: when trl or
-# datasets is missing, the wheels in $WHEELHOUSE (default build/gpu-wheelhouse) go into a venv that
-# sees the system's packages (--system-site-packages), installed with --no-index.
+# The GPU machine's python3 is itself a venv with torch, transformers, accelerate, ... and no network. The
+# wheels in $WHEELHOUSE go into their own folder ($GPU_SITE) with `pip install --no-index --no-deps --target`,
+# which is put first on PYTHONPATH: every process the check starts (its workers, trainer/launch.py's
+# `accelerate launch`, torchrun's ranks) inherits it. No `venv --system-site-packages`: made from a venv's
+# interpreter, it links the base Python (CPython Lib/venv/__init__.py writes `home` from sys._base_executable),
+# so it would not see the machine's torch. Then bench/prepare_wheelhouse.py --probe checks the versions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}
@@ -15,18 +19,31 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 WHEELHOUSE=${WHEELHOUSE:-build/gpu-wheelhouse}
-if ! "$PY" -c "import trl, datasets" 2>/dev/null; then
-  if [ ! -f "$WHEELHOUSE/requirements.txt" ]; then
-    echo "error: trl/datasets are not installed and $WHEELHOUSE has no wheels (run bench/prepare_wheelhouse.sh)" >&2
-    exit 2
-  fi
-  venv=build/gpu-check-venv
-  "$PY" -m venv --system-site-packages "$venv"
-  links=(--find-links "$WHEELHOUSE")
-  for part in "$WHEELHOUSE"/part-*; do [ -d "$part" ] && links+=(--find-links "$part"); done
-  "$venv/bin/python" -m pip install --quiet --no-index "${links[@]}" -r "$WHEELHOUSE/requirements.txt"
-  PY=$venv/bin/python
-fi
+SITE=${GPU_SITE:-/tmp/gpu-site}
+probe_only=false
+hard_stop=420  # the 300 s budget, the models' preparation and a margin: under the device call's timeout_s
+args=()
+for arg in "$@"; do
+  if [ "$arg" = --probe-only ]; then probe_only=true; else args+=("$arg"); fi
+  if [ "$arg" = --dry-run ]; then hard_stop=960; fi  # a CPU has no lease: its 900 s budget
+done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
-# the driver keeps its own 540 s budget; this is the hard stop
-exec timeout 590 "$PY" bench/gpu_check.py "$@"
+site_arg=()
+if [ -f "$WHEELHOUSE/requirements.txt" ] && ! "$PY" bench/prepare_wheelhouse.py --missing "$WHEELHOUSE"; then
+  shopt -s nullglob
+  wheels=("$WHEELHOUSE"/*.whl "$WHEELHOUSE"/part-*/*.whl)
+  shopt -u nullglob
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --disable-pip-version-check \
+    --target "$SITE" "${wheels[@]}"
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+  site_arg=(--site "$SITE")
+elif ! "$PY" -c "import trl, datasets" 2>/dev/null; then
+  echo "error: trl/datasets are not installed and $WHEELHOUSE has no wheels (run bench/prepare_wheelhouse.sh here, carry $WHEELHOUSE)" >&2
+  exit 2
+fi
+if [ ${#site_arg[@]} -gt 0 ]; then  # installed just now: check it (a CPU venv that has the pins skips both)
+  "$PY" bench/prepare_wheelhouse.py --probe "$WHEELHOUSE" "${site_arg[@]}"
+fi
+if $probe_only; then exit 0; fi
+# the driver keeps its own budget (--budget-s: 300 s, 900 s with --dry-run); this is the hard stop
+exec timeout "${GPU_CHECK_HARD_STOP_S:-$hard_stop}" "$PY" bench/gpu_check.py "${args[@]}"

@@ -285,7 +285,13 @@ def model_source(args: argparse.Namespace, workdir: Path) -> str:
         from tests.tiny_models import save_tiny_model
 
         return str(save_tiny_model(workdir / "tiny-gemma3", "gemma3"))
-    # GPU shapes: weights are built in memory, only the Gemma 3 tokenizer comes from the local model folder
+    # GPU shapes: weights are built in memory; the tokenizer comes from the local 270M's folder, or with
+    # `--tokenizer tiny` from a tiny model's folder (a 600-entry BPE: ids fit the 262,144-row embedding;
+    # conversations tokenize longer than with Gemma's tokenizer, and the FLOPs count uses the lengths seen)
+    if getattr(args, "tokenizer", "gemma3-270m") == "tiny":
+        from tests.tiny_models import save_tiny_model
+
+        return str(save_tiny_model(workdir / "tiny-gemma3", "gemma3"))
     from trainer.local_model import ensure_local_model
 
     return str(ensure_local_model())
@@ -757,6 +763,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the shipped recipe measured as OURS (name or path)")
     p.add_argument("--model", choices=["gemma3-270m", "tiny", *GPU_SHAPES], default=None)
+    p.add_argument(
+        "--tokenizer", choices=["gemma3-270m", "tiny"], default="gemma3-270m", help="a GPU shape's tokenizer"
+    )
     p.add_argument("--train-rows", type=int, default=None, help="training rows (seqs-per-step x steps by default)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps for both sides")
     p.add_argument("--seqs-per-step", type=int, default=None, help="sequences per optimizer step (seed: batch 2 x GA)")
@@ -812,7 +821,7 @@ def probe_argv(args: argparse.Namespace) -> list[str]:
         "--train-rows", str(args.train_rows), "--steps", str(args.steps),
         "--seqs-per-step", str(args.seqs_per_step), "--eval-rows", str(args.eval_rows),
         "--max-length", str(args.max_length), "--learning-rate", str(args.learning_rate),
-        "--ours-grad-accum", str(args.ours_grad_accum),
+        "--ours-grad-accum", str(args.ours_grad_accum), "--tokenizer", args.tokenizer,
     ]  # fmt: skip
     if args.threads:
         argv += ["--threads", str(args.threads)]
@@ -836,6 +845,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
+        info["tokenizer"] = args.tokenizer
     return info
 
 

@@ -192,10 +192,16 @@ _EVAL_FUSED_HEAD = "_gemma_ft_eval_fused_head"
 
 def fused_head_model(model: Any) -> Any:
     """The model to call with `fused_lm_head=True`: `model`, or the base inside a PEFT wrapper (its LoRA layers stay
-    in it), with trl's fused LM head scoring labelled positions only. Added once; generation is unchanged."""
+    in it), with trl's fused LM head scoring labelled positions only. Added once; generation is unchanged.
+
+    As in training (trainer/lm_head.py `new_sft_trainer`), trl's Triton kernel is taken only where Triton can
+    build its driver stub (trainer/triton_build.py): an evaluation-only run on a GPU has no trainer to install it."""
     from trl.trainer.utils import add_fused_lm_head
 
     from trainer.lm_head import score_labelled_positions_only
+    from trainer.triton_build import use_triton_only_where_it_builds
+
+    use_triton_only_where_it_builds()
 
     owner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(owner, _EVAL_FUSED_HEAD, False):
