@@ -46,7 +46,7 @@ DRY_RUN_CHECKS = ("w3-emoji-tiny-save-resume", "w2-products-tiny", "w1-sql-tiny-
 
 @pytest.mark.slow
 def test_dry_run_trains_the_tiny_checks_and_writes_the_results(tmp_path: Path) -> None:
-    """The shell entry point end to end on the CPU (~2 min): each tiny check trains, the resume check resumes
+    """The shell entry point end to end on the CPU: each tiny check trains, the resume check resumes
     at its step-2 checkpoint, the launch renders an FSDP2 config, a GPU-only check is listed as planned."""
     out = tmp_path / "results.json"
     only = [arg for name in DRY_RUN_CHECKS for arg in ("--only", name)]
