@@ -15,6 +15,7 @@ proves the plumbing with it, not the timing). Details: bench/README.md, "The pre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -338,19 +339,49 @@ def run_bench(check: Check, workdir: Path, timeout_s: float) -> CheckResult:
     )  # fmt: skip
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant. torchrun starts each rank in a session of its own (torch
+    distributed/elastic/multiprocessing/subprocess_handler `_popen`, start_new_session=True), so the
+    process group alone misses the ranks; descendants are collected before any is killed."""
+    import psutil  # accelerate's dependency: there wherever the trainer is
+
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(tree, timeout=10)
+
+
+_RUNNING: list[int] = []  # the check process running now, ended with the driver (SIGTERM from `timeout`)
+
+
 def run_group(command: list[str], timeout_s: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """`subprocess.run` whose timeout ends the whole process group: a check's launch, accelerate and torchrun
-    ranks too, so a timed-out check leaves nothing holding the GPU for the next one."""
+    """`subprocess.run` whose timeout ends the check's whole process tree: its launch, accelerate and the
+    torchrun ranks too, so a timed-out check leaves nothing holding the GPU for the next one."""
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
     ) as process:
+        _RUNNING.append(process.pid)
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_tree(process.pid)
             process.communicate()
             raise
+        finally:
+            _RUNNING.remove(process.pid)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _end_running_checks(signum: int, _frame: Any) -> None:
+    """The hard stop (`timeout` in gpu_check.sh sends SIGTERM): end the running check's tree, then exit."""
+    for pid in list(_RUNNING):
+        kill_tree(pid)
+    sys.exit(128 + signum)
 
 
 def _ids(check: Check) -> dict[str, str]:
@@ -509,4 +540,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _end_running_checks)  # the driver and its workers alike
     raise SystemExit(main())

@@ -46,4 +46,4 @@ if [ ${#site_arg[@]} -gt 0 ]; then  # installed just now: check it (a CPU venv t
 fi
 if $probe_only; then exit 0; fi
 # the driver keeps its own budget (--budget-s: 300 s, 900 s with --dry-run); this is the hard stop
-exec timeout "${GPU_CHECK_HARD_STOP_S:-$hard_stop}" "$PY" bench/gpu_check.py "${args[@]}"
+exec timeout "${GPU_CHECK_HARD_STOP_S:-$hard_stop}" "$PY" bench/gpu_check.py ${args[@]+"${args[@]}"}  # bash < 4.4: set -u

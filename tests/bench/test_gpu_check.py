@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -50,12 +51,15 @@ def test_dry_run_trains_the_tiny_checks_and_writes_the_results(tmp_path: Path) -
     at its step-2 checkpoint, the launch renders an FSDP2 config, a GPU-only check is listed as planned."""
     out = tmp_path / "results.json"
     only = [arg for name in DRY_RUN_CHECKS for arg in ("--only", name)]
+    # the script's own budget and hard stop end inside this test's timeout: a slow CI stops the checks, not only
+    # the `timeout` wrapper, and their ranks do not train on beside the rest of the suite
     done = subprocess.run(
-        ["bench/gpu_check.sh", "--dry-run", "--out", str(out), *only],
+        ["bench/gpu_check.sh", "--dry-run", "--budget-s", "480", "--out", str(out), *only],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "GPU_CHECK_HARD_STOP_S": "540"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     document = json.loads(out.read_text())

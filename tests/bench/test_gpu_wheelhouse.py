@@ -282,12 +282,16 @@ def test_evaluation_only_fused_head_takes_the_kernel_that_builds(trl_kernels, tm
 
 
 def test_a_timed_out_check_leaves_no_process_behind(tmp_path: Path) -> None:
-    """A check's launch starts accelerate and torchrun ranks: on timeout all of them end, not only the worker."""
+    """A check's launch starts accelerate and torchrun ranks, each rank in a session of its own (torch's
+    subprocess_handler, start_new_session=True): on timeout all of them end, not only the worker's group."""
     import time
 
     pid_file = tmp_path / "pid"
+    started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        gpu_check.run_group(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], 5)
+        gpu_check.run_group(["bash", "-c", f"setsid sleep 60 & echo $! > {pid_file}; wait"], 5)
+    # a rank left alive holds the output pipe: the timeout would only return when it ends on its own
+    assert time.monotonic() - started < 30, "the timed-out check's tree was not ended"
     stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
     for _ in range(100):  # killed at once; init reaps it soon after (a zombie meanwhile)
         if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":

@@ -79,7 +79,7 @@ def demo_270m_on_the_users_file(
             "--max-tokens", "8", "--output-dir", str(out)]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "demo.pipeline", *argv],
-        # a bound, not an expectation: 180 s at load average ~2-3, 450 s at 5-10 before the speed-ups
+        # a bound, not an expectation: the run takes a few minutes on 2 busy cores
         cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
     return done, out, argv
