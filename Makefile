@@ -7,8 +7,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STACK  ?= dev
 UV_VERSION := 0.13.9
-# `make test` runs the tests on 2 worker processes (tests/conftest.py says what they keep apart)
-TEST_WORKERS ?= 2
+# `make test` runs the tests on 3 worker processes on 2 cores: many tests wait (docs/development.md)
+TEST_WORKERS ?= 3
 MYPY   := $(PY) -m mypy infra trainer/recipe.py
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 tests
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)

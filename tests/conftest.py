@@ -1,8 +1,8 @@
-"""What every test shares when `make test` runs the suite on two workers (pytest-xdist).
+"""What every test shares when `make test` runs the suite on three workers (pytest-xdist).
 
-`make test` runs `pytest -n 2 --dist loadgroup --no-loadscope-reorder`, and `pytest_xdist_make_scheduler` below
+`make test` runs `pytest -n 3 --dist loadgroup --no-loadscope-reorder`, and `pytest_xdist_make_scheduler` below
 hands each worker one group of tests at a time (xdist's own `xdist_group` marks are ignored under pytest 9.2's
-node ids). The rules (the why of each: docs/development.md, "How the test run is split over two workers"):
+node ids). The rules (the why of each: docs/development.md, "How the test run is split over the workers"):
 - "ray-cluster" (fixture `ray_cluster`) and "gemma3-270m" (marker `gemma3_270m`) hold every test that uses that
   resource, in the files `GROUPS` lists: a test that uses one elsewhere fails the run's group check;
 - tests/infra and tests/policy run each as a whole, tests/infra/test_pulumi_install.py apart; any other module
@@ -40,7 +40,7 @@ GROUPS = {
 # what puts a test in a group: a fixture it uses, or a marker it carries
 NEEDS = {"ray-cluster": ("fixture", "ray_cluster"), "gemma3-270m": ("marker", "gemma3_270m")}
 # The groups that take longest (the durations pytest prints at the end of `make test`), started first, longest
-# first, so that the two workers end together. Only the order of the run depends on this list.
+# first, so that the workers end together. Only the order of the run depends on this list.
 LONGEST_FIRST = (
     "ray-cluster",  # the cluster, a RayJob through job submission, an interrupted and a preempted Ray run
     "gemma3-270m",  # the demo end to end on the 270M, a LoRA run on the 270M, its tokenizer
