@@ -58,7 +58,7 @@ LAZY_LIBRARIES = ("torch", "transformers", "peft", "trl", "accelerate", "dataset
 def lazy_library_imports(folder: Path = BENCH.parent / "trainer") -> list[str]:
     """Every `from LIB… import NAME` / `import LIB…` in trainer/*.py for the libraries the machine provides
     or the wheelhouse carries, as statements: the probe runs them so a name the machine's version lacks fails
-    in seconds. Imports guarded by `except ImportError` are optional and left out."""
+    in seconds. Imports guarded by `except ImportError` (optional) or `TYPE_CHECKING` (never run) are left out."""
     import ast
 
     statements: set[str] = set()
@@ -73,6 +73,12 @@ def lazy_library_imports(folder: Path = BENCH.parent / "trainer") -> list[str]:
                 for h in handler_owner.handlers
             )
             for stmt in handler_owner.body
+            for node in ast.walk(stmt)
+        } | {  # `if TYPE_CHECKING:` imports never run
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for stmt in block.body
             for node in ast.walk(stmt)
         }
         for node in ast.walk(tree):

@@ -299,3 +299,19 @@ def test_a_timed_out_check_leaves_no_process_behind(tmp_path: Path) -> None:
         time.sleep(0.1)
     else:
         pytest.fail(f"{stat}: the grandchild is still running")
+
+
+def test_the_probe_runs_the_imports_trainer_makes_inside_functions(tmp_path: Path) -> None:
+    """Importing trainer.* loads no ML library (they are imported inside functions), so the probe runs those
+    imports as written in trainer/: a name the machine's version lacks fails there, in seconds."""
+    folder = tmp_path / "trainer"
+    folder.mkdir()
+    (folder / "m.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from transformers import OnlyForTypes\n"
+        "def f():\n    from trl import SFTTrainer\n    import torch.distributed\n"
+        "    try:\n        from peft import Optional\n    except ImportError:\n        pass\n"
+    )
+    assert prepare_wheelhouse.lazy_library_imports(folder) == ["from trl import SFTTrainer", "import torch.distributed"]
+    real = prepare_wheelhouse.lazy_library_imports()
+    assert "from trl import SFTTrainer" in real and "from peft import LoraConfig" in real
