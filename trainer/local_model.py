@@ -10,7 +10,9 @@ instruction-tuned model (which checkpoint is UNCONFIRMED).
 Decisions (docs/decisions/local-gemma3-270m.md):
 - The cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE` overrides it); `local:gemma3-270m` is
   `<root>/gemma3-270m`.
-- Atomic: built under a temporary name, renamed when complete, its marker written last.
+- Atomic: built under a temporary name, renamed when complete, its marker written last; one build at a time per
+  cache (a file lock): a second process waits for the first build and uses it.
+- The GGUF is parsed once per build, not once for the tokenizer, the config and the weights each.
 - No Hub access at any point; every cached file is readable by everyone (the serving image runs as uid 2000).
 """
 
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer.recipe import LOCAL_MODEL_PREFIX
 
@@ -78,12 +82,15 @@ def ensure_local_model(cache_dir: str | Path | None = None) -> Path:
         return target
     try:
         root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{LOCAL_MODEL_NAME}.building-", dir=root))
-        try:
-            _build_into(staging, gguf_dir=root / "gguf")
-            _move_into_place(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with _one_build_at_a_time(root):
+            if is_built(target):  # built by the process this one waited for
+                return target
+            staging = Path(tempfile.mkdtemp(prefix=f".{LOCAL_MODEL_NAME}.building-", dir=root))
+            try:
+                _build_into(staging, gguf_dir=root / "gguf")
+                _move_into_place(staging, target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise LocalModelError(
@@ -115,8 +122,9 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
     from trainer.export import make_readable
 
     gguf_path = package.assemble(gguf_dir / package.MODEL_NAME)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     _drop_gguf_quantizer(model)
     if not tokenizer.chat_template:
         tokenizer.chat_template = trl_chat_template("gemma3")
@@ -125,6 +133,41 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
     tokenizer.save_pretrained(staging)
     make_readable(staging)  # safetensors writes 0600; the cache is shared with other users and the serving image
     (staging / BUILD_MARKER).write_text(json.dumps({"source": package.MODEL_NAME, "sha256": package.EXPECTED_SHA256}))
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(root: Path) -> Iterator[None]:
+    """An exclusive lock on `root/.gemma3-270m.lock`: two first builds side by side would both assemble the GGUF
+    into the same file; the second waits instead (the kernel drops the lock if its holder dies)."""
+    with open(root / f".{LOCAL_MODEL_NAME}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers reads the GGUF three times (tokenizer, config, weights: `load_gguf_checkpoint`, which builds a
+    `gguf.GGUFReader` each time), and parsing its 262k-token vocabulary is most of the build; here each path is
+    parsed once. The reader is only read, never changed."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def parsed_once(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = parsed_once  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
 
 
 def _drop_gguf_quantizer(model: PreTrainedModel) -> None:
