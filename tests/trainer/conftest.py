@@ -1,7 +1,13 @@
-"""Shared fixtures for trainer tests: tiny model folders and the one Ray cluster are built once per session."""
+"""Shared fixtures for trainer tests: tiny model folders and the one Ray cluster are built once per session.
+
+The Ray cluster stops after the last test of its group (`pytest_runtest_teardown` below), not at the session's end:
+the group's tests run one after another on one worker (tests/conftest.py), and an idle cluster's daemons take
+about a tenth of a core for the rest of the run.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,10 +55,55 @@ def ray_plan(tiny_gemma3_vision_dir: Path) -> RayPlan:
     return plan_ray_stack(tiny_gemma3_vision_dir)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster(ray_plan: RayPlan) -> Iterator[LocalRayCluster]:
-    """ONE KubeRay-like Ray cluster (head with dashboard + a 2-CPU worker node) for every Ray test; always stopped."""
-    from tests.trainer.ray_cluster import kuberay_like_cluster
+class _RayClusterKeeper:
+    """Starts the cluster for the first test that asks, stops it on demand; a test after a stop starts a new one."""
 
-    with kuberay_like_cluster(ray_plan.head_params, ray_plan.worker_params, worker_cpus=2) as cluster:
-        yield cluster
+    def __init__(self, plan: RayPlan) -> None:
+        self.plan = plan
+        self.cluster: LocalRayCluster | None = None
+        self._stack = contextlib.ExitStack()
+
+    def get(self) -> LocalRayCluster:
+        if self.cluster is None:
+            from tests.trainer.ray_cluster import kuberay_like_cluster
+
+            plan = self.plan
+            self.cluster = self._stack.enter_context(
+                kuberay_like_cluster(plan.head_params, plan.worker_params, worker_cpus=2)
+            )
+        return self.cluster
+
+    def stop(self) -> None:
+        self.cluster = None
+        self._stack.close()
+
+
+_KEEPERS: list[_RayClusterKeeper] = []
+
+
+@pytest.fixture(scope="session")
+def ray_cluster_keeper(ray_plan: RayPlan) -> Iterator[_RayClusterKeeper]:
+    keeper = _RayClusterKeeper(ray_plan)
+    _KEEPERS.append(keeper)
+    try:
+        yield keeper
+    finally:
+        keeper.stop()
+
+
+@pytest.fixture
+def ray_cluster(ray_cluster_keeper: _RayClusterKeeper) -> LocalRayCluster:
+    """ONE KubeRay-like Ray cluster (head with dashboard + a 2-CPU worker node) for the Ray tests; always stopped."""
+    return ray_cluster_keeper.get()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the Ray cluster when the next test is outside its group (see the module docstring)."""
+    if not _KEEPERS:
+        return
+    from tests.conftest import group_of
+
+    group = group_of(item.nodeid)
+    if group == "ray-cluster" and (nextitem is None or group_of(nextitem.nodeid) != group):
+        for keeper in _KEEPERS:
+            keeper.stop()
