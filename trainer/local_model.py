@@ -11,8 +11,7 @@ Decisions (docs/decisions/local-gemma3-270m.md):
 - The cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE` overrides it); `local:gemma3-270m` is
   `<root>/gemma3-270m`.
 - Atomic: built under a temporary name, renamed when complete, its marker written last; one build at a time per
-  cache (a file lock): a second process waits for the first build and uses it.
-- The GGUF is parsed once per build, not once for the tokenizer, the config and the weights each.
+  cache (a file lock): a second process waits for the first build and uses it. The GGUF is parsed once per build.
 - No Hub access at any point; every cached file is readable by everyone (the serving image runs as uid 2000).
 """
 
@@ -27,7 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.recipe import LOCAL_MODEL_PREFIX
 
@@ -157,7 +156,7 @@ def _gguf_parsed_once() -> Iterator[None]:
     original = gguf.GGUFReader
     readers: dict[tuple[str, str], Any] = {}
 
-    def parsed_once(path: str | os.PathLike[str], mode: str = "r") -> Any:
+    def parsed_once(path: str | os.PathLike[str], mode: Literal["r", "r+", "c"] = "r") -> Any:
         key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = original(path, mode)
