@@ -3,8 +3,9 @@
     .venv/bin/python bench/local_model_build.py
 
 Both sides build from the same package into fresh caches, one after the other in this process (run it on an idle
-machine; transformers is imported before either is timed), and the folders they write are compared file by file. "each read" replaces `_gguf_parsed_once` with a
-context that does nothing: the build as it was before the reader was kept for the build (trainer/local_model.py).
+machine; transformers is imported before either is timed), and the folders they write are compared file by file.
+"each read" replaces `_gguf_parsed_once` with a context that does nothing: the build as it was before the reader
+was kept for the build (trainer/local_model.py).
 """
 
 from __future__ import annotations

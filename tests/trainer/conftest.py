@@ -1,4 +1,4 @@
-"""Shared fixtures for trainer tests: tiny model folders and the one Ray cluster are built once per session.
+"""Shared fixtures for trainer tests: tiny model folders are built once per session, the Ray cluster once per group.
 
 The Ray cluster stops after the last test of its group (`pytest_runtest_teardown` below), not at the session's end:
 the group's tests run one after another on one worker (tests/conftest.py), and an idle cluster's daemons take
@@ -97,6 +97,7 @@ def ray_cluster(ray_cluster_keeper: _RayClusterKeeper) -> LocalRayCluster:
     return ray_cluster_keeper.get()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown of the test's fixtures
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Stop the Ray cluster when the next test is outside its group (see the module docstring)."""
     if not _KEEPERS:

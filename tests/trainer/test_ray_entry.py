@@ -3,7 +3,7 @@
 Why it matters: the RayJob runs this on 16 GPUs and a preempted worker must not cost the run.
 Here the W2 recipe's real path (QLoRA 4-bit through bitsandbytes on the CPU, our vision collator,
 gradient checkpointing, DDP over gloo) runs on a tiny random Gemma 3 vision model with 2 Ray
-Train workers on the session's KubeRay-like cluster (tests/trainer/ray_cluster.py, the image's
+Train workers on the tests' shared KubeRay-like cluster (tests/trainer/ray_cluster.py, the image's
 Ray). The run is interrupted after a checkpoint while rank 0 is a slow writer, and Ray's restart
 must resume it: the step continues, the restored adapter equals the one saved, and every file
 Ray holds was handed over once, complete.
@@ -254,7 +254,7 @@ def test_a_preempted_worker_pod_saves_the_step_it_had_and_the_restart_resumes_th
     before SIGTERM; it must return once the step's checkpoint is with Ray, and Ray's restart resume there.
 
     Not the signal itself: SIGTERM to the worker node's `ray start --block` stops every Ray process of the
-    node within ~1 s and would take the session's shared cluster down (docs/decisions/ray-preemption.md).
+    node within ~1 s and would take the Ray tests' shared cluster down (docs/decisions/ray-preemption.md).
     """
     import dataclasses
     import subprocess

@@ -5,7 +5,7 @@ becomes ready (`ray[train]` alone lacks the `default` extra; docs/decisions/ray-
 
 - One Ray version: the image's and the dev venv's pins, installed Ray, `trainer.ray_entry.RAY_VERSION`, the
   stack's default and stack-file `rayVersion`, the rendered RayJob's; the `default` extra in both files.
-- The session's cluster (tests/trainer/conftest.py `ray_cluster`) is started from the plan's rayStartParams
+- The shared cluster (tests/trainer/conftest.py `ray_cluster`) is started from the plan's rayStartParams
   as KubeRay starts it; KubeRay's own probe commands must pass on the head.
 - The RayJob's `spec.entrypoint`, from the offline plan, is submitted as KubeRay's K8sJobMode submitter does,
   with flags a user could append (2 CPU workers, local storage) and the stack's recipeOverrides making the
