@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STACK  ?= dev
 UV_VERSION := 0.13.9
-# `make test` runs the tests on 3 worker processes on 2 cores: many tests wait (docs/development.md)
+# `make test` runs the tests on 3 worker processes on 2 cores (why: docs/development.md)
 TEST_WORKERS ?= 3
 MYPY   := $(PY) -m mypy infra trainer/recipe.py
 LOCAL_MODEL := $(PY) -m trainer.local_model
@@ -60,8 +60,8 @@ lint-files: $(STAMP)
 	    ! -name '*.dockerignore' -print | sort); \
 	  echo "hadolint $$files"; [ -z "$$files" ] || $(VENV)/bin/hadolint $$files
 
-# mypy (one core, a cold cache: it reads sources only) runs beside the tests, which leave
-# part of the 2 cores idle while they wait on servers, ranks and Ray; its report follows theirs.
+# mypy (one core, a cold cache: it reads sources only) runs beside the tests rather than before them; its report
+# follows theirs.
 # On a machine without the local Gemma 3 270M (CI) its one build starts at once, beside the first tests; the
 # 270M tests wait for it on the build's lock (trainer/local_model.py) instead of building it in their turn; after an
 # interrupted run (pytest's exit code 2) the build is left to finish on its own

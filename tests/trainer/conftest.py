@@ -78,13 +78,13 @@ class _RayClusterKeeper:
         self._stack.close()
 
 
-_KEEPERS: list[_RayClusterKeeper] = []
+_KEEPER: list[_RayClusterKeeper] = []  # this worker's, once a test has asked for the cluster
 
 
 @pytest.fixture(scope="session")
 def ray_cluster_keeper(ray_plan: RayPlan) -> Iterator[_RayClusterKeeper]:
     keeper = _RayClusterKeeper(ray_plan)
-    _KEEPERS.append(keeper)
+    _KEEPER.append(keeper)
     try:
         yield keeper
     finally:
@@ -100,11 +100,10 @@ def ray_cluster(ray_cluster_keeper: _RayClusterKeeper) -> LocalRayCluster:
 @pytest.hookimpl(trylast=True)  # after pytest's own teardown of the test's fixtures
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Stop the Ray cluster when the next test is outside its group (see the module docstring)."""
-    if not _KEEPERS:
+    if not _KEEPER:
         return
     from tests.conftest import group_of
 
     group = group_of(item.nodeid)
     if group == "ray-cluster" and (nextitem is None or group_of(nextitem.nodeid) != group):
-        for keeper in _KEEPERS:
-            keeper.stop()
+        _KEEPER[0].stop()
