@@ -21,6 +21,9 @@ export TOKENIZERS_PARALLELISM := false
 # torch's OpenMP threads sleep instead of spinning while they wait: on a shared CPU spinning takes
 # the cores the working threads need (demo/pipeline.py `_yielding_cpu_threads` has the numbers)
 export OMP_WAIT_POLICY := PASSIVE
+# The venv's bytecode is written by the first import of each module, not compiled whole at install (.ci/uv_install.py):
+# a PYTHONDONTWRITEBYTECODE from the environment would have every process compile what it imports again
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: help venv test test-fast lint lint-files demo plan bench gpu-wheelhouse gpu-check-dry clean
 

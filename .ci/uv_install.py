@@ -5,8 +5,9 @@
 configuration files nor PIP_* variables, so the options `pip install` would run with are read from pip's
 own parser (its files and variables, with pip's precedence) and handed to uv: index-url,
 extra-index-url, find-links, no-index, constraint, and cert (as SSL_CERT_FILE, or SSL_CERT_DIR for a
-folder). uv chooses among all indexes as pip does (`--index-strategy unsafe-best-match`) and compiles
-bytecode as pip does (`--compile-bytecode`). A pip setting that changes what is resolved and is not
+folder). uv chooses among all indexes as pip does (`--index-strategy unsafe-best-match`). Bytecode is
+not compiled here: the first import of a module writes it (the Makefile lets Python write it), a fifth
+of what compiling all of site-packages costs. A pip setting that changes what is resolved and is not
 handed on (pre, prefer-binary, only-/no-binary, build constraints, uploaded-prior-to, require-hashes)
 exits 3, and `make venv` installs with pip; so does any failure here (pip's parser is internal API).
 The evidence: docs/decisions/uv-install.md.
@@ -51,7 +52,6 @@ def main(argv: list[str]) -> int:
 
     uv = str(Path(sys.executable).parent / "uv")
     command = [uv, "pip", "install", "--python", sys.executable, "--index-strategy", "unsafe-best-match"]
-    command += ["--compile-bytecode"]
     if options.no_index:
         command += ["--no-index"]
     else:

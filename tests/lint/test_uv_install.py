@@ -81,8 +81,8 @@ def test_uv_gets_pips_sources_with_pips_precedence(tmp_path: Path) -> None:
     assert values(words, "--index-url") == ["https://install.example/simple"], "[install] wins over [global]"
     assert values(words, "--extra-index-url") == ["file:///user/a", "file:///user/b"], "a list: one flag each"
     assert values(words, "--constraint") == [str(constraints)]
-    # pip's choice among indexes (the best version anywhere), and bytecode as pip writes it
-    assert values(words, "--index-strategy") == ["unsafe-best-match"] and "--compile-bytecode" in words
+    # pip's choice among indexes (the best version anywhere); bytecode is written at first import (the Makefile)
+    assert values(words, "--index-strategy") == ["unsafe-best-match"] and "--compile-bytecode" not in words
     assert words[-3:] == ["-q", "-r", "requirements-dev.txt"], "the rest of the arguments go to uv unchanged"
 
 
@@ -125,3 +125,22 @@ def test_settings_uv_would_not_get_leave_the_install_to_pip(
     done = run_script(tmp_path, PIP_CONFIG_FILE=os.devnull, **{variable: value})
     assert done.returncode == 3 and done.stdout == ""
     assert named in done.stderr and "install with pip instead" in done.stderr
+
+
+def test_make_lets_python_write_the_bytecode_the_install_left_out(tmp_path: Path) -> None:
+    """Why: without `--compile-bytecode` a PYTHONDONTWRITEBYTECODE from the machine (CI's has one) would make
+    every test process compile each module it imports again; the Makefile's recipes must run without it."""
+    (tmp_path / "first_import.py").write_text("VALUE = 1\n")
+    probe = tmp_path / "probe.py"  # its folder is on sys.path: the module beside it is found
+    probe.write_text("import sys\nimport first_import\nprint(sys.dont_write_bytecode)\n")
+    done = subprocess.run(
+        ["make", "-s", "--eval", f"probe:\n\t@{sys.executable} {probe}", "probe"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", done.stdout
+    assert list((tmp_path / "__pycache__").glob("first_import.*.pyc")), "the first import wrote no bytecode"
