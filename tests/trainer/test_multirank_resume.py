@@ -1,4 +1,4 @@
-"""A preempted 4-rank W1 run, through the real launcher: killed after a checkpoint, resumed on a fresh machine.
+"""A preempted 3-rank W1 run, through the real launcher: killed after a checkpoint, resumed on a fresh machine.
 
 Why it matters: the a4-gemma4 Job runs 8 ranks on one node sharing one local staging folder; the retry after a
 lost node lands on an EMPTY staging folder and resumes from the bucket. Two things broke that: every rank
@@ -6,8 +6,8 @@ downloaded the checkpoint into the same folder at once (now local rank 0 downloa
 0 marked a checkpoint before the other ranks had written their `rng_state_<rank>.pth` (now a barrier first).
 docs/decisions/checkpoints-mirrored-with-markers.md has the rules.
 
-W1 on a tiny Gemma 4, 4 processes of `python -m trainer.launch --cpu` (gloo on loopback), a `file://` bucket.
-A sitecustomize module delays the real functions: ranks 1..3 save their RNG state 1.5 s late (transformers'
+W1 on a tiny Gemma 4, 3 processes of `python -m trainer.launch --cpu` (gloo on loopback), a `file://` bucket.
+A sitecustomize module delays the real functions: ranks 1 and 2 save their RNG state 1.5 s late (transformers'
 `Trainer._save_rng_state`), and on the second machine each bucket read takes 0.5 s (fsspec's
 `LocalFileSystem.get_file`). The first launch is SIGKILLed, launcher and ranks at once, as soon as a
 checkpoint is marked; the second, on a new empty staging folder, must resume from it and finish.
@@ -29,7 +29,7 @@ from tests.trainer.inject import AFTER_IMPORT, launch_argv, launch_env, w1_overr
 from trainer.checkpoints import CHECKPOINT_MARKER, RUN_MARKER, checkpoint_step
 
 REPO = Path(__file__).resolve().parents[2]
-NPROC = 4
+NPROC = 3  # local rank 0 and two ranks that wait for its download and write their RNG state late
 # killed at checkpoint-2; the retry resumes there and marks checkpoint-4, its own slowed RNG save included
 MAX_STEPS = 4
 SAVE_STEPS = 2
@@ -135,7 +135,7 @@ EXPECTED_FILES = {f"rng_state_{rank}.pth" for rank in range(NPROC)} | {
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_killed_four_rank_run_resumes_on_an_empty_machine(tiny_gemma4_dir: Path, tmp_path: Path) -> None:
+def test_killed_three_rank_run_resumes_on_an_empty_machine(tiny_gemma4_dir: Path, tmp_path: Path) -> None:
     remote = tmp_path / "bucket" / "run"
     url = f"file://{remote}"
 
