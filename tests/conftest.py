@@ -46,7 +46,7 @@ LONGEST_FIRST = (
     "gemma3-270m",  # the demo end to end on the 270M, a LoRA run on the 270M, its tokenizer
     "tests/infra/",  # every stack and variant planned under mocks, the permission proof
     "tests/trainer/test_multirank_resume.py",  # two launches of 3 ranks
-    "tests/trainer/test_fsdp_checkpoint.py",  # three FSDP2 launches of 2 ranks (one also scores held-out rows)
+    "tests/trainer/test_fsdp_checkpoint.py",  # two FSDP2 launches of 2 ranks (one also scores held-out rows)
     "tests/bench/test_gpu_check.py",  # the GPU check's dry run: several tiny trainings
     "tests/trainer/test_startup_wait.py",  # 2 ranks, rank 0 loads late
     "tests/trainer/test_preemption.py",  # a SIGTERM mid-run and the restart

@@ -9,16 +9,17 @@ The run is `python -m trainer` on the W1 recipe and a tiny Gemma 4, 2 ranks unde
 with the config `trainer.launch` renders (FSDP2, FULL_STATE_DICT, RAM-efficient loading), gloo on loopback.
 A sitecustomize module gives accelerate's state a GPU node's view (as tests/trainer/test_ram_efficient_loading.py
 does); accelerate's `fsdp2_prepare_model` really shards (torch `fully_shard` on CPU). Spies record every gather
-(`get_model_state_dict` with full_state_dict, `DTensor.full_tensor`) and each `fully_shard`'s policy. The first
-launch stops after checkpoint-1 (`max_steps=1`), the second resumes from it to step 2, and an uninterrupted
-2-step launch (module fixture `straight_run`) is what the resumed one must equal; that launch also answers
-held-out rows, which the run-evaluation test below checks (one launch serves both, the same configuration).
+(`get_model_state_dict` with full_state_dict, `DTensor.full_tensor`) and each `fully_shard`'s policy. An
+uninterrupted 2-step launch (module fixture `straight_run`) saves checkpoint-1 and checkpoint-2; a second launch
+on a folder holding only its checkpoint-1 (what a run killed after that checkpoint leaves) resumes to step 2 and
+must equal it. The straight launch also answers held-out rows, which the run-evaluation test below checks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -173,15 +174,17 @@ ANSWERING = ("evaluation.generate_rows=3", "evaluation.max_new_tokens=5", "evalu
 class StraightRun:
     out_dir: Path
     output: str
+    gather_log: Path
 
 
 @pytest.fixture(scope="module")
 def straight_run(tiny_gemma4_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> StraightRun:
-    """The uninterrupted 2-step launch: the resume test's reference and the run-evaluation test's run."""
+    """The uninterrupted 2-step launch: its checkpoint-1 is what the resume test resumes, its checkpoint-2 what
+    the resumed run must equal; and the run-evaluation test's run."""
     tmp_path = tmp_path_factory.mktemp("straight")
-    out_dir = tmp_path / "run"
-    output = launch(tmp_path, tiny_gemma4_dir, out_dir, 2, tmp_path / "gathers.jsonl", extra=ANSWERING)
-    return StraightRun(out_dir, output)
+    out_dir, gather_log = tmp_path / "run", tmp_path / "gathers.jsonl"
+    output = launch(tmp_path, tiny_gemma4_dir, out_dir, 2, gather_log, extra=ANSWERING)
+    return StraightRun(out_dir, output, gather_log)
 
 
 @pytest.mark.slow
@@ -192,12 +195,10 @@ def test_a_checkpoint_holds_the_adapter_and_resumes(
     import torch
     from safetensors.torch import load_file
 
-    out_dir = tmp_path / "run"
-    first_log = tmp_path / "gathers-1.jsonl"
-    launch(tmp_path, tiny_gemma4_dir, out_dir, max_steps=1, gather_log=first_log)
-    checkpoint = out_dir / "checkpoints" / "checkpoint-1"
+    straight_dir = straight_run.out_dir
+    checkpoint = straight_dir / "checkpoints" / "checkpoint-1"
     written = sorted(p.name for p in checkpoint.iterdir())
-    print(json.dumps({"checkpoint-1": written, "gathers": gathers(first_log)}, indent=1)[:4000])
+    print(json.dumps({"checkpoint-1": written, "gathers": gathers(straight_run.gather_log)}, indent=1)[:4000])
 
     # what a checkpoint writes: the adapter in transformers' FSDP model file, the optimizer (accelerate's
     # FSDP optimizer file), scheduler, every rank's RNG state, the trainer state, our marker; no model
@@ -211,15 +212,15 @@ def test_a_checkpoint_holds_the_adapter_and_resumes(
     }, written
     adapter = torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=True)
     assert adapter and all(".lora_" in key for key in adapter), sorted(adapter)[:5]
-    # what the run gathered: the adapter, once for checkpoint-1 and once for the final adapter, on each rank;
-    # no full state dict of the model (the old checkpoint: every frozen weight, then the tied LM head)
+    # what the run gathered: the adapter, once for each checkpoint (1 and 2) and once for the final adapter, on each
+    # rank; no full state dict of the model (the old checkpoint: every frozen weight, then the tied LM head)
     adapter_numel = sum(t.numel() for t in adapter.values())
-    final = load_file(out_dir / "adapter" / "adapter_model.safetensors")
+    final = load_file(straight_dir / "adapter" / "adapter_model.safetensors")
     assert sum(t.numel() for t in final.values()) == adapter_numel
-    recorded = gathers(first_log)
+    recorded = gathers(straight_run.gather_log)
     for rank in range(NPROC):
         gathered = sum(r["full_tensor"] for r in recorded if r["rank"] == rank and "full_tensor" in r)
-        assert gathered == 2 * adapter_numel, (
+        assert gathered == 3 * adapter_numel, (
             f"rank {rank} gathered {gathered} elements, the adapter has {adapter_numel}"
         )
     # the trainer's FSDP setup: accelerate sharded every block with fp32 gradient reduction (test_fsdp_config.py)
@@ -229,20 +230,20 @@ def test_a_checkpoint_holds_the_adapter_and_resumes(
     for record in full_state_dicts:
         assert all(".lora_" in key for key in record["keys"]), f"a full state dict gathered {record['keys'][:5]}"
 
-    # and it resumes: the second launch (max_steps=2) loads adapter, optimizer and RNG states, trains step 2
-    # (the first run's marker removed: a finished output.dir is not trained again)
-    (out_dir / "_RUN_COMPLETE.json").unlink()
-    second_log = tmp_path / "gathers-2.jsonl"
-    output = launch(tmp_path, tiny_gemma4_dir, out_dir, max_steps=2, gather_log=second_log)
+    # and it resumes: a launch on a folder that holds only checkpoint-1 (a run killed after it) loads adapter,
+    # optimizer and RNG states and trains step 2
+    out_dir = tmp_path / "run"
+    resumable = out_dir / "checkpoints" / "checkpoint-1"
+    shutil.copytree(checkpoint, resumable)
+    output = launch(tmp_path, tiny_gemma4_dir, out_dir, max_steps=2, gather_log=tmp_path / "gathers-resumed.jsonl")
     summary = json.loads((out_dir / "run_summary.json").read_text())
     assert summary["resumed_from_step"] == 1 and summary["steps"] == 2, summary
-    assert output.count(f"resuming from {checkpoint}") == NPROC, output[-4000:]
+    assert output.count(f"resuming from {resumable}") == NPROC, output[-4000:]
     resumed = torch.load(out_dir / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin", weights_only=True)
     assert resumed.keys() == adapter.keys() and any(not torch.equal(resumed[k], adapter[k]) for k in adapter)
 
-    # resumed from the checkpoint's adapter and optimizer, not from a fresh adapter: the same weights as an
-    # uninterrupted 2-step run (a load that matched no key would pass strict=False silently)
-    straight_dir = straight_run.out_dir
+    # resumed from the checkpoint's adapter and optimizer, not from a fresh adapter: the same weights as the
+    # uninterrupted run (a load that matched no key would pass strict=False silently)
     straight = torch.load(straight_dir / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin", weights_only=True)
     for key, tensor in straight.items():
         torch.testing.assert_close(resumed[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
