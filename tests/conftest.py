@@ -8,13 +8,15 @@ node ids). The rules (the why of each: docs/development.md, "How the test run is
 - tests/infra and tests/policy run each as a whole, tests/infra/test_pulumi_install.py apart; any other module
   as a whole;
 - the groups in LONGEST_FIRST start first, the others by an estimate from the slow marker;
-- a worker's torch uses one thread; the image build contexts are staged under an exclusive file lock.
+- a worker's torch uses one thread; the image build contexts are staged under an exclusive file lock;
+- the garbage collector is off while the tests are collected and the objects then alive are frozen (below).
 A run without xdist (`pytest tests/...`) is unchanged but for that lock and the group check.
 """
 
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,9 @@ from typing import Any
 import pytest
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+# Collecting imports torch, transformers and the Pulumi SDKs and builds ~2,000 items: with the collector on, each
+# full collection walks that growing heap again, in every worker (bench/RESULTS.md, "Collection without the collector")
+gc.disable()
 # group -> the files (or folders) whose tests it holds
 GROUPS = {
     "ray-cluster": ("tests/trainer/test_ray_runtime.py", "tests/trainer/test_ray_entry.py"),
@@ -97,6 +102,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return rank, -weight[group]
 
     items.sort(key=order)  # stable: the tests of a group keep their order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The collector back on, with what collection left alive frozen: later full collections skip it."""
+    gc.collect()
+    gc.freeze()
+    gc.enable()
 
 
 @pytest.hookimpl(tryfirst=True)
