@@ -1,7 +1,13 @@
-"""Shared helpers for the infra tests: every test runs the real program under mocks."""
+"""Shared helpers for the infra tests: every test runs the real program under mocks.
+
+The same run is made once: a test that cannot change what the program sees (no monkeypatch, temporary folder,
+own recipe folder or captured output) gets a copy of the first identical run's result (`_run_once`); every
+other test, a test marked `fresh_runs` (it compares identical runs) and every run that fails runs the program anew.
+"""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +15,38 @@ from typing import Any
 
 import pytest
 
-from infra.offline.engine import MOCK_HF_TOKEN, REPO_ROOT, StackRun, is_secret, run_stack, stack_names, unwrap_secrets
+import infra.offline.engine
+from infra.offline.engine import MOCK_HF_TOKEN, REPO_ROOT, StackRun, is_secret, stack_names, unwrap_secrets
+
+# fixtures through which a test can change what the program reads, or reads what a run printed
+_CHANGES_THE_RUN = {"monkeypatch", "tmp_path", "tmp_path_factory", "own_dir", "capsys", "capfd", "caplog"}
+_program_run = infra.offline.engine.run_stack
+_runs: dict[str, StackRun] = {}
+_reuse = False
+
+
+def _run_once(stack: str, *args: Any, **kwargs: Any) -> StackRun:
+    """`run_stack`, its result reused for identical arguments while the current test allows it (see above)."""
+    if not _reuse:
+        return _program_run(stack, *args, **kwargs)
+    key = repr((stack, args, sorted(kwargs.items())))  # a dict's order stays in the key: a bucket listing's matters
+    if key not in _runs:
+        _runs[key] = _program_run(stack, *args, **kwargs)
+    return copy.deepcopy(_runs[key])
+
+
+# bound before the test modules are imported: their `from infra.offline.engine import run_stack` takes this one
+infra.offline.engine.run_stack = _run_once
+run_stack = _run_once
+
+
+@pytest.fixture(autouse=True)
+def _runs_reused_unless_the_test_can_change_them(request: pytest.FixtureRequest) -> Iterator[None]:
+    global _reuse
+    _reuse = not _CHANGES_THE_RUN & set(request.fixturenames) and not request.node.get_closest_marker("fresh_runs")
+    yield
+    _reuse = False
+
 
 PREBUILT = {
     "imageBuild": "prebuilt",
