@@ -32,7 +32,7 @@ help: ## list the commands
 
 # uv installs the pinned set in a fraction of pip's time (docs/development.md; timings in bench/RESULTS.md), from the sources pip is
 # configured with (.ci/uv_install.py: a machine's CPU build of torch lies in pip's find-links); pip does it
-# all when uv cannot be had. uv is removed again afterwards: the venv holds what pip's would.
+# all when uv cannot be had. uv is removed again afterwards: the venv holds the packages pip's would.
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -m pip install -q --no-compile uv==$(UV_VERSION) && $(VENV)/bin/uv --version >/dev/null \

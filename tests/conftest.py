@@ -104,6 +104,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=order)  # stable: the tests of a group keep their order
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist's controller process collects nothing (its workers do): the collector goes back on at once."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        gc.enable()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The collector back on, with what collection left alive frozen: later full collections skip it."""
     gc.collect()
