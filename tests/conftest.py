@@ -26,7 +26,7 @@ import pytest
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 # Collecting imports torch, transformers and the Pulumi SDKs and builds ~2,000 items: with the collector on, each
-# full collection walks that growing heap again, in every worker (bench/RESULTS.md, "Collection without the collector")
+# full collection walks that growing heap again, in every worker (bench/RESULTS.md, "A fresh clone's `.ci/run`...")
 gc.disable()
 # group -> the files (or folders) whose tests it holds
 GROUPS = {
