@@ -10,7 +10,7 @@ node ids). The rules (the why of each: docs/development.md, "How the test run is
 - the groups in LONGEST_FIRST start first, the others by an estimate from the slow marker;
 - a worker's torch uses one thread; the image build contexts are staged under an exclusive file lock;
 - the garbage collector is off while the tests are collected and the objects then alive are frozen (below).
-A run without xdist (`pytest tests/...`) is unchanged but for that lock and the group check.
+A run without xdist (`pytest tests/...`) is unchanged but for that lock, the group check and the collector.
 """
 
 from __future__ import annotations
