@@ -1,8 +1,9 @@
 """Shared helpers for the infra tests: every test runs the real program under mocks.
 
 The same run is made once: a test that cannot change what the program sees (no monkeypatch, temporary folder,
-own recipe folder or captured output) gets a copy of the first identical run's result (`_run_once`); every
-other test, a test marked `fresh_runs` (it compares identical runs) and every run that fails runs the program anew.
+own recipe folder or captured output) gets a copy of an earlier test's identical run (`_run_once`). Within one
+test each identical run after the first is made anew, so a test (or its function fixture) that compares two
+identical runs compares two real ones; every other test, and every run that fails, runs the program anew.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _CHANGES_THE_RUN = {"monkeypatch", "tmp_path", "tmp_path_factory", "own_dir", "c
 _program_run = infra.offline.engine.run_stack
 _runs: dict[str, StackRun] = {}
 _reuse = False
+_served: set[str] = set()  # the keys the current test was handed already
 
 
 def _run_once(stack: str, *args: Any, **kwargs: Any) -> StackRun:
@@ -30,6 +32,9 @@ def _run_once(stack: str, *args: Any, **kwargs: Any) -> StackRun:
     if not _reuse:
         return _program_run(stack, *args, **kwargs)
     key = repr((stack, args, sorted(kwargs.items())))  # a dict's order stays in the key: a bucket listing's matters
+    if key in _served:
+        return _program_run(stack, *args, **kwargs)
+    _served.add(key)
     if key not in _runs:
         _runs[key] = _program_run(stack, *args, **kwargs)
     return copy.deepcopy(_runs[key])
@@ -43,9 +48,10 @@ run_stack = _run_once
 @pytest.fixture(autouse=True)
 def _runs_reused_unless_the_test_can_change_them(request: pytest.FixtureRequest) -> Iterator[None]:
     global _reuse
-    _reuse = not _CHANGES_THE_RUN & set(request.fixturenames) and not request.node.get_closest_marker("fresh_runs")
+    _reuse = not _CHANGES_THE_RUN & set(request.fixturenames)
     yield
     _reuse = False
+    _served.clear()
 
 
 PREBUILT = {

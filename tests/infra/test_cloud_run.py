@@ -76,7 +76,6 @@ class TestExecution:
         assert "update" not in inputs and "delete" not in inputs, "nothing but a new run id starts training"
         assert run.one(JOB).urn in execution.dependencies, "the execution uses the Job's updated template"
 
-    @pytest.mark.fresh_runs
     def test_stable_for_same_inputs(self) -> None:
         assert (
             run_stack("dev", overrides=PREBUILT).outputs["runId"]

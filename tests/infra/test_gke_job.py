@@ -200,7 +200,6 @@ class TestSecretsAndIdentity:
 class TestJobName:
     """`pulumi up` re-runs training exactly when the image, the recipe or the run's shape changed."""
 
-    @pytest.mark.fresh_runs
     def test_stable_for_the_same_inputs(self, single: StackRun) -> None:
         assert run().outputs["jobName"] == single.outputs["jobName"]
 

@@ -264,7 +264,6 @@ class TestSecretsAndIdentity:
 
 
 class TestJobName:
-    @pytest.mark.fresh_runs
     def test_stable(self, ephemeral: StackRun) -> None:
         assert run().outputs["rayJobName"] == ephemeral.outputs["rayJobName"]
 

@@ -93,7 +93,6 @@ def trained() -> tuple[ModeledCloud, StackRun]:
 
 
 class TestByHandRerun:
-    @pytest.mark.fresh_runs  # plans again with the fixture's arguments: "nothing changed" must be a new run's word
     def test_refresh_and_up_after_a_by_hand_run(self, trained: tuple[ModeledCloud, StackRun]) -> None:
         cloud, first = trained
         cloud.execute_by_hand(first.outputs["trainingJob"])

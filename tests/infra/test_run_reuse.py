@@ -2,7 +2,7 @@
 
 Why it matters: a reused run that a test had changed (a patched function, a file in a temporary folder) would
 hand that test another run's result, and a stability test comparing two identical runs would compare one
-run with its copy; both must run the program anew.
+run with its copy: the first runs the program anew, the second gets a new run for each repeat.
 """
 
 from __future__ import annotations
@@ -35,11 +35,23 @@ def _kept() -> dict[str, Any]:
     return dict(infra_conftest._runs)
 
 
-@pytest.mark.fresh_runs
-def test_a_test_marked_fresh_runs_makes_every_run() -> None:
-    before = _kept()
-    run(12)
-    assert _kept() == before, "a fresh_runs test's run was kept for reuse"
+def test_an_identical_run_repeated_within_one_test_is_made_anew() -> None:
+    """Two identical runs compared in one test (a stability check, a fixture and its test) must be two runs."""
+    made: list[str] = []
+    program_run = infra_conftest._program_run
+
+    def counting(stack: str, *args: Any, **kwargs: Any) -> StackRun:
+        made.append(stack)
+        return program_run(stack, *args, **kwargs)
+
+    infra_conftest._program_run = counting  # not monkeypatch: that fixture turns the reuse off
+    try:
+        run(12)
+        run(12)
+        run(12)
+    finally:
+        infra_conftest._program_run = program_run
+    assert made == ["dev", "dev", "dev"], f"{len(made)} of 3 identical runs in one test were made"
 
 
 def test_a_test_that_can_patch_makes_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
