@@ -10,7 +10,8 @@ A thin adapter: `TorchTrainer` around the core's Hugging Face trainer (`prepare_
 (docs/decisions/ray-train-workers.md). Checkpoints reach Ray after a barrier, each file once and complete,
 under the recipe's run name so a retry resumes (docs/decisions/ray-train-checkpoints.md); preemption is a
 preStop notice read at each step end (docs/decisions/ray-preemption.md). Rank 0 writes the final adapter and
-run_summary.json to `output.dir`. `RAY_VERSION` is the image's Ray; nothing heavy is imported at import time.
+run_summary.json to `output.dir`, then `_RUN_COMPLETE.json`: with it there, `main` starts no worker again.
+`RAY_VERSION` is the image's Ray; nothing heavy is imported at import time.
 It does not decide the cluster's shape (infra/ray_job.py does) and does not use Ray Data.
 """
 
@@ -339,6 +340,15 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
 
             fs, root = url_to_fs(location.remote)
             fs.put_file(str(location.local / SUMMARY_FILE), f"{root}/{SUMMARY_FILE}")
+        # last, as `python -m trainer` does: what `pulumi up` and `main` read to start nothing for this run again
+        location.mark_run_complete(
+            {
+                "recipe": recipe.name,
+                "adapter_dir": location.remote_path("adapter") or str(adapter_dir),
+                "merged_dir": None,
+                "summary": summary,
+            }
+        )
 
 
 # --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tests.trainer.ray_worker_probes import (
     InterruptedRun,
     sha256,
 )
+from trainer.checkpoints import RUN_MARKER
 from trainer.ray_entry import parse_args, rank_checkpoint_files
 from trainer.recipe import load_recipe
 
@@ -243,6 +244,9 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
     assert summary["steps"] == 4 and summary["resumed_from_step"] == 2 and summary["ray_workers"] == 2
     assert summary["loaded_in_4bit"] is True and summary["ddp_find_unused_parameters"] is False
     assert summary["epoch"] == 4 * 2 / 8, "DDP shards the 8 rows over 2 workers: 4 steps are one epoch"
+    # the run's marker, uploaded last: only the attempt that finished wrote it
+    marker = json.loads((out / RUN_MARKER).read_text())
+    assert marker["summary"] == summary and marker["adapter_dir"] == f"file://{out}/adapter", marker
 
 
 @pytest.mark.slow

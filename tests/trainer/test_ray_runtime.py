@@ -78,31 +78,37 @@ def test_head_answers_kuberays_probes(ray_cluster):
     assert done.returncode == 0, ("the worker's raylet probe", done.stdout, done.stderr, ray_cluster.logs())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_planned_entrypoint_succeeds_through_job_submission(ray_cluster, ray_plan, tmp_path):
+def _submit_and_wait(dashboard_url: str, submission_id: str, entrypoint: str) -> str:
+    """`ray job submit` as the RayJob's submitter does; the job's logs once it SUCCEEDED."""
     from ray.job_submission import JobSubmissionClient
 
-    out, storage = tmp_path / "out", tmp_path / "ray"
-    entrypoint = (
-        f"{ray_plan.entrypoint} --num-workers 2 --no-use-gpu --storage-path {storage} "
-        f"--set distributed.world_size=2 --set output.dir={out}"
-    )
-    submission_id = f"{ray_plan.run_name}-test"
-    submit = (
-        f"{RAY} job submit --address {ray_cluster.dashboard_url} --no-wait --submission-id {submission_id} -- "
-        + entrypoint
-    )
+    submit = f"{RAY} job submit --address {dashboard_url} --no-wait --submission-id {submission_id} -- {entrypoint}"
     done = subprocess.run(["bash", "-c", submit], env=node_environment(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
-    client = JobSubmissionClient(ray_cluster.dashboard_url)
+    client = JobSubmissionClient(dashboard_url)
     deadline = time.monotonic() + 1000
     while (status := str(client.get_job_status(submission_id).value)) not in TERMINAL:
         assert time.monotonic() < deadline, f"job still {status}\n{client.get_job_logs(submission_id)[-4000:]}"
         time.sleep(0.5)  # one HTTP status call: the job's end is seen within 0.5 s instead of 2
     logs = client.get_job_logs(submission_id)
     assert status == "SUCCEEDED", logs[-6000:]
+    return logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_planned_entrypoint_succeeds_through_job_submission(ray_cluster, ray_plan, tmp_path):
+    """The planned entrypoint trains through a real submission; submitted again (an `up` after `destroy`
+    recreates the RayJob with the same run), it finds the run's marker and starts no worker."""
+    from trainer.checkpoints import RUN_MARKER
+
+    out, storage = tmp_path / "out", tmp_path / "ray"
+    entrypoint = (
+        f"{ray_plan.entrypoint} --num-workers 2 --no-use-gpu --storage-path {storage} "
+        f"--set distributed.world_size=2 --set output.dir={out}"
+    )
+    _submit_and_wait(ray_cluster.dashboard_url, f"{ray_plan.run_name}-test", entrypoint)
 
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["ray_workers"] == 2 and summary["steps"] == 2
@@ -126,3 +132,11 @@ def test_planned_entrypoint_succeeds_through_job_submission(ray_cluster, ray_pla
     assert (out / "adapter" / "processor_config.json").exists()
     checkpoints = list((storage / ray_plan.run_name).glob("checkpoint_*/checkpoint/adapter_model.safetensors"))
     assert checkpoints, "no checkpoint reached Ray's storage"
+
+    marker = json.loads((out / RUN_MARKER).read_text())  # written last, by rank 0
+    assert marker["summary"] == summary and marker["adapter_dir"] == str(out / "adapter"), marker
+    written = {p: p.stat().st_mtime_ns for p in [*out.rglob("*"), *storage.rglob("*")]}
+    again = _submit_and_wait(ray_cluster.dashboard_url, f"{ray_plan.run_name}-again", entrypoint)
+    assert "already holds a finished run" in again, again[-4000:]
+    after = {p: p.stat().st_mtime_ns for p in [*out.rglob("*"), *storage.rglob("*")]}
+    assert after == written, "the second submission trained or wrote again"
