@@ -178,13 +178,14 @@ def finished_run(cfg: StackConfig, bucket_kept: bool, folder: str) -> str | None
 # IAM grants reach every Google service only after a while: "typically 2 minutes", "7 minutes or longer" for
 # some (https://cloud.google.com/iam/docs/access-change-propagation). A consumer of a fresh grant that is a
 # provider resource (a Cloud Run Job that reads a secret, a GKE Job whose pods write the bucket) cannot retry,
-# so it waits on this step, which runs once when its grants are created or change (`triggers`).
+# so it waits on this step, which runs again whenever a grant is added, removed or replaced: its triggers are
+# the grants' IDs (resource/role/member[/condition]), which a replacement changes and a URN does not.
 IAM_PROPAGATION_S = 120
 IAM_WAIT_SCRIPT = 'sleep "$IAM_PROPAGATION_S"  # infra/foundation.py iam_propagation_wait'
 
 
 def iam_propagation_wait(
-    name: str, grants: list[pulumi.Resource], parent: pulumi.Resource | None = None
+    name: str, grants: list[pulumi.CustomResource], parent: pulumi.Resource | None = None
 ) -> command.local.Command:
     """A step that returns `IAM_PROPAGATION_S` after `grants` exist; depend on it to use them."""
     return command.local.Command(
@@ -192,7 +193,7 @@ def iam_propagation_wait(
         create=IAM_WAIT_SCRIPT,
         interpreter=["/bin/bash", "-c"],
         environment={"IAM_PROPAGATION_S": str(IAM_PROPAGATION_S)},
-        triggers=[g.urn for g in grants],
+        triggers=[g.id for g in grants],
         opts=pulumi.ResourceOptions(parent=parent, depends_on=grants),
     )
 
@@ -234,7 +235,7 @@ class Foundation(pulumi.ComponentResource):
         cfg = args.cfg
         self._cfg = cfg
         self._name = name
-        self._grants: dict[Identity, list[pulumi.Resource]] = {identity: [] for identity in Identity}
+        self._grants: dict[Identity, list[pulumi.CustomResource]] = {identity: [] for identity in Identity}
         self._waits: dict[Identity, command.local.Command] = {}
         self._name = name
         child = pulumi.ResourceOptions(parent=self)

@@ -167,12 +167,44 @@ def provider_path(path: Path) -> str:
     return os.path.relpath(path, Path.cwd())
 
 
-CLOUD_BUILD_SCRIPT = """set -euo pipefail
-build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
+# A build that failed only because a fresh grant to its builder had not reached Cloud Build yet (IAM: typically
+# 2 minutes, sometimes 7 or more, past the propagation wait it already had) is submitted again, up to
+# BUILD_ATTEMPTS times, 60, 120 and 240 s apart: the failure types of a source it could not read, a push it was
+# not allowed, logs it could not write (Cloud Build's FailureInfo), or a PERMISSION_DENIED from the submit
+# itself. A failed build step (the Dockerfile) is not retried. gcloud names a failed build on stderr as
+# 'build ID completed with status "FAILURE"' (googlecloudsdk/command_lib/builds/submit_util.py).
+BUILD_ATTEMPTS = 4
+BUILD_RETRIED_FAILURES = ("FETCH_SOURCE_FAILED", "PUSH_NOT_AUTHORIZED", "LOGGING_FAILURE")
+CLOUD_BUILD_SCRIPT = f"""set -euo pipefail
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
+attempt=1
+until build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
   --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE,_VLLM_IMAGE=$VLLM_IMAGE" \\
   --service-account "projects/$PROJECT/serviceAccounts/$BUILD_SERVICE_ACCOUNT" \\
   --gcs-source-staging-dir "gs://$STAGING_BUCKET/source" \\
-  --suppress-logs --format='value(id)')
+  --suppress-logs --format='value(id)' 2>"$err"); do
+  cat "$err" >&2
+  failed=$(sed -n 's/.*build \\([^ ]*\\) completed with status.*/\\1/p' "$err" | tail -n 1)
+  reason=PERMISSION_DENIED
+  if [ -n "$failed" ]; then
+    reason=$(gcloud builds describe "$failed" --project "$PROJECT" --region "$REGION" \\
+      --format='value(failureInfo.type)' || true)
+  elif ! grep -q PERMISSION_DENIED "$err"; then
+    exit 1
+  fi
+  case "$reason" in {"|".join(("PERMISSION_DENIED", *BUILD_RETRIED_FAILURES))}) ;; *) exit 1;; esac
+  if [ "$attempt" -ge {BUILD_ATTEMPTS} ]; then
+    echo "Cloud Build still fails with $reason after {BUILD_ATTEMPTS} attempts: check the builder's grants" >&2
+    exit 1
+  fi
+  wait_s=$(( 60 << (attempt - 1) ))
+  attempt=$((attempt + 1))
+  echo "Cloud Build failed with $reason, which a grant that has not propagated yet causes: attempt $attempt of \\
+{BUILD_ATTEMPTS} in $wait_s s" >&2
+  sleep "$wait_s"
+done
+cat "$err" >&2
 digest=$(gcloud builds describe "$build_id" --project "$PROJECT" --region "$REGION" \\
   --format='value(results.images[0].digest)')
 case "$digest" in sha256:*) ;; *) echo "Cloud Build $build_id returned no image digest" >&2; exit 1;; esac

@@ -158,6 +158,8 @@ MOCK_RESERVATION_COUNT = 4
 
 # Every GPU quota the mocks are asked for, in every region: enough for any stack here.
 MOCK_QUOTA_LIMIT = 64
+# The inputs that name the resource an IAM member grants on, in the order the provider's ID has them.
+_IAM_RESOURCE_KEYS = ("project", "location", "repository", "bucket", "secretId", "serviceAccountId")
 
 
 def mock_quota_info(
@@ -394,6 +396,14 @@ class Mocks(pulumi_mocks.Mocks):
                 masterAuth={"clusterCaCertificate": "bW9jay1jYQ==", "clientCertificate": "", "clientKey": ""},
                 selfLink=f"https://container.googleapis.com/v1/projects/{project}/locations/x/clusters/{plain.get('name')}",
             )
+        elif typ.lower().endswith("iammember"):
+            # The provider's ID: the resource, the role, the member and any condition (terraform-provider-google
+            # google/tpgiamresource/resource_iam_member.go, resourceIamMemberCreate `d.SetId`): a replacement that
+            # moves a grant changes it, as it does in the cloud.
+            where = [str(plain[k]) for k in _IAM_RESOURCE_KEYS if k in plain]
+            condition = plain.get("condition") or {}
+            keyed = [condition.get(k, "") for k in ("title", "description", "expression")] if condition else []
+            rid = "/".join([*where, str(plain["role"]), str(plain["member"]).lower(), *keyed])
         elif typ == "docker-build:index:Image":
             digest = _fake_digest(plain.get("tags"), plain.get("labels"))
             state.update(digest=digest, ref=f"{plain['tags'][0]}@{digest}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,94 @@ class TestCloudBuildIdentity:
     def test_docker_mode_creates_no_builder(self) -> None:
         run = run_stack("dev", overrides=DOCKER)
         assert not [r for r in run.of_type("gcp:serviceaccount/account:Account") if r.name.endswith("build-sa")]
+
+
+# A stand-in for gcloud that answers as SDK 528.0.0 does (googlecloudsdk/command_lib/builds/submit_util.py
+# `Build`): a build that did not succeed prints 'BUILD FAILURE: <detail>' and raises FailedBuildException,
+# 'build ID completed with status "FAILURE"', exit 1; `builds describe --format=value(...)` prints the field.
+# Each `builds submit` takes the next line of $FAKE_OUTCOMES: ok, an API error, or a FailureInfo type.
+FAKE_GCLOUD = r"""#!/usr/bin/env bash
+echo "$*" >> "$FAKE_CALLS"
+n=$(grep -c '^builds submit' "$FAKE_CALLS")
+case "$1 $2" in
+  "builds submit")
+    outcome=$(sed -n "${n}p" "$FAKE_OUTCOMES")
+    id="0000000$n-aaaa-bbbb-cccc-dddddddddddd"
+    case "$outcome" in
+      ok) echo "Created [https://cloudbuild.googleapis.com/v1/projects/p/locations/r/builds/$id]." >&2; echo "$id";;
+      PERMISSION_DENIED|INVALID_ARGUMENT)
+        echo "ERROR: (gcloud.builds.submit) $outcome: the API refused the request" >&2; exit 1;;
+      *) echo "$outcome" > "$FAKE_CALLS.type-$id"
+         echo "BUILD FAILURE: a failure of type $outcome" >&2
+         echo "ERROR: (gcloud.builds.submit) build $id completed with status \"FAILURE\"" >&2; exit 1;;
+    esac;;
+  "builds describe")
+    case "$*" in
+      *failureInfo.type*) cat "$FAKE_CALLS.type-$3";;
+      *digest*) echo "sha256:$(printf '%064d' 7)";;
+    esac;;
+esac
+"""
+
+
+class TestCloudBuildRetriesAFreshGrant:
+    """The planned build step, run by bash as pulumi-command runs it, against a gcloud that fails as a grant
+    that has not propagated yet makes it fail."""
+
+    def _build(
+        self, tmp_path: Path, outcomes: list[str]
+    ) -> tuple[subprocess.CompletedProcess[str], list[str], list[int]]:
+        import os
+
+        run = run_stack("dev", overrides={"imageBuild": "cloud-build"})
+        build = run.by_name("gft-dev-trainer-cloudbuild").plain_inputs()
+        (tmp_path / "bin").mkdir()
+        gcloud = tmp_path / "bin" / "gcloud"
+        gcloud.write_text(FAKE_GCLOUD)
+        gcloud.chmod(0o755)
+        sleep = tmp_path / "bin" / "sleep"  # the waits, recorded instead of slept
+        sleep.write_text('#!/bin/sh\necho "$1" >> "$FAKE_CALLS.sleeps"\n')
+        sleep.chmod(0o755)
+        (tmp_path / "outcomes").write_text("\n".join(outcomes) + "\n")
+        calls = tmp_path / "calls"
+        calls.touch()
+        env = {
+            **{k: str(v) for k, v in build["environment"].items()},
+            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+            "FAKE_CALLS": str(calls),
+            "FAKE_OUTCOMES": str(tmp_path / "outcomes"),
+        }
+        done = subprocess.run(
+            [*build["interpreter"], build["create"]], env=env, capture_output=True, text=True, timeout=60
+        )
+        sleeps = Path(f"{calls}.sleeps")
+        waits = [int(w) for w in sleeps.read_text().split()] if sleeps.exists() else []
+        return done, [line.split(" --")[0] for line in calls.read_text().splitlines()], waits
+
+    @pytest.mark.parametrize("failure", ["FETCH_SOURCE_FAILED", "PUSH_NOT_AUTHORIZED", "LOGGING_FAILURE"])
+    def test_a_build_the_builder_was_not_allowed_yet_is_submitted_again(self, tmp_path: Path, failure: str) -> None:
+        done, calls, waits = self._build(tmp_path, [failure, failure, "ok"])
+        assert done.returncode == 0 and done.stdout == "sha256:" + "0" * 63 + "7", done.stderr
+        assert sum(c.startswith("builds submit") for c in calls) == 3 and waits == [60, 120], (calls, waits)
+        assert done.stderr.count(f"Cloud Build failed with {failure}") == 2, done.stderr
+        assert f"a failure of type {failure}" in done.stderr, "gcloud's own lines reach Pulumi's log"
+
+    def test_a_submit_refused_for_permission_is_submitted_again(self, tmp_path: Path) -> None:
+        done, calls, _ = self._build(tmp_path, ["PERMISSION_DENIED", "ok"])
+        assert done.returncode == 0 and done.stdout.startswith("sha256:"), done.stderr
+        assert sum(c.startswith("builds submit") for c in calls) == 2, calls
+
+    @pytest.mark.parametrize("failure", ["USER_BUILD_STEP", "PUSH_FAILED", "INVALID_ARGUMENT"])
+    def test_any_other_failure_stops_at_once(self, tmp_path: Path, failure: str) -> None:
+        done, calls, waits = self._build(tmp_path, [failure, "ok"])
+        assert done.returncode == 1 and done.stdout == "" and waits == [], (done.stdout, waits)
+        assert sum(c.startswith("builds submit") for c in calls) == 1, calls
+        assert "ERROR: (gcloud.builds.submit)" in done.stderr
+
+    def test_the_retries_are_bounded(self, tmp_path: Path) -> None:
+        from infra.images import BUILD_ATTEMPTS
+
+        done, calls, waits = self._build(tmp_path, ["FETCH_SOURCE_FAILED"] * 9)
+        assert done.returncode == 1 and sum(c.startswith("builds submit") for c in calls) == BUILD_ATTEMPTS == 4
+        assert waits == [60, 120, 240], "7 minutes in all past the propagation wait: IAM's 'sometimes 7 or more'"
+        assert f"still fails with FETCH_SOURCE_FAILED after {BUILD_ATTEMPTS} attempts" in done.stderr

@@ -25,7 +25,7 @@ import pytest
 
 from infra.foundation import IAM_PROPAGATION_S
 from infra.foundation import IAM_WAIT_SCRIPT as IAM_WAIT
-from infra.offline.engine import MOCK_PROJECT_NUMBER, Recorded, StackRun
+from infra.offline.engine import MOCK_PROJECT_NUMBER, Recorded, StackRun, run_stack
 from tests.infra.conftest import Variant
 
 CLOUD_RUN_JOB = "gcp:cloudrunv2/job:Job"
@@ -244,6 +244,38 @@ class TestTheCheckCanFail:
         cut = [replace(r, dependencies=[d for d in r.dependencies if d not in waits]) for r in run.resources]
         problems = violations(replace(run, resources=cut))
         assert problems and all("to propagate" in p for p in problems), problems
+
+
+def wait_triggers(run: StackRun) -> dict[str, list[str]]:
+    """Each propagation wait's name -> its triggers (the IDs of the grants it waits for)."""
+    return {
+        r.name: r.plain_inputs()["triggers"] for r in run.of_type(BUILD) if r.plain_inputs().get("create") == IAM_WAIT
+    }
+
+
+class TestAMovedGrantIsWaitedForAgain:
+    """pulumi-command runs a step again only when its triggers change; a replaced grant keeps its URN."""
+
+    def test_data_in_another_bucket_makes_the_trainer_wait_again(self) -> None:
+        from tests.infra.conftest import OWN_DATA_RECIPE
+
+        def waits(bucket: str) -> dict[str, list[str]]:
+            data = f"data.path=gs://{bucket}/tickets/train-*.jsonl"
+            return wait_triggers(run_stack("dev", overrides={"recipe": OWN_DATA_RECIPE, "recipeOverrides": [data]}))
+
+        before, after = waits("team-data-a"), waits("team-data-b")
+        assert set(before) == set(after) and "gft-dev-train-iam-propagation" in before, sorted(before)
+        changed = {name for name in before if before[name] != after[name]}
+        assert changed == {"gft-dev-train-iam-propagation"}, changed
+
+    def test_another_namespace_makes_the_pods_wait_for_their_binding_again(self) -> None:
+        before = wait_triggers(run_stack("a4-gemma4"))
+        after = wait_triggers(run_stack("a4-gemma4", overrides={"namespace": "tuning-two"}))
+        changed = {name for name in before if before[name] != after[name]}
+        assert changed and all(name.endswith("-wi-iam-propagation") for name in changed), changed
+
+    def test_an_unchanged_stack_does_not_wait_again(self) -> None:
+        assert wait_triggers(run_stack("a4-gemma4")) == wait_triggers(run_stack("a4-gemma4"))
 
 
 NETWORK = "gcp:compute/network:Network"
