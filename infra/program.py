@@ -67,9 +67,11 @@ def run() -> dict[str, Any]:
 
     outputs.update(_workload(cfg, loaded, foundation, images))
     outputs.update(cost.outputs(cfg))
-    # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py).
+    # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py); a finished
+    # run's folder keeps the price it ran with (its marker's cost line was computed from it).
     run_dir = pulumi.Output.from_input(outputs.get("runDir") or outputs["runUri"])
-    cost.declare_price_file(name, cfg, foundation.bucket_name, run_dir, after=[foundation.bucket])
+    if "trainingState" not in outputs:
+        cost.declare_price_file(name, cfg, foundation.bucket_name, run_dir, after=[foundation.bucket])
     outputs["costLine"] = run_dir.apply(cost.cost_line_command)
     if cfg.budget_usd is not None:
         BudgetGuard(

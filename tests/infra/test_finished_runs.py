@@ -75,6 +75,10 @@ def test_up_after_destroy_starts_nothing_for_a_finished_run(stack: str, extra: d
         assert second.outputs.get(key) == first.outputs.get(key), key
     if extra.get("rayCluster") == "standing":
         assert second.of_type(RAYCLUSTER), "the standing cluster is the user's: it stays"
+    # the price the run ran with stays: its marker's cost line came from it (an insert would overwrite it)
+    price = "gcp:storage/bucketObject:BucketObject"
+    assert any(o.plain_inputs()["name"].endswith("/_PRICE.json") for o in first.of_type(price)), first.of_type(price)
+    assert not [o for o in second.of_type(price) if o.plain_inputs()["name"].endswith("/_PRICE.json")]
 
 
 @pytest.mark.parametrize("stack", stack_names())
