@@ -5,7 +5,8 @@ from pathlib import Path
 
 # The program needs Python 3.11 (enum.StrEnum, datetime.UTC), the version CI runs. Pulumi builds `.venv` with
 # $PULUMI_PYTHON_CMD, else the `python3` on PATH, and never rebuilds an existing one (pulumi/pulumi
-# sdk/python/toolchain/pip.go `CommandPath`, `EnsureVenv`): Ubuntu 22.04's python3 is 3.10, macOS's 3.9.
+# sdk/python/toolchain/pip.go `CommandPath`, `EnsureVenv`). This check is what 3.10 (Ubuntu 22.04) sees; on 3.9
+# (macOS) pip refuses pulumi itself (Requires-Python >=3.10) and this file never runs (docs/cloud-path.md).
 MIN_PYTHON = (3, 11)
 if sys.version_info < MIN_PYTHON:
     raise SystemExit(

@@ -99,7 +99,7 @@ class GpuQuota:
     regional: bool = True
 
     def dimension_flag(self, region: str) -> str:
-        """`--dimensions=` of `gcloud quotas preferences create` for this row."""
+        """`--dimensions=` of `gcloud beta quotas preferences create` for this row."""
         dims = ([("region", region)] if self.regional else []) + list(self.dimensions)
         return ",".join(f"{key}={value}" for key, value in dims)
 

@@ -319,7 +319,7 @@ def _list_quotas(cfg: StackConfig, need: QuotaNeed) -> str:
 def _quota_fix(cfg: StackConfig, need: QuotaNeed) -> str:
     flags = f"--dimensions={need.quota.dimension_flag(cfg.region)} " if need.quota.dimension_flag(cfg.region) else ""
     return (
-        f"gcloud quotas preferences create --service={need.quota.service} --quota-id={need.quota.quota_id} "
+        f"gcloud beta quotas preferences create --service={need.quota.service} --quota-id={need.quota.quota_id} "
         f"--preferred-value={need.needed} {flags}--project={cfg.project} --email=YOU@example.com, or "
         f"https://console.cloud.google.com/iam-admin/quotas?project={cfg.project}"
     )

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from infra.foundation import BOOTSTRAP_APIS
-from infra.offline.engine import REPO_ROOT, run_stack, stack_names
+from infra.offline.engine import REPO_ROOT, ProviderError, run_stack, stack_names
 from tests.infra.conftest import PREBUILT
 
 
@@ -90,6 +95,8 @@ class TestBootstrap:
         assert {w for w in lines[enable].split() if w.endswith(".googleapis.com")} == set(BOOTSTRAP_APIS), lines[enable]
         first_up = next(i for i, line in enumerate(lines) if line.startswith("pulumi up"))
         assert enable < first_up, "before the first `pulumi up`"
+        billing = next(i for i, line in enumerate(lines) if line.startswith("gcloud billing projects link"))
+        assert billing < enable, "Service Usage enables compute and run only in a project with billing"
 
     @pytest.mark.parametrize("stack", stack_names())
     def test_every_api_the_preflight_reads_is_enabled_before_the_first_up(self, stack: str) -> None:
@@ -138,11 +145,47 @@ class TestEmptyProject:
             )
         message = str(failed.value)
         assert "is 0" in message and "answers by email" in message and failed.value.declared_resources == []
-        request = re.search(r"gcloud quotas preferences create \S.*?--email=YOU@example\.com", message)
+        request = re.search(r"gcloud beta quotas preferences create \S.*?--email=YOU@example\.com", message)
         assert request is not None, message
         cloud_path = (REPO_ROOT / "docs" / "cloud-path.md").read_text()
         assert request.group(0) in cloud_path.splitlines(), "docs/cloud-path.md shows the command the preflight prints"
         assert "answers by email" in cloud_path, "and says how the answer comes"
+        readme = (REPO_ROOT / "README.md").read_text()
+        lines = readme[readme.index("## The cloud path") :].splitlines()
+        at = lines.index(request.group(0))  # the README's cloud path makes the request, before the first up
+        assert at < next(i for i, line in enumerate(lines) if line.startswith("pulumi up"))
+        assert "answers the request by email, allow days" in lines[at - 1], lines[at - 1]
+
+    @pytest.mark.skipif(shutil.which("gcloud") is None, reason="needs the Google Cloud CLI")
+    def test_gcloud_itself_accepts_the_commands_the_preflight_prints(self, tmp_path: Path) -> None:
+        """Parsed by the real gcloud, with no account: a command it accepts gets as far as asking for one
+        (exit 1); a flag or a track it does not know is refused while parsing (exit 2)."""
+        from infra.catalog import CLOUD_RUN_GPU_QUOTA
+        from infra.offline.engine import mock_quota_info
+
+        quota = CLOUD_RUN_GPU_QUOTA[("nvidia-l4", False)]
+        commands = []
+        answers = [
+            mock_quota_info("run.googleapis.com", quota, 0),  # the request to make
+            ProviderError("googleapi: Error 404: quota not found, notFound"),  # the list of quotas
+            ProviderError("googleapi: Error 403: Cloud Quotas API has not been used in project, SERVICE_DISABLED"),
+            ProviderError("googleapi: Error 403: permission denied, forbidden"),  # the grant to ask for
+        ]
+        for answer in answers:
+            with pytest.raises(Exception) as failed:
+                run_stack("dev", overrides={"gcp:project": "my-new-project"}, quotas={quota: answer})
+            commands += re.findall(r"gcloud [^`;]*?(?=, or |`|;)", str(failed.value))
+        for verb in ("quotas preferences create", "quotas info list", "services enable", "add-iam-policy-binding"):
+            assert any(verb in c for c in commands), (verb, commands)
+        readme = (REPO_ROOT / "README.md").read_text()
+        block = readme[readme.index("## The cloud path") :].split("```")[1]
+        typed = [line.split("  #")[0] for line in block.splitlines() if line.startswith("gcloud ")]
+        assert len(typed) == 3, typed  # the billing link, the enable line, the quota request
+        commands += [line.replace("MY_PROJECT", "my-new-project") for line in typed]
+        env = {**os.environ, "CLOUDSDK_CONFIG": str(tmp_path), "CLOUDSDK_CORE_DISABLE_PROMPTS": "1"}
+        for command in commands:
+            done = subprocess.run(shlex.split(command), env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 1 and "active account" in done.stderr, (command, done.stderr)
 
     def test_a_quota_not_listed_names_the_service_to_enable(self) -> None:
         from infra.catalog import CLOUD_RUN_GPU_QUOTA

@@ -236,7 +236,7 @@ class TestGpuQuotaStops:
         )
         assert "is 15, and capacity=spot with nodes=2 x gpusPerNode=8 (nvidia-b200) needs 16" in msg
         assert (
-            f"gcloud quotas preferences create --service=compute.googleapis.com --quota-id={SPOT_B200} "
+            f"gcloud beta quotas preferences create --service=compute.googleapis.com --quota-id={SPOT_B200} "
             f"--preferred-value=16 --dimensions=region=us-central1 --project={PROJECT}"
         ) in msg
         run_stack(
