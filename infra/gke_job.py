@@ -35,6 +35,7 @@ from infra.gke_workload import (
     GpuRun,
     declare_gke_base,
     fill_slots,
+    finished_logs_command,
     gpu_pod_template,
     gpu_run,
     trainer_container,
@@ -73,12 +74,14 @@ def declare(
         ),
     )
     ns, job_name = cfg.namespace, job.job_name
+    status = f"kubectl get job {job_name} -n {ns} -o wide && kubectl get pods -n {ns} -l job-name={job_name}"
     return {
         **gke.outputs(),
         "jobName": job_name,
         "worldSize": cfg.total_gpus,
-        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
-        "status": f"kubectl get job {job_name} -n {ns} -o wide && kubectl get pods -n {ns} -l job-name={job_name}",
+        # a finished run has no Job in this deployment: its pods' logs are in Cloud Logging
+        "logs": finished_logs_command(cfg, job_name) if job.finished else f"kubectl logs -f job/{job_name} -n {ns}",
+        "status": f"finished ({job.finished})" if job.finished else status,
         "runDir": job.run_dir,
         "tensorboardLogs": job.run_dir.apply(lambda d: f"{d}/{TENSORBOARD_SUBDIR}"),
         "tensorboard": job.run_dir.apply(lambda d: f"tensorboard --logdir {d}/{TENSORBOARD_SUBDIR}"),

@@ -206,6 +206,16 @@ def fill_slots(value: Any, slots: Mapping[str, pulumi.Input[str]]) -> Any:
     return pulumi.Output.all(*[slots[slot] for slot in used]).apply(fill)
 
 
+def finished_logs_command(cfg: StackConfig, job_name: str) -> str:
+    """Where a finished run's logs are once its Job (a GKE Job, or a RayJob's submitter Job) is gone: Cloud
+    Logging, by the pods' `job-name` label (GKE writes pod labels as `labels."k8s-pod/<key>"`)."""
+    query = (
+        f'resource.type="k8s_container" AND resource.labels.namespace_name="{cfg.namespace}" '
+        f'AND labels."k8s-pod/job-name"="{job_name}"'
+    )
+    return f"gcloud logging read '{query}' --project {cfg.project} --order asc --format 'value(textPayload)'"
+
+
 def workload_identity_member(project: str, namespace: str, ksa: str) -> str:
     return f"serviceAccount:{project}.svc.id.goog[{namespace}/{ksa}]"
 

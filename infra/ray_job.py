@@ -40,6 +40,7 @@ from infra.gke_workload import (
     GpuRun,
     declare_gke_base,
     fill_slots,
+    finished_logs_command,
     gpu_pod_template,
     gpu_run,
     trainer_container,
@@ -95,8 +96,13 @@ def declare(
         **gke.outputs(),
         "rayJobName": job_name,
         "rayWorkers": cfg.total_gpus,
-        "rayJobStatus": f"kubectl get rayjob {job_name} -n {ns}",
-        "logs": f"kubectl logs -f job/{job_name} -n {ns}",
+        "rayJobStatus": f"finished ({training.finished})"
+        if training.finished
+        else f"kubectl get rayjob {job_name} -n {ns}",
+        # the submitter Job carries the RayJob's name and prints the driver's output
+        "logs": finished_logs_command(cfg, job_name)
+        if training.finished
+        else f"kubectl logs -f job/{job_name} -n {ns}",
         "dashboard": dashboard_command(ns, job_name, standing),
         "checkpoints": training.checkpoints,
         "runDir": training.run_dir,

@@ -8,6 +8,10 @@ entry point, started by hand on a finished run, exits before Ray starts a worker
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +83,23 @@ def test_up_after_destroy_starts_nothing_for_a_finished_run(stack: str, extra: d
     price = "gcp:storage/bucketObject:BucketObject"
     assert any(o.plain_inputs()["name"].endswith("/_PRICE.json") for o in first.of_type(price)), first.of_type(price)
     assert not [o for o in second.of_type(price) if o.plain_inputs()["name"].endswith("/_PRICE.json")]
+
+
+@pytest.mark.parametrize("stack,name_key", [("a4-gemma4", "jobName"), ("ray-gemma3-vision", "rayJobName")])
+def test_a_finished_gke_run_points_its_logs_at_cloud_logging(stack: str, name_key: str, tmp_path: Path) -> None:
+    """No Job of the finished run exists after destroy: `kubectl logs` would find nothing, Cloud Logging has them."""
+    first = up(stack)
+    second = up(stack, completed(first), after=first)
+    assert first.outputs["logs"].startswith("kubectl logs -f job/"), first.outputs["logs"]
+    logs = str(second.outputs["logs"])
+    job = second.outputs[name_key]
+    assert logs.startswith("gcloud logging read ") and f'labels."k8s-pod/job-name"="{job}"' in logs, logs
+    status = second.outputs.get("status", second.outputs.get("rayJobStatus"))
+    assert str(status).startswith("finished (gs://"), status
+    if shutil.which("gcloud"):  # the real gcloud parses it: with no account it stops at asking for one
+        env = {**os.environ, "CLOUDSDK_CONFIG": str(tmp_path), "CLOUDSDK_CORE_DISABLE_PROMPTS": "1"}
+        done = subprocess.run(shlex.split(logs), env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "active account" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("stack", stack_names())
