@@ -169,10 +169,11 @@ def provider_path(path: Path) -> str:
 
 # A build that failed only because a fresh grant to its builder had not reached Cloud Build yet (IAM: typically
 # 2 minutes, sometimes 7 or more, past the propagation wait it already had) is submitted again, up to
-# BUILD_ATTEMPTS times, 60, 120 and 240 s apart: the failure types of a source it could not read, a push it was
-# not allowed, logs it could not write (Cloud Build's FailureInfo), or a PERMISSION_DENIED from the submit
-# itself. A failed build step (the Dockerfile) is not retried. gcloud names a failed build on stderr as
-# 'build ID completed with status "FAILURE"' (googlecloudsdk/command_lib/builds/submit_util.py).
+# BUILD_ATTEMPTS times, 60, 120 and 240 s apart: a submit refused because the builder cannot read the staged
+# source yet ('could not resolve source: googleapi: Error 403'), or refused with PERMISSION_DENIED, and a build
+# that failed with a type of Cloud Build's FailureInfo a grant explains (source, push, logs). A failed build step
+# (the Dockerfile) is not retried. gcloud names a failed build on stderr as 'build ID completed with status
+# "FAILURE"' (googlecloudsdk/command_lib/builds/submit_util.py) and an API error as 'STATUS: message'.
 BUILD_ATTEMPTS = 4
 BUILD_RETRIED_FAILURES = ("FETCH_SOURCE_FAILED", "PUSH_NOT_AUTHORIZED", "LOGGING_FAILURE")
 CLOUD_BUILD_SCRIPT = f"""set -euo pipefail
@@ -190,10 +191,12 @@ until build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "
   if [ -n "$failed" ]; then
     reason=$(gcloud builds describe "$failed" --project "$PROJECT" --region "$REGION" \\
       --format='value(failureInfo.type)' || true)
+  elif grep -q 'could not resolve source: googleapi: Error 403' "$err"; then
+    reason=SOURCE_NOT_READABLE
   elif ! grep -q PERMISSION_DENIED "$err"; then
     exit 1
   fi
-  case "$reason" in {"|".join(("PERMISSION_DENIED", *BUILD_RETRIED_FAILURES))}) ;; *) exit 1;; esac
+  case "$reason" in {"|".join(("PERMISSION_DENIED", "SOURCE_NOT_READABLE", *BUILD_RETRIED_FAILURES))}) ;; *) exit 1;; esac
   if [ "$attempt" -ge {BUILD_ATTEMPTS} ]; then
     echo "Cloud Build still fails with $reason after {BUILD_ATTEMPTS} attempts: check the builder's grants" >&2
     exit 1

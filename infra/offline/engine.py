@@ -403,7 +403,8 @@ class Mocks(pulumi_mocks.Mocks):
             where = [str(plain[k]) for k in _IAM_RESOURCE_KEYS if k in plain]
             condition = plain.get("condition") or {}
             keyed = [condition.get(k, "") for k in ("title", "description", "expression")] if condition else []
-            rid = "/".join([*where, str(plain["role"]), str(plain["member"]).lower(), *keyed])
+            kind, _, principal = str(plain["member"]).partition(":")  # the email lower-cased, not the kind
+            rid = "/".join([*where, str(plain["role"]), f"{kind}:{principal.lower()}", *keyed])
         elif typ == "docker-build:index:Image":
             digest = _fake_digest(plain.get("tags"), plain.get("labels"))
             state.update(digest=digest, ref=f"{plain['tags'][0]}@{digest}")

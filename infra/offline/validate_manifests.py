@@ -189,7 +189,9 @@ def kuberay_cluster_spec_errors(spec: dict[str, Any], where: str) -> list[str]:
                 errors.append(f"{at}.{key}: worker group {name} has negative {key} {value} (v1.6)")
         if low is not None and high is not None and low > high:
             errors.append(f"{at}: worker group {name} has minReplicas {low} greater than maxReplicas {high} (v1.1)")
-        if group.get("suspend"):  # the gate is an operator flag, off by default in v1.5; taken as off
+        # an operator flag: alpha and off in v1.5, beta and on from v1.6 (features.go); GKE's managed operator
+        # publishes neither its version nor its flags, so it is taken as off
+        if group.get("suspend"):
             errors.append(
                 f"{at}.suspend: worker group {name} can be suspended only when the RayJobDeletionPolicy feature gate "
                 "is enabled (v1.3)"

@@ -252,6 +252,11 @@ case "$1 $2" in
       ok) echo "Created [https://cloudbuild.googleapis.com/v1/projects/p/locations/r/builds/$id]." >&2; echo "$id";;
       PERMISSION_DENIED|INVALID_ARGUMENT)
         echo "ERROR: (gcloud.builds.submit) $outcome: the API refused the request" >&2; exit 1;;
+      SOURCE_403)  # the builder cannot read the staged source yet: refused before any build starts
+        echo "ERROR: (gcloud.builds.submit) INVALID_ARGUMENT: could not resolve source: googleapi: Error 403:" \
+          "gft-dev-build@p.iam.gserviceaccount.com does not have storage.objects.get access to the Google Cloud" \
+          "Storage object. Permission 'storage.objects.get' denied on resource (or it may not exist)., forbidden" >&2
+        exit 1;;
       *) echo "$outcome" > "$FAKE_CALLS.type-$id"
          echo "BUILD FAILURE: a failure of type $outcome" >&2
          echo "ERROR: (gcloud.builds.submit) build $id completed with status \"FAILURE\"" >&2; exit 1;;
@@ -307,10 +312,11 @@ class TestCloudBuildRetriesAFreshGrant:
         assert done.stderr.count(f"Cloud Build failed with {failure}") == 2, done.stderr
         assert f"a failure of type {failure}" in done.stderr, "gcloud's own lines reach Pulumi's log"
 
-    def test_a_submit_refused_for_permission_is_submitted_again(self, tmp_path: Path) -> None:
-        done, calls, _ = self._build(tmp_path, ["PERMISSION_DENIED", "ok"])
+    @pytest.mark.parametrize("refusal", ["PERMISSION_DENIED", "SOURCE_403"])
+    def test_a_submit_refused_for_permission_is_submitted_again(self, tmp_path: Path, refusal: str) -> None:
+        done, calls, waits = self._build(tmp_path, [refusal, "ok"])
         assert done.returncode == 0 and done.stdout.startswith("sha256:"), done.stderr
-        assert sum(c.startswith("builds submit") for c in calls) == 2, calls
+        assert sum(c.startswith("builds submit") for c in calls) == 2 and waits == [60], (calls, waits)
 
     @pytest.mark.parametrize("failure", ["USER_BUILD_STEP", "PUSH_FAILED", "INVALID_ARGUMENT"])
     def test_any_other_failure_stops_at_once(self, tmp_path: Path, failure: str) -> None:

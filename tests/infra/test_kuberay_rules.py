@@ -126,6 +126,6 @@ def test_rayjob_name_and_cluster_rules(ray_manifests: dict[str, list[dict[str, A
     errors = vm.kuberay_rule_errors(cluster)
     assert any("rayStartParams.labels" in e for e in errors) and any("RAY_ENABLE_AUTOSCALER_V2" in e for e in errors)
     cluster = _standing(ray_manifests, "RayCluster")
-    cluster["spec"]["workerGroupSpecs"][0]["suspend"] = True  # the CRD's schema has the field; the operator refuses it
+    cluster["spec"]["workerGroupSpecs"][0]["suspend"] = True  # in the schema; an operator without the gate refuses it
     assert vm.validate_document(cluster, "x").status == "invalid"
     assert any("RayJobDeletionPolicy feature gate" in e for e in vm.kuberay_rule_errors(cluster))
