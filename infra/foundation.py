@@ -178,8 +178,8 @@ def finished_run(cfg: StackConfig, bucket_kept: bool, folder: str) -> str | None
 # IAM grants reach every Google service only after a while: "typically 2 minutes", "7 minutes or longer" for
 # some (https://cloud.google.com/iam/docs/access-change-propagation). A consumer of a fresh grant that is a
 # provider resource (a Cloud Run Job that reads a secret, a GKE Job whose pods write the bucket) cannot retry,
-# so it waits on this step, which runs again whenever a grant is added, removed or replaced: its triggers are
-# the grants' IDs (resource/role/member[/condition]), which a replacement changes and a URN does not.
+# so it waits on this step, which runs again whenever a grant is added, removed or moved: its triggers are the
+# grants' IDs (resource/role/member[/condition]), which a move changes and a URN does not.
 IAM_PROPAGATION_S = 120
 IAM_WAIT_SCRIPT = 'sleep "$IAM_PROPAGATION_S"  # infra/foundation.py iam_propagation_wait'
 
