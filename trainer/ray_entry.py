@@ -283,6 +283,10 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     started = time.perf_counter()
     recipe = load_recipe(config["recipe"], [*config["overrides"], *_cpu_overrides()])
     location = OutputLocation.from_dir(recipe.output.dir)
+    if location.finished_run() is not None:
+        # the group restarted after rank 0 had marked the run complete (a worker failed at its very end): done
+        log.info("%s already holds a finished run: this worker trains nothing", recipe.output.dir)
+        return
     location.local.mkdir(parents=True, exist_ok=True)
     notice = config.get("preemption_notice", NOTICE_FILE)
     preemption = preemption_callback(notice)  # after the report: its save is reported before the stop

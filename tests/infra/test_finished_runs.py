@@ -139,6 +139,23 @@ class TestRayEntryPoint:
         rc, started = self._main(tmp_path, monkeypatch)
         assert rc == 0 and len(started) == 1
 
+    def test_a_worker_group_restarted_after_the_marker_trains_nothing(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Ray Train restarts every worker of a group when one fails, even after rank 0 wrote the marker."""
+        from trainer import ray_entry
+
+        def no_training(*args: Any) -> Any:
+            raise AssertionError("a worker of a finished run built a trainer")
+
+        monkeypatch.setattr(ray_entry, "build_vision_trainer", no_training)
+        config = {"recipe": self.RECIPE, "overrides": [f"output.dir={tmp_path / 'out'}"]}
+        (tmp_path / "out").mkdir()
+        with pytest.raises(AssertionError, match="built a trainer"):
+            ray_entry.train_loop_per_worker(config)  # the check can fail: unfinished, it builds one
+        (tmp_path / "out" / foundation.RUN_MARKER).write_text('{"completed_at": 1}')
+        assert ray_entry.train_loop_per_worker(config) is None
+
 
 class _Result:
     checkpoint = None
