@@ -180,12 +180,12 @@ CLOUD_BUILD_SCRIPT = f"""set -euo pipefail
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
 attempt=1
-until build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
+# gcloud's stderr reaches Pulumi's log as it is written (the build's URL, then the wait) and is kept to be read
+until build_id=$( {{ gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "$REGION" \\
   --config "$CONFIG" --substitutions "_IMAGE=$IMAGE,_DOCKERFILE=$DOCKERFILE,_VLLM_IMAGE=$VLLM_IMAGE" \\
   --service-account "projects/$PROJECT/serviceAccounts/$BUILD_SERVICE_ACCOUNT" \\
   --gcs-source-staging-dir "gs://$STAGING_BUCKET/source" \\
-  --suppress-logs --format='value(id)' 2>"$err"); do
-  cat "$err" >&2
+  --suppress-logs --format='value(id)' 2>&1 >&3 | tee "$err" >&2; }} 3>&1 ); do
   failed=$(sed -n 's/.*build \\([^ ]*\\) completed with status.*/\\1/p' "$err" | tail -n 1)
   reason=PERMISSION_DENIED
   if [ -n "$failed" ]; then
@@ -207,7 +207,6 @@ until build_id=$(gcloud builds submit "$CONTEXT" --project "$PROJECT" --region "
 {BUILD_ATTEMPTS} in $wait_s s" >&2
   sleep "$wait_s"
 done
-cat "$err" >&2
 digest=$(gcloud builds describe "$build_id" --project "$PROJECT" --region "$REGION" \\
   --format='value(results.images[0].digest)')
 case "$digest" in sha256:*) ;; *) echo "Cloud Build $build_id returned no image digest" >&2; exit 1;; esac

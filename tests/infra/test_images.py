@@ -7,6 +7,7 @@ import shutil
 import stat
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -250,6 +251,9 @@ case "$1 $2" in
     id="0000000$n-aaaa-bbbb-cccc-dddddddddddd"
     case "$outcome" in
       ok) echo "Created [https://cloudbuild.googleapis.com/v1/projects/p/locations/r/builds/$id]." >&2; echo "$id";;
+      slow) echo "Created [https://cloudbuild.googleapis.com/v1/projects/p/locations/r/builds/$id]." >&2
+        until [ -e "$FAKE_CALLS.release" ]; do command -p sleep 0.05; done  # the build runs until the test says
+        echo "$id";;
       PERMISSION_DENIED|INVALID_ARGUMENT)
         echo "ERROR: (gcloud.builds.submit) $outcome: the API refused the request" >&2; exit 1;;
       SOURCE_403)  # the builder cannot read the staged source yet: refused before any build starts
@@ -270,13 +274,14 @@ esac
 """
 
 
+PIPES: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+
+
 class TestCloudBuildRetriesAFreshGrant:
     """The planned build step, run by bash as pulumi-command runs it, against a gcloud that fails as a grant
     that has not propagated yet makes it fail."""
 
-    def _build(
-        self, tmp_path: Path, outcomes: list[str]
-    ) -> tuple[subprocess.CompletedProcess[str], list[str], list[int]]:
+    def _build(self, tmp_path: Path, outcomes: list[str], stream: Any = None) -> tuple[Any, list[str], list[int]]:
         import os
 
         run = run_stack("dev", overrides={"imageBuild": "cloud-build"})
@@ -297,6 +302,8 @@ class TestCloudBuildRetriesAFreshGrant:
             "FAKE_CALLS": str(calls),
             "FAKE_OUTCOMES": str(tmp_path / "outcomes"),
         }
+        if stream is not None:
+            return stream(subprocess.Popen([*build["interpreter"], build["create"]], env=env, **PIPES)), [], []
         done = subprocess.run(
             [*build["interpreter"], build["create"]], env=env, capture_output=True, text=True, timeout=60
         )
@@ -332,3 +339,25 @@ class TestCloudBuildRetriesAFreshGrant:
         assert done.returncode == 1 and sum(c.startswith("builds submit") for c in calls) == BUILD_ATTEMPTS == 4
         assert waits == [60, 120, 240], "7 minutes in all past the propagation wait: IAM's 'sometimes 7 or more'"
         assert f"still fails with FETCH_SOURCE_FAILED after {BUILD_ATTEMPTS} attempts" in done.stderr
+
+    def test_gclouds_lines_reach_the_log_while_the_build_runs(self, tmp_path: Path) -> None:
+        """The build's URL is printed at its start; a user waiting 20 minutes for an image sees it then, not after."""
+        import threading
+
+        release = tmp_path / "calls.release"
+
+        def watch(script: subprocess.Popen[str]) -> tuple[str, bool, str, str, int]:
+            assert script.stderr is not None
+            timer = threading.Timer(20, release.touch)  # the build ends anyway: a held-back line fails, never hangs
+            timer.start()
+            first = script.stderr.readline()
+            while_building = not release.exists()
+            release.touch()
+            out, rest = script.communicate(timeout=60)
+            timer.cancel()
+            return first, while_building, rest, out, script.returncode
+
+        first, while_building, rest, out, code = self._build(tmp_path, ["slow"], stream=watch)[0]
+        assert first.startswith("Created [https://cloudbuild.googleapis.com/") and while_building, first
+        assert "Created [" not in rest, "each of gcloud's lines once"
+        assert code == 0 and out.startswith("sha256:"), (code, out, rest)
