@@ -27,7 +27,7 @@ import pulumi_gcp as gcp
 
 from infra.catalog import CLOUD_RUN_GPUS
 from infra.config import LoadedConfig, StackConfig
-from infra.foundation import Foundation, Identity, finished_run
+from infra.foundation import FINISHED_OUTPUT, Foundation, Identity, finished_run
 from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
 from infra.serving_gate import RUN_SUMMARY, gate, run_eval
@@ -507,7 +507,7 @@ def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, imag
         "rerunTraining": execute_command(cfg),
     }
     if training.finished is not None:
-        outputs["trainingState"] = f"finished ({training.finished}): no execution started"
+        outputs[FINISHED_OUTPUT] = f"finished ({training.finished}): no execution started"
     if cfg.serving_enabled:
         assert images.serving_image is not None
         if cfg.serving_public and not cfg.serving_api_key_set:

@@ -164,6 +164,10 @@ def kept_bucket(cfg: StackConfig) -> str | None:
 RUN_MARKER = "_RUN_COMPLETE.json"
 
 
+# The output a workload sets only for a finished run; the program declares nothing more into that run's folder.
+FINISHED_OUTPUT = "trainingState"
+
+
 def finished_run(cfg: StackConfig, bucket_kept: bool, folder: str) -> str | None:
     """`gs://BUCKET/FOLDER/_RUN_COMPLETE.json` when the run in `folder` (relative to the bucket) has finished,
     else None. A fresh bucket holds no run, so it is listed only when it existed before this `up` (kept by a

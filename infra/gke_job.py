@@ -24,7 +24,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
-from infra.foundation import finished_run
+from infra.foundation import FINISHED_OUTPUT, finished_run
 from infra.gke_workload import (
     ADAPTER_SUBDIR,
     BUCKET_SLOT,
@@ -86,7 +86,7 @@ def declare(
         "tensorboardLogs": job.run_dir.apply(lambda d: f"{d}/{TENSORBOARD_SUBDIR}"),
         "tensorboard": job.run_dir.apply(lambda d: f"tensorboard --logdir {d}/{TENSORBOARD_SUBDIR}"),
         "adapter": job.run_dir.apply(lambda d: f"{d}/{ADAPTER_SUBDIR}"),
-        **({"trainingState": f"finished ({job.finished}): no Job started"} if job.finished else {}),
+        **({FINISHED_OUTPUT: f"finished ({job.finished}): no Job started"} if job.finished else {}),
     }
 
 

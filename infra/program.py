@@ -17,7 +17,7 @@ from infra import config as stack_config
 from infra import cost, preflight
 from infra.budget import BudgetGuard, BudgetGuardArgs
 from infra.config import Workload
-from infra.foundation import Foundation, FoundationArgs, Identity
+from infra.foundation import FINISHED_OUTPUT, Foundation, FoundationArgs, Identity
 from infra.images import Images, ImagesArgs
 
 
@@ -70,7 +70,7 @@ def run() -> dict[str, Any]:
     # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py); a finished
     # run's folder keeps the price it ran with (its marker's cost line was computed from it).
     run_dir = pulumi.Output.from_input(outputs.get("runDir") or outputs["runUri"])
-    if "trainingState" not in outputs:
+    if FINISHED_OUTPUT not in outputs:
         cost.declare_price_file(name, cfg, foundation.bucket_name, run_dir, after=[foundation.bucket])
     outputs["costLine"] = run_dir.apply(cost.cost_line_command)
     if cfg.budget_usd is not None:

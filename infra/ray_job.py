@@ -26,7 +26,7 @@ import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
-from infra.foundation import finished_run
+from infra.foundation import FINISHED_OUTPUT, finished_run
 from infra.gke_workload import (
     ADAPTER_SUBDIR,
     BUCKET_SLOT,
@@ -111,7 +111,7 @@ def declare(
     if standing is not None:
         outputs["rayCluster"] = standing
     if training.finished is not None:
-        outputs["trainingState"] = f"finished ({training.finished}): no RayJob started"
+        outputs[FINISHED_OUTPUT] = f"finished ({training.finished}): no RayJob started"
     return outputs
 
 
