@@ -30,7 +30,7 @@ STACK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _DEFAULT_LINE = re.compile(r"^\s*default:\s*['\"]?([A-Za-z0-9-]+)['\"]?\s*(?:#.*)?$")
 COMPONENTS = {
     "cloud-run": [],
-    "gke-job": ["gke-gcloud-auth-plugin"],
+    "gke-job": ["gke-gcloud-auth-plugin", "kubectl"],
     "gke-ray": ["gke-gcloud-auth-plugin", "kubectl"],
 }
 # Stack setting -> {value: the feature it means}.

@@ -10,7 +10,11 @@ Decisions (why and sources: docs/decisions/gke-workload-identity-and-placement.m
 - Capacity by nodeSelectors (accelerator, count, driver; reservation, spot or flex-start labels); no
   tolerations (Autopilot adds them). A multi-node run's GPU pods share a zone.
 - Run names come from what a preview knows (`run_name`); image and bucket are slots (`fill_slots`).
-Not here: Kueue, network policies, the GCS FUSE CSI driver (the trainer writes gs:// URIs itself).
+- Pods hardened as nothing needs otherwise: every capability dropped, RuntimeDefault seccomp (Autopilot's
+  default, made explicit), no service-account token (nothing calls the Kubernetes API; GKE's metadata server
+  identifies a pod by its address, not its token), ingress only from the namespace's own pods
+  (`NAMESPACE_INGRESS_POLICY`), the namespace created after the preview fence (`infra.admission`).
+Not here: Kueue, the GCS FUSE CSI driver (the trainer writes gs:// URIs itself).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
+from infra.admission import PreviewFence, PreviewFenceArgs
 from infra.config import Capacity, LoadedConfig, StackConfig
 from infra.foundation import Identity, iam_propagation_wait
 from infra.gke import AutopilotCluster, AutopilotClusterArgs
@@ -54,9 +59,17 @@ RUNS_PREFIX = "runs"
 ADAPTER_SUBDIR = "adapter"
 # A GPU pod's grace: the trainer saves the step it is on before SIGTERM's deadline (trainer/preemption.py).
 TERMINATION_GRACE_S = 600
-# The trainer image runs as uid 1000 (trainer/Dockerfile); Kubernetes checks it, nothing escalates.
-POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True}
-CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False}
+# The trainer image runs as uid 1000 (trainer/Dockerfile); Kubernetes checks it, nothing escalates, no capability
+# is kept (the trainer binds no low port, changes no owner, opens no raw socket), and the syscall filter is the
+# runtime's default (which Autopilot applies anyway: stated, so a scanner and a reader see it).
+POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# No pod of ours calls the Kubernetes API (the trainer, Ray with in-tree autoscaling off), and Workload Identity does
+# not need the token: the GKE metadata server maps a pod's address to its service account.
+AUTOMOUNT_SERVICE_ACCOUNT_TOKEN = False
+# Every pod of the namespace accepts connections only from pods of the same namespace: the Job's ranks, the Ray
+# cluster's head, workers and KubeRay's submitter. Ray's job API (8265) and client (10001) are unauthenticated.
+NAMESPACE_INGRESS_POLICY = "same-namespace-only"
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,8 @@ class TrainingNamespaceArgs:
     """The trainer's Google service account (object access on the stack's bucket only)."""
     hf_token: pulumi.Output[str] | None
     """The Hugging Face token as a secret Output, or None when the recipe needs none."""
+    fence: list[pulumi.Resource] = field(default_factory=list)
+    """What the Namespace waits for: the preview fence (`infra.admission`), so nothing here exists unfenced."""
 
 
 class TrainingNamespace(pulumi.ComponentResource):
@@ -263,9 +278,15 @@ class TrainingNamespace(pulumi.ComponentResource):
         namespace = k8s.core.v1.Namespace(
             f"{name}-ns",
             metadata=k8s.meta.v1.ObjectMetaArgs(name=cfg.namespace, labels=labels),
-            opts=k8s_opts,
+            opts=pulumi.ResourceOptions.merge(k8s_opts, pulumi.ResourceOptions(depends_on=list(args.fence))),
         )
         in_namespace = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[namespace])
+        ingress = k8s.networking.v1.NetworkPolicy(
+            f"{name}-ingress",
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=NAMESPACE_INGRESS_POLICY, namespace=cfg.namespace, labels=labels),
+            spec=namespace_ingress_spec(),
+            opts=in_namespace,
+        )
 
         ksa = k8s.core.v1.ServiceAccount(
             f"{name}-ksa",
@@ -285,7 +306,7 @@ class TrainingNamespace(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=[args.cluster]),
         )
         # The pods act as the trainer account from their first second: wait for the binding to propagate.
-        self.ready = [namespace, ksa, binding, iam_propagation_wait(f"{name}-wi", [binding], parent=self)]
+        self.ready = [namespace, ingress, ksa, binding, iam_propagation_wait(f"{name}-wi", [binding], parent=self)]
 
         self.hf_secret_name = None
         if args.hf_token is not None:
@@ -307,6 +328,11 @@ class TrainingNamespace(pulumi.ComponentResource):
                 "hf_secret": self.hf_secret_name,
             }
         )
+
+
+def namespace_ingress_spec() -> dict[str, Any]:
+    """NetworkPolicy spec: every pod of the namespace admits connections from the namespace's pods only."""
+    return {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": {}}]}]}
 
 
 @dataclass(frozen=True)
@@ -378,6 +404,7 @@ def gpu_pod_template(run: GpuRun, container: dict[str, Any], group: str) -> dict
     placed by the run's nodeSelector, and with nodes > 1 kept in the zone of the group's first pod."""
     spec: dict[str, Any] = {
         "serviceAccountName": run.service_account,
+        "automountServiceAccountToken": AUTOMOUNT_SERVICE_ACCOUNT_TOKEN,
         "nodeSelector": dict(run.node_selector),
         "securityContext": dict(POD_SECURITY_CONTEXT),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
@@ -396,6 +423,7 @@ class GkeBase:
     cluster: AutopilotCluster
     namespace: TrainingNamespace
     after: list[pulumi.Resource]
+    fence: PreviewFence
 
     def outputs(self) -> dict[str, pulumi.Input[Any]]:
         return {
@@ -418,6 +446,7 @@ def declare_gke_base(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundat
             node_service_account=foundation.node_account.email,
         ),
     )
+    fence = PreviewFence(base, PreviewFenceArgs(cfg=cfg, kubeconfig=cluster.kubeconfig, depends_on=[cluster.cluster]))
     namespace = TrainingNamespace(
         base,
         TrainingNamespaceArgs(
@@ -426,7 +455,8 @@ def declare_gke_base(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundat
             cluster=cluster.cluster,
             trainer_account=foundation.trainer_account,
             hf_token=loaded.hf_token,
+            fence=[fence.command],
         ),
     )
     after = [*foundation.apis, *foundation.grants_to(Identity.TRAINER), *foundation.grants_to(Identity.NODES)]
-    return GkeBase(cluster=cluster, namespace=namespace, after=after)
+    return GkeBase(cluster=cluster, namespace=namespace, after=after, fence=fence)

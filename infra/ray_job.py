@@ -12,6 +12,10 @@ Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-
 - Named from content, recipe, overrides and shape (`infra.gke_workload.run_name`); any change replaces it.
 - GPU workers get the preStop hook that saves a checkpoint on preemption (trainer/preemption.py).
 - Waits for the KubeRay CRDs (`infra.crd_wait.CrdWait`) and every IAM grant; never for the training.
+- The namespace admits only its own pods (`gke_workload.NAMESPACE_INGRESS_POLICY`); the head's job API (8265)
+  also admits what is outside the cluster's Pod range, for KubeRay polls the job there (rayjob_controller.go
+  GetJobInfo, directly or through the API server's service proxy) and GKE runs that operator outside the
+  cluster's pods; Ray's metrics port admits Managed Prometheus's collectors (`ray_network_policy`).
 Not here: Ray autoscaling, RayService / serving, Kueue.
 """
 
@@ -27,8 +31,10 @@ import pulumi_kubernetes as k8s
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
 from infra.foundation import FINISHED_OUTPUT, finished_run
+from infra.gke import POD_RANGE
 from infra.gke_workload import (
     ADAPTER_SUBDIR,
+    AUTOMOUNT_SERVICE_ACCOUNT_TOKEN,
     BUCKET_SLOT,
     IMAGE_SLOT,
     POD_SECURITY_CONTEXT,
@@ -68,6 +74,11 @@ HEAD_PORTS = [
 # A standing cluster holds its GPUs until deleted, by the user's choice (rayCluster: standing): the policy pack's
 # deadline rule passes such a workload only with this label (infra/policy/policies.py LONG_RUNNING_LABEL).
 LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
+DASHBOARD_PORT = 8265
+# Ray's metrics export port, which KubeRay names `metrics` on every Ray pod; GKE's Ray monitoring scrapes it with
+# Google Cloud Managed Service for Prometheus, whose collectors run in namespace gmp-system.
+METRICS_PORT = 8080
+METRICS_NAMESPACE = "gmp-system"
 
 
 def declare(
@@ -143,6 +154,8 @@ class RayTraining(pulumi.ComponentResource):
     ray_job: k8s.apiextensions.CustomResource | None
     """None when the run has finished already (`finished`): KubeRay starts no cluster for it."""
     ray_cluster: k8s.apiextensions.CustomResource | None
+    network_policy: k8s.networking.v1.NetworkPolicy
+    """What reaches the Ray pods beyond the namespace's own pods (`ray_network_policy`)."""
     finished: str | None
     """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
 
@@ -161,6 +174,16 @@ class RayTraining(pulumi.ComponentResource):
         self.run_dir = pulumi.Output.from_input(fill_slots(spec.run.output_dir, slots))
 
         depends: list[pulumi.Resource] = [gke.cluster.cluster, *gke.namespace.ready, args.crds, *gke.after]
+        group = spec.standing_cluster or spec.run.name
+        self.network_policy = k8s.networking.v1.NetworkPolicy(
+            f"{name}-ray-ingress",
+            metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=f"{group}-ray", namespace=spec.run.namespace, labels=spec.run.labels
+            ),
+            spec=ray_network_policy(group),
+            opts=pulumi.ResourceOptions(parent=self, provider=gke.cluster.provider, depends_on=gke.namespace.ready),
+        )
+        depends = [*depends, self.network_policy]
         self.ray_cluster = None
         if spec.standing_cluster is not None:
             self.ray_cluster = self._custom_resource(
@@ -206,6 +229,22 @@ class RayRunSpec:
     ray_version: str
     storage_path: str
     standing_cluster: str | None = None
+
+
+def ray_network_policy(group: str) -> dict[str, Any]:
+    """NetworkPolicy spec added to the namespace's own-pods-only rule for one Ray cluster's pods: the head's job
+    API from outside the cluster's Pod range (KubeRay's operator, the API server's proxy; no other pod), and the
+    metrics port from Managed Prometheus's collectors."""
+    outside_pods = {"ipBlock": {"cidr": "0.0.0.0/0", "except": [POD_RANGE]}}
+    collectors = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": METRICS_NAMESPACE}}}
+    return {
+        "podSelector": {"matchLabels": {RUN_LABEL: group}},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [outside_pods], "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]},
+            {"from": [collectors], "ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
+        ],
+    }
 
 
 def render_ray_job(spec: RayRunSpec) -> dict[str, Any]:
@@ -288,6 +327,7 @@ def render_ray_cluster_spec(spec: RayRunSpec) -> dict[str, Any]:
                 "metadata": {"labels": {**run.labels, RUN_LABEL: group}},
                 "spec": {
                     "serviceAccountName": run.service_account,
+                    "automountServiceAccountToken": AUTOMOUNT_SERVICE_ACCOUNT_TOKEN,
                     "securityContext": dict(POD_SECURITY_CONTEXT),
                     "containers": [head],
                 },

@@ -285,6 +285,8 @@ ensure_custom_role gftCiReservationReader "gemma-finetune CI reservation reader"
 ensure_custom_role gftCiQuotaReader "gemma-finetune CI quota reader" cloudquotas.quotas.get
 ensure_custom_role gftCiProjectIamGranter "gemma-finetune CI project IAM granter" \
   resourcemanager.projects.getIamPolicy,resourcemanager.projects.setIamPolicy
+ensure_custom_role gftCiAdmissionFenceApplier "gemma-finetune CI admission fence applier" \
+  container.clusterRoles.get,container.clusterRoles.create,container.clusterRoles.update,container.clusterRoles.escalate,container.clusterRoles.bind,container.clusterRoleBindings.get,container.clusterRoleBindings.create,container.clusterRoleBindings.update
 ensure_custom_role gftCiWorkloadIdentityBinder "gemma-finetune CI Workload Identity binder" \
   iam.serviceAccounts.get,iam.serviceAccounts.getIamPolicy,iam.serviceAccounts.setIamPolicy
 custom="projects/$PROJECT_ID/roles"
@@ -341,6 +343,7 @@ if $has_gke; then
   grant_project gft-ci-deploy roles/container.clusterAdmin
   grant_project gft-ci-deploy roles/compute.networkAdmin
   grant_project gft-ci-deploy roles/container.developer
+  grant_project gft-ci-deploy "$custom/gftCiAdmissionFenceApplier"
   grant_project gft-ci-deploy "$custom/gftCiProjectIamGranter" \
     "$(grants_only roles/container.defaultNodeServiceAccount roles/logging.logWriter)" gft-ci-grant-project-log-roles
   if $has_reservation; then grant_project gft-ci-deploy "$custom/gftCiReservationReader"; fi

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from infra.admission import FENCE_SCRIPT
 from infra.cloud_run import EXECUTE_SCRIPT
 from infra.config import StackConfig
 from infra.crd_wait import WAIT_SCRIPT
@@ -375,6 +376,7 @@ KUBERNETES: dict[str, str] = {
     "kubernetes:core/v1:Secret": "secrets",
     "kubernetes:core/v1:Service": "services",
     "kubernetes:batch/v1:Job": "jobs",
+    "kubernetes:networking.k8s.io/v1:NetworkPolicy": "networkPolicies",
     "kubernetes:ray.io/v1:RayJob": "thirdPartyObjects",
     "kubernetes:ray.io/v1:RayCluster": "thirdPartyObjects",
 }
@@ -492,6 +494,42 @@ COMMANDS: dict[str, Command] = {
         ),
     ),
     IAM_WAIT_SCRIPT: Command("sleep until fresh IAM grants have propagated (infra/foundation.py)", ()),
+    FENCE_SCRIPT: Command(
+        "kubectl apply of the preview fence (infra/admission.py)",
+        (
+            CommandCall(*_CLUSTER_ACCESS[:1], ("project", ""), _CLUSTER_ACCESS[1]),
+            *(
+                CommandCall(
+                    f"container.clusterRoles.{verb}",
+                    ("project", ""),
+                    f"kubectl apply --server-side of ClusterRole gft-admission-fence-writer ({why})",
+                )
+                for verb, why in [
+                    ("get", "apply reads the live object"),
+                    ("create", "the first apply"),
+                    ("update", "a server-side apply is a PATCH"),
+                    (
+                        "escalate",
+                        "its rules are on admission policies, which no IAM permission grants (RBAC escalation check)",
+                    ),
+                ]
+            ),
+            *(
+                CommandCall(
+                    f"container.clusterRoleBindings.{verb}",
+                    ("project", ""),
+                    f"kubectl apply --server-side of the ClusterRoleBinding to whoever runs the step ({verb})",
+                )
+                for verb in ("get", "create", "update")
+            ),
+            CommandCall(
+                "container.clusterRoles.bind",
+                ("project", ""),
+                "bind gft-admission-fence-writer without holding its rules (RBAC bind check); the policy and its "
+                "binding are then applied under that RBAC grant",
+            ),
+        ),
+    ),
     WAIT_SCRIPT: Command(
         "kubectl get / wait crd (infra/crd_wait.py)",
         (

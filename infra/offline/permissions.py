@@ -582,6 +582,54 @@ def unneeded(runs: Sequence[StackRun], grants: Iterable[Grant]) -> list[str]:
     return problems
 
 
+# Who holds one of these in a GKE stack's cluster can start a pod, or mint a token, as any Kubernetes service account
+# there: the trainer's, bound to the trainer's Google account by Workload Identity.
+POD_OR_TOKEN = ("container.pods.create", "container.pods.exec", "container.serviceAccounts.createToken")
+
+
+def fenced_usernames(run: StackRun) -> frozenset[str]:
+    """The Kubernetes usernames the program's preview fence keeps to dry runs (infra/admission.py), read from the step
+    it declares; empty when it declares none."""
+    from infra.admission import FENCE_SCRIPT
+
+    names: set[str] = set()
+    for r in run.resources:
+        inputs = r.plain_inputs() if r.type == "command:local:Command" else {}
+        if inputs.get("create") == FENCE_SCRIPT:
+            names.update(str((inputs.get("environment") or {}).get("PREVIEW_USERNAMES", "")).split())
+    return frozenset(names)
+
+
+def borrowed(run: StackRun) -> list[str]:
+    """The borrow proof: every CI identity that can start a pod or mint a token in the stack's cluster (and so act as
+    the trainer) holds every permission the trainer holds, where it applies, unless the preview fence keeps it to
+    dry runs. One line per permission it would borrow."""
+    cfg = run.cfg
+    assert cfg is not None
+    if cfg.workload not in (Workload.GKE_JOB, Workload.GKE_RAY):
+        return []
+    trainer = f"serviceAccount:{account_email(cfg, Identity.TRAINER)}"
+    lent = [g for g in planned_grants(run, cfg) if g.member == trainer]
+    fenced = fenced_usernames(run)
+    by_member: dict[str, list[Grant]] = {}
+    for grant in ci_grants(cfg):
+        by_member.setdefault(grant.member, []).append(grant)
+    problems = []
+    for member, grants in sorted(by_member.items()):
+        held = set().union(*(permissions_of(g.role, g.origin) for g in grants))
+        if not held & set(POD_OR_TOKEN) or member.removeprefix("serviceAccount:") in fenced:
+            continue
+        for grant in lent:
+            for permission in sorted(permissions_of(grant.role, grant.origin)):
+                need = Need(permission, grant.scope, f"the trainer's {grant.role}")
+                if not any(covers(g, need, cfg) for g in grants):
+                    problems.append(
+                        f"{member} can start a pod as the trainer (Workload Identity) and so borrow {permission} on "
+                        f"{grant.scope} ({grant.role}), which it does not hold: fence it (infra/admission.py)"
+                    )
+    return problems
+
+
 def markdown(runs: Sequence[StackRun] = ()) -> str:
     """The needs table: the listed rows, and for each run the needs derived from its plan."""
     lines = ["| identity | permission | on | needed by |", "|---|---|---|---|"]

@@ -137,8 +137,13 @@ class TestTrainingJob:
 
     def test_runs_as_non_root(self, single: StackRun) -> None:
         job = job_of(single)
-        assert job["spec"]["template"]["spec"]["securityContext"] == {"runAsNonRoot": True}
-        assert container_of(job)["securityContext"] == {"allowPrivilegeEscalation": False}
+        pod = job["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["automountServiceAccountToken"] is False
+        assert container_of(job)["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
 
     def test_no_tolerations(self, single: StackRun) -> None:
         assert "tolerations" not in job_of(single)["spec"]["template"]["spec"], "Autopilot adds them itself"

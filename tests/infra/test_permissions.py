@@ -26,6 +26,7 @@ from infra.offline.permissions import (
     ROLES_FILE,
     RUNTIMES,
     Grant,
+    borrowed,
     ci_grants,
     ci_identities,
     ci_member,
@@ -193,6 +194,16 @@ class TestWhatTheDeployCanBorrow:
                         )
         assert problems == [], "\n".join(problems)
 
+    def test_whoever_can_start_a_pod_as_the_trainer_borrows_nothing_it_lacks_unless_fenced(
+        self, proof_runs: list[tuple[Variant, StackRun]]
+    ) -> None:
+        """container.developer (a server-side dry run needs the write verbs) lets its holder create a pod, exec into
+        one or mint a token as the trainer's Kubernetes service account, whose Workload Identity binding makes it the
+        trainer: the deploy holds everything the trainer does already; the preview identities do not, and the
+        admission fence keeps them to dry runs (infra/admission.py, tests/infra/test_admission.py)."""
+        problems = [f"[{variant.label}] {line}" for variant, run in proof_runs for line in borrowed(run)]
+        assert problems == [], "\n".join(problems)
+
     def test_the_binder_is_smaller_than_service_account_admin(self) -> None:
         roles = role_permissions()
         binder, admin = roles["gftCiWorkloadIdentityBinder"], roles["roles/iam.serviceAccountAdmin"]
@@ -241,6 +252,15 @@ class TestTheProofCanFail:
         kept = [g for g in _all(ray) if g.role != "roles/storage.bucketViewer"]
         problems = missing(ray, kept)
         assert len(problems) == 1 and "lacks storage.buckets.get on the stack's bucket" in problems[0]
+
+    def test_an_unfenced_preview_borrows_the_trainers_bucket_rights(self, ray: StackRun) -> None:
+        unfenced = replace(ray, resources=[r for r in ray.resources if "preview-fence" not in r.name])
+        problems = borrowed(unfenced)
+        for account in (CI_PREVIEW_GKE, CI_DEPLOY_PREVIEW):
+            assert any(
+                line.startswith(f"serviceAccount:{account}@") and "storage.objects.create" in line for line in problems
+            ), problems
+        assert not any(line.startswith(f"serviceAccount:{CI_DEPLOY}@") for line in problems), problems
 
     def test_a_project_role_counts_for_every_resource(self, ray: StackRun) -> None:
         assert ray.cfg is not None

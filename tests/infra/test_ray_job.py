@@ -205,7 +205,7 @@ class TestRayJob:
             "cloud.google.com/reservation-affinity": "specific",
         }
         assert "tolerations" not in pod
-        assert pod["securityContext"] == {"runAsNonRoot": True}
+        assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
         (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert term["topologyKey"] == "topology.kubernetes.io/zone", "2 nodes: NCCL stays in one zone"
         assert term["labelSelector"]["matchLabels"].items() <= group["template"]["metadata"]["labels"].items()

@@ -1,0 +1,176 @@
+"""The admission rule in each GKE cluster: the CI preview identities may dry-run every write, and make none.
+
+A GKE preview runs server-side dry runs, which Kubernetes authorizes as the verb they try (a dry-run `create` needs
+`create`), so the preview identities hold `roles/container.developer`: pods, exec, port-forward and service-account
+tokens. Without a fence, a pull request's code in an approved preview could start a pod as the stack's trainer (its
+Workload Identity binding) and write the stack's bucket. This ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1,
+GA in Kubernetes 1.30) refuses every request of those identities that is not a dry run: CREATE, UPDATE, DELETE and
+CONNECT (exec, attach, port-forward, proxy) on every resource and subresource. Reads never reach admission, so a
+preview reads the live objects as before. GKE names a Google service account by its email in Kubernetes
+(`userInfo.username`; GKE docs, "Role-based access control"). Kubernetes applies no admission policy to admission
+policies and bindings themselves; `container.developer` holds no permission on them (infra/offline/iam_roles.json),
+so a preview identity cannot remove this fence.
+
+`pulumi up` applies the fence with `kubectl apply --server-side` (a pulumi-command step, like the CRD wait), not as
+Pulumi Kubernetes resources: a preview dry-runs every Kubernetes resource it declares, and no preview identity may
+hold a write verb on admission policies (no admission rule guards them). GKE's IAM has no permission for admission
+policies (infra/offline/iam_roles.json), so the step first binds, through Kubernetes RBAC, a ClusterRole that may
+manage them to whoever runs it (`kubectl auth whoami`), which needs `container.clusterRoles.escalate` and `bind`
+(the deploy identity's custom role gftCiAdmissionFenceApplier, infra/bootstrap/ci-identities.yaml). The training
+namespace waits for this step: the trainer's Kubernetes service account never exists unfenced. The cluster's deletion
+removes it all. Proof that the fence is what keeps a preview from borrowing the trainer: `python -m
+infra.offline.permissions`; the CEL is replayed on admission requests in tests/infra/test_admission.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_command as command
+import yaml
+
+from infra.config import StackConfig
+
+# The CI identities that hold Kubernetes write verbs for dry runs only (infra/bootstrap/ci-identities.yaml).
+PREVIEW_ACCOUNTS = ("gft-ci-preview-gke", "gft-ci-deploy-preview")
+POLICY_NAME = "gft-ci-previews-dry-run-only"
+# Which requests the rule looks at: those of a preview identity. `request.dryRun` is unset on a CONNECT.
+MATCH_EXPRESSION = "request.userInfo.username in {usernames}"
+VALIDATION_EXPRESSION = "has(request.dryRun) && request.dryRun == true"
+MESSAGE = (
+    "CI preview identities may only dry-run (kubectl --dry-run=server, pulumi preview): "
+    "infra/admission.py, docs/ci.md 'What a pull request can do'"
+)
+
+
+def preview_usernames(project: str) -> list[str]:
+    """The Kubernetes usernames of the preview identities in this project's clusters (their emails)."""
+    return [f"{account}@{project}.iam.gserviceaccount.com" for account in PREVIEW_ACCOUNTS]
+
+
+def match_expression(project: str) -> str:
+    listed = ", ".join(f"'{username}'" for username in preview_usernames(project))
+    return MATCH_EXPRESSION.format(usernames=f"[{listed}]")
+
+
+def render_policy(project: str) -> dict[str, Any]:
+    """The ValidatingAdmissionPolicy's spec as plain values (what the tests evaluate)."""
+    return {
+        "failurePolicy": "Fail",
+        "matchConstraints": {
+            "resourceRules": [
+                {
+                    "apiGroups": ["*"],
+                    "apiVersions": ["*"],
+                    "operations": ["CREATE", "UPDATE", "DELETE", "CONNECT"],
+                    "resources": ["*", "*/*"],
+                    "scope": "*",
+                }
+            ]
+        },
+        "matchConditions": [{"name": "preview-identity", "expression": match_expression(project)}],
+        "validations": [{"expression": VALIDATION_EXPRESSION, "message": MESSAGE, "reason": "Forbidden"}],
+    }
+
+
+# The RBAC the step binds to whoever runs it, so that the policy can be applied at all.
+FENCE_ROLE = "gft-admission-fence-writer"
+FENCE_RULES = [
+    {
+        "apiGroups": ["admissionregistration.k8s.io"],
+        "resources": ["validatingadmissionpolicies", "validatingadmissionpolicybindings"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch"],
+    }
+]
+
+
+def render_fence(project: str) -> list[dict[str, Any]]:
+    """The policy and its binding (Deny), as the step applies them."""
+    return [
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": POLICY_NAME},
+            "spec": render_policy(project),
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": POLICY_NAME},
+            "spec": {"policyName": POLICY_NAME, "validationActions": ["Deny"]},
+        },
+    ]
+
+
+def render_fence_role() -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": FENCE_ROLE},
+        "rules": FENCE_RULES,
+    }
+
+
+FENCE_SCRIPT = """set -euo pipefail
+command -v kubectl >/dev/null || {
+  echo "kubectl is needed to apply the preview fence: gcloud components install kubectl gke-gcloud-auth-plugin" >&2
+  exit 1
+}
+umask 077
+kubeconfig=$(mktemp)
+trap 'rm -f "$kubeconfig"' EXIT
+printf '%s' "$KUBECONFIG_DATA" > "$kubeconfig"
+export KUBECONFIG="$kubeconfig"
+me=$(kubectl auth whoami -o jsonpath='{.status.userInfo.username}')
+printf '%s' "$FENCE_ROLE_MANIFEST" | kubectl apply --server-side --force-conflicts --field-manager=gemma-finetune -f - >&2
+kubectl create clusterrolebinding "$FENCE_ROLE" --clusterrole="$FENCE_ROLE" --user="$me" \
+  --dry-run=client -o yaml | kubectl apply --server-side --force-conflicts --field-manager=gemma-finetune -f - >&2
+# RBAC takes effect at once on the API server; a few tries cover a second API server replica catching up
+for try in 1 2 3 4 5 6; do
+  if printf '%s' "$FENCE_MANIFEST" | kubectl apply --server-side --force-conflicts --field-manager=gemma-finetune -f - >&2; then
+    printf 'fenced: %s' "$PREVIEW_USERNAMES"
+    exit 0
+  fi
+  sleep $((try * 5))
+done
+echo "the preview fence could not be applied (above); nothing after it was created. Run pulumi up again." >&2
+exit 1
+"""
+
+
+@dataclass
+class PreviewFenceArgs:
+    cfg: StackConfig
+    """The validated stack configuration (its project names the identities)."""
+    kubeconfig: pulumi.Input[str]
+    """The cluster's kubeconfig (a secret Output of `infra.gke.AutopilotCluster`; no credential in it)."""
+    depends_on: list[pulumi.Resource] = field(default_factory=list)
+    """The cluster."""
+
+
+class PreviewFence(pulumi.ComponentResource):
+    """One pulumi-command step that applies the admission policy keeping the preview identities to dry runs."""
+
+    command: command.local.Command
+    """Depend on this: it is created only once the policy is in force."""
+
+    def __init__(self, name: str, args: PreviewFenceArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gemma-finetune:k8s:PreviewFence", name, None, opts)
+        environment: dict[str, pulumi.Input[str]] = {
+            "KUBECONFIG_DATA": pulumi.Output.secret(args.kubeconfig),
+            "FENCE_ROLE": FENCE_ROLE,
+            "FENCE_ROLE_MANIFEST": yaml.safe_dump(render_fence_role(), sort_keys=False),
+            "FENCE_MANIFEST": yaml.safe_dump_all(render_fence(args.cfg.project), sort_keys=False),
+            "PREVIEW_USERNAMES": " ".join(preview_usernames(args.cfg.project)),
+        }
+        self.command = command.local.Command(
+            f"{name}-preview-fence",
+            create=FENCE_SCRIPT,
+            update=FENCE_SCRIPT,
+            interpreter=["/bin/bash", "-c"],
+            environment=environment,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=args.depends_on),
+        )
+        self.register_outputs({"policy": POLICY_NAME})
