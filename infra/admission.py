@@ -1,25 +1,15 @@
 """The admission rule in each GKE cluster: the CI preview identities may dry-run every write, and make none.
 
-A GKE preview runs server-side dry runs, which Kubernetes authorizes as the verb they try (a dry-run `create` needs
-`create`), so the preview identities hold `roles/container.developer`: pods, exec, port-forward and service-account
-tokens. Without a fence, a pull request's code in an approved preview could start a pod as the stack's trainer (its
-Workload Identity binding) and write the stack's bucket. This ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1,
-GA in Kubernetes 1.30) refuses every request of those identities that is not a dry run: CREATE, UPDATE, DELETE and
-CONNECT (exec, attach, port-forward, proxy) on every resource and subresource. Reads never reach admission, so a
-preview reads the live objects as before. GKE names a Google service account by its email in Kubernetes
-(`userInfo.username`; GKE docs, "Role-based access control"). Kubernetes applies no admission policy to admission
-policies and bindings themselves; `container.developer` holds no permission on them (infra/offline/iam_roles.json),
-so a preview identity cannot remove this fence.
-
-`pulumi up` applies the fence with `kubectl apply --server-side` (a pulumi-command step, like the CRD wait), not as
-Pulumi Kubernetes resources: a preview dry-runs every Kubernetes resource it declares, and no preview identity may
-hold a write verb on admission policies (no admission rule guards them). GKE's IAM has no permission for admission
-policies (infra/offline/iam_roles.json), so the step first binds, through Kubernetes RBAC, a ClusterRole that may
-manage them to whoever runs it (`kubectl auth whoami`), which needs `container.clusterRoles.escalate` and `bind`
-(the deploy identity's custom role gftCiAdmissionFenceApplier, infra/bootstrap/ci-identities.yaml). The training
-namespace waits for this step: the trainer's Kubernetes service account never exists unfenced. The cluster's deletion
-removes it all. Proof that the fence is what keeps a preview from borrowing the trainer: `python -m
-infra.offline.permissions`; the CEL is replayed on admission requests in tests/infra/test_admission.py.
+A server-side dry run is authorized as the verb it tries, so the GKE preview identities hold container.developer:
+pods, exec, port-forward, tokens, and through Workload Identity the trainer's bucket. This ValidatingAdmissionPolicy
+(admissionregistration.k8s.io/v1, GA in 1.30) refuses every CREATE, UPDATE, DELETE and CONNECT of theirs on any
+resource that is not a dry run; reads never reach admission. GKE names a Google service account by its email.
+- Applied by `kubectl apply` in `pulumi up` (a pulumi-command step, never in a preview): a Pulumi-managed policy would
+  be dry-run by every preview, and no preview may write admission policies (no admission rule guards them).
+- GKE's IAM has no permission on admission policies: the step binds itself, through RBAC, a ClusterRole that may
+  manage them (the deploy's custom role gftCiAdmissionFenceApplier: clusterRoles escalate and bind).
+- The training namespace waits for it; the cluster's deletion removes it.
+Evidence and what it costs: docs/ci.md, "What a pull request can do"; the CEL replayed in tests/infra/test_admission.py.
 """
 
 from __future__ import annotations

@@ -10,10 +10,8 @@ Decisions (why and sources: docs/decisions/gke-workload-identity-and-placement.m
 - Capacity by nodeSelectors (accelerator, count, driver; reservation, spot or flex-start labels); no
   tolerations (Autopilot adds them). A multi-node run's GPU pods share a zone.
 - Run names come from what a preview knows (`run_name`); image and bucket are slots (`fill_slots`).
-- Pods hardened as nothing needs otherwise: every capability dropped, RuntimeDefault seccomp (Autopilot's
-  default, made explicit), no service-account token (nothing calls the Kubernetes API; GKE's metadata server
-  identifies a pod by its address, not its token), ingress only from the namespace's own pods
-  (`NAMESPACE_INGRESS_POLICY`), the namespace created after the preview fence (`infra.admission`).
+- Pods: no capability, RuntimeDefault seccomp, no service-account token (nothing calls the API), ingress from
+  the namespace only (`NAMESPACE_INGRESS_POLICY`); the namespace comes after the preview fence (`infra.admission`).
 Not here: Kueue, the GCS FUSE CSI driver (the trainer writes gs:// URIs itself).
 """
 

@@ -1,7 +1,6 @@
 """The ray-gemma3-vision workload: a KubeRay RayJob on GKE Autopilot with the Ray operator add-on.
 
-    pulumi up --stack ray-gemma3-vision            # cluster (+ Ray add-on), identity, secret, RayJob
-    kubectl get rayjob <rayJobName> -n gft-<stack>    # the exact commands are stack outputs
+    pulumi up --stack ray-gemma3-vision   # cluster (+ Ray add-on), identity, secret, RayJob; outputs: kubectl commands
 
 Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-preemption.md)
 - Top to bottom: `declare` → `RayTraining` → pure renderers of a `RayRunSpec` (a `gke_workload.GpuRun`
@@ -11,11 +10,8 @@ Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-
 - One GPU worker per node, in one zone; a small head that runs no Ray tasks; the trainer image by digest.
 - Named from content, recipe, overrides and shape (`infra.gke_workload.run_name`); any change replaces it.
 - GPU workers get the preStop hook that saves a checkpoint on preemption (trainer/preemption.py).
-- Waits for the KubeRay CRDs (`infra.crd_wait.CrdWait`) and every IAM grant; never for the training.
-- The namespace admits only its own pods (`gke_workload.NAMESPACE_INGRESS_POLICY`); the head's job API (8265)
-  also admits what is outside the cluster's Pod range, for KubeRay polls the job there (rayjob_controller.go
-  GetJobInfo, directly or through the API server's service proxy) and GKE runs that operator outside the
-  cluster's pods; Ray's metrics port admits Managed Prometheus's collectors (`ray_network_policy`).
+- Waits for the KubeRay CRDs (`infra.crd_wait.CrdWait`) and every IAM grant; never for the training. Ingress
+  beyond the namespace's pods: the job API from non-Pod sources (KubeRay), metrics (`ray_network_policy`).
 Not here: Ray autoscaling, RayService / serving, Kueue.
 """
 

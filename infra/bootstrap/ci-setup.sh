@@ -532,7 +532,7 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------- GitHub
-backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; with an OIDC issuer (docs/ci.md) variables PULUMI_PREVIEW_TEAM and PULUMI_DEPLOY_TEAM, else secret PULUMI_PREVIEW_ACCESS_TOKEN (stack read) and, in the deploy and destroy environments, PULUMI_ACCESS_TOKEN (stack write)"
+backend_line="variable PULUMI_ORG=<your Pulumi Cloud organisation>; one team per trust level (docs/ci.md, Pulumi Cloud): with an OIDC issuer the variables PULUMI_PREVIEW_TEAM, PULUMI_PREVIEW_GKE_TEAM, PULUMI_DEPLOY_PREVIEW_TEAM, PULUMI_DEPLOY_TEAM, else environment secrets PULUMI_PREVIEW_ACCESS_TOKEN (preview: read Cloud Run stacks), PULUMI_PREVIEW_GKE_ACCESS_TOKEN (preview-gke: read GKE stacks), PULUMI_DEPLOY_PREVIEW_ACCESS_TOKEN (deploy-preview: read every stack), PULUMI_ACCESS_TOKEN (deploy and destroy: write)"
 if [[ "$STATE_BACKEND" == bucket ]]; then
   backend_line="variable PULUMI_BACKEND_URL=gs://$STATE_BUCKET (no secret: each stack uses --secrets-provider gcpkms://$KEYRING_NAME/cryptoKeys/gft-<stack>)"
 fi
@@ -542,7 +542,8 @@ Done. In GitHub ($GITHUB_REPO), Settings:
   Secrets and variables > Actions > Variables: GCP_PROJECT_ID=$PROJECT_ID  GCP_PROJECT_NUMBER=$PROJECT_NUMBER
   State backend: $backend_line
   Environments: preview-gke, deploy, destroy, each with Required reviewers (see docs/ci.md for the GitHub plans);
-    deploy and destroy: Deployment branches = main only (a pull request's job must not reach their secrets)
+    deploy, destroy and deploy-preview (no reviewers): Deployment branches = main only (a pull request's job must
+    not reach their secrets); preview (no reviewers, no branch rule) holds only the Cloud Run previews' token
 New stacks: commit Pulumi.<stack>.yaml and rerun this script: it creates the stack on its own key (bucket backend).
 EOF
 if ((${#changed_stack_files[@]})); then

@@ -333,7 +333,9 @@ class TestWorkflowContract:
                 )
         assert preview["jobs"]["preview-gke"]["environment"] == "preview-gke"
         assert "assertion.environment == 'preview-gke'" in IDENTITIES["gft-ci-preview-gke"]["federation"]["condition"]
-        assert "environment" not in preview["jobs"]["preview"]
+        # an environment without reviewers: it only holds this trust level's Pulumi Cloud fallback token
+        assert preview["jobs"]["preview"]["environment"] == "preview"
+        assert "environment" not in IDENTITIES["gft-ci-preview"]["federation"]["condition"]
 
     def test_deploys_preview_first_then_apply_behind_the_environment(self) -> None:
         deploy = load("deploy.yml")
@@ -343,7 +345,8 @@ class TestWorkflowContract:
         assert inputs["action"]["options"] == ["up", "destroy", "unlock"]
         assert deploy["concurrency"]["cancel-in-progress"] is False
         preview, apply = deploy["jobs"]["preview"], deploy["jobs"]["apply"]
-        assert "environment" not in preview, "reviewers read the preview before they approve"
+        # reviewers read the preview before they approve: its environment has none (main only, its own token)
+        assert preview["environment"] == "deploy-preview"
         [pulumi] = [step for step in runs(preview, ".ci/pulumi-run.sh") if "cancel" not in step["run"]]
         assert "preview-destroy" in pulumi["run"] and " preview)" in pulumi["run"]
         [release_preview] = runs(preview, ".ci/pulumi-run.sh cancel")
@@ -401,19 +404,24 @@ class TestWorkflowContract:
         for job in (deploy["jobs"]["apply"], deploy["jobs"]["unlock"]):
             tokens = [s["env"]["PULUMI_ACCESS_TOKEN"] for s in runs(job, ".ci/pulumi-run.sh")]
             assert tokens and set(tokens) == {f"${{{{ {oidc} || secrets.PULUMI_ACCESS_TOKEN }}}}"}
-        preview_jobs = [*load("preview.yml")["jobs"].values(), deploy["jobs"]["preview"]]
-        for job in preview_jobs:
-            for step in runs(job, ".ci/pulumi-run.sh") if "steps" in job else []:
-                assert step["env"]["PULUMI_ACCESS_TOKEN"] == f"${{{{ {oidc} || secrets.PULUMI_PREVIEW_ACCESS_TOKEN }}}}"
+        preview = load("preview.yml")
+        preview_jobs = [
+            (preview["jobs"]["preview"], "PULUMI_PREVIEW_ACCESS_TOKEN"),
+            (preview["jobs"]["preview-gke"], "PULUMI_PREVIEW_GKE_ACCESS_TOKEN"),
+            (deploy["jobs"]["preview"], "PULUMI_DEPLOY_PREVIEW_ACCESS_TOKEN"),
+        ]
+        for job, secret in preview_jobs:
+            for step in runs(job, ".ci/pulumi-run.sh"):
+                assert step["env"]["PULUMI_ACCESS_TOKEN"] == f"${{{{ {oidc} || secrets.{secret} }}}}"
 
     def test_pulumi_cloud_tokens_come_from_the_oidc_exchange_per_trust_level(self) -> None:
-        """With an OIDC issuer (vars.PULUMI_*_TEAM set), each job trades its own OIDC token for a team token: previews
-        for the preview team, only the approved deploy jobs for the deploy team (docs/ci.md, "Pulumi Cloud")."""
+        """With an OIDC issuer (vars.PULUMI_*_TEAM set), each job trades its own OIDC token for its trust level's team
+        token: one team per level, only the approved deploy jobs for the deploy team (docs/ci.md, "Pulumi Cloud")."""
         preview, deploy = load("preview.yml"), load("deploy.yml")
         expected = [
             (preview, "preview", "PULUMI_PREVIEW_TEAM"),
-            (preview, "preview-gke", "PULUMI_PREVIEW_TEAM"),
-            (deploy, "preview", "PULUMI_PREVIEW_TEAM"),
+            (preview, "preview-gke", "PULUMI_PREVIEW_GKE_TEAM"),
+            (deploy, "preview", "PULUMI_DEPLOY_PREVIEW_TEAM"),
             (deploy, "apply", "PULUMI_DEPLOY_TEAM"),
             (deploy, "unlock", "PULUMI_DEPLOY_TEAM"),
         ]
