@@ -13,6 +13,9 @@ MYPY   := $(PY) -m mypy infra trainer/recipe.py
 LOCAL_MODEL := $(PY) -m trainer.local_model
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 tests
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
+# zizmor and checkov in a venv of their own: checkov pins packaging and networkx below what the dev venv holds
+SCANNERS := .venv-scanners
+SCAN_STAMP := $(SCANNERS)/.installed-$(shell sha256sum .ci/scanners.lock | cut -c1-12)
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Tests and the demo never reach the Hub; the Pulumi program never reaches the cloud here.
@@ -25,7 +28,7 @@ export OMP_WAIT_POLICY := PASSIVE
 # a PYTHONDONTWRITEBYTECODE from the environment would have every process compile what it imports again
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: help venv test test-fast lint lint-files demo plan bench gpu-wheelhouse gpu-check-dry clean
+.PHONY: help venv test test-fast lint lint-files scan demo plan bench gpu-wheelhouse gpu-check-dry clean
 
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -46,6 +49,14 @@ $(STAMP): requirements.txt requirements-dev.txt
 	@rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP) ## create .venv and install the pinned CPU requirements (once)
+
+$(SCAN_STAMP): .ci/scanners.lock
+	@test -x $(SCANNERS)/bin/python || $(PYTHON) -m venv $(SCANNERS)
+	$(SCANNERS)/bin/python -m pip install -q --require-hashes --only-binary :all: -r .ci/scanners.lock
+	@rm -f $(SCANNERS)/.installed-* && touch $@
+
+scan: $(STAMP) $(SCAN_STAMP) ## zizmor + checkov (offline) on workflows, Dockerfiles, every planned manifest, vs .ci/scanners-baseline.yaml
+	$(PY) .ci/scan.py
 
 lint: lint-files ## ruff, mypy on infra/, workflow/shell/Dockerfile linters, every planned manifest
 	$(PY) -m infra.offline.validate_manifests
@@ -68,14 +79,17 @@ lint-files: $(STAMP)
 # On a machine without the local Gemma 3 270M (CI) its one build starts at once, beside the first tests; the
 # 270M tests wait for it on the build's lock (trainer/local_model.py) instead of building it in their turn; after an
 # interrupted run (pytest's exit code 2) the build is left to finish on its own
-test: lint-files ## lint + every test (slow ones too: CI runs them)
+test: lint-files $(SCAN_STAMP) ## lint + scanners + every test (slow ones too: CI runs them)
 	@mkdir -p build; echo "$(MYPY) > build/mypy.log &"; $(MYPY) > build/mypy.log 2>&1 & mypy=$$!; \
+	  echo "$(PY) .ci/scan.py > build/scan.log &"; $(PY) .ci/scan.py > build/scan.log 2>&1 & scan=$$!; \
 	  echo "$(LOCAL_MODEL) > build/local-model.log &"; $(LOCAL_MODEL) > build/local-model.log 2>&1 & model=$$!; \
 	  echo "$(PYTEST)"; $(PYTEST); rc=$$?; \
 	  [ $$rc -eq 2 ] || wait $$model || { echo "$(LOCAL_MODEL) failed:"; cat build/local-model.log; }; \
 	  wait $$mypy; mypy_rc=$$?; echo "$(MYPY):"; cat build/mypy.log; \
+	  wait $$scan; scan_rc=$$?; echo "$(PY) .ci/scan.py:"; cat build/scan.log; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=1; fi; \
-	  if [ $$mypy_rc -ne 0 ] && [ $$rc -eq 0 ]; then rc=$$mypy_rc; fi; exit $$rc
+	  if [ $$mypy_rc -ne 0 ] && [ $$rc -eq 0 ]; then rc=$$mypy_rc; fi; \
+	  if [ $$scan_rc -ne 0 ] && [ $$rc -eq 0 ]; then rc=$$scan_rc; fi; exit $$rc
 
 test-fast: $(STAMP) ## the tests not marked slow
 	$(PY) -m pytest -q -m "not slow" tests

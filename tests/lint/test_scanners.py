@@ -1,0 +1,91 @@
+"""zizmor and checkov in `make test` (.ci/scan.py): a finding the baseline lacks fails, every accepted one has a reason,
+and the real scanners (from .venv-scanners, which `make test` installs from .ci/scanners.lock) report what they
+should on deliberately bad inputs, offline."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.lint.conftest import ci_module
+
+scan = ci_module("scan")
+HAVE_SCANNERS = (scan.SCANNERS / "zizmor").exists() and (scan.SCANNERS / "checkov").exists()
+needs_scanners = pytest.mark.skipif(not HAVE_SCANNERS, reason="make test installs .venv-scanners first")
+
+
+def finding(rule: str, target: str) -> object:
+    return scan.Finding("checkov", rule, target, "a title")
+
+
+class TestTheBaseline:
+    def test_a_new_finding_fails(self) -> None:
+        accepted = [
+            {"scanner": "checkov", "rule": "CKV_K8S_22", "target": "a/Job", "reason": "Triton compiles at run time"}
+        ]
+        found = [finding("CKV_K8S_22", "a/Job"), finding("CKV_K8S_37", "a/Job")]
+        assert scan.compare(found, accepted) == ["NEW checkov CKV_K8S_37 a/Job: a title"]
+
+    def test_an_entry_without_a_reason_or_without_a_finding_fails(self) -> None:
+        accepted = [
+            {"scanner": "checkov", "rule": "CKV_K8S_22", "target": "a/Job", "reason": "ok"},
+            {"scanner": "checkov", "rule": "CKV_K8S_8", "target": "gone/Job", "reason": "KubeRay adds its own probes"},
+        ]
+        problems = scan.compare([finding("CKV_K8S_22", "a/Job")], accepted)
+        assert any("gives no reason" in p for p in problems) and any("matches no finding" in p for p in problems)
+
+    def test_every_accepted_finding_has_its_reason(self) -> None:
+        for entry in scan.load_baseline():
+            assert set(entry) == {"scanner", "rule", "target", "reason"}, entry
+            assert len(entry["reason"].split()) >= 10, f"say why {entry['rule']} on {entry['target']} is accepted"
+
+
+@needs_scanners
+class TestTheRealScanners:
+    def test_zizmor_offline_finds_an_unpinned_action_and_a_template_injection(self, tmp_path: Path) -> None:
+        workflows = tmp_path / ".github" / "workflows"
+        workflows.mkdir(parents=True)
+        workflow = {
+            "on": {"pull_request_target": None},
+            "permissions": {},
+            "jobs": {
+                "x": {
+                    "runs-on": "ubuntu-24.04",
+                    "steps": [
+                        {"uses": "actions/checkout@v5"},
+                        {"run": "echo ${{ github.event.pull_request.title }}"},
+                    ],
+                }
+            },
+        }
+        (workflows / "bad.yml").write_text(yaml.safe_dump(workflow))
+        rules = {f.rule for f in scan.zizmor(tmp_path)}
+        assert {"unpinned-uses", "template-injection"} <= rules, rules
+
+    def test_checkov_reads_a_ray_pod_template_only_once_written_out_as_a_pod(self, tmp_path: Path) -> None:
+        """The reason .ci/scan.py writes each template out: inside the RayJob checkov sees nothing wrong."""
+        template = {"spec": {"containers": [{"name": "ray-head", "image": "trainer@sha256:" + "1" * 64}]}}
+        ray_job = {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {"name": "run", "namespace": "ns"},
+            "spec": {"rayClusterSpec": {"headGroupSpec": {"rayStartParams": {}, "template": template}}},
+        }
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "run", "namespace": "ns"}, **template}
+        (tmp_path / "k8s").mkdir()
+        (tmp_path / "k8s" / "rayjob.yaml").write_text(yaml.safe_dump(ray_job))
+        inside = {f.rule for f in scan.checkov(["k8s"], ["kubernetes"], tmp_path, {})}
+        (tmp_path / "k8s" / "pod.yaml").write_text(yaml.safe_dump(pod))
+        outside = {f.rule for f in scan.checkov(["k8s"], ["kubernetes"], tmp_path, {})}
+        assert "CKV_K8S_37" not in inside and {"CKV_K8S_37", "CKV_K8S_38"} <= outside, (inside, outside)
+
+
+def test_the_scanners_venv_is_installed_from_the_hashed_lock() -> None:
+    makefile = (scan.REPO_ROOT / "Makefile").read_text()
+    assert "--require-hashes --only-binary :all: -r .ci/scanners.lock" in makefile
+    assert "$(PY) .ci/scan.py" in makefile.split("\ntest:")[1].split("\n\n")[0], "make test runs the scanners"
+    assert shutil.which("true") and os.environ.get("CKV_SKIP_PACKAGE_UPDATE_CHECK") in (None, "true")
