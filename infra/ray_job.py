@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -176,7 +176,7 @@ class RayTraining(pulumi.ComponentResource):
             metadata=k8s.meta.v1.ObjectMetaArgs(
                 name=f"{group}-ray", namespace=spec.run.namespace, labels=spec.run.labels
             ),
-            spec=ray_network_policy(group),
+            spec=cast(Any, ray_network_policy(group)),  # a plain manifest dict, as the tests read it
             opts=pulumi.ResourceOptions(parent=self, provider=gke.cluster.provider, depends_on=gke.namespace.ready),
         )
         depends = [*depends, self.network_policy]
