@@ -191,6 +191,7 @@ def build_vision_trainer(
     from trainer.collators import VisionSFTCollator
     from trainer.data import prepare_datasets
     from trainer.lm_head import new_sft_trainer
+    from trainer.metrics_log import metrics_log_callback
     from trainer.modeling import load_model_and_tokenizer, lora_config
     from trainer.train import LossMode, sft_config
 
@@ -224,7 +225,7 @@ def build_vision_trainer(
         processing_class=processor,
         data_collator=collator,
         peft_config=lora_config(recipe.lora, model),
-        callbacks=[mirror_callback(location), *callbacks],
+        callbacks=[mirror_callback(location), metrics_log_callback(recipe), *callbacks],
     )
     return trainer, processor
 
@@ -275,11 +276,13 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     from ray.train.huggingface.transformers import prepare_trainer
 
     from trainer.checkpoints import OutputLocation, upload_dir
+    from trainer.metrics_log import send_to_container_stdout
     from trainer.preemption import Preempted, acknowledge, preemption_callback
     from trainer.run_eval import run_evaluation
     from trainer.train import SUMMARY_FILE, build_trainer, run_summary
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    send_to_container_stdout()  # Ray keeps this worker's stdout in a file: the metric lines go to the pod's
     started = time.perf_counter()
     recipe = load_recipe(config["recipe"], [*config["overrides"], *_cpu_overrides()])
     location = OutputLocation.from_dir(recipe.output.dir)

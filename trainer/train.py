@@ -232,6 +232,7 @@ def build_trainer(
 ) -> tuple[SFTTrainer, Any]:
     """Load model, tokenizer and data for a recipe and wire them into an SFTTrainer (not yet trained)."""
     from trainer.lm_head import new_sft_trainer
+    from trainer.metrics_log import metrics_log_callback
 
     inputs = training_inputs(recipe, location)
     with _tensorboard_dir(location.local / "logs"):
@@ -242,7 +243,7 @@ def build_trainer(
             eval_dataset=inputs.eval_set,
             processing_class=inputs.tokenizer,
             peft_config=inputs.peft_config,
-            callbacks=[mirror_callback(location), *callbacks],
+            callbacks=[mirror_callback(location), metrics_log_callback(recipe), *callbacks],
         )
     return trainer, inputs.tokenizer
 

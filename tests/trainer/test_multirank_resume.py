@@ -186,3 +186,6 @@ def test_killed_three_rank_run_resumes_on_an_empty_machine(tiny_gemma4_dir: Path
         missing = EXPECTED_FILES - {p.name for p in path.iterdir()}
         assert not missing, f"checkpoint-{step} is marked complete without {sorted(missing)}"
     assert MAX_STEPS in marked_checkpoints(remote)
+    # the metric lines (trainer/metrics_log.py) are one observation of the whole run: one line a step, not one a rank
+    steps = [json.loads(line)["step"] for line in done.stdout.splitlines() if '"gft_event":"train"' in line]
+    assert steps == list(range(resume_step + 1, MAX_STEPS + 1)), steps
