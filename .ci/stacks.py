@@ -9,7 +9,7 @@
 
 Decisions (why: docs/decisions/ci-stack-list.md)
 - Standard library only: it runs on a bare runner and wherever the one-time setup runs.
-- Workload and features (`reservation`, `gpu-quota`, `budget`, `cloud-build`) are read from the stack
+- Workload and features (`reservation`, `gpu-quota`, `budget`, `cloud-build`, `alert-emails`) are read from the stack
   file's lines; tests check them against a real YAML parse and the validated configuration.
 - GKE workloads are grouped (their previews need the cluster and a reviewed environment);
   `--components` names the gcloud components a deploy needs. Bad stack names or workloads are errors.
@@ -40,6 +40,8 @@ FEATURES = {
 }
 # Stack setting -> the feature it means whatever its value (set in the stack file, or defaulted in Pulumi.yaml).
 FEATURES_WHEN_SET = {"billingAccount": "budget"}
+# List setting -> the feature it means when the stack file gives it at least one item.
+FEATURES_WHEN_LISTED = {"alertEmails": "alert-emails"}
 
 
 class StackError(ValueError):
@@ -79,10 +81,25 @@ def setting_of(stack_file: Path, key: str, root: Path = REPO_ROOT) -> str | None
     return _project_default(root, key)
 
 
+def lists_items(stack_file: Path, key: str) -> bool:
+    """Whether the stack file gives the list `gemma-finetune:<key>` an item (`[a, …]`, or `- a` lines below it)."""
+    lines = stack_file.read_text().splitlines()
+    for index, line in enumerate(lines):
+        match = re.match(rf"^(\s*)gemma-finetune:{key}:\s*(.*?)\s*(?:#.*)?$", line)
+        if not match:
+            continue
+        if match.group(2):
+            return bool(re.match(r"^\[\s*[^\]\s]", match.group(2)))
+        following = next((ln for ln in lines[index + 1 :] if ln.strip() and not ln.strip().startswith("#")), "")
+        return following.strip().startswith("- ") and len(following) - len(following.lstrip()) >= len(match.group(1))
+    return False
+
+
 def features_of(stack_file: Path, root: Path = REPO_ROOT) -> list[str]:
     """The features (FEATURES) the stack file uses, sorted."""
     found = {FEATURES[key].get(setting_of(stack_file, key, root) or "") for key in FEATURES}
     found |= {feature for key, feature in FEATURES_WHEN_SET.items() if setting_of(stack_file, key, root)}
+    found |= {feature for key, feature in FEATURES_WHEN_LISTED.items() if lists_items(stack_file, key)}
     return sorted(feature for feature in found if feature)
 
 

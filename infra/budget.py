@@ -38,6 +38,24 @@ class BudgetGuardArgs:
     """The APIs the budget and its channels call (Billing Budgets, Monitoring)."""
 
 
+def email_channels(
+    prefix: str, cfg: StackConfig, emails: list[str], what: str, opts: pulumi.ResourceOptions
+) -> list[gcp.monitoring.NotificationChannel]:
+    """One email notification channel per address (`<prefix>-<index>`); the address only in its required label."""
+    return [
+        gcp.monitoring.NotificationChannel(
+            f"{prefix}-{index}",
+            project=cfg.project,
+            display_name=f"gemma-finetune {cfg.stack} {what} {index + 1}",
+            type="email",
+            labels={"email_address": email},
+            user_labels=cfg.resource_labels,
+            opts=opts,
+        )
+        for index, email in enumerate(emails)
+    ]
+
+
 class BudgetGuard(pulumi.ComponentResource):
     """A `gcp.billing.Budget` on the stack's spend and its email notification channels."""
 
@@ -49,18 +67,7 @@ class BudgetGuard(pulumi.ComponentResource):
         cfg = args.cfg
         assert cfg.billing_account and cfg.budget_usd, "config validation requires both"
         after = pulumi.ResourceOptions(parent=self, depends_on=args.after)
-        self.channels = [
-            gcp.monitoring.NotificationChannel(
-                f"{name}-email-{index}",
-                project=cfg.project,
-                display_name=f"gemma-finetune {cfg.stack} budget alert {index + 1}",
-                type="email",
-                labels={"email_address": email},
-                user_labels=cfg.resource_labels,
-                opts=after,
-            )
-            for index, email in enumerate(cfg.budget_emails)
-        ]
+        self.channels = email_channels(f"{name}-email", cfg, cfg.budget_emails, "budget alert", after)
         self.budget = gcp.billing.Budget(
             f"{name}-budget",
             billing_account=cfg.billing_account,

@@ -207,6 +207,9 @@ class StackConfig(BaseModel):
     billing_account: str | None = Field(None, alias="billingAccount")
     budget_usd: int | None = Field(None, alias="budgetUsd", gt=0)
     budget_emails: list[str] = Field(default_factory=list, alias="budgetEmails")
+    alert_emails: list[str] = Field(default_factory=list, alias="alertEmails")
+    alert_stall_minutes: int = Field(15, alias="alertStallMinutes", ge=5, le=1440)
+    alert_run_minutes: int | None = Field(None, alias="alertRunMinutes", gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -354,6 +357,17 @@ class StackConfig(BaseModel):
             )
         return v
 
+    @field_validator("alert_emails")
+    @classmethod
+    def _alert_emails(cls, v: list[str]) -> list[str]:
+        bad = [e for e in v if not _EMAIL.match(e)]
+        if bad:
+            raise ValueError(
+                f"alertEmails entries {bad} are not email addresses. "
+                "Fix: pulumi config set --path 'alertEmails[0]' oncall@example.com"
+            )
+        return v
+
     @field_validator("serving_run_id")
     @classmethod
     def _run_id(cls, v: str | None) -> str | None:
@@ -470,6 +484,7 @@ class StackConfig(BaseModel):
                 f"Fix: {_set('servingEnabled', False)}"
             )
         problems += self._check_budget()
+        problems += self._check_alerts()
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -490,6 +505,19 @@ class StackConfig(BaseModel):
                 f"Fix: {_set('budgetUsd', 500)} and {_set('billingAccount', '012345-6789AB-CDEF01')}"
             ]
         return []
+
+    def _check_alerts(self) -> list[str]:
+        """An alert after the training deadline would never fire: the deadline stops the run first."""
+        deadline = self.timeout_minutes
+        return [
+            f"{key}={minutes} is not below the training deadline ({deadline} min, trainingTimeoutMinutes): the "
+            f"deadline stops the run before it alerts. Fix: {_set(key, fix)}"
+            for key, minutes, fix in (
+                ("alertStallMinutes", self.alert_stall_minutes, min(15, deadline - 1)),
+                ("alertRunMinutes", self.alert_run_minutes, deadline * 3 // 4),
+            )
+            if minutes is not None and minutes >= deadline
+        ]
 
     def _check_cloud_run(self) -> list[str]:
         problems = []
@@ -654,7 +682,15 @@ def _url_rows_problem(cfg: StackConfig) -> str | None:
     return None
 
 
-_LIST_FIELDS = {"recipeOverrides", "servingInvokers", "servingExtraArgs", "servingEnv", "labels", "budgetEmails"}
+_LIST_FIELDS = {
+    "recipeOverrides",
+    "servingInvokers",
+    "servingExtraArgs",
+    "servingEnv",
+    "labels",
+    "budgetEmails",
+    "alertEmails",
+}
 _SECRET_KEYS = {"hfToken": "hf_token", "servingApiKey": "serving_api_key"}
 
 

@@ -145,8 +145,9 @@ def required_apis(cfg: StackConfig) -> list[str]:
         apis.append("secretmanager.googleapis.com")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:
         apis.append("cloudbuild.googleapis.com")
-    if cfg.budget_usd is not None:  # infra.budget: the budget and its email channels
-        apis += ["billingbudgets.googleapis.com", "monitoring.googleapis.com"]
+    apis.append("monitoring.googleapis.com")  # infra.monitoring's dashboard and alerts; every email channel
+    if cfg.budget_usd is not None:  # infra.budget: the budget
+        apis.append("billingbudgets.googleapis.com")
     return sorted(set(apis))
 
 

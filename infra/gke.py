@@ -42,6 +42,10 @@ SERVICE_RANGE_NAME = "services"
 SERVICE_RANGE = "10.0.32.0/20"
 # One region: regional dynamic routing is enough (no Cloud Router here); it is also Compute Engine's default.
 ROUTING_MODE = "REGIONAL"
+# GKE's managed DCGM package (GPU utilisation and memory for the run's dashboard, infra/monitoring.py) beside the
+# system metrics; it needs Managed Service for Prometheus. An in-place cluster update (terraform-provider-google
+# resource_container_cluster.go: DesiredMonitoringConfig). Why and what it leaves out: docs/operations.md.
+MONITORING_COMPONENTS = ("SYSTEM_COMPONENTS", "DCGM")
 
 
 def cluster_name(cfg: StackConfig) -> str:
@@ -209,6 +213,10 @@ class AutopilotCluster(pulumi.ComponentResource):
             resource_labels=cfg.resource_labels,
             addons_config=addons,
             cluster_autoscaling=autoscaling,
+            monitoring_config=gcp.container.ClusterMonitoringConfigArgs(
+                enable_components=list(MONITORING_COMPONENTS),
+                managed_prometheus=gcp.container.ClusterMonitoringConfigManagedPrometheusArgs(enabled=True),
+            ),
             opts=pulumi.ResourceOptions(
                 parent=self,
                 depends_on=args.depends_on,

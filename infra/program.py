@@ -1,7 +1,7 @@
 """The Pulumi program as a function, so every stack can run fresh in one process (tests, `make plan`).
 
 Flow: validated config → preflight → foundation → images → the workload the stack names → outputs
-(the run's cost ceiling among them) → the budget guard when the stack sets one.
+(the run's cost ceiling among them) → the budget guard when the stack sets one → the run's dashboard and alerts.
 Bad configuration raises `ConfigError`, and configuration the project cannot serve (a reservation that
 is missing or too small, GPU quota below what the run needs, a cost ceiling above `maxRunCostUsd`)
 raises `PreflightError`, both before the first resource is declared.
@@ -14,7 +14,7 @@ from typing import Any
 import pulumi
 
 from infra import config as stack_config
-from infra import cost, preflight
+from infra import cost, monitoring, preflight
 from infra.budget import BudgetGuard, BudgetGuardArgs
 from infra.config import Workload
 from infra.foundation import FINISHED_OUTPUT, Foundation, FoundationArgs, Identity
@@ -73,11 +73,12 @@ def run() -> dict[str, Any]:
     if FINISHED_OUTPUT not in outputs:
         cost.declare_price_file(name, cfg, foundation.bucket_name, run_dir, after=[foundation.bucket])
     outputs["costLine"] = run_dir.apply(cost.cost_line_command)
+    budget_channels: list[Any] = []
     if cfg.budget_usd is not None:
-        BudgetGuard(
+        budget_channels = BudgetGuard(
             name,
             BudgetGuardArgs(cfg=cfg, project_number=foundation.bucket.project_number, after=list(foundation.apis)),
-        )
+        ).channels
         # A count, not the addresses: outputs are printed by `pulumi up` and in PR preview comments (infra/budget.py).
         extra = len(cfg.budget_emails)
         recipients = "the billing account's admins" + (f" and {extra} address(es) in budgetEmails" if extra else "")
@@ -85,6 +86,7 @@ def run() -> dict[str, Any]:
             f"{cfg.budget_usd} USD a month for resources labelled stack={cfg.stack} in {cfg.project} (billing "
             f"account {cfg.billing_account}); alerts at 50, 90 and 100 % to {recipients}"
         )
+    outputs.update(monitoring.declare(name, cfg, after=list(foundation.apis), budget_channels=budget_channels))
     return outputs
 
 

@@ -219,10 +219,12 @@ if [[ "$STATE_BACKEND" == bucket ]]; then
     gcloud kms keyrings create "$KMS_KEYRING" --location="$KMS_LOCATION" --project="$PROJECT_ID"
   fi
 fi
-# What the stack files use: workloads, and features (.ci/stacks.py: reservation, gpu-quota, budget, cloud-build).
+# What the stack files use: workloads, and features (.ci/stacks.py: reservation, gpu-quota, budget, cloud-build,
+# alert-emails).
 workloads=$(echo "$STACK_LINES" | awk '{print $2}' | sort -u)
 features=$(echo "$STACK_LINES" | awk '{print $3}' | tr ',' '\n' | sort -u)
 has_cloud_run=false has_gke=false has_reservation=false has_cloud_build=false has_gpu_quota=false has_budget=false
+has_alert_emails=false
 grep -qx cloud-run <<<"$workloads" && has_cloud_run=true
 grep -qx -e gke-job -e gke-ray <<<"$workloads" && has_gke=true
 grep -qx reservation <<<"$features" && has_reservation=true
@@ -231,6 +233,7 @@ has_cloud_run_cloud_build=false
 awk '$2 == "cloud-run" && ("," $3 ",") ~ /,cloud-build,/ {found = 1} END {exit !found}' <<<"$STACK_LINES" &&
   has_cloud_run_cloud_build=true
 grep -qx budget <<<"$features" && has_budget=true
+grep -qx alert-emails <<<"$features" && has_alert_emails=true
 # GKE stacks whose capacity draws on GPU quota (the Cloud Run stacks always do).
 if $has_gke && echo "$STACK_LINES" | awk '$2 != "cloud-run" {print $3}' | tr ',' '\n' | grep -qx gpu-quota; then
   has_gpu_quota=true
@@ -287,6 +290,8 @@ ensure_custom_role gftCiProjectIamGranter "gemma-finetune CI project IAM granter
   resourcemanager.projects.getIamPolicy,resourcemanager.projects.setIamPolicy
 ensure_custom_role gftCiAdmissionFenceApplier "gemma-finetune CI admission fence applier" \
   container.clusterRoles.get,container.clusterRoles.create,container.clusterRoles.update,container.clusterRoles.escalate,container.clusterRoles.bind,container.clusterRoleBindings.get,container.clusterRoleBindings.create,container.clusterRoleBindings.update
+ensure_custom_role gftCiLogMetricWriter "gemma-finetune CI log-based metric writer" \
+  logging.logMetrics.create,logging.logMetrics.delete,logging.logMetrics.get,logging.logMetrics.update
 ensure_custom_role gftCiWorkloadIdentityBinder "gemma-finetune CI Workload Identity binder" \
   iam.serviceAccounts.get,iam.serviceAccounts.getIamPolicy,iam.serviceAccounts.setIamPolicy
 custom="projects/$PROJECT_ID/roles"
@@ -332,6 +337,10 @@ grant_project gft-ci-deploy "$custom/gftCiBucketCreator"
 grant_project gft-ci-deploy roles/storage.admin "$buckets"
 grant_project gft-ci-deploy roles/artifactregistry.admin
 grant_project gft-ci-deploy "$custom/gftCiAccountCreator"
+# every stack's dashboard, alert policies and log-based metrics (infra/monitoring.py)
+grant_project gft-ci-deploy "$custom/gftCiLogMetricWriter"
+grant_project gft-ci-deploy roles/monitoring.dashboardEditor
+grant_project gft-ci-deploy roles/monitoring.alertPolicyEditor
 if $has_cloud_run; then
   # GKE stacks: roles/compute.networkAdmin holds serviceusage.services.list
   grant_project gft-ci-deploy roles/serviceusage.serviceUsageViewer
@@ -349,8 +358,10 @@ if $has_gke; then
   if $has_reservation; then grant_project gft-ci-deploy "$custom/gftCiReservationReader"; fi
 fi
 if $has_cloud_run || $has_gpu_quota; then grant_project gft-ci-deploy "$custom/gftCiQuotaReader"; fi
-if $has_budget; then
+if $has_budget || $has_alert_emails; then
   grant_project gft-ci-deploy roles/monitoring.notificationChannelEditor
+fi
+if $has_budget; then
   # A budget lives on the billing account: granting there needs Billing Account Administrator on it.
   billing_account=$(gcloud billing projects describe "$PROJECT_ID" --format='value(billingAccountName)')
   billing_account=${billing_account#billingAccounts/}

@@ -367,6 +367,33 @@ RESOURCES: dict[str, Calls] = {
         update=("monitoring.notificationChannels.update",),
         delete=("monitoring.notificationChannels.delete",),
     ),
+    "gcp:logging/metric:Metric": Calls(
+        ("project", "project"),
+        f"{_TF}/logging/resource_logging_metric.go (POST, GET, PUT, DELETE projects/PROJECT/metrics; create and update "
+        "read it back); Cloud Logging IAM: logging.logMetrics.create/get/update/delete (infra/monitoring.py)",
+        create=("logging.logMetrics.create", "logging.logMetrics.get"),
+        read=("logging.logMetrics.get",),
+        update=("logging.logMetrics.update", "logging.logMetrics.get"),
+        delete=("logging.logMetrics.delete",),
+    ),
+    "gcp:monitoring/dashboard:Dashboard": Calls(
+        ("project", "project"),
+        f"{_TF}/monitoring/resource_monitoring_dashboard.go (POST, GET, PATCH, DELETE projects/PROJECT/dashboards; "
+        "create reads it back); Cloud Monitoring IAM: monitoring.dashboards.create/get/update/delete",
+        create=("monitoring.dashboards.create", "monitoring.dashboards.get"),
+        read=("monitoring.dashboards.get",),
+        update=("monitoring.dashboards.update",),
+        delete=("monitoring.dashboards.delete",),
+    ),
+    "gcp:monitoring/alertPolicy:AlertPolicy": Calls(
+        ("project", "project"),
+        f"{_TF}/monitoring/resource_monitoring_alert_policy.go (POST, GET, PATCH, DELETE projects/PROJECT/alertPolicies; "
+        "create and update read it back); Cloud Monitoring IAM: monitoring.alertPolicies.create/get/update/delete",
+        create=("monitoring.alertPolicies.create", "monitoring.alertPolicies.get"),
+        read=("monitoring.alertPolicies.get",),
+        update=("monitoring.alertPolicies.update", "monitoring.alertPolicies.get"),
+        delete=("monitoring.alertPolicies.delete",),
+    ),
 }
 
 # Kubernetes kinds the program declares -> the GKE IAM resource name; custom resources are thirdPartyObjects.

@@ -238,8 +238,18 @@ RUNTIMES: tuple[Runtime, ...] = (
         _account(Identity.NODES),
         _is(*_GKE),
         (
-            Need("logging.logEntries.create", Scope.PROJECT, f"node and container logs; {_NODE_ROLE_DOC}"),
-            Need("monitoring.timeSeries.create", Scope.PROJECT, f"node and system metrics; {_NODE_ROLE_DOC}"),
+            Need(
+                "logging.logEntries.create",
+                Scope.PROJECT,
+                f"node and container logs, the trainer's metric lines among them (trainer/metrics_log.py); {_NODE_ROLE_DOC}",
+            ),
+            Need(
+                "monitoring.timeSeries.create",
+                Scope.PROJECT,
+                f"node and system metrics, and the managed DCGM package's GPU metrics (infra/gke.py "
+                "MONITORING_COMPONENTS), which Managed Service for Prometheus' managed collection writes as the node "
+                f"account (GKE docs, 'Collect and view DCGM metrics'); {_NODE_ROLE_DOC}",
+            ),
             Need("monitoring.metricDescriptors.create", Scope.PROJECT, f"system metric types; {_NODE_ROLE_DOC}"),
             Need(
                 "artifactregistry.repositories.downloadArtifacts",
@@ -360,6 +370,8 @@ def stack_features(cfg: StackConfig) -> frozenset[str]:
         found.add("cloud-build")
     if cfg.billing_account:
         found.add("budget")
+    if cfg.alert_emails:
+        found.add("alert-emails")
     return frozenset(found)
 
 
@@ -386,7 +398,8 @@ _CI_SCOPES = {
 
 
 def ci_grants(cfg: StackConfig) -> list[Grant]:
-    """The grants ci-setup.sh makes to the CI identities for a repository holding only this stack."""
+    """The grants ci-setup.sh makes to the CI identities for a repository holding only this stack: one per binding
+    (two entries that apply to one stack and grant the same role on the same scope are the same binding)."""
     values = {"PROJECT_ID": cfg.project, "PROJECT_NUMBER": MOCK_PROJECT_NUMBER, "STACK": cfg.stack}
     features = stack_features(cfg)
     grants: list[Grant] = []
@@ -396,15 +409,18 @@ def ci_grants(cfg: StackConfig) -> list[Grant]:
                 continue
             kind = entry["scope"]
             scope = ACCOUNT_SCOPES[Identity(entry["account"])] if kind == "workload-account" else _CI_SCOPES[kind]
-            condition = entry.get("condition")
+            condition = substitute(entry["condition"], values) if entry.get("condition") else None
+            member, role = ci_member(identity)(cfg), substitute(entry["role"], values)
+            if any((g.member, g.role, g.scope, g.condition) == (member, role, scope, condition) for g in grants):
+                continue  # the binding another entry made
+            where = f" if {condition}" if condition else ""
             grants.append(
                 Grant(
-                    member=ci_member(identity)(cfg),
-                    role=substitute(entry["role"], values),
+                    member=member,
+                    role=role,
                     scope=scope,
-                    origin=f"ci-identities.yaml {identity}: {entry['role']} on {kind}"
-                    + (f" if {substitute(condition, values)}" if condition else ""),
-                    condition=substitute(condition, values) if condition else None,
+                    origin=f"ci-identities.yaml {identity}: {entry['role']} on {kind}{where}",
+                    condition=condition,
                 )
             )
     return grants

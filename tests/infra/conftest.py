@@ -120,9 +120,10 @@ OWN_DATA_PATH = "data.path=gs://my-gcp-project-gft-data/tickets/train-*.jsonl"
 SERVING_ON = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}
 MOCK_API_KEY = "mock-vllm-api-key-not-a-real-credential"
 BUDGET = {"billingAccount": "012345-6789AB-CDEF01", "budgetUsd": 500, "budgetEmails": ["alice@example.com"]}
+ALERT_EMAILS = {"alertEmails": ["oncall@example.com"]}
 # Every stack as committed, each capacity mode, one and two nodes, Ray ephemeral and standing, serving on
 # (private, and public with the API key Pulumi.yaml asks for), each image build mode (the stack files build
-# with Cloud Build), no HF token, a budget.
+# with Cloud Build), no HF token, a budget, run alerts by email (with a budget, and alone).
 USER_VARIANTS: tuple[Variant, ...] = (
     Variant("dev", "dev"),
     Variant("dev, no token", "dev", {"recipe": "emoji-local"}, hf_token=None),
@@ -146,7 +147,9 @@ USER_VARIANTS: tuple[Variant, ...] = (
     Variant("a4, on-demand", "a4-gemma4", {"capacity": "on-demand"}, _NO_RESERVATION),
     Variant("a4, 2 nodes", "a4-gemma4", {"nodes": 2, "recipeOverrides": ["distributed.world_size=16"]}),
     Variant("a4, docker", "a4-gemma4", {"imageBuild": "docker"}),
-    Variant("a4, spot, budget", "a4-gemma4", {"capacity": "spot", **BUDGET}, _NO_RESERVATION),
+    Variant(
+        "a4, spot, budget, alert emails", "a4-gemma4", {"capacity": "spot", **BUDGET, **ALERT_EMAILS}, _NO_RESERVATION
+    ),
     Variant("ray (ephemeral, 2 nodes)", "ray-gemma3-vision"),
     Variant("ray, standing", "ray-gemma3-vision", {"rayCluster": "standing"}),
     Variant(
@@ -156,6 +159,7 @@ USER_VARIANTS: tuple[Variant, ...] = (
         _NO_RESERVATION,
     ),
     Variant("ray, docker", "ray-gemma3-vision", {"imageBuild": "docker"}),
+    Variant("ray, alert emails", "ray-gemma3-vision", ALERT_EMAILS),
 )
 
 

@@ -424,7 +424,7 @@ class TestDerivedNeeds:
     ) -> None:
         """The deploy manages the budget on the billing account and its channels in the project; a preview reads
         nothing for it; a grant on the project does not reach a billing account."""
-        run = {variant.label: run for variant, run in user_variant_runs}["a4, spot, budget"]
+        run = {variant.label: run for variant, run in user_variant_runs}["a4, spot, budget, alert emails"]
         needs = {(n.permission, n.scope) for n in deploy_needs(run)}
         assert {
             ("billing.budgets.create", Scope.BILLING_ACCOUNT),

@@ -113,3 +113,20 @@ class TestFeatures:
             assert run.cfg is not None
             expected = sorted(stack_features(run.cfg))
             assert ci_stacks.features_of(REPO_ROOT / f"Pulumi.{stack}.yaml") == expected, stack
+
+    def test_alert_emails_are_a_feature_when_the_list_has_an_item(self, tmp_path: Path) -> None:
+        """The deploy may create notification channels only for a stack that lists alert addresses (ci-identities.yaml
+        `alert-emails`); the features must match what the validated configuration says (stack_features)."""
+        files = {
+            "block": "  gemma-finetune:alertEmails:\n    - oncall@example.com\n",
+            "flow": "  gemma-finetune:alertEmails: [oncall@example.com]   # on call\n",
+            "empty": "  gemma-finetune:alertEmails: []\n",
+            "none": "  gemma-finetune:budgetEmails:\n    - alice@example.com\n",
+        }
+        for name, lines in files.items():
+            (tmp_path / f"Pulumi.{name}.yaml").write_text(f"config:\n  gemma-finetune:workload: cloud-run\n{lines}")
+        found = {name: "alert-emails" in ci_stacks.features_of(tmp_path / f"Pulumi.{name}.yaml", tmp_path)
+                 for name in files}  # fmt: skip
+        assert found == {"block": True, "flow": True, "empty": False, "none": False}
+        cfg = run_stack("dev", overrides={"alertEmails": ["oncall@example.com"]}).cfg
+        assert cfg is not None and "alert-emails" in stack_features(cfg)
