@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-from trainer.local_model import set_stop_tokens, trl_chat_template
+from trainer.model_files import set_stop_tokens, trl_chat_template
 from trainer.recipe import REPO_ROOT
 
 Family = Literal["gemma3", "gemma4"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
 from trainer.preemption import Preempted
-from trainer.recipe import RecipeError, list_recipes, parse_recipe, require_valid_run
+from trainer.recipe import Recipe, RecipeError, list_recipes, parse_recipe, require_valid_run
 
 USER_ERRORS: tuple[type[Exception], ...] = (RecipeError,)
 
@@ -48,9 +48,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors with a message meant for the user; the local model's is imported only when needed."""
-    from trainer.local_model import LocalModelError
+    from trainer.model_files import LocalModelError
 
     return (*USER_ERRORS, LocalModelError)
+
+
+def _build_local_model(recipe: Recipe) -> None:
+    """`local:gemma3-270m` is built here, at the entry point, once per machine (each rank of a launch waits on
+    the build's lock); the training path only finds it (trainer/model_files.py)."""
+    if recipe.model.is_local_package:
+        from trainer.local_model import resolve_model_path
+
+        resolve_model_path(recipe.model.name_or_path)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -65,7 +74,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         recipe = parse_recipe(args.recipe, args.overrides)
         from trainer.train import finished_result, main
 
-        result = finished_result(recipe) or main(require_valid_run(recipe, args.recipe))
+        result = finished_result(recipe)
+        if result is None:
+            recipe = require_valid_run(recipe, args.recipe)
+            _build_local_model(recipe)
+            result = main(recipe)
     except _user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

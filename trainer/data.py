@@ -22,19 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.data_files import REPO_ROOT, LoadedRows, RowOrigin, expand_url, read_files, resolve_local_path
+from trainer.errors import DataError, RecipeError
 from trainer.formatting import FormattingError, formatter_for, row_formatter
-from trainer.recipe import (
-    REPO_ROOT,
-    USER_FORMATS,
-    DataFormat,
-    DataSource,
-    DataSpec,
-    RecipeError,
-    Task,
-    count_rows_in,
-    infer_source,
-    resolve_local_path,
-)
+from trainer.recipe import USER_FORMATS, DataFormat, DataSource, DataSpec, Task, infer_source
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -44,14 +35,9 @@ log = logging.getLogger(__name__)
 
 _SKIP_COLUMN = "_skip_reason"
 _RAW_IMAGES = "_row_images"
-_GLOB = ("*", "?", "[")
 # how many rows of a standard format are checked before the model loads (each is formatted, its images opened
 # and its length measured: a second or two for a hundred rows)
 CHECK_ROWS = 100
-
-
-class DataError(RecipeError):
-    """Data the run cannot train on, with the file, row and field it is about and how to fix it."""
 
 
 @dataclass
@@ -84,41 +70,6 @@ class DataSplit:
     report: SkipReport
 
 
-@dataclass(frozen=True)
-class RowOrigin:
-    """Where a loaded dataset's rows came from, in order: (label, rows, first JSON Lines line numbers) per file."""
-
-    parts: tuple[tuple[str, int, tuple[int, ...]], ...]
-
-    def where(self, index: int) -> str:
-        """`FILE row N` (1-based; `line L` too for JSON Lines) for the row at `index` of the whole dataset."""
-        for label, count, lines in self.parts:
-            if index < count:
-                line = f" (line {lines[index]})" if index < len(lines) else ""
-                return f"{label} row {index + 1}{line}"
-            index -= count
-        return f"row {index + 1}"
-
-
-@dataclass
-class LoadedRows:
-    """The rows a recipe names: the first CHECK_ROWS as they were read (`head`: Python values, a missing field
-    missing), where every row came from, and the Arrow dataset, built on first use (`dataset()`).
-
-    The check reads `head`, not the dataset: rows that do not share one schema cannot become one Arrow table, and
-    a malformed row is exactly such a row."""
-
-    head: list[dict[str, Any]]
-    origin: RowOrigin
-    _build: Any = field(repr=False)
-    _dataset: Any = field(default=None, repr=False)
-
-    def dataset(self) -> Dataset:
-        if self._dataset is None:
-            self._dataset = self._build()
-        return self._dataset
-
-
 def load_rows(spec: DataSpec) -> Dataset:
     """The raw rows named by the recipe, before shuffling or formatting."""
     return read_rows(spec).dataset()
@@ -139,113 +90,6 @@ def read_rows(spec: DataSpec, head_rows: int = CHECK_ROWS) -> LoadedRows:
         return read_files(LocalFileSystem(), [str(resolve_local_path(spec.path))], [spec.path], head_rows)
     fs, paths = expand_url(spec.path)
     return read_files(fs, paths, [fs.unstrip_protocol(p) for p in paths], head_rows)
-
-
-def expand_url(url: str) -> tuple[Any, list[str]]:
-    """The fsspec filesystem of `url` and the files it names (a glob's matches, sorted); DataError if none."""
-    from fsspec.core import url_to_fs
-
-    try:
-        fs, root = url_to_fs(url)
-    except (ImportError, ValueError) as exc:  # an unknown protocol, or its package (gcsfs) is not installed
-        raise DataError(f"data.path={url!r}: fsspec cannot open it ({exc})") from None
-    paths = sorted(fs.glob(root)) if any(c in root for c in _GLOB) else ([root] if fs.isfile(root) else [])
-    if not paths:
-        raise DataError(f"data.path={url!r} names no file. Fix: check the URL (ls it: fsspec `ls` / gcloud storage ls)")
-    return fs, paths
-
-
-def count_url_rows(url: str) -> int:
-    """Rows behind a URL, counted as `read_files` reads them (parquet from its footer only)."""
-    fs, paths = expand_url(url)
-    total = 0
-    for path in paths:
-        with fs.open(path, "rb") as handle:
-            total += count_rows_in(handle, _suffix(path))
-    return total
-
-
-def _suffix(path: str) -> str:
-    return "." + path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
-
-
-def read_files(fs: Any, paths: list[str], labels: list[str], head_rows: int = CHECK_ROWS) -> LoadedRows:
-    """Every row of `paths` on `fs`, in order: parquet as Arrow tables; JSON Lines, JSON and CSV as records.
-
-    A JSON Lines line that is not JSON is a DataError naming the file and line; CSV values stay strings.
-    """
-    import pyarrow as pa
-
-    tables: list[Any] = []
-    records: list[dict[str, Any]] = []
-    parts: list[tuple[str, int, tuple[int, ...]]] = []
-    head: list[dict[str, Any]] = []
-    for path, label in zip(paths, labels, strict=True):
-        suffix = _suffix(path)
-        lines: tuple[int, ...] = ()
-        with fs.open(path, "rb") as handle:
-            if suffix == ".parquet":
-                import pyarrow.parquet as pq
-
-                table = pq.read_table(handle)
-                tables.append(table)
-                count = table.num_rows
-                head.extend(table.slice(0, max(head_rows - len(head), 0)).to_pylist())
-            else:
-                rows, lines = _read_records(handle, suffix, label)
-                records.extend(rows)
-                count = len(rows)
-                head.extend(rows[: max(head_rows - len(head), 0)])
-        parts.append((label, count, lines[:head_rows]))
-    if tables and records:
-        raise DataError(f"data.path mixes parquet and other files ({labels}): use one kind")
-
-    def build() -> Dataset:
-        from datasets import Dataset
-
-        try:
-            if tables:
-                return Dataset(pa.concat_tables(tables, promote_options="default"))
-            return Dataset.from_list(records)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-            raise DataError(
-                f"the rows of {', '.join(labels)} do not share one schema ({exc}). Fix: give every row the same "
-                "fields with the same types (a turn's content is either always a string or always a list of parts)"
-            ) from None
-
-    return LoadedRows(head, RowOrigin(tuple(parts)), build)
-
-
-def _read_records(handle: Any, suffix: str, label: str) -> tuple[list[dict[str, Any]], tuple[int, ...]]:
-    import io
-    import json
-
-    if suffix == ".csv":
-        import csv
-
-        return list(csv.DictReader(io.TextIOWrapper(handle, encoding="utf-8", newline=""))), ()
-    if suffix == ".json":
-        data = json.loads(handle.read().decode("utf-8"))
-        if isinstance(data, dict):  # {"column": [values]}: the column-oriented JSON datasets also reads
-            data = [dict(zip(data, values, strict=True)) for values in zip(*data.values(), strict=True)]
-        return list(data), ()
-    if suffix != ".jsonl":
-        raise DataError(f"{label}: cannot read a {suffix or 'suffix-less'} file; use .jsonl, .json, .parquet or .csv")
-    rows, lines = [], []
-    for number, line in enumerate(handle, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{label} line {number}: not valid JSON ({exc.msg}). Fix: one JSON object per line"
-            ) from None
-        if not isinstance(row, dict):
-            raise DataError(f"{label} line {number}: a {type(row).__name__}, not a JSON object ({{...}} per line)")
-        rows.append(row)
-        lines.append(number)
-    return rows, tuple(lines)
 
 
 def split_rows(rows: Dataset, spec: DataSpec) -> tuple[Dataset, Dataset | None]:
@@ -575,15 +419,13 @@ def check_tokenizer(recipe: Any, tokenizer: str | None) -> tuple[Any, str]:
     """The tokenizer the length check uses, and a note: `--tokenizer`, else the recipe's model if it is on this
     machine (a folder, the built local 270M, or a Hub id in the local cache); never a download. transformers (and
     torch with it) is imported only when there is a tokenizer to load: a file check without one needs neither."""
-    from trainer.local_model import LOCAL_MODEL_PREFIX, cache_root, is_built
+    from trainer.model_files import LocalModelError, resolve_model_path
 
     if tokenizer is None and recipe is not None:
-        name = recipe.model.name_or_path
-        if name.startswith(LOCAL_MODEL_PREFIX):
-            folder = cache_root() / name[len(LOCAL_MODEL_PREFIX) :]
-            tokenizer = str(folder) if is_built(folder) else None
-        else:
-            tokenizer = name
+        try:
+            tokenizer = resolve_model_path(recipe.model.name_or_path)
+        except LocalModelError:
+            tokenizer = None  # the local model is not built here: the lengths are not measured
     if tokenizer is None:
         return None, "lengths not measured (no tokenizer: pass --tokenizer MODEL_OR_FOLDER)"
     from transformers import AutoTokenizer
@@ -593,7 +435,7 @@ def check_tokenizer(recipe: Any, tokenizer: str | None) -> tuple[Any, str]:
     except (OSError, ValueError) as exc:
         return None, f"lengths not measured ({tokenizer} is not on this machine: {type(exc).__name__})"
     if not loaded.chat_template:
-        from trainer.local_model import trl_chat_template
+        from trainer.model_files import trl_chat_template
 
         loaded.chat_template = trl_chat_template(recipe.model.chat_template if recipe else "gemma3")
     return loaded, f"lengths measured with {tokenizer}'s tokenizer"

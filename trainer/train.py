@@ -184,7 +184,7 @@ def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
     """
     from trainer.data import prepare_datasets
     from trainer.fsdp import fsdp2_loads_persistent_buffers
-    from trainer.local_model import resolve_model_path
+    from trainer.model_files import resolve_model_path
     from trainer.modeling import load_model, load_tokenizer, lora_config
 
     fsdp2_loads_persistent_buffers()  # else accelerate's FSDP2 prepare fails on Gemma 4 (trainer/fsdp.py)

@@ -315,12 +315,13 @@ def test_the_default_demo_trains_scores_and_serves_the_emoji_sample(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`make demo` without DATA: emoji-local, the seed prompt, emoji F1; the real trainer, evaluator, server and
-    client, a tiny model standing in for the built 270M (which the 270M tests above and test_local_model.py run)."""
-    import trainer.local_model
+    client, a tiny model standing in for the built 270M (which the 270M tests above and test_local_model.py run):
+    it lies in the cache as a finished build, which the demo finds and the trainer resolves `local:` to."""
+    from trainer.model_files import BUILD_MARKER
 
-    model_dir = build_tiny_gemma(tmp_path / "tiny")
     monkeypatch.setenv("GEMMA_FT_CACHE", str(tmp_path / "cache"))  # the tiny base's scores stay out of the real cache
-    monkeypatch.setattr(trainer.local_model, "ensure_local_model", lambda *a, **k: model_dir)
+    model_dir = build_tiny_gemma(tmp_path / "cache" / "gemma3-270m")
+    (model_dir / BUILD_MARKER).write_text("{}")
     out = tmp_path / "demo"
     real_score, servers_while_scoring_after = demo.score, []
 

@@ -77,3 +77,72 @@ def test_gke_workloads_call_down_into_the_shared_modules_only() -> None:
         others = set(GKE_WORKLOADS) - {workload}
         assert sorted(imported_modules(file) & others) == [], f"{workload} imports the other workload"
         assert "infra.gke_workload" in imported_modules(file)
+
+
+# --------------------------------------------------------------------------------------
+# The trainer's modules import in one direction: a lower module knows nothing of a higher one
+
+
+def local_import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (anywhere in the file), for every module of the package."""
+    modules = {f"{package}.{path.stem}" for path in (REPO_ROOT / package).glob("*.py")}
+    graph = {}
+    for name in modules:
+        file = module_file(name)
+        assert file is not None, name
+        graph[name] = (imported_modules(file) & modules) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for child in sorted(graph.get(node, ())):
+            if state.get(child) == 1:
+                return [*path[path.index(child) :], child]
+            if child not in state and (found := visit(child)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
+def test_the_trainer_modules_have_no_import_circle() -> None:
+    cycle = find_cycle(local_import_graph("trainer"))
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_check_finds_a_circle_and_the_floor_modules_import_nothing_above() -> None:
+    """The check can fail: a circle through three modules is found; and the floor is where the graph says."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    graph = local_import_graph("trainer")
+    assert graph["trainer.errors"] == set() and graph["trainer.data_files"] == {"trainer.errors"}
+    assert "trainer.data" not in reachable(graph, "trainer.recipe")  # the schema counts rows without the loader
+
+
+def test_the_training_path_never_imports_the_local_model_builder() -> None:
+    """`local:gemma3-270m` is built by the entry points and the demo; training, evaluation and export find it."""
+    graph = local_import_graph("trainer")
+    for start in ("trainer.train", "trainer.ray_entry", "trainer.evaluate", "trainer.export", "trainer.data"):
+        assert "trainer.local_model" not in reachable(graph, start), start

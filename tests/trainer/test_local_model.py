@@ -53,6 +53,7 @@ def test_a_cache_built_with_private_weights_is_made_readable(tmp_path: Path) -> 
 
 
 def test_short_lora_run_on_gemma3_270m(tmp_path: Path) -> None:
+    ensure_local_model()  # the entry points build it; the trainer only finds it (trainer/model_files.py)
     recipe = load_recipe(
         "emoji-local",
         [
