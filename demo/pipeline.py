@@ -196,8 +196,9 @@ def reuse_training(output_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
 
 
 def _recipe_and_data(opts: DemoOptions) -> tuple[str, list[str]]:
-    """The recipe the demo runs and the overrides that point it at `--data` (format read from the file's rows)."""
-    from trainer.data import spec_for_file
+    """The recipe the demo runs and the overrides that point it at `--data`: its format read from the file's rows
+    as `trainer.data check` reads it (trl's messages or prompt-completion, ShareGPT's conversations)."""
+    from trainer.data import format_overrides, spec_for_file
     from trainer.recipe import RecipeError
 
     name = opts.recipe or (DATA_TEMPLATE if opts.data else RECIPE_NAME)
@@ -210,7 +211,8 @@ def _recipe_and_data(opts: DemoOptions) -> tuple[str, list[str]]:
         raise DemoError(
             f"{exc} (a CSV or other flat table: copy {DATA_TEMPLATE}, map data.columns, --recipe it)"
         ) from None
-    return name, [f"data.path={path}", f"data.format={spec.format.value}"]
+    keys = spec.model_dump(include={"format", "field_messages", "message_property_mappings"}, exclude_none=True)
+    return name, [f"data.path={path}", *format_overrides({**keys, "format": spec.format.value})]
 
 
 def build_recipe(opts: DemoOptions) -> Recipe:

@@ -673,11 +673,12 @@ def _url_rows_problem(cfg: StackConfig) -> str | None:
             f"recipe {cfg.recipe!r} reads data from {len(buckets)} buckets ({', '.join(buckets)}): a stack grants "
             "the trainer read access on one (infra/data_access.py). Fix: keep data.path and data.image_dir in one bucket"
         )
-    if data.data_urls and data.rows is None:
+    if data.undeclared_urls:
+        key, url = data.undeclared_urls[0]
         return (
-            f"recipe {cfg.recipe!r} reads {data.path} without data.rows: a stack plans the optimizer steps "
-            "before the bucket can be read. Fix: data.rows: N in the recipe (the row count of the files), or "
-            f"`pulumi config set --path 'recipeOverrides[{len(cfg.recipe_overrides)}]' data.rows=N`"
+            f"recipe {cfg.recipe!r} reads {url} without {key}: a stack plans the optimizer steps "
+            f"before the bucket can be read. Fix: {key}: N in the recipe (the row count of the files), or "
+            f"`pulumi config set --path 'recipeOverrides[{len(cfg.recipe_overrides)}]' {key}=N`"
         )
     return None
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainer.recipe import ColumnsSpec, DataFormat, DataSpec, Task
+from trainer.recipe import CHAT_ROLES, ChatFields, ColumnsSpec, DataFormat, RowsSpec, Task
 
 Row = Mapping[str, Any]
 Conversation = dict[str, Any]
@@ -133,12 +133,13 @@ def formatter_for(task: Task | str) -> Callable[[Row], Conversation]:
     return FORMATTERS[Task(task)]
 
 
-def row_formatter(spec: DataSpec, has_images: bool = False) -> Callable[[Row], Conversation]:
+def row_formatter(spec: RowsSpec, has_images: bool = False) -> Callable[[Row], Conversation]:
     """The formatter of `data.format`; `has_images`: the dataset has an `images` column (content becomes parts)."""
     if spec.task is not None:
         return FORMATTERS[spec.task]
     if spec.format is DataFormat.MESSAGES:
-        return lambda row: format_messages(row, has_images)
+        chat = spec.chat
+        return lambda row: format_messages(row, has_images, chat)
     if spec.format is DataFormat.PROMPT_COMPLETION:
         return lambda row: format_prompt_completion(row, has_images)
     assert spec.columns is not None  # DataSpec requires it for format: columns
@@ -149,16 +150,44 @@ def row_formatter(spec: DataSpec, has_images: bool = False) -> Callable[[Row], C
 # --------------------------------------------------------------------------------------
 # The standard formats: trl's conversational and prompt-completion rows, and a column mapping
 
-ROLES = ("system", "user", "assistant")
+ROLES = CHAT_ROLES
+TRL_CHAT = ChatFields()
+SHAREGPT = {"field_messages": "conversations", "message_property_mappings": {"role": "from", "content": "value"}}
 
 
-def format_messages(row: Row, has_images: bool = False) -> Conversation:
-    """trl's conversational row: `messages` (a list of {role, content}), optional `images` (one per image part)."""
-    if row.get("messages") is None:
-        raise MissingFieldError("messages", row)
-    turns = _turns(row["messages"], "messages")
-    _require_answer(turns, "messages")
+def format_messages(row: Row, has_images: bool = False, chat: ChatFields = TRL_CHAT) -> Conversation:
+    """trl's conversational row: `messages` (a list of {role, content}), optional `images` (one per image part).
+
+    `chat`: the row's own names (`data.field_messages`, `data.message_property_mappings`, `data.roles`), e.g.
+    ShareGPT's `conversations` of {from: human|gpt|system, value}; the turns come out in trl's names."""
+    if row.get(chat.messages) is None:
+        if chat_fields_of(row) == SHAREGPT and chat.messages != SHAREGPT["field_messages"]:
+            raise FormattingError(
+                f"missing field {chat.messages!r}",
+                f"row has {sorted(row)}: ShareGPT rows (conversations of {{from, value}}); read them with "
+                "data.field_messages: conversations and data.message_property_mappings: {role: from, content: value}",
+                chat.messages,
+            )
+        raise MissingFieldError(chat.messages, row)
+    turns = _turns(row[chat.messages], chat.messages, chat)
+    _require_answer(turns, chat.messages)
     return _conversation(turns, row, has_images)
+
+
+def chat_fields_of(row: Row) -> dict[str, Any] | None:
+    """The chat keys a row's fields say (`data.field_messages`, `data.message_property_mappings`): {} for trl's
+    `messages` of {role, content}, ShareGPT's for `conversations` of {from, value}; None when it is neither."""
+    for field in ("messages", "conversations"):
+        turns = row.get(field)
+        if not isinstance(turns, list | tuple) or not turns or not isinstance(turns[0], Mapping):
+            continue
+        keys = set(turns[0])
+        mapped = {} if field == "messages" else {"field_messages": field}
+        if {"role", "content"} <= keys:
+            return mapped
+        if {"from", "value"} <= keys:
+            return {**mapped, "message_property_mappings": {"role": "from", "content": "value"}}
+    return None
 
 
 def format_prompt_completion(row: Row, has_images: bool = False) -> Conversation:
@@ -207,21 +236,32 @@ def format_columns(row: Row, columns: ColumnsSpec) -> Conversation:
     return {"messages": turns}
 
 
-def _turns(value: Any, field: str) -> list[dict[str, Any]]:
-    """Validated turns: each a {role, content} with a known role and non-empty content (text or parts)."""
+def _turns(value: Any, field: str, chat: ChatFields = TRL_CHAT) -> list[dict[str, Any]]:
+    """Validated turns in trl's names: each a {role, content} with a known role and non-empty content (text or
+    parts). `chat` says the keys the row's turns use and what their role names mean."""
+    shape = f"{{{chat.role}, {chat.content}}}"
     if not isinstance(value, list | tuple) or not value:
-        raise FormattingError("not a list of turns", "a non-empty list of {role, content}", field)
+        raise FormattingError("not a list of turns", f"a non-empty list of {shape}", field)
     turns = []
     for i, turn in enumerate(value):
         where = f"{field}[{i}]"
         if not isinstance(turn, Mapping):
-            raise FormattingError("turn is not a {role, content} mapping", f"got {type(turn).__name__}", where)
-        role, content = turn.get("role"), turn.get("content")
-        if role not in ROLES:
-            raise FormattingError(f"unknown role {role!r}", f"use one of {list(ROLES)}", f"{where}.role")
+            raise FormattingError(f"turn is not a {shape} mapping", f"got {type(turn).__name__}", where)
+        name, content = turn.get(chat.role), turn.get(chat.content)
+        role = chat.role_of(name)
+        if role is None:
+            aliases = [n for n, _ in chat.names if n not in ROLES]
+            raise FormattingError(
+                f"unknown role {name!r}",
+                f"use one of {list(ROLES)}{' or ' + ', '.join(aliases) if aliases else ''}; another name: map it "
+                "in data.roles",
+                f"{where}.{chat.role}",
+            )
         if role == "system" and (i > 0 or field == "completion"):
-            raise FormattingError("system turn not first", "a system prompt opens the conversation", f"{where}.role")
-        turns.append({"role": role, "content": _content(content, f"{where}.content")})
+            raise FormattingError(
+                "system turn not first", "a system prompt opens the conversation", f"{where}.{chat.role}"
+            )
+        turns.append({"role": role, "content": _content(content, f"{where}.{chat.content}")})
     return turns
 
 

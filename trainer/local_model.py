@@ -9,8 +9,7 @@ instruction-tuned model (which checkpoint is UNCONFIRMED).
 
 Decisions (docs/decisions/local-gemma3-270m.md):
 - The cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE` overrides it); `local:gemma3-270m` is
-  `<root>/gemma3-270m`. Finding it is trainer/model_files.py's (the training path imports that, never this
-  builder); building it is this module's, called by the entry points and the demo.
+  `<root>/gemma3-270m`; the training path finds it (trainer/model_files.py), only entry points build it here.
 - Atomic: built under a temporary name, renamed when complete, its marker written last; one build at a time per
   cache (a file lock): a second process waits for the first build and uses it. The GGUF is parsed once per build.
 - No Hub access at any point; every cached file is readable by everyone (the serving image runs as uid 2000).

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -204,24 +204,72 @@ def template_columns(template: str) -> list[str]:
     return list(dict.fromkeys(fields))
 
 
-class DataSpec(_Strict):
-    """Where the rows are (`path`, `source`) and what one row is (`format`); see docs/own-data.md.
+# The names a chat row's turns may give their roles when the recipe does not say (`data.roles`): axolotl's
+# defaults (axolotl v0.18.0 src/axolotl/prompt_strategies/chat_template.py ChatTemplatePrompter: human and user
+# are the user, gpt and assistant the assistant), plus `model`, Gemma's own name for the assistant.
+CHAT_ROLES = ("system", "user", "assistant")
+DEFAULT_ROLES: dict[str, list[str]] = {
+    "system": ["system"],
+    "user": ["user", "human"],
+    "assistant": ["assistant", "gpt", "model"],
+}
+MESSAGE_PROPERTIES = ("role", "content")
+
+
+@dataclass(frozen=True)
+class ChatFields:
+    """Where a chat row keeps its turns (`messages`), the keys of a turn's role and content, and what each role name
+    in the rows means (`names`: a name in the rows -> system | user | assistant)."""
+
+    messages: str = "messages"
+    role: str = "role"
+    content: str = "content"
+    names: tuple[tuple[str, str], ...] = tuple((n, role) for role, names in DEFAULT_ROLES.items() for n in names)
+
+    def role_of(self, name: Any) -> str | None:
+        return next((role for n, role in self.names if n == name), None) if isinstance(name, str) else None
+
+    @property
+    def is_default(self) -> bool:
+        return self == ChatFields()
+
+
+class RowsSpec(_Strict):
+    """One place rows come from (`path`, `source`, `split`, `revision`, `rows`) and what one row is (`format` and
+    its keys: `columns`; `field_messages`, `message_property_mappings`, `roles`). `data` is one, and so is each of a
+    mixture's `data.sources`.
 
     `task` is the older name of `format` for the tutorial tasks (the shipped recipes use it): either key
     may be given, `format` is always set after validation, `task` only for a tutorial task.
     `source` may be left out: `infer_source` reads it from `path`.
     """
 
+    KEY: ClassVar[str] = "data."  # how messages name this section's keys
+
     format: DataFormat = Field(
         description="messages | prompt-completion | columns | emoji | text-to-sql | product-description"
     )
     task: Task | None = Field(None, description="the tutorial task (older name of data.format; set from it)")
-    source: DataSource = Field(description="hub | local | url; inferred from data.path when left out")
-    path: str = Field(
+    source: DataSource | None = Field(None, description="hub | local | url; inferred from data.path when left out")
+    path: str | None = Field(
+        None,
         description="Hub dataset id, a .jsonl/.json/.parquet/.csv file (absolute or relative to the repository "
-        "root), or an fsspec URL (gs://bucket/prefix/*.jsonl; globs allowed)"
+        "root), or an fsspec URL (gs://bucket/prefix/*.jsonl; globs allowed)",
     )
     columns: ColumnsSpec | None = Field(None, description="the mapping of data.format: columns")
+    field_messages: str | None = Field(
+        None, description="format messages: the field holding the list of turns (axolotl's name; default messages)"
+    )
+    message_property_mappings: dict[str, str] | None = Field(
+        None,
+        description="format messages: a turn's keys, {role: KEY, content: KEY} (axolotl's name; ShareGPT: "
+        "{role: from, content: value})",
+    )
+    roles: dict[str, list[str]] | None = Field(
+        None,
+        description="format messages: {system|user|assistant: [names in the rows]} (axolotl's name; default "
+        "user: [user, human], assistant: [assistant, gpt, model], system: [system])",
+    )
     split: str = "train"
     revision: str | None = None
     rows: int | None = Field(
@@ -231,12 +279,6 @@ class DataSpec(_Strict):
         "optimizer steps from it. Required for a Hub dataset; a local file is counted instead, and so is a URL "
         "that does not declare it (through fsspec, so the validating machine must be able to read it)",
     )
-    max_rows: int | None = Field(None, gt=0, description="rows taken after the seeded shuffle (train + eval)")
-    eval_rows: int = Field(0, ge=0, description="rows held out for evaluation, taken after the shuffle")
-    seed: int = 42
-    image_dir: str | None = Field(
-        None, description="folder (or URL) that relative image paths in the rows are resolved against"
-    )
 
     @model_validator(mode="before")
     @classmethod
@@ -244,14 +286,17 @@ class DataSpec(_Strict):
         if not isinstance(raw, dict):
             return raw
         raw = dict(raw)
-        fmt, task = raw.get("format"), raw.get("task")
+        chat_keys = any(raw.get(k) is not None for k in ("field_messages", "message_property_mappings", "roles"))
+        if (raw.get("sources") is not None or chat_keys) and raw.get("format") is None and raw.get("task") is None:
+            raw["format"] = DataFormat.MESSAGES.value  # a mixture's rows, and mapped turns, are conversations
+        fmt, task, key = raw.get("format"), raw.get("task"), cls.KEY
         if fmt is None and task is None:
             raise ValueError(
-                f"data.format is missing: one of {[f.value for f in DataFormat]} (docs/own-data.md shows a row of each)"
+                f"{key}format is missing: one of {[f.value for f in DataFormat]} (docs/own-data.md shows a row of each)"
             )
         if fmt is not None and task is not None and str(fmt) != str(task):
             raise ValueError(
-                f"data.format={fmt!r} and data.task={task!r} disagree: data.task is the older name of data.format, "
+                f"{key}format={fmt!r} and {key}task={task!r} disagree: {key}task is the older name of {key}format, "
                 "keep one of them"
             )
         raw["format"] = fmt if fmt is not None else task
@@ -263,56 +308,238 @@ class DataSpec(_Strict):
         return raw
 
     @model_validator(mode="after")
-    def _rows(self) -> DataSpec:
+    def _rows_format(self) -> RowsSpec:
+        key = self.KEY
+        if self.format is DataFormat.COLUMNS and self.columns is None:
+            raise ValueError(
+                f"{key}format=columns needs {key}columns: {{prompt: 'template over {{column}}s', answer: COLUMN}} "
+                "(system: optional)"
+            )
+        if self.columns is not None and self.format is not DataFormat.COLUMNS:
+            raise ValueError(
+                f"{key}columns is set but {key}format={self.format.value}: remove it, or use format: columns"
+            )
+        chat_keys = [k for k in ("field_messages", "message_property_mappings", "roles") if getattr(self, k)]
+        if chat_keys and self.format is not DataFormat.MESSAGES:
+            raise ValueError(
+                f"{key}{chat_keys[0]} maps chat rows but {key}format={self.format.value}: use format: messages "
+                "(or remove it)"
+            )
+        mappings = self.message_property_mappings or {}
+        unknown = sorted(set(mappings) - set(MESSAGE_PROPERTIES))
+        if unknown or any(not isinstance(v, str) or not v for v in mappings.values()):
+            raise ValueError(
+                f"{key}message_property_mappings={mappings!r}: map {list(MESSAGE_PROPERTIES)} to a turn's keys, "
+                "e.g. {role: from, content: value} (ShareGPT)"
+            )
+        targets = sorted(set(self.roles or {}) - set(CHAT_ROLES))
+        if targets:
+            raise ValueError(
+                f"{key}roles names {targets}: the keys are the roles the model knows, {list(CHAT_ROLES)}, each with "
+                "the names the rows give it (e.g. user: [human], assistant: [gpt])"
+            )
+        seen: dict[str, str] = {}
+        for role, names in (self.roles or {}).items():
+            for name in names:
+                if seen.setdefault(name, role) != role:
+                    raise ValueError(f"{key}roles: {name!r} is named for both {seen[name]} and {role}")
+        return self
+
+    def _check_path(self, key: str, needs_rows: bool, revision_key: str | None = None) -> None:
+        """The checks of `path` (under the key `key`) and its source; `needs_rows`: a Hub split must declare its
+        size (the step plan counts it)."""
+        path, source = self.path, self.source
+        if path is None or source is None:
+            raise ValueError(f"{key}path is missing: a file, an fsspec URL or a Hub dataset id")
+        is_url = "://" in path
+        if (source is DataSource.URL) != is_url:
+            raise ValueError(
+                f"{key}path={path!r} with {key}source={source.value}: a URL (scheme://) is source url, "
+                f"a file or Hub id is not; leave {key}source out and it is read from {key}path"
+            )
+        if source is DataSource.LOCAL and not path.endswith(DATA_FILE_SUFFIXES):
+            raise ValueError(
+                f"{key}path={path!r}: local data must be a {', '.join(DATA_FILE_SUFFIXES)} file "
+                "(several files: a file:// URL with a glob)"
+            )
+        if source is DataSource.URL and not path.rstrip("*").endswith(DATA_FILE_SUFFIXES):
+            raise ValueError(
+                f"{key}path={path!r}: a URL must name {', '.join(DATA_FILE_SUFFIXES)} files "
+                "(e.g. gs://bucket/tickets/*.jsonl): the suffix says how to read them"
+            )
+        if source is DataSource.HUB and needs_rows and self.rows is None:
+            raise ValueError(
+                f"{key}rows is required for the Hub dataset {path!r}: declare the split's row count "
+                "(the dataset page on huggingface.co shows it) so validation can compute the optimizer steps"
+            )
+        if source is DataSource.HUB and self.format in USER_FORMATS and not self.revision:
+            raise ValueError(
+                f"{revision_key or key + 'revision'} is required for the Hub dataset {path!r}: pin the commit the "
+                "run trains on "
+                "(the dataset page's 'Files and versions' tab shows it; a branch name moves)"
+            )
+
+    @property
+    def chat(self) -> ChatFields:
+        """The chat fields of `format: messages` rows (trl's `messages` of {role, content} unless mapped)."""
+        mappings = self.message_property_mappings or {}
+        names = (
+            tuple((name, role) for role, names in self.roles.items() for name in names)
+            if self.roles is not None
+            else ChatFields().names
+        )
+        # a role the rows already call by the model's name stays itself (axolotl: `roles.get(role, role)`)
+        names += tuple((role, role) for role in CHAT_ROLES if role not in {n for n, _ in names})
+        return ChatFields(
+            self.field_messages or "messages", mappings.get("role", "role"), mappings.get("content", "content"), names
+        )
+
+    def described(self) -> str:
+        """`data.format=messages` and its mapping, as a message names them."""
+        chat = self.chat
+        mapped = (
+            f", turns in {chat.messages} as {{role: {chat.role}, content: {chat.content}}}"
+            if self.format is DataFormat.MESSAGES and not chat.is_default
+            else ""
+        )
+        return f"{self.KEY}format={self.format.value}{mapped}"
+
+
+class SourceSpec(RowsSpec):
+    """One source of a mixture (`data.sources`), as trl's dataset mixtures and axolotl's `datasets:` list them: its
+    rows, its format, and how many of them the mix takes: `max_rows` (the first N) and `fraction` (trl's: the
+    source's share of the mix, normalised over the sources; set for every source or none)."""
+
+    KEY: ClassVar[str] = ""  # the error's location names the source: data.sources.1
+
+    max_rows: int | None = Field(None, gt=0, description="the source's first N rows at most (before the fractions)")
+    fraction: float | None = Field(
+        None,
+        gt=0,
+        description="trl's: the source's share of the mix (normalised); the mix is as large as the "
+        "sources allow without repeating a row",
+    )
+
+    @model_validator(mode="after")
+    def _path(self) -> SourceSpec:
+        self._check_path("", needs_rows=True)
+        if self.format not in USER_FORMATS:
+            raise ValueError(
+                f"format={self.format.value}: a mixture's sources take the standard formats "
+                f"({', '.join(f.value for f in sorted(USER_FORMATS))}); a tutorial task trains alone"
+            )
+        return self
+
+
+class DataSpec(RowsSpec):
+    """The recipe's data: one source (`path` and its format) or a mixture (`sources`), the held-out rows (a seeded
+    slice, `eval_rows`, or a file, `eval_path`), and the split's seed; see docs/own-data.md.
+
+    With `sources`, `path` is not set; the format keys at this level then describe `eval_path`'s rows (default
+    messages) and may only be set with it."""
+
+    sources: list[SourceSpec] | None = Field(
+        None, min_length=1, description="a mixture: several sources, each with its path, format, max_rows, fraction"
+    )
+    max_rows: int | None = Field(None, gt=0, description="rows taken after the seeded shuffle (train + eval)")
+    eval_rows: int = Field(0, ge=0, description="rows held out for evaluation, taken after the shuffle")
+    eval_path: str | None = Field(
+        None,
+        description="the held-out rows from a file of your choosing instead (any data.path form; read with this "
+        "level's format keys), so runs are scored on the same rows",
+    )
+    eval_split: str = Field("test", description="the split of a Hub dataset eval_path")
+    seed: int = 42
+    image_dir: str | None = Field(
+        None, description="folder (or URL) that relative image paths in the rows are resolved against"
+    )
+
+    @model_validator(mode="after")
+    def _data(self) -> DataSpec:
         if self.max_rows is not None and self.eval_rows >= self.max_rows:
             raise ValueError(
                 f"data.eval_rows={self.eval_rows} leaves nothing to train on with data.max_rows={self.max_rows}; "
                 "lower eval_rows or raise max_rows"
             )
-        if self.format is DataFormat.COLUMNS and self.columns is None:
+        if self.eval_path is not None and self.eval_rows:
             raise ValueError(
-                "data.format=columns needs data.columns: {prompt: 'template over {column}s', answer: COLUMN} "
-                "(system: optional)"
+                f"data.eval_rows={self.eval_rows} and data.eval_path={self.eval_path!r}: the held-out rows are "
+                "eval_path's; remove data.eval_rows (every training row then trains)"
             )
-        if self.columns is not None and self.format is not DataFormat.COLUMNS:
-            raise ValueError(
-                f"data.columns is set but data.format={self.format.value}: remove it, or use format: columns"
-            )
-        is_url = "://" in self.path
-        if (self.source is DataSource.URL) != is_url:
-            raise ValueError(
-                f"data.path={self.path!r} with data.source={self.source.value}: a URL (scheme://) is source url, "
-                "a file or Hub id is not; leave data.source out and it is read from data.path"
-            )
-        if self.source is DataSource.LOCAL and not self.path.endswith(DATA_FILE_SUFFIXES):
-            raise ValueError(
-                f"data.path={self.path!r}: local data must be a {', '.join(DATA_FILE_SUFFIXES)} file "
-                "(several files: a file:// URL with a glob)"
-            )
-        if self.source is DataSource.URL and not self.path.rstrip("*").endswith(DATA_FILE_SUFFIXES):
-            raise ValueError(
-                f"data.path={self.path!r}: a URL must name {', '.join(DATA_FILE_SUFFIXES)} files "
-                "(e.g. gs://bucket/tickets/*.jsonl): the suffix says how to read them"
-            )
-        if self.source is DataSource.HUB and self.rows is None:
-            raise ValueError(
-                f"data.rows is required for the Hub dataset {self.path!r}: declare the split's row count "
-                "(the dataset page on huggingface.co shows it) so validation can compute the optimizer steps"
-            )
-        if self.source is DataSource.HUB and self.format in USER_FORMATS and not self.revision:
-            raise ValueError(
-                f"data.revision is required for the Hub dataset {self.path!r}: pin the commit the run trains on "
-                "(the dataset page's 'Files and versions' tab shows it; a branch name moves)"
-            )
+        if self.sources is None:
+            self._check_path("data.", needs_rows=True)
+        else:
+            self._mixture()
+        if self.eval_path is not None:
+            self.eval_source._check_path("data.eval_", needs_rows=False, revision_key="data.revision")
         return self
+
+    def _mixture(self) -> None:
+        assert self.sources is not None
+        if self.path is not None or self.rows is not None:
+            raise ValueError(
+                f"data.{'path' if self.path is not None else 'rows'} and data.sources: a mixture names its files "
+                "and their rows in data.sources (each with path, format, rows); remove it"
+            )
+        set_keys = [k for k in ("columns", "field_messages", "message_property_mappings", "roles", "revision")]
+        stray = [k for k in set_keys if k in self.model_fields_set] + (
+            ["format"] if "format" in self.model_fields_set and self.format is not DataFormat.MESSAGES else []
+        )
+        if stray and self.eval_path is None:
+            raise ValueError(
+                f"data.{stray[0]} with data.sources: in a mixture each source has its own format keys; at the "
+                "data level they describe data.eval_path's rows only. Move it into the sources"
+            )
+        fractions = [s.fraction is not None for s in self.sources]
+        if any(fractions) and not all(fractions):
+            raise ValueError(
+                "data.sources: fraction is set for some sources but not all (trl's rule: every source or none); "
+                "a source without a share: use max_rows"
+            )
+
+    @property
+    def parts(self) -> list[RowsSpec]:
+        """The sources the training rows come from: the mixture's, or this one."""
+        return list(self.sources) if self.sources is not None else [self]
+
+    def part_key(self, index: int) -> str:
+        """The recipe key of a part, as messages name it: `data` or `data.sources[1]`."""
+        return "data" if self.sources is None else f"data.sources[{index}]"
+
+    @property
+    def eval_source(self) -> RowsSpec:
+        """`eval_path` as a source read with this level's format keys (`eval_split` for a Hub dataset)."""
+        assert self.eval_path is not None
+        fields = {k: getattr(self, k) for k in RowsSpec.model_fields if k not in {"path", "source", "rows", "split"}}
+        return RowsSpec.model_construct(
+            **fields, path=self.eval_path, source=infer_source(self.eval_path), split=self.eval_split, rows=None
+        )
+
+    @property
+    def label(self) -> str:
+        """What messages call the training rows: `data.path`, or the mixture's paths."""
+        return " + ".join(str(part.path) for part in self.parts)
 
     @property
     def data_urls(self) -> list[str]:
-        """Every URL the trainer reads data from: `path` and a URL `image_dir` (what a read grant must cover)."""
-        urls = [self.path] if self.source is DataSource.URL else []
+        """Every URL the trainer reads data from: every source's `path`, `eval_path` and a URL `image_dir` (what a
+        read grant must cover)."""
+        paths = [*(part.path for part in self.parts), self.eval_path]
+        urls = [p for p in paths if p is not None and "://" in p]
         if self.image_dir and "://" in self.image_dir:
             urls.append(self.image_dir.rstrip("/") + "/")
-        return urls
+        return list(dict.fromkeys(urls))
+
+    @property
+    def undeclared_urls(self) -> list[tuple[str, str]]:
+        """(key, URL) of every training source behind a URL that does not declare its rows (`data.rows`,
+        `data.sources[N].rows`): counted through fsspec when the recipe is validated, which a machine that plans a
+        stack before the bucket can be read cannot do."""
+        return [
+            (f"{self.part_key(i)}.rows", str(part.path))
+            for i, part in enumerate(self.parts)
+            if part.source is DataSource.URL and part.rows is None
+        ]
 
     @property
     def gcs_read_scopes(self) -> list[tuple[str, str]]:
@@ -330,9 +557,15 @@ class DataSpec(_Strict):
     def repository_files(self) -> list[Path]:
         """The files and folders of this repository the data needs at run time (what an image must carry).
 
-        A local `path` (resolved as `resolve_local_path` does) and a local `image_dir`; Hub and URL data need none.
-        Raises RecipeError when a local file is missing."""
-        needed = [resolve_local_path(self.path)] if self.source is DataSource.LOCAL else []
+        Every local `path` (resolved as `resolve_local_path` does), a local `eval_path` and a local `image_dir`;
+        Hub and URL data need none. Raises RecipeError when a local file is missing."""
+        needed = [
+            resolve_local_path(str(part.path), f"{self.part_key(i)}.path")
+            for i, part in enumerate(self.parts)
+            if part.source is DataSource.LOCAL
+        ]
+        if self.eval_path is not None and infer_source(self.eval_path) is DataSource.LOCAL:
+            needed.append(resolve_local_path(self.eval_path, "data.eval_path"))
         if self.image_dir and "://" not in self.image_dir:
             folder = Path(self.image_dir) if Path(self.image_dir).is_absolute() else REPO_ROOT / self.image_dir
             needed.append(folder)
@@ -607,23 +840,48 @@ def load_recipe(name_or_path: str, overrides: Iterable[str] = ()) -> Recipe:
 # The run a recipe describes: optimizer steps computed from the data
 
 
-def data_rows(data: DataSpec) -> int:
-    """The rows the recipe's data holds: a local file counted, else declared (`data.rows`: a Hub split; a URL
-    may), else a URL counted.
+def source_rows(part: RowsSpec, key: str = "data") -> int:
+    """The rows one source holds: a local file counted, else declared (`rows`: a Hub split; a URL may), else a URL
+    counted. A source without a single row is a RecipeError ("no rows").
 
-    A URL is counted through fsspec (trainer/data.py `expand_url`), so the machine that validates the recipe
-    must be able to read it; where it cannot (`make plan` before a grant exists), `data.rows` says it."""
-    if data.source is DataSource.LOCAL:
-        return count_local_rows(resolve_local_path(data.path))
-    if data.rows is not None:
-        return data.rows
-    try:
-        return count_url_rows(data.path)
-    except (ImportError, OSError) as exc:
-        raise RecipeError(
-            f"data.path={data.path!r}: cannot read it here to count its rows ({type(exc).__name__}: {exc}). "
-            "Fix: declare the count as data.rows: N (then the steps are computed from it)"
-        ) from None
+    A URL is counted through fsspec (trainer/data_files.py `expand_url`), so the machine that validates the recipe
+    must be able to read it; where it cannot (`make plan` before a grant exists), `rows` says it."""
+    path = str(part.path)
+    if part.source is DataSource.LOCAL:
+        count = count_local_rows(resolve_local_path(path, f"{key}.path"))
+    elif part.rows is not None:
+        return part.rows
+    else:
+        try:
+            count = count_url_rows(path, f"{key}.path")
+        except (ImportError, OSError) as exc:
+            raise RecipeError(
+                f"{key}.path={path!r}: cannot read it here to count its rows ({type(exc).__name__}: {exc}). "
+                f"Fix: declare the count as {key}.rows: N (then the steps are computed from it)"
+            ) from None
+    if count == 0:
+        raise RecipeError(f"{key}.path={path!r}: no rows (the file is empty). Fix: point it at the file with the rows")
+    return count
+
+
+def mixture_counts(counts: list[int], sources: list[SourceSpec]) -> list[int]:
+    """The rows a mixture takes from each source (its first ones): `max_rows` caps a source, then the fractions
+    share out the mix as trl does (trl 1.16 scripts/utils.py `get_dataset`: normalised to sum to one, the mix as
+    large as it can be without repeating a row, `round(fraction * total)` of each)."""
+    capped = [min(n, s.max_rows or n) for n, s in zip(counts, sources, strict=True)]
+    if not sources or sources[0].fraction is None:
+        return capped
+    fractions = [float(s.fraction or 0) for s in sources]
+    weights = [f / sum(fractions) for f in fractions]
+    total = min(n / w for n, w in zip(capped, weights, strict=True))
+    return [round(w * total) for w in weights]
+
+
+def data_rows(data: DataSpec) -> int:
+    """The training rows the recipe's data holds before the split: one source's (`source_rows`), or the mix of
+    its sources (`mixture_counts`)."""
+    counts = [source_rows(part, data.part_key(i)) for i, part in enumerate(data.parts)]
+    return sum(mixture_counts(counts, data.sources)) if data.sources is not None else counts[0]
 
 
 @functools.cache
@@ -661,6 +919,7 @@ class StepPlan:
     updates_per_epoch_unpacked: int
     total_updates: int
     from_data: bool  # False when training.max_steps bounds the run
+    data_rows: int = 0  # the rows the split starts from: after data.max_rows, held-out ones included
 
     @property
     def conversations_per_update(self) -> float:
@@ -677,7 +936,8 @@ def step_plan(recipe: Recipe) -> StepPlan:
     """The optimizer updates of the recipe's run, computed from its data (docs/decisions/recipe-run-checks.md)."""
     data, t = recipe.data, recipe.training
     rows = data_rows(data)
-    train_rows = max(min(rows, data.max_rows or rows) - data.eval_rows, 0)
+    rows = min(rows, data.max_rows or rows)
+    train_rows = max(rows - data.eval_rows, 0)
     # A tutorial task's conversation lengths were measured on its sample; a user format's are not known before a
     # tokenizer reads the rows: every row is counted as fitting and unpacked (the trainer drops longer rows).
     lengths = sample_token_lengths()["tasks"][data.task.value]["conversation"] if data.task else [0]
@@ -700,6 +960,7 @@ def step_plan(recipe: Recipe) -> StepPlan:
         updates_per_epoch_unpacked=unpacked,
         total_updates=math.ceil(t.num_train_epochs * updates) if from_data else t.max_steps,
         from_data=from_data,
+        data_rows=rows,
     )
 
 
@@ -713,6 +974,19 @@ def check_run(recipe: Recipe) -> list[str]:
         + f", {plan.updates_per_epoch} updates per epoch x {t.num_train_epochs:g} epochs"
     )
     fix = f"python -m trainer --recipe {recipe.name} --set"
+    batch = t.per_device_train_batch_size * recipe.distributed.world_size
+    if plan.data_rows < recipe.data.eval_rows + batch:
+        capped = f" (data.max_rows={recipe.data.max_rows})" if recipe.data.max_rows else ""
+        problems.append(
+            f"data holds {plan.data_rows} rows{capped}, fewer than data.eval_rows={recipe.data.eval_rows} held out "
+            f"+ one batch of {batch} (training.per_device_train_batch_size={t.per_device_train_batch_size} x "
+            f"distributed.world_size={recipe.distributed.world_size}) = {recipe.data.eval_rows + batch}. Fix: more "
+            "rows, or a smaller data.eval_rows or training.per_device_train_batch_size"
+        )
+    eval_path = recipe.data.eval_path
+    local_eval = eval_path is not None and infer_source(eval_path) is DataSource.LOCAL
+    if local_eval and not count_local_rows(resolve_local_path(str(eval_path), "data.eval_path")):
+        problems.append(f"data.eval_path={eval_path!r}: no rows (the file is empty). Fix: the file of held-out rows")
     if plan.from_data:
         for key, value in (("save_steps", t.save_steps), ("eval_steps", t.eval_steps)):
             if value is not None and value > plan.total_updates:

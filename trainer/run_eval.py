@@ -1,7 +1,7 @@
 """The training run's own evaluation, before and after training: `eval` in run_summary.json.
 
     "eval_loss": 1.02,                       # = eval.after.loss (what older runs hold, the serving gate's fallback)
-    "eval": {"score": "rouge_l_f1", "generated_rows": 32, "max_new_tokens": 256,   # score: the headline metric
+    "eval": {"score": "rouge_l_f1", "held_out": {"rows": 50, "sha256": …}, "generated_rows": 32, "max_new_tokens": 256,
              "before": {"loss": 2.31, "exact_match": 0.0, "rouge_l_f1": 0.12},     # the base model
              "after": {"loss": 1.02, "exact_match": 0.41, "rouge_l_f1": 0.63},     # the tuned one
              "examples": [{"reference": "billing", "before": "Hello! How can", "after": "billing"}, ...]}
@@ -38,6 +38,7 @@ def run_evaluation(trainer: SFTTrainer, recipe: Recipe, processing_class: Any) -
     Every rank calls it (the loss and the answers are collectives under DDP and FSDP)."""
     from trl.models.utils import unwrap_model_for_generation
 
+    from trainer.data import held_out_identity
     from trainer.evaluate import held_out_rows, score_name, sharded_answers, text_scores
     from trainer.formatting import prompt_messages, reference_text
 
@@ -70,6 +71,7 @@ def run_evaluation(trainer: SFTTrainer, recipe: Recipe, processing_class: Any) -
     ]
     return {
         "score": score_name(task),
+        "held_out": held_out_identity(recipe.data),  # which rows: the serving gate compares runs on the same ones
         "generated_rows": len(prompts),
         "max_new_tokens": recipe.max_new_tokens,
         "before": before,

@@ -19,7 +19,6 @@ from typing import Any
 import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
-from transformers import PreTrainedTokenizerFast
 
 from trainer.data import (
     CHECK_ROWS,
@@ -337,6 +336,24 @@ def _trained_text(tiny_gemma3_dir: Path, tmp_path: Path, *overrides: str) -> tup
             id="prompt-completion-plain",
         ),
         pytest.param(
+            [
+                {
+                    "conversations": [
+                        {"from": "system", "value": SYSTEM},
+                        {"from": "human", "value": "Ticket: parcel late"},
+                        {"from": "gpt", "value": "shipping"},
+                    ]
+                }
+            ]
+            * 8,
+            [
+                "data.format=messages",
+                "data.field_messages=conversations",
+                "data.message_property_mappings={role: from, content: value}",
+            ],
+            id="sharegpt",
+        ),
+        pytest.param(
             [{"ticket": "parcel late", "category": "shipping"}] * 8,
             [
                 "data.format=columns",
@@ -363,7 +380,7 @@ def test_the_loss_is_on_the_answers_only(
 
 
 _BAD = [
-    ("unknown-role", {"messages": _turns(("user", "hi"), ("bot", "hello"))}, "messages", r"field messages\[1\]\.role: unknown role 'bot' \(use one of \['system', 'user', 'assistant'\]\)"),
+    ("unknown-role", {"messages": _turns(("user", "hi"), ("bot", "hello"))}, "messages", r"field messages\[1\]\.role: unknown role 'bot' \(use one of \['system', 'user', 'assistant'\] or human, gpt, model; another name: map it in data\.roles\)"),
     ("empty-turn", {"messages": _turns(("user", "hi"), ("assistant", "  "))}, "messages", r"field messages\[1\]\.content: empty turn"),
     ("no-answer", {"messages": _turns(("user", "hi"))}, "messages", r"field messages: last turn is not the assistant's"),
     ("no-messages", {"conversation": []}, "messages", r"field messages: missing field 'messages' \(row has \['conversation'\]\)"),
@@ -428,15 +445,6 @@ def test_an_image_that_does_not_open_is_named(tmp_path: Path) -> None:
     assert split.train[0]["images"][0].size == (4, 4)  # opened, RGB: what the vision collator takes
 
 
-def test_a_row_longer_than_max_length_is_named(tiny_tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
-    long = {"messages": _turns(("user", "my parcel is late " * 40), ("assistant", "shipping"))}
-    path = _write_jsonl(tmp_path / "rows.jsonl", [_good(0), long])
-    with pytest.raises(
-        DataError, match=r"row 2 \(line 2\), field \(the whole row\): longer than max_length=64 \(\d+ tokens"
-    ):
-        prepare_datasets(_spec(path, "messages"), tiny_tokenizer, max_length=64)
-
-
 def test_a_line_that_is_not_json_is_named(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(_good(0)) + "\n{'role': 'user'}\n")
@@ -478,6 +486,7 @@ def test_the_trainer_exits_2_on_bad_data_before_loading_the_model(
     path = _write_jsonl(tmp_path / "rows.jsonl", [_good(0), {"messages": _turns(("user", "hi"), ("assistant", ""))}])
     argv = ["--recipe", TEMPLATE, "--set", f"model.name_or_path={tiny_gemma3_dir}", "--set", f"data.path={path}"]
     argv += ["--set", "data.eval_rows=0", "--set", f"output.dir={tmp_path / 'run'}"]
+    argv += ["--set", "training.per_device_train_batch_size=1"]
     assert trainer.__main__.run(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path} row 2 (line 2), field messages[1].content: empty turn"), err
@@ -503,7 +512,10 @@ def test_check_a_recipe_measures_its_rows_with_the_models_tokenizer(tiny_gemma3_
         f"lengths measured with {tiny_gemma3_dir}'s tokenizer" in out and "56 training rows, 30 optimizer steps" in out
     )
     with pytest.raises(
-        DataError, match=r"tickets-messages\.jsonl row 1 \(line 1\), field \(the whole row\): longer than max_length=8"
+        DataError,
+        match=r"every one of the 64 rows checked of data is longer than training\.max_length=8 tokens \(the longest: "
+        r"trainer/samples/own/tickets-messages\.jsonl row \d+ \(line \d+\), \d+ tokens once the chat template is "
+        r"applied\): the trainer drops such rows, so nothing would train",
     ):
         check(str(recipe), ["training.max_length=8"])
 
@@ -511,7 +523,9 @@ def test_check_a_recipe_measures_its_rows_with_the_models_tokenizer(tiny_gemma3_
 def test_check_a_file_guesses_its_format_or_asks_for_one(tmp_path: Path) -> None:
     assert check(str(OWN / "tickets-prompt-completion.jsonl")).startswith("ok: 64 rows in ")
     assert "(data.format=prompt-completion)" in check(str(OWN / "tickets-prompt-completion.jsonl"))
-    with pytest.raises(DataError, match=r"neither `messages` nor `prompt` \+ `completion`\. Fix: pass --format"):
+    with pytest.raises(
+        DataError, match=r"neither `messages` \(trl\), `conversations` of \{from, value\} \(ShareGPT\) nor "
+    ):
         check(str(OWN / "tickets.csv"))
 
 
@@ -621,6 +635,7 @@ def test_check_a_recipe_refuses_images_for_a_text_model(tiny_gemma3_dir: Path, t
         f"data.path={path}",
         f"data.image_dir={tmp_path}",
         "data.eval_rows=1",
+        "training.per_device_train_batch_size=1",
     ]
     sets.append("training.max_steps=2")
     with pytest.raises(DataError, match=r"rows\.jsonl row 1 \(line 1\), field images: the rows carry images but model"):

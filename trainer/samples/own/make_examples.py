@@ -1,11 +1,12 @@
-"""The example rows of docs/own-data.md, one file per data.format: support tickets triaged into a category.
+"""The example rows of docs/own-data.md, one file per row shape: support tickets triaged into a category.
 
-    .venv/bin/python trainer/samples/own/make_examples.py     # rewrites the three files beside this script
+    .venv/bin/python trainer/samples/own/make_examples.py     # rewrites the four files beside this script
 
 Made up, deterministic (no randomness): 8 phrasings x 4 categories x 2 products = 64 tickets.
 - tickets.csv: the flat table (`ticket`, `product`, `category`) for `data.format: columns`;
 - tickets-messages.jsonl: the same rows as trl conversational rows (system, user, assistant);
-- tickets-prompt-completion.jsonl: the same rows as trl prompt-completion rows (plain strings).
+- tickets-prompt-completion.jsonl: the same rows as trl prompt-completion rows (plain strings);
+- tickets-sharegpt.jsonl: the same rows as ShareGPT rows (`conversations` of {from: system|human|gpt, value}).
 """
 
 from __future__ import annotations
@@ -100,10 +101,20 @@ def as_prompt_completion(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def as_sharegpt(rows: list[dict[str, str]]) -> str:
+    lines = []
+    for row in rows:
+        turns = [("system", SYSTEM), ("human", PROMPT.format(**row)), ("gpt", row["category"])]
+        conversations = [{"from": who, "value": text} for who, text in turns]
+        lines.append(json.dumps({"conversations": conversations}, ensure_ascii=False))
+    return "\n".join(lines) + "\n"
+
+
 FILES = {
     "tickets.csv": as_csv,
     "tickets-messages.jsonl": as_messages,
     "tickets-prompt-completion.jsonl": as_prompt_completion,
+    "tickets-sharegpt.jsonl": as_sharegpt,
 }
 
 if __name__ == "__main__":
