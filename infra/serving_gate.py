@@ -11,6 +11,8 @@ Decisions (sources and the publication order they rely on: docs/decisions/servin
   score is judged on its loss, and it never meets `servingMinScore`. `servingRunId` always wins.
 - When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was worse,
   and the override (`pulumi config set servingRunId RUN`).
+- Only runs scored on the same held-out rows (`eval.held_out.sha256`, trainer/data.py `held_out_identity`) are
+  compared; of two scored on different rows the newer is served and `pulumi up` warns that the rows differ.
 """
 
 from __future__ import annotations
@@ -48,22 +50,29 @@ class RunEval:
     loss: float | None = None
     score_name: str | None = None
     score: float | None = None
+    held_out: str | None = None  # sha256 of the held-out rows it was scored on
 
     def shown(self) -> str:
         loss = "no held-out loss" if self.loss is None else f"held-out loss {self.loss:.4f}"
         return loss if self.score is None else f"{loss}, {self.score_name} {self.score:.4f}"
+
+    def other_rows(self, other: RunEval) -> bool:
+        """Scored on other held-out rows than `other` (both summaries name theirs, and they differ)."""
+        return None not in (self.held_out, other.held_out) and self.held_out != other.held_out
 
 
 def run_eval(summary_text: str | None) -> RunEval:
     """The held-out loss and the score of a run summary's text (trainer/run_eval.py's `eval`)."""
     summary = _summary(summary_text)
     evaluation = summary.get(EVAL_KEY)
-    name, score = None, None
+    name, score, rows = None, None, None
     if isinstance(evaluation, dict) and isinstance(evaluation.get("score"), str):
         after = evaluation.get("after")
         score = _number(after.get(evaluation["score"])) if isinstance(after, dict) else None
         name = evaluation["score"] if score is not None else None
-    return RunEval(_number(summary.get(SCORE_KEY)), name, score)
+    if isinstance(evaluation, dict) and isinstance(evaluation.get("held_out"), dict):
+        rows = evaluation["held_out"].get("sha256")
+    return RunEval(_number(summary.get(SCORE_KEY)), name, score, rows if isinstance(rows, str) else None)
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,10 @@ class GateDecision:
 
 def _worse(new: RunEval, old: RunEval) -> tuple[bool, list[str]]:
     """(comparable, what is worse) of `new` against `old`: the loss when both have one, the score when both have
-    the same one."""
+    the same one; nothing when they were scored on different held-out rows."""
     comparable, worse = False, []
+    if new.other_rows(old):
+        return False, []
     if new.loss is not None and old.loss is not None:
         comparable = True
         if new.loss > old.loss:
@@ -136,9 +147,17 @@ def gate(
             f"{of(newest).shown()}, {' and '.join(_misses(of(newest), max_loss, min_score))}. {override}",
             note,
         )
-    served, note, reasons = finished[0], None, []
+    served, note, reasons, rows_differ = finished[0], None, [], None
     for rid in finished[1:]:
         comparable, worse = _worse(of(rid), of(served))
+        if rid == newest and of(rid).other_rows(of(served)):
+            rows_differ = (
+                f"runs {served} and {rid} were scored on different held-out rows (sha256 "
+                f"{(of(served).held_out or '')[:12]} vs {(of(rid).held_out or '')[:12]}), so the gate could not "
+                f"compare them and serving moved to "
+                f"{rid} ({of(rid).shown()}; {served}: {of(served).shown()}). Fix: the same data.eval_path in both "
+                f"recipes keeps runs comparable; to serve {served}: pulumi config set servingRunId {served}"
+            )
         if not comparable:
             note = f"run {rid} moved serving without a comparison ({of(rid).shown()}; served run {served}: {of(served).shown()})"
             served = rid
@@ -147,7 +166,7 @@ def gate(
         else:
             reasons = worse
     if served == newest:
-        return GateDecision(served, note=note)
+        return GateDecision(served, warning=rows_differ, note=None if rows_differ else note)
     return GateDecision(
         served,
         f"serving keeps run {served} ({of(served).shown()}): the newest finished run {newest} has "

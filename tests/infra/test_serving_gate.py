@@ -19,13 +19,15 @@ from tests.infra.test_config import CLOUD_RUN
 A, B, C = "a" * 12, "b" * 12, "c" * 12
 
 
-def finished(rid: str, eval_loss: float | None, score: float | None = None) -> dict[str, str]:
+def finished(rid: str, eval_loss: float | None, score: float | None = None, rows: str | None = None) -> dict[str, str]:
     """A finished run of the dev recipe: its summary (published before the export) and its export. With `score`,
-    the summary's `eval` as trainer/run_eval.py writes it (emoji_f1 after training; the base model's before)."""
+    the summary's `eval` as trainer/run_eval.py writes it (emoji_f1 after training; the base model's before);
+    with `rows`, the sha256 of the held-out rows it names (trainer/data.py `held_out_identity`)."""
     summary: dict = {"recipe": "emoji-gemma3-1b", "steps": 10, "eval_loss": eval_loss}
     if score is not None:
         summary["eval"] = {
             "score": "emoji_f1",
+            **({"held_out": {"rows": 50, "sha256": rows, "from": "data.eval_path=x"}} if rows else {}),
             "generated_rows": 32,
             "max_new_tokens": 32,
             "before": {"loss": 3.0, "exact_match": 0.0, "rouge_l_f1": 0.0, "emoji_f1": 0.05},
@@ -179,3 +181,33 @@ def test_serving_min_score_is_a_number_from_0_to_1(value: str) -> None:
     with pytest.raises(ConfigError, match=r"servingMinScore=.*Fix: pulumi config set servingMinScore"):
         validate({**CLOUD_RUN, "servingMinScore": value}, "dev", True)
     assert validate({**CLOUD_RUN, "servingMinScore": "0.5"}, "dev", True).serving_min_score == 0.5
+
+
+SAME, OTHER = "1" * 64, "2" * 64
+
+
+def test_runs_scored_on_different_held_out_rows_are_not_compared_and_up_says_so() -> None:
+    """B is worse on paper, but scored on other rows than A: the gate cannot compare them; serving moves to the
+    newer run, and `pulumi up` warns with both sha256s and the fix (one data.eval_path for both)."""
+    objects = {**finished(A, 0.80, 0.6, rows=SAME), **finished(B, 0.95, 0.4, rows=OTHER)}
+    run = run_stack("dev", overrides=SERVING, bucket_objects=objects)
+    assert _served(run) == B
+    (warning,) = [w for w in run.warnings if "different held-out rows" in w]
+    assert f"runs {A} and {B} were scored on different held-out rows (sha256 {SAME[:12]} vs {OTHER[:12]})" in warning
+    assert "the same data.eval_path" in warning and f"pulumi config set servingRunId {A}" in warning
+
+
+def test_runs_scored_on_the_same_held_out_rows_are_compared() -> None:
+    objects = {**finished(A, 0.80, 0.6, rows=SAME), **finished(B, 0.95, 0.4, rows=SAME)}
+    run = run_stack("dev", overrides=SERVING, bucket_objects=objects)
+    assert _served(run) == A and not [w for w in run.warnings if "different held-out rows" in w]
+    # a run from before summaries named their rows compares as it always did
+    assert gate([A, B], {A: RunEval(0.8, "emoji_f1", 0.6), B: RunEval(0.95, "emoji_f1", 0.4, OTHER)}, None).served == A
+
+
+def test_the_gate_reads_the_held_out_rows_from_the_summary() -> None:
+    text = finished(A, 0.8, 0.6, rows=SAME)[f"{BUCKET}/runs/emoji-gemma3-1b-{A}/{RUN_SUMMARY}"]
+    assert run_eval(text).held_out == SAME
+    assert (
+        run_eval(json.dumps({"eval_loss": 0.8, "eval": {"score": "x", "held_out": "not a mapping"}})).held_out is None
+    )
