@@ -974,14 +974,15 @@ def check_run(recipe: Recipe) -> list[str]:
         + f", {plan.updates_per_epoch} updates per epoch x {t.num_train_epochs:g} epochs"
     )
     fix = f"python -m trainer --recipe {recipe.name} --set"
-    batch = t.per_device_train_batch_size * recipe.distributed.world_size
+    # one micro-batch: fewer ranks' worth is what the smoke runs of a multi-rank recipe train on (accelerate repeats
+    # rows so that every rank has a batch); fewer than one batch is a typo in data.max_rows or data.eval_rows
+    batch = t.per_device_train_batch_size
     if plan.data_rows < recipe.data.eval_rows + batch:
         capped = f" (data.max_rows={recipe.data.max_rows})" if recipe.data.max_rows else ""
         problems.append(
             f"data holds {plan.data_rows} rows{capped}, fewer than data.eval_rows={recipe.data.eval_rows} held out "
-            f"+ one batch of {batch} (training.per_device_train_batch_size={t.per_device_train_batch_size} x "
-            f"distributed.world_size={recipe.distributed.world_size}) = {recipe.data.eval_rows + batch}. Fix: more "
-            "rows, or a smaller data.eval_rows or training.per_device_train_batch_size"
+            f"+ one batch of training.per_device_train_batch_size={batch} = {recipe.data.eval_rows + batch}. "
+            "Fix: more rows, or a smaller data.eval_rows or training.per_device_train_batch_size"
         )
     eval_path = recipe.data.eval_path
     local_eval = eval_path is not None and infer_source(eval_path) is DataSource.LOCAL

@@ -402,8 +402,8 @@ def test_fewer_rows_than_the_held_out_ones_and_one_batch_is_a_config_error(tmp_p
     with pytest.raises(RecipeError) as info:
         load_recipe(str(recipe_file), ["training.per_device_train_batch_size=4"])
     assert (
-        "data holds 5 rows, fewer than data.eval_rows=2 held out + one batch of 4 "
-        "(training.per_device_train_batch_size=4 x distributed.world_size=1) = 6" in str(info.value)
+        "data holds 5 rows, fewer than data.eval_rows=2 held out + one batch of "
+        "training.per_device_train_batch_size=4 = 6. Fix: more rows" in str(info.value)
     )
     assert load_recipe(str(recipe_file), ["training.per_device_train_batch_size=3"]).data.eval_rows == 2
 
