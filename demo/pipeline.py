@@ -247,8 +247,10 @@ def build_recipe(opts: DemoOptions) -> Recipe:
         recipe = load_recipe(name, overrides)
     except RecipeError as exc:
         raise DemoError(str(exc)) from None
-    if recipe.data.eval_rows == 0:
-        raise DemoError(f"{name}: data.eval_rows is 0, so nothing is held out to score. Fix: data.eval_rows: 8")
+    if recipe.data.eval_rows == 0 and recipe.data.eval_path is None:
+        raise DemoError(
+            f"{name}: data.eval_rows is 0, so nothing is held out to score. Fix: data.eval_rows: 8 (or data.eval_path)"
+        )
     return recipe
 
 

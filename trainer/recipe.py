@@ -481,8 +481,8 @@ class DataSpec(RowsSpec):
                 f"data.{'path' if self.path is not None else 'rows'} and data.sources: a mixture names its files "
                 "and their rows in data.sources (each with path, format, rows); remove it"
             )
-        set_keys = [k for k in ("columns", "field_messages", "message_property_mappings", "roles", "revision")]
-        stray = [k for k in set_keys if k in self.model_fields_set] + (
+        keys = ("columns", "field_messages", "message_property_mappings", "roles", "revision")
+        stray = [k for k in keys if k in self.model_fields_set] + (
             ["format"] if "format" in self.model_fields_set and self.format is not DataFormat.MESSAGES else []
         )
         if stray and self.eval_path is None:

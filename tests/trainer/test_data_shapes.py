@@ -367,6 +367,16 @@ def test_the_held_out_rows_are_the_eval_files_in_its_order(tmp_path: Path) -> No
         DataSpec(path="t.jsonl", format="messages", eval_rows=2, eval_path="e.jsonl")
 
 
+def test_the_demo_scores_and_asks_the_eval_files_rows(tmp_path: Path) -> None:
+    from demo.pipeline import _parse_args, build_recipe, seed_messages
+
+    train = _jsonl(tmp_path / "train.jsonl", messages_rows(16))
+    held = _jsonl(tmp_path / "eval.jsonl", messages_rows(2, 800))
+    recipe_file = _recipe_file(tmp_path, f"  format: messages\n  path: {train}\n  eval_path: {held}\n")
+    recipe = build_recipe(_parse_args(["--recipe", str(recipe_file), "--output-dir", str(tmp_path / "demo")]))
+    assert seed_messages(recipe) == [{"role": "user", "content": _ticket(800)[0]}]
+
+
 def test_runs_on_the_same_eval_file_name_the_same_held_out_rows(tmp_path: Path) -> None:
     """The identity the run summary records (`eval.held_out`) and the serving gate compares: the same eval file
     gives the same sha256 whatever the training rows; a seeded slice of other data gives another."""
