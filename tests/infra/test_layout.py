@@ -10,6 +10,7 @@ import ast
 from pathlib import Path
 
 from infra.offline.engine import REPO_ROOT
+from tests.infra.test_ordering import ancestors  # every node a node reaches in a graph
 
 LOCAL_PACKAGES = ("infra", "trainer", "serving", "demo")
 
@@ -117,16 +118,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        node = todo.pop()
-        if node not in seen:
-            seen.add(node)
-            todo.extend(graph.get(node, ()))
-    return seen
-
-
 def test_the_trainer_modules_have_no_import_circle() -> None:
     cycle = find_cycle(local_import_graph("trainer"))
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
@@ -138,11 +129,11 @@ def test_the_check_finds_a_circle_and_the_floor_modules_import_nothing_above() -
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     graph = local_import_graph("trainer")
     assert graph["trainer.errors"] == set() and graph["trainer.data_files"] == {"trainer.errors"}
-    assert "trainer.data" not in reachable(graph, "trainer.recipe")  # the schema counts rows without the loader
+    assert "trainer.data" not in ancestors(graph, "trainer.recipe")  # the schema counts rows without the loader
 
 
 def test_the_training_path_never_imports_the_local_model_builder() -> None:
     """`local:gemma3-270m` is built by the entry points and the demo; training, evaluation and export find it."""
     graph = local_import_graph("trainer")
     for start in ("trainer.train", "trainer.ray_entry", "trainer.evaluate", "trainer.export", "trainer.data"):
-        assert "trainer.local_model" not in reachable(graph, start), start
+        assert "trainer.local_model" not in ancestors(graph, start), start
