@@ -28,7 +28,7 @@ export OMP_WAIT_POLICY := PASSIVE
 # a PYTHONDONTWRITEBYTECODE from the environment would have every process compile what it imports again
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: help venv test test-fast lint lint-files scan demo plan bench gpu-wheelhouse gpu-check-dry clean
+.PHONY: help venv test test-fast lint lint-files scan demo plan impact bench gpu-wheelhouse gpu-check-dry clean
 
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -99,6 +99,11 @@ demo: $(STAMP) ## fine-tune Gemma 3 270M here, merge, serve on 127.0.0.1, query 
 
 plan: $(STAMP) ## offline plan of a stack under mocks: make plan STACK=a4-gemma4 [SET="maxRunCostUsd=500 nodes=2"]
 	$(PY) -m infra.offline.plan --stack $(STACK) $(foreach kv,$(SET),--set $(kv))
+
+# every change of infra/offline/impact.py CHANGES on every stack it applies to (about a minute): the committed table and
+# infra/offline/impact_results.json, which tests/infra/test_change_impact.py checks against the rules and a few re-plans
+impact: $(STAMP) ## what each config key (and a pull of trainer/) does on day two: rewrites docs/operations.md's table
+	$(PY) -m infra.offline.impact
 
 bench: $(STAMP) ## training throughput, each shipped text recipe vs its seed (CPU)
 	$(PY) bench/train_throughput.py --device cpu --recipe text-to-sql-gemma4-31b --out build/bench/text-to-sql.json

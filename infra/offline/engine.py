@@ -96,6 +96,12 @@ class Recorded:
     """The `import_` option: the ID of an existing cloud resource the engine adopts."""
     ignore_changes: list[str] = field(default_factory=list)
     """The `ignore_changes` option, as the engine receives it (input property names)."""
+    property_dependencies: dict[str, list[str]] = field(default_factory=dict)
+    """Input property -> the URNs its value came from (what the engine makes unknown when one is replaced)."""
+    replace_on_changes: list[str] = field(default_factory=list)
+    """The `replace_on_changes` option (input property paths)."""
+    delete_before_replace: bool | None = None
+    """The `delete_before_replace` option, None when the program left it to the provider."""
 
     def plain_inputs(self) -> dict[str, Any]:
         return unwrap_secrets(self.inputs)
@@ -517,6 +523,11 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
                     outputs=self.resources[urn].state if urn in self.resources else {},
                     import_id=request.importId,
                     ignore_changes=list(request.ignoreChanges),
+                    property_dependencies={
+                        key: list(deps.urns) for key, deps in request.propertyDependencies.items() if deps.urns
+                    },
+                    replace_on_changes=list(request.replaceOnChanges),
+                    delete_before_replace=request.deleteBeforeReplace if request.deleteBeforeReplaceDefined else None,
                 )
             )
         return response
