@@ -8,7 +8,9 @@ Decisions (why and sources: docs/decisions/gke-cluster-and-provider.md, docs/dec
 - Workload Identity pool set explicitly; nodes run as the stack's node account; the Ray operator
   add-on only for the Ray workload; deletion protection off by default (a disposable stack).
 - ONE Kubernetes provider, authenticated by the `gke-gcloud-auth-plugin` exec plugin (no credential in
-  state), with `cluster_identifier` so an unknown kubeconfig in a preview does not replace it.
+  state), and identified by the cluster it reaches (its endpoint and CA, as pulumi-kubernetes compares them):
+  a replaced cluster replaces the provider and every object in it; an update of the cluster keeps them.
+- No setting a user changes day to day feeds an input that replaces the cluster (docs/operations.md).
 - The stack's own VPC and subnet, no firewall rule of ours, public nodes and no Cloud NAT.
 Not here: node pools (Autopilot has none), private nodes and authorized networks (the public endpoint
 is protected by IAM), Kubernetes objects (`infra.gke_workload`).
@@ -62,9 +64,10 @@ def subnet_name(cfg: StackConfig) -> str:
     return f"gft-{cfg.stack}-nodes"
 
 
-def cluster_identifier(cfg: StackConfig) -> str:
-    """The cluster's resource path: the Kubernetes provider is replaced only when this changes."""
-    return f"projects/{cfg.project}/locations/{cfg.region}/clusters/{cluster_name(cfg)}"
+def cluster_description(cfg: StackConfig) -> str:
+    """The cluster's description: `description` replaces the cluster when it changes (ForceNew in
+    terraform-provider-google's container cluster), so it names the stack only, never a setting."""
+    return f"gemma-finetune {cfg.stack}: GKE Autopilot training cluster"
 
 
 def workload_pool(project: str) -> str:
@@ -200,7 +203,7 @@ class AutopilotCluster(pulumi.ComponentResource):
             name=cluster_name(cfg),
             project=cfg.project,
             location=cfg.region,
-            description=f"gemma-finetune {cfg.stack}: {cfg.workload} training on {cfg.gpu_type}",
+            description=cluster_description(cfg),
             enable_autopilot=True,
             network=self.network.id,
             subnetwork=self.subnet.id,
@@ -222,6 +225,9 @@ class AutopilotCluster(pulumi.ComponentResource):
                 depends_on=args.depends_on,
                 # Regional Autopilot creation usually takes 5-10 minutes; leave room for slow days.
                 custom_timeouts=pulumi.CustomTimeouts(create="45m", update="45m", delete="45m"),
+                # Set once, at creation: a cluster created by an earlier version of this program carries another
+                # text (it named the GPU), and a new one would replace that cluster with its running run.
+                ignore_changes=["description"],
             ),
         )
         self.name = self.cluster.name
@@ -236,8 +242,10 @@ class AutopilotCluster(pulumi.ComponentResource):
         self.provider = k8s.Provider(
             f"{name}-k8s",
             kubeconfig=self.kubeconfig,
-            # Known in a preview, unlike the kubeconfig: an update of the cluster is not a new cluster.
-            cluster_identifier=cluster_identifier(cfg),
+            # No `cluster_identifier`: while one is set and unchanged, pulumi-kubernetes keeps the provider (and so
+            # every Namespace, Secret and Job in state) over a cluster replaced under the same name. Without it the
+            # provider is replaced exactly when the kubeconfig's cluster (endpoint, CA) changes or becomes unknown, as
+            # it does for a cluster being replaced (docs/decisions/gke-cluster-and-provider.md).
             # Objects are applied server-side (the v4 default) so fields set by GKE's admission
             # (Autopilot adds tolerations and resource defaults) do not show as drift.
             enable_server_side_apply=True,

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import yaml
+from pulumi.runtime.rpc import UNKNOWN
 
 from infra.offline.engine import StackRun, is_secret, is_unknown, run_stack, unwrap_secrets
+from infra.offline.impact import kubernetes_provider
 from tests.infra.conftest import PREBUILT
 
 CLUSTER = "gcp:container/cluster:Cluster"
@@ -159,36 +161,33 @@ class TestRayAddOn:
         ], "a LIST in pulumi-gcp"
 
 
-def provider_replaced(olds: dict[str, Any], news: dict[str, Any]) -> bool:
-    """Whether pulumi-kubernetes replaces its Provider, and with it every object the provider manages.
+class TestProviderFollowsTheCluster:
+    """pulumi-kubernetes decides its provider's replacement (and with it every object's) from the kubeconfig: the
+    transcription of `DiffConfig` in infra/offline/impact.py, on the provider's real inputs."""
 
-    A transcription of `DiffConfig` (pulumi/pulumi-kubernetes provider/pkg/provider/provider.go): no diff, no
-    change; a changed `clusterIdentifier` replaces; an unknown (computed) `kubeconfig`, `context` or `cluster`
-    replaces; and whatever it decided, a `clusterIdentifier` that is set and unchanged drops every replacement.
-    (The comparison of the kubeconfigs' active clusters, which only adds replacements, is left out: the same
-    drop applies to it.)"""
-    if olds == news:
-        return False
-    key = "clusterIdentifier"
-    if key in news and olds.get(key) == news[key]:
-        return False
-    if key in olds and key in news and olds[key] != news[key]:
-        return True
-    return any(is_unknown(news.get(k)) for k in ("kubeconfig", "context", "cluster"))
+    def test_an_update_of_the_cluster_keeps_the_provider(self, a4: StackRun) -> None:
+        """A preview of an in-place update keeps the cluster's endpoint and CA known (the bridge's Update in a
+        preview returns the planned state, pulumi-terraform-bridge pkg/tfbridge/provider.go): same cluster."""
+        updated = run_stack("a4-gemma4", overrides={**PREBUILT, "releaseChannel": "RAPID"})
+        action, _ = kubernetes_provider(a4.one(PROVIDER).plain_inputs(), updated.one(PROVIDER).plain_inputs())
+        assert action == "unchanged"
 
-
-class TestProviderSurvivesAnUnknownKubeconfig:
-    """In every preview that creates or updates the cluster the kubeconfig is unknown; that alone must not replace
-    the provider (and so delete and recreate a running training Job)."""
-
-    def test_unknown_kubeconfig_keeps_the_provider(self, a4: StackRun) -> None:
+    def test_an_unknown_kubeconfig_replaces_the_provider(self, a4: StackRun) -> None:
+        """What a preview shows for a cluster being created or replaced: its endpoint is not known yet."""
         preview = run_stack("a4-gemma4", overrides=PREBUILT, preview=True)
         news = preview.one(PROVIDER).plain_inputs()
         assert is_unknown(news["kubeconfig"]), "the case under test: the endpoint is not known yet"
-        assert not provider_replaced(a4.one(PROVIDER).plain_inputs(), news)
+        assert kubernetes_provider(a4.one(PROVIDER).plain_inputs(), news)[0] == "replace"
 
     def test_another_cluster_replaces_the_provider(self, a4: StackRun) -> None:
-        moved = run_stack("a4-gemma4", overrides={**PREBUILT, "gcp:region": "europe-west4"})
-        olds, news = a4.one(PROVIDER).plain_inputs(), moved.one(PROVIDER).plain_inputs()
-        assert news["clusterIdentifier"] == "projects/my-gcp-project/locations/europe-west4/clusters/gft-a4-gemma4"
-        assert provider_replaced(olds, news), "objects must follow the cluster to its new home"
+        olds = a4.one(PROVIDER).plain_inputs()
+        news = dict(olds, kubeconfig=olds["kubeconfig"].replace("192.0.2.10", "192.0.2.99"))
+        assert kubernetes_provider(olds, news)[0] == "replace", "objects must follow the cluster to its new home"
+
+    def test_the_provider_has_no_cluster_identifier(self, a4: StackRun) -> None:
+        """A `clusterIdentifier` that is set and unchanged drops every replacement DiffConfig decides: the objects of a
+        cluster replaced under the same name would stay in state while gone from the cluster."""
+        olds = a4.one(PROVIDER).plain_inputs()
+        assert "clusterIdentifier" not in olds
+        pinned = {**olds, "clusterIdentifier": "projects/p/locations/r/clusters/c"}
+        assert kubernetes_provider(pinned, {**pinned, "kubeconfig": UNKNOWN})[0] == "update", "the check can fail"
