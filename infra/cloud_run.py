@@ -1,11 +1,14 @@
 """Stack `dev`: a Cloud Run GPU Job trains, a vLLM Cloud Run GPU Service serves.
 
 Decisions (why: docs/decisions/cloud-run-training-start.md, docs/decisions/cloud-run-serving.md)
-- A run is `run_id`, a hash of the trainer image's content, the recipe and its overrides; it names the
-  run folder on the mounted bucket, so each run resumes only its own checkpoints.
-- `pulumi up` starts training with `gcloud run jobs execute --async`, triggered by `run_id` (not the
-  Job's execution token), so a re-run by hand (`rerunTraining`) leaves the stack working.
-- Serving (`servingEnabled`) serves a pinned, finished run: `servingRunId`, else the latest listed marker.
+- A run is `run_id`, 12 hex characters of the run's identity (infra/run_identity.py: recipe, data, overrides,
+  runGeneration, never the trainer image); it names the run folder on the mounted bucket, so each run resumes
+  only its own checkpoints.
+- `pulumi up` starts training with `gcloud run jobs execute --async`, triggered by `run_id` only (not the
+  Job's execution token; its `update` is a no-op), so a re-run by hand (`rerunTraining`) leaves the stack working
+  and nothing but a new run id starts an execution.
+- Serving (`servingEnabled`) serves a pinned, finished run: `servingRunId`, else the run the serving gate
+  picks among the finished ones (infra/serving_gate.py).
 - Startup probe: serving/startup.py's window, 30 s initial delay + 24 x 10 s = 270 s.
 - vLLM's `--max-num-seqs` equals Cloud Run's `servingConcurrency`; scale to zero.
 - Private unless `servingPublic: true`; with `servingApiKey` the key guards every route except /health
@@ -15,7 +18,6 @@ Decisions (why: docs/decisions/cloud-run-training-start.md, docs/decisions/cloud
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from datetime import UTC, datetime
@@ -27,14 +29,15 @@ import pulumi_gcp as gcp
 
 from infra.catalog import CLOUD_RUN_GPUS
 from infra.config import LoadedConfig, StackConfig
-from infra.foundation import FINISHED_OUTPUT, Foundation, Identity, finished_run
+from infra.foundation import FINISHED_OUTPUT, Foundation, Identity
 from infra.images import Images
 from infra.pricing import HourlyPrice, cloud_run_instance_hour, cost_labels
+from infra.run_identity import RunState
 from infra.serving_gate import RUN_SUMMARY, gate, run_eval
 from serving.completion import COMPLETION_MARKER, IncompleteModelError, Inventory, check_inventory
 from serving.startup import COLD_START_VLLM, STARTUP_WINDOW
 from serving.vllm_args import VLLM_HEALTH_PATH, Dtype, VllmServerConfig, model_type_of, render_args
-from trainer.recipe import load_recipe, recipe_sha256
+from trainer.recipe import load_recipe
 
 BUCKET_MOUNT = "/mnt/bucket"
 MODEL_MOUNT = "/mnt/models"
@@ -50,13 +53,14 @@ gcloud run jobs execute "$JOB" --project "$PROJECT" --region "$REGION" --async
 """
 
 
-def run_id(cfg: StackConfig, image_content: str) -> str:
-    """12 hex characters that change exactly when the image content, the recipe file or the overrides change."""
-    payload = json.dumps(
-        {"image": image_content, "recipe": recipe_sha256(cfg.recipe_source), "overrides": cfg.recipe_overrides},
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+# What an in-place update of the execution step runs (pulumi-command reruns `create` when a Command has no `update`,
+# provider/pkg/provider/local/commandController.go): a changed script or environment must not start an execution.
+EXECUTE_UPDATE_SCRIPT = 'echo "the execution of this run id was started when it was created; nothing to do"'
+
+
+def run_id(run: RunState) -> str:
+    """The run's 12 hex characters: they change exactly when the run's identity does (`infra.run_identity`)."""
+    return run.name.removeprefix(f"{run.inputs['recipe']}-")
 
 
 def job_name(cfg: StackConfig) -> str:
@@ -135,7 +139,7 @@ class CloudRunTraining(pulumi.ComponentResource):
     """None when the run has finished already (`finished`): nothing is started."""
     run_id: str
     finished: str | None
-    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
+    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (`RunState.finished`), else None."""
 
     def __init__(
         self,
@@ -143,12 +147,12 @@ class CloudRunTraining(pulumi.ComponentResource):
         cfg: StackConfig,
         foundation: Foundation,
         image: pulumi.Output[str],
-        image_content: str,
+        run: RunState,
         opts=None,
     ) -> None:
         super().__init__("gemma-finetune:gcp:CloudRunTraining", name, None, opts)
-        self.run_id = run_id(cfg, image_content)
-        self.finished = finished_run(cfg, foundation.bucket_kept, run_prefix(cfg, self.run_id))
+        self.run_id = run_id(run)
+        self.finished = run.finished
         envs: list[gcp.cloudrunv2.JobTemplateTemplateContainerEnvArgs] = []
         if foundation.hf_secret is not None and foundation.hf_secret_version is not None:
             envs.append(
@@ -222,6 +226,7 @@ class CloudRunTraining(pulumi.ComponentResource):
             self.execution = command.local.Command(
                 f"{name}-execution",
                 create=EXECUTE_SCRIPT,
+                update=EXECUTE_UPDATE_SCRIPT,
                 interpreter=["/bin/bash", "-c"],
                 environment={"JOB": self.job.name, "PROJECT": cfg.project, "REGION": cfg.region},
                 triggers=[self.run_id],
@@ -490,10 +495,12 @@ class VllmService(pulumi.ComponentResource):
         return envs
 
 
-def declare(cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images) -> dict[str, Any]:
+def declare(
+    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images, run: RunState
+) -> dict[str, Any]:
     """The `cloud-run` workload: the training Job and, when enabled, the vLLM Service."""
     name = f"gft-{cfg.stack}"
-    training = CloudRunTraining(name, cfg, foundation, images.trainer_image, images.trainer_content)
+    training = CloudRunTraining(name, cfg, foundation, images.trainer_image, run)
     run_uri = foundation.bucket_uri.apply(lambda uri: f"{uri}/{run_prefix(cfg, training.run_id)}")
     outputs: dict[str, Any] = {
         "trainingJob": training.job.name,

@@ -155,6 +155,12 @@ class StackConfig(BaseModel):
         "(path/to/recipe.yaml: after validation `recipe` is its stem and `recipe_file` the path)"
     )
     recipe_overrides: list[str] = Field(default_factory=list, alias="recipeOverrides")
+    run_generation: int = Field(
+        0,
+        alias="runGeneration",
+        ge=0,
+        description="raise it to train the same recipe, data and overrides again (infra/run_identity.py)",
+    )
 
     gpu_type: str | None = Field(None, alias="gpuType")
     gpus_per_node: int | None = Field(None, alias="gpusPerNode", gt=0)
@@ -376,7 +382,7 @@ class StackConfig(BaseModel):
                 f"servingRunId={v!r} is not a run id (12 lowercase hex characters, the runId output of a training "
                 "run). List completed runs with `gcloud storage ls 'gs://BUCKET/runs/*/merged/_COMPLETE.json'`. "
                 "Fix: pulumi config set servingRunId 0123456789ab, or pulumi config rm servingRunId to serve the "
-                "latest completed run"
+                "run the serving gate picks"
             )
         return v
 

@@ -1,4 +1,4 @@
-"""The a4-gemma4 workload: a Kubernetes Job running `accelerate launch` (FSDP2) on whole A4 nodes.
+"""The a4-gemma4 workload: a Kubernetes Job running `accelerate launch` (DDP or FSDP2) on whole A4 nodes.
 
     pulumi up --stack a4-gemma4                      # cluster, identity, secret, and the training Job
     kubectl logs -f job/<jobName> -n gft-<stack>   # the exact command is a stack output
@@ -6,12 +6,14 @@
 Decisions (why and sources: docs/decisions/gke-training-job.md)
 - Top to bottom: `declare` → `TrainingJob` → `render_training_job`, a pure function of a
   `gke_workload.GpuRun` to manifests (a headless Service when nodes > 1, the Job).
-- Named `train-<recipe>-<hash8>` over image content, recipe, overrides and shape: same inputs, no change;
-  a new image or recipe, a new run. Capacity is not in the hash (a move to spot resumes the run).
-- `pulumi up` does not wait for training (`skipAwait`); the finished Job is removed after 3 days, so run
-  `pulumi refresh` before changing a setting of a finished run.
+- Named `train-<recipe>-<key8>` by the run's identity (infra/run_identity.py: recipe, data, overrides,
+  runGeneration): a new trainer image or a move to spot replaces the Job under its name, and the run resumes.
+- `pulumi up` does not wait for training (a `waitFor` met at creation), but a delete waits for the pods (their
+  grace and a margin: `DELETE_TIMEOUT`); the finished Job is removed after 3 days, so run `pulumi refresh` before
+  changing a setting of a finished run.
 - Retries resume from the latest checkpoint; preemption and maintenance use none; a deadline bounds it.
 - Whole nodes; multi-node is an Indexed Job in one zone, rank 0 at `<job>-0.<job>:29500`.
+- DDP over LoRA by the memory model (trainer/memory_plan.py); FSDP2 when a recipe selects it.
 Not here: JobSet, A4 RDMA / GPUDirect networking (NCCL over the pod network: correct, not fast), Kueue.
 """
 
@@ -24,13 +26,13 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
-from infra.foundation import FINISHED_OUTPUT, finished_run
+from infra.foundation import FINISHED_OUTPUT
 from infra.gke_workload import (
     ADAPTER_SUBDIR,
     BUCKET_SLOT,
+    CREATED_AWAIT,
+    DELETE_TIMEOUT,
     IMAGE_SLOT,
-    RUNS_PREFIX,
-    SKIP_AWAIT,
     GkeBase,
     GpuRun,
     declare_gke_base,
@@ -40,15 +42,15 @@ from infra.gke_workload import (
     gpu_run,
     trainer_container,
 )
+from infra.run_identity import GKE_JOB_NAME_MAX
 
 if TYPE_CHECKING:
     from infra.config import LoadedConfig
     from infra.foundation import Foundation
     from infra.images import Images
+    from infra.run_identity import RunState
 
-JOB_NAME_PREFIX = "train"
-# Indexed pods are named `<job>-<index>` as hostnames (63 characters at most).
-JOB_NAME_MAX = 56
+JOB_NAME_MAX = GKE_JOB_NAME_MAX  # Indexed pods are named `<job>-<index>` as hostnames (63 characters at most)
 MAIN_PROCESS_PORT = 29500
 TTL_AFTER_FINISHED_S = 3 * 24 * 3600
 SHM_SIZE = "64Gi"
@@ -58,7 +60,7 @@ TENSORBOARD_SUBDIR = "logs"
 
 
 def declare(
-    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
+    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images, run: RunState
 ) -> dict[str, pulumi.Input[Any]]:
     """The a4-gemma4 workload: cluster, namespace pieces, training Job; returns the stack outputs."""
     gke = declare_gke_base(cfg, loaded, foundation)
@@ -68,9 +70,8 @@ def declare(
             cfg=cfg,
             gke=gke,
             image=images.trainer_image,
-            image_content=images.trainer_content,
+            run=run,
             bucket_name=foundation.bucket_name,
-            bucket_kept=foundation.bucket_kept,
         ),
     )
     ns, job_name = cfg.namespace, job.job_name
@@ -99,12 +100,10 @@ class TrainingJobArgs:
     every IAM grant to the trainer's and the nodes' service accounts (bucket access, image pulls)."""
     image: pulumi.Input[str]
     """The trainer image, pinned by digest."""
-    image_content: str
-    """`Images.trainer_content`: what the Job's name derives from (known in a preview)."""
+    run: RunState
+    """This stack's run (`infra.run_identity.resolve`): its name, and whether it has finished (then no Job)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: runs write under gs://BUCKET/runs/<job>."""
-    bucket_kept: bool = False
-    """`Foundation.bucket_kept`: the bucket may hold this run finished (then no Job is declared)."""
 
 
 class TrainingJob(pulumi.ComponentResource):
@@ -116,17 +115,17 @@ class TrainingJob(pulumi.ComponentResource):
     """None when the run has finished already (`finished`): no pod, no GPU node."""
     service: k8s.core.v1.Service | None
     finished: str | None
-    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
+    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (`RunState.finished`), else None."""
 
     def __init__(self, name: str, args: TrainingJobArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:k8s:TrainingJob", name, None, opts)
         gke = args.gke
-        run = gpu_run(args.cfg, gke.namespace, JOB_NAME_PREFIX, JOB_NAME_MAX, args.image_content)
+        run = gpu_run(args.cfg, gke.namespace, args.run.name)
         slots = {IMAGE_SLOT: args.image, BUCKET_SLOT: args.bucket_name}
         manifests: list[dict[str, Any]] = [fill_slots(m, slots) for m in render_training_job(run)]
         self.job_name = run.name
         self.run_dir = pulumi.Output.from_input(fill_slots(run.output_dir, slots))
-        self.finished = finished_run(args.cfg, args.bucket_kept, f"{RUNS_PREFIX}/{run.name}")
+        self.finished = args.run.finished
         self.service, self.job = None, None
         if self.finished is not None:
             self.register_outputs({"job_name": self.job_name, "run_dir": self.run_dir})
@@ -155,8 +154,9 @@ class TrainingJob(pulumi.ComponentResource):
                 parent=self,
                 provider=provider,
                 depends_on=depends,
-                # The name is fixed by content; a capacity change replaces the Job under the same name.
+                # The name is the run's; a capacity change replaces the Job under the same name.
                 delete_before_replace=True,
+                custom_timeouts=pulumi.CustomTimeouts(delete=DELETE_TIMEOUT),
             ),
         )
         self.register_outputs({"job_name": self.job_name, "run_dir": self.run_dir})
@@ -220,7 +220,7 @@ def render_training_job(run: GpuRun) -> list[dict[str, Any]]:
                 "name": run.name,
                 "namespace": run.namespace,
                 "labels": {**run.labels, **run.cost_labels},
-                "annotations": dict(SKIP_AWAIT),
+                "annotations": dict(CREATED_AWAIT),
             },
             "spec": job_spec,
         }

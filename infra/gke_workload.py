@@ -9,7 +9,7 @@ Decisions (why and sources: docs/decisions/gke-workload-identity-and-placement.m
 - The HF token is the Kubernetes Secret `hf-secret`, read only through `secretKeyRef`.
 - Capacity by nodeSelectors (accelerator, count, driver; reservation, spot or flex-start labels); no
   tolerations (Autopilot adds them). A multi-node run's GPU pods share a zone.
-- Run names come from what a preview knows (`run_name`); image and bucket are slots (`fill_slots`).
+- The run's name comes from `infra.run_identity` (what the user asked for); image and bucket are slots.
 - Pods: no capability, RuntimeDefault seccomp, no service-account token (nothing calls the API), ingress from
   the namespace only (`NAMESPACE_INGRESS_POLICY`); the namespace comes after the preview fence (`infra.admission`).
 Not here: Kueue, the GCS FUSE CSI driver (the trainer writes gs:// URIs itself).
@@ -17,8 +17,6 @@ Not here: Kueue, the GCS FUSE CSI driver (the trainer writes gs:// URIs itself).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -32,7 +30,7 @@ from infra.config import Capacity, LoadedConfig, StackConfig
 from infra.foundation import Identity, iam_propagation_wait
 from infra.gke import AutopilotCluster, AutopilotClusterArgs
 from infra.pricing import cost_labels, gke_node_hour
-from trainer.recipe import recipe_sha256
+from infra.run_identity import RUNS_PREFIX
 
 if TYPE_CHECKING:
     from infra.foundation import Foundation
@@ -51,12 +49,23 @@ RESERVATION_PROJECT_LABEL = "cloud.google.com/reservation-project"
 SPOT_LABEL = "cloud.google.com/gke-spot"
 FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
 GSA_ANNOTATION = "iam.gke.io/gcp-service-account"
-# Both workloads' objects: `pulumi up` does not wait for training; runs write under gs://BUCKET/runs/<run>.
+# The RayJob / RayCluster: `pulumi up` does not wait for training; runs write under gs://BUCKET/runs/<run>.
 SKIP_AWAIT = {"pulumi.com/skipAwait": "true"}
-RUNS_PREFIX = "runs"
+# The Job: `pulumi up` returns once it exists, through a `waitFor` condition met at creation, not `skipAwait`, which
+# for a Job (and a Namespace) also skips the delete await (pulumi-kubernetes provider/pkg/metadata/overrides.go
+# `allowsSkipAwaitWithDelete`): a replacement under the same name would create the new Job while the old one still
+# terminates, and fail with "already exists".
+CREATED_AWAIT = {"pulumi.com/waitFor": "jsonpath={.metadata.uid}"}
 ADAPTER_SUBDIR = "adapter"
 # A GPU pod's grace: the trainer saves the step it is on before SIGTERM's deadline (trainer/preemption.py).
 TERMINATION_GRACE_S = 600
+# pulumi-kubernetes waits 10 minutes for a delete unless told otherwise, and deletes in the foreground (provider/pkg/
+# await/await.go `Deletion`): a Job, RayJob or Namespace is gone once its pods are, and a GPU pod may take its whole
+# grace. Their delete timeouts leave the grace and a margin for the cascade (pods, then the owner; the RayCluster
+# of a RayJob; the objects of a namespace).
+DELETE_MARGIN_S = 300
+DELETE_TIMEOUT_S = TERMINATION_GRACE_S + DELETE_MARGIN_S
+DELETE_TIMEOUT = f"{DELETE_TIMEOUT_S // 60}m"
 # The trainer image runs as uid 1000 (trainer/Dockerfile); Kubernetes checks it, nothing escalates, no capability
 # is kept (the trainer binds no low port, changes no owner, opens no raw socket), and the syscall filter is the
 # runtime's default (which Autopilot applies anyway: stated, so a scanner and a reader see it).
@@ -106,27 +115,6 @@ def gpu_pod_resources(cfg: StackConfig) -> dict[str, dict[str, str]]:
         "nvidia.com/gpu": str(n),
     }
     return {"requests": dict(amounts), "limits": dict(amounts)}
-
-
-def run_name(prefix: str, cfg: StackConfig, image_content: str, max_len: int) -> str:
-    """`<prefix>-<recipe-short>-<hash8>`: the same image content, recipe content, overrides and shape give the
-    same name (so `pulumi up` changes nothing); a change to any of them gives a new name (a new training run).
-    `image_content` is `Images.trainer_content` (the build context's hash or the prebuilt reference), known
-    in a preview and the same from any checkout — never the registry digest, which a preview cannot know.
-    Where the pods run (capacity) is deliberately NOT part of it: moving a run resumes its checkpoints."""
-    identity = {
-        "image": image_content,
-        "recipe": cfg.recipe,
-        "recipe_sha256": recipe_sha256(cfg.recipe_source),
-        "overrides": list(cfg.recipe_overrides),
-        "gpu_type": cfg.gpu_type,
-        "gpus_per_node": cfg.gpus_per_node,
-        "nodes": cfg.nodes,
-    }
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-    room = max_len - len(prefix) - len(digest) - 2
-    short = cfg.recipe[:room].rstrip("-")
-    return f"{prefix}-{short}-{digest}"
 
 
 def gpu_node_selector(cfg: StackConfig) -> dict[str, str]:
@@ -276,7 +264,13 @@ class TrainingNamespace(pulumi.ComponentResource):
         namespace = k8s.core.v1.Namespace(
             f"{name}-ns",
             metadata=k8s.meta.v1.ObjectMetaArgs(name=cfg.namespace, labels=labels),
-            opts=pulumi.ResourceOptions.merge(k8s_opts, pulumi.ResourceOptions(depends_on=list(args.fence))),
+            # Deleting it deletes every pod in it: each may take its grace (DELETE_TIMEOUT).
+            opts=pulumi.ResourceOptions.merge(
+                k8s_opts,
+                pulumi.ResourceOptions(
+                    depends_on=list(args.fence), custom_timeouts=pulumi.CustomTimeouts(delete=DELETE_TIMEOUT)
+                ),
+            ),
         )
         in_namespace = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[namespace])
         ingress = k8s.networking.v1.NetworkPolicy(
@@ -361,11 +355,10 @@ class GpuRun:
         return self.nodes * self.gpus_per_node
 
 
-def gpu_run(cfg: StackConfig, namespace: TrainingNamespace, prefix: str, max_len: int, image_content: str) -> GpuRun:
-    """This stack's run: named by `run_name` (from `image_content`, never the digest), placed by
-    `gpu_node_selector` and `gpu_pod_resources`, writing under gs://BUCKET/runs/<name>."""
+def gpu_run(cfg: StackConfig, namespace: TrainingNamespace, name: str) -> GpuRun:
+    """This stack's run `name` (`infra.run_identity.resolve`), placed by `gpu_node_selector` and `gpu_pod_resources`,
+    writing under gs://BUCKET/runs/<name>."""
     assert cfg.gpus_per_node is not None, "config validation guarantees gpusPerNode on GKE"
-    name = run_name(prefix, cfg, image_content, max_len)
     return GpuRun(
         name=name,
         namespace=cfg.namespace,

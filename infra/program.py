@@ -1,7 +1,9 @@
 """The Pulumi program as a function, so every stack can run fresh in one process (tests, `make plan`).
 
-Flow: validated config → preflight → foundation → images → the workload the stack names → outputs
-(the run's cost ceiling among them) → the budget guard when the stack sets one → the run's dashboard and alerts.
+Flow: validated config → preflight → foundation → images → the run (infra/run_identity.py: which one, and whether
+this `up` starts a paid one: the `paidRun` output, printed by the preview too) → the workload the stack names →
+outputs (the run's cost ceiling among them) → the budget guard when the stack sets one → the run's dashboard and
+alerts.
 Bad configuration raises `ConfigError`, and configuration the project cannot serve (a reservation that
 is missing or too small, GPU quota below what the run needs, a cost ceiling above `maxRunCostUsd`)
 raises `PreflightError`, both before the first resource is declared.
@@ -14,7 +16,7 @@ from typing import Any
 import pulumi
 
 from infra import config as stack_config
-from infra import cost, monitoring, preflight
+from infra import cost, monitoring, preflight, run_identity
 from infra.budget import BudgetGuard, BudgetGuardArgs
 from infra.config import Workload
 from infra.foundation import FINISHED_OUTPUT, Foundation, FoundationArgs, Identity
@@ -65,7 +67,13 @@ def run() -> dict[str, Any]:
     if images.serving_image is not None:
         outputs["servingImage"] = images.serving_image
 
-    outputs.update(_workload(cfg, loaded, foundation, images))
+    run = run_identity.resolve(cfg, foundation.bucket_kept, images.trainer_content)
+    # The one line a preview shows on whether this `up` starts a paid run, and why (DESIGN.md: a paid run starts only
+    # when the user asked for it).
+    pulumi.log.info(f"training: {run.line()}")
+    outputs["paidRun"] = run.line()
+    outputs.update(_workload(cfg, loaded, foundation, images, run))
+    run_identity.declare_record(name, cfg, run, foundation.bucket_name, after=[foundation.bucket])
     outputs.update(cost.outputs(cfg))
     # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py); a finished
     # run's folder keeps the price it ran with (its marker's cost line was computed from it).
@@ -91,17 +99,21 @@ def run() -> dict[str, Any]:
 
 
 def _workload(
-    cfg: stack_config.StackConfig, loaded: stack_config.LoadedConfig, foundation: Foundation, images: Images
+    cfg: stack_config.StackConfig,
+    loaded: stack_config.LoadedConfig,
+    foundation: Foundation,
+    images: Images,
+    run: run_identity.RunState,
 ) -> dict[str, Any]:
-    """Declare the workload the stack names; each returns its own outputs."""
+    """Declare the workload the stack names for `run`; each returns its own outputs."""
     if cfg.workload is Workload.CLOUD_RUN:
         from infra import cloud_run
 
-        return cloud_run.declare(cfg, loaded, foundation, images)
+        return cloud_run.declare(cfg, loaded, foundation, images, run)
     if cfg.workload is Workload.GKE_JOB:
         from infra import gke_job
 
-        return gke_job.declare(cfg, loaded, foundation, images)
+        return gke_job.declare(cfg, loaded, foundation, images, run)
     from infra import ray_job
 
-    return ray_job.declare(cfg, loaded, foundation, images)
+    return ray_job.declare(cfg, loaded, foundation, images, run)

@@ -8,7 +8,9 @@ Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-
 - `rayCluster: ephemeral` (default): the RayJob brings its cluster and deletes it 60 s after the job
   ends; `standing`: a RayCluster `gemma-tuning` stays up (and bills) and the RayJob targets it.
 - One GPU worker per node, in one zone; a small head that runs no Ray tasks; the trainer image by digest.
-- Named from content, recipe, overrides and shape (`infra.gke_workload.run_name`); any change replaces it.
+- Named by the run's identity (infra/run_identity.py); a change of what the run runs (entrypoint, cluster spec)
+  replaces it, its limits (deadline, retries, TTL) change in place; KubeRay's CRD defaults leave every field it
+  sets as it is (infra/offline/kuberay_crds.py).
 - GPU workers get the preStop hook that saves a checkpoint on preemption (trainer/preemption.py).
 - Waits for the KubeRay CRDs (`infra.crd_wait.CrdWait`) and every IAM grant; never for the training. Ingress
   beyond the namespace's pods: the job API from non-Pod sources (KubeRay), metrics (`ray_network_policy`).
@@ -26,16 +28,16 @@ import pulumi_kubernetes as k8s
 
 from infra.config import RayClusterMode, StackConfig
 from infra.crd_wait import KUBERAY_CRDS, CrdWait, CrdWaitArgs
-from infra.foundation import FINISHED_OUTPUT, finished_run
+from infra.foundation import FINISHED_OUTPUT
 from infra.gke import POD_RANGE
 from infra.gke_workload import (
     ADAPTER_SUBDIR,
     AUTOMOUNT_SERVICE_ACCOUNT_TOKEN,
     BUCKET_SLOT,
+    DELETE_TIMEOUT,
     IMAGE_SLOT,
     POD_SECURITY_CONTEXT,
     RUN_LABEL,
-    RUNS_PREFIX,
     SKIP_AWAIT,
     TERMINATION_GRACE_S,
     GkeBase,
@@ -53,10 +55,9 @@ if TYPE_CHECKING:
     from infra.config import LoadedConfig
     from infra.foundation import Foundation
     from infra.images import Images
+    from infra.run_identity import RunState
 
 RAY_API_VERSION = "ray.io/v1"
-RAYJOB_NAME_PREFIX = "ft"
-RAYJOB_NAME_MAX = 40
 STANDING_CLUSTER_NAME = "gemma-tuning"
 WORKER_GROUP = "gpu-group"
 RAY_STORAGE_PREFIX = "ray"
@@ -67,6 +68,18 @@ HEAD_PORTS = [
     {"name": "dashboard", "containerPort": 8265},
     {"name": "client", "containerPort": 10001},
 ]
+# The spec fields whose change must restart the run (a replacement). KubeRay's RayJob controller reads the rest on
+# every reconcile (ray-project/kuberay v1.5.2 ray-operator/controllers/ray/rayjob_controller.go: activeDeadlineSeconds,
+# backoffLimit, shutdownAfterJobFinishes, ttlSecondsAfterFinished), so they change in place. Every field the
+# renderers set is in one list or the other (tests/infra/test_kuberay_defaults.py).
+RESTARTING_FIELDS = {
+    "RayJob": ("entrypoint", "submissionMode", "rayClusterSpec", "clusterSelector"),
+    "RayCluster": ("rayVersion", "enableInTreeAutoscaling", "headGroupSpec", "workerGroupSpecs"),
+}
+IN_PLACE_FIELDS = {
+    "RayJob": ("activeDeadlineSeconds", "backoffLimit", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished"),
+    "RayCluster": (),
+}
 # A standing cluster holds its GPUs until deleted, by the user's choice (rayCluster: standing): the policy pack's
 # deadline rule passes such a workload only with this label (infra/policy/policies.py LONG_RUNNING_LABEL).
 LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
@@ -78,7 +91,7 @@ METRICS_NAMESPACE = "gmp-system"
 
 
 def declare(
-    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images
+    cfg: StackConfig, loaded: LoadedConfig, foundation: Foundation, images: Images, run: RunState
 ) -> dict[str, pulumi.Input[Any]]:
     """The ray-gemma3-vision workload: cluster with the Ray add-on, namespace pieces, RayJob; returns outputs."""
     base = f"gft-{cfg.stack}"
@@ -91,10 +104,9 @@ def declare(
             cfg=cfg,
             gke=gke,
             image=images.trainer_image,
-            image_content=images.trainer_content,
+            run=run,
             bucket_name=foundation.bucket_name,
             crds=crds.command,
-            bucket_kept=foundation.bucket_kept,
         ),
     )
     ns, job_name = cfg.namespace, training.job_name
@@ -131,14 +143,12 @@ class RayTrainingArgs:
     pods use, and what they wait for besides: the APIs and every IAM grant to the trainer's and nodes' accounts."""
     image: pulumi.Input[str]
     """The trainer image (with Ray inside), pinned by digest."""
-    image_content: str
-    """`Images.trainer_content`: what the RayJob's name derives from (known in a preview)."""
+    run: RunState
+    """This stack's run (`infra.run_identity.resolve`): its name, and whether it has finished (then no RayJob)."""
     bucket_name: pulumi.Input[str]
     """The stack's bucket: Ray checkpoints under gs://BUCKET/ray, the adapter under gs://BUCKET/runs."""
     crds: pulumi.Resource
     """The step that waits until the KubeRay CRDs are Established (`infra.crd_wait`)."""
-    bucket_kept: bool = False
-    """`Foundation.bucket_kept`: the bucket may hold this run finished (then no RayJob is declared)."""
 
 
 class RayTraining(pulumi.ComponentResource):
@@ -153,13 +163,13 @@ class RayTraining(pulumi.ComponentResource):
     network_policy: k8s.networking.v1.NetworkPolicy
     """What reaches the Ray pods beyond the namespace's own pods (`ray_network_policy`)."""
     finished: str | None
-    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (foundation.finished_run), else None."""
+    """The run's `_RUN_COMPLETE.json` when the kept bucket holds it (`RunState.finished`), else None."""
 
     def __init__(self, name: str, args: RayTrainingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gemma-finetune:k8s:RayTraining", name, None, opts)
         cfg, gke = args.cfg, args.gke
         spec = RayRunSpec(
-            run=gpu_run(cfg, gke.namespace, RAYJOB_NAME_PREFIX, RAYJOB_NAME_MAX, args.image_content),
+            run=gpu_run(cfg, gke.namespace, args.run.name),
             ray_version=cfg.ray_version,
             storage_path=f"gs://{BUCKET_SLOT}/{RAY_STORAGE_PREFIX}",
             standing_cluster=STANDING_CLUSTER_NAME if cfg.ray_cluster is RayClusterMode.STANDING else None,
@@ -188,7 +198,7 @@ class RayTraining(pulumi.ComponentResource):
             depends = [*depends, self.ray_cluster]
         # A finished run (an `up` after `destroy` with the bucket kept) gets no RayJob: its ephemeral cluster would
         # take the GPU nodes only for the entry point to find the marker and exit.
-        self.finished = finished_run(cfg, args.bucket_kept, f"{RUNS_PREFIX}/{spec.run.name}")
+        self.finished = args.run.finished
         self.ray_job = None
         if self.finished is None:
             self.ray_job = self._custom_resource(
@@ -200,7 +210,8 @@ class RayTraining(pulumi.ComponentResource):
         self, name: str, manifest: dict[str, Any], provider: k8s.Provider, depends: list[pulumi.Resource]
     ) -> k8s.apiextensions.CustomResource:
         """A KubeRay object. KubeRay ignores edits to a started job and does not roll a cluster's pods on
-        template edits, so a changed spec replaces the object (deleted first: the name is content-derived)."""
+        template edits, so a change of what the run runs replaces the object (deleted first: it keeps its name);
+        the limits KubeRay reads on every reconcile change in place (`RESTARTING_FIELDS`)."""
         return k8s.apiextensions.CustomResource(
             name,
             api_version=RAY_API_VERSION,
@@ -211,8 +222,11 @@ class RayTraining(pulumi.ComponentResource):
                 parent=self,
                 provider=provider,
                 depends_on=depends,
-                replace_on_changes=["spec"],
+                replace_on_changes=[f"spec.{field}" for field in RESTARTING_FIELDS[manifest["kind"]]],
                 delete_before_replace=True,
+                # Past pulumi-kubernetes' 10-minute delete await: the GPU pods' grace, then the cascade
+                # (infra/gke_workload.py DELETE_TIMEOUT).
+                custom_timeouts=pulumi.CustomTimeouts(delete=DELETE_TIMEOUT),
             ),
         )
 

@@ -7,6 +7,7 @@ import json
 import pulumi
 import pytest
 
+from infra import cloud_run
 from infra.config import ConfigError
 from infra.offline.engine import MOCK_TRAINED_RUN, is_secret, redact_secrets, run_stack
 from serving.startup import FIRST_PROBE_WITHIN_S, PROBE_LIMITS, STARTUP_WINDOW, expected_start_s
@@ -73,7 +74,8 @@ class TestExecution:
         assert inputs["triggers"] == [run.outputs["runId"]]
         assert "gcloud run jobs execute" in inputs["create"] and "--async" in inputs["create"]
         assert inputs["environment"] == {"JOB": "gft-dev-train", "PROJECT": "my-gcp-project", "REGION": "us-central1"}
-        assert "update" not in inputs and "delete" not in inputs, "nothing but a new run id starts training"
+        assert "delete" not in inputs and inputs["update"] == cloud_run.EXECUTE_UPDATE_SCRIPT
+        assert "gcloud" not in inputs["update"], "nothing but a new run id starts training"
         assert run.one(JOB).urn in execution.dependencies, "the execution uses the Job's updated template"
 
     def test_stable_for_same_inputs(self) -> None:
@@ -87,10 +89,11 @@ class TestExecution:
         changed = run_stack("dev", overrides={**PREBUILT, "recipeOverrides": ["training.learning_rate=0.0001"]})
         assert changed.outputs["runId"] != base
 
-    def test_changes_with_image(self) -> None:
+    def test_same_with_another_image(self) -> None:
+        """A trainer image update alone is not a new run (infra/run_identity.py)."""
         other = PREBUILT["trainerImage"].replace("1" * 64, "3" * 64)
         base = run_stack("dev", overrides=PREBUILT).outputs["runId"]
-        assert run_stack("dev", overrides={**PREBUILT, "trainerImage": other}).outputs["runId"] != base
+        assert run_stack("dev", overrides={**PREBUILT, "trainerImage": other}).outputs["runId"] == base
 
     def test_run_id_names_the_run_folder(self) -> None:
         run = run_stack("dev", overrides=PREBUILT)

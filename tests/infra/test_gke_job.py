@@ -116,7 +116,11 @@ class TestTrainingJob:
         assert args.overrides[:2] == overrides and args.overrides[2].startswith("output.dir=gs://")
 
     def test_pulumi_does_not_wait_for_training(self, single: StackRun) -> None:
-        assert job_of(single)["metadata"]["annotations"]["pulumi.com/skipAwait"] == "true"
+        """A `waitFor` met at creation (pulumi-kubernetes' Job await would wait for the run); no `skipAwait`, which
+        would skip the delete await too (tests/infra/test_delete_timeouts.py)."""
+        annotations = job_of(single)["metadata"]["annotations"]
+        assert annotations["pulumi.com/waitFor"] == "jsonpath={.metadata.uid}"
+        assert "pulumi.com/skipAwait" not in annotations
 
     def test_failure_policy_and_deadlines(self, single: StackRun) -> None:
         spec = job_of(single)["spec"]
@@ -213,8 +217,12 @@ class TestJobName:
         assert re.fullmatch(r"train-text-to-sql-gemma4-31b-[0-9a-f]{8}", name), name
         assert len(name) <= gke_job.JOB_NAME_MAX
 
-    def test_new_image_new_job(self, single: StackRun) -> None:
-        assert run(trainerImage=OTHER_IMAGE).outputs["jobName"] != single.outputs["jobName"]
+    def test_new_image_same_run(self, single: StackRun) -> None:
+        """An update of the trainer image is not a new run: the Job keeps its name (infra/run_identity.py)."""
+        assert run(trainerImage=OTHER_IMAGE).outputs["jobName"] == single.outputs["jobName"]
+
+    def test_run_generation_new_job(self, single: StackRun) -> None:
+        assert run(runGeneration=1).outputs["jobName"] != single.outputs["jobName"]
 
     def test_new_overrides_new_job(self, single: StackRun) -> None:
         assert run(recipeOverrides=["training.max_steps=5"]).outputs["jobName"] != single.outputs["jobName"]

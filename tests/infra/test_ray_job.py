@@ -270,8 +270,8 @@ class TestJobName:
     def test_kuberay_limit(self, ephemeral: StackRun) -> None:
         assert len(ephemeral.outputs["rayJobName"]) <= 47
 
-    def test_new_image_new_job(self, ephemeral: StackRun) -> None:
-        assert run(trainerImage=OTHER_IMAGE).outputs["rayJobName"] != ephemeral.outputs["rayJobName"]
+    def test_new_image_same_run(self, ephemeral: StackRun) -> None:
+        assert run(trainerImage=OTHER_IMAGE).outputs["rayJobName"] == ephemeral.outputs["rayJobName"]
 
     def test_new_recipe_new_job(self, ephemeral: StackRun) -> None:
         changed = run(recipeOverrides=["training.learning_rate=1e-4"])

@@ -1,0 +1,142 @@
+"""A paid run starts only when the user asked for it (DESIGN.md), and the preview says in one line whether one does.
+
+A run is named by its recipe file, the repository data it reads, its overrides and `runGeneration`
+(infra/run_identity.py), never by the trainer image: a `git pull` that changes trainer/ must not start the W1
+run again (about $1,200 at the plan's ceiling), perhaps in an `up` made only to turn serving on. And the first
+`up` after this change of the formula must not either: the stack's run folders were named by the older one.
+The bucket is the mock cloud's (infra/offline/engine.py), holding what the trainer and the program wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+
+from infra import run_identity
+from infra.foundation import FINISHED_OUTPUT, RUN_MARKER
+from infra.offline import impact
+from infra.offline.engine import StackRun, run_stack
+from trainer.cost_line import PRICE_FILE
+from trainer.recipe import recipe_sha256
+
+STACKS = ("dev", "a4-gemma4", "ray-gemma3-vision")
+WORKLOADS = ("kubernetes:batch/v1:Job", "kubernetes:ray.io/v1:RayJob")
+RUN_NAME = {"dev": "runUri", "a4-gemma4": "runDir", "ray-gemma3-vision": "runDir"}
+
+
+def bucket(stack: str) -> str:
+    return f"my-gcp-project-gft-{stack}"
+
+
+def up(stack: str, objects: dict[str, str] | None = None, what_if: str | None = None, **overrides: Any) -> StackRun:
+    with impact.repository_changed(what_if):
+        return run_stack(stack, overrides=overrides, existing_buckets=(bucket(stack),), bucket_objects=objects)
+
+
+def folder(run: StackRun) -> str:
+    """The run's folder under the bucket, from the outputs."""
+    return str(run.outputs[RUN_NAME[run.stack]]).removeprefix(f"gs://{bucket(run.stack)}/")
+
+
+def starts_training(run: StackRun) -> bool:
+    """A Job, a RayJob or the Cloud Run execution step is declared."""
+    declared = [r for r in run.resources if r.type in WORKLOADS or r.name.endswith("-execution")]
+    return bool(declared)
+
+
+def finished(run: StackRun) -> dict[str, str]:
+    """The bucket after `run` finished: its record (as the program wrote it), price file and completion marker."""
+    record = run.by_name(f"gft-{run.stack}-run-key").plain_inputs()
+    where = folder(run)
+    return {
+        f"{bucket(run.stack)}/{record['name']}": record["content"],
+        f"{bucket(run.stack)}/{where}/{PRICE_FILE}": "{}",
+        f"{bucket(run.stack)}/{where}/{RUN_MARKER}": '{"completed_at": 1}',
+    }
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_trainer_pull_starts_no_finished_run_again(stack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(`monkeypatch`: the trainer edit is a patch, so no run of this test is reused from another.)"""
+    first = up(stack)
+    pulled = up(stack, finished(first), what_if="trainer")
+    assert folder(pulled) == folder(first), "a trainer update names the same run"
+    assert not starts_training(pulled), "the finished run would be trained again"
+    assert FINISHED_OUTPUT in pulled.outputs
+    line = pulled.outputs["paidRun"]
+    assert line.startswith("no paid run starts: run ") and "the trainer image changed since it started" in line, line
+    assert "runGeneration 1" in line, "the line says how to train again"
+
+
+def test_a_run_generation_trains_it_again() -> None:
+    first = up("a4-gemma4")
+    again = up("a4-gemma4", finished(first), runGeneration=1)
+    assert folder(again) != folder(first) and starts_training(again)
+    line = again.outputs["paidRun"]
+    assert line.startswith("a paid training run starts") and "runGeneration changed" in line, line
+
+
+def test_new_overrides_are_a_new_run_and_say_so() -> None:
+    first = up("dev")
+    changed = up("dev", finished(first), recipeOverrides=["training.seed=7"])
+    assert folder(changed) != folder(first) and starts_training(changed)
+    assert "recipeOverrides changed since run" in changed.outputs["paidRun"]
+
+
+def legacy_name(stack: str, run: StackRun) -> str:
+    """The run's name as the program named runs before run_identity: a hash that included the trainer image's
+    content (infra/gke_workload.py `run_name`, infra/cloud_run.py `run_id` at the parent commit), here for an
+    image built from another trainer/ than this checkout's."""
+    cfg = run.cfg
+    assert cfg is not None
+    naming = run_identity.naming(cfg)
+    identity = {"image": "trainer:" + "e" * 64, "recipe": recipe_sha256(cfg.recipe_source), "overrides": []}
+    if stack != "dev":
+        identity |= {"recipe": cfg.recipe, "recipe_sha256": recipe_sha256(cfg.recipe_source)}
+        identity |= {"gpu_type": cfg.gpu_type, "gpus_per_node": cfg.gpus_per_node, "nodes": cfg.nodes}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return naming.name(digest)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+class TestUpgradeFromImageNamedRuns:
+    """The first `up` after pulling the change that stopped naming runs by the image."""
+
+    def test_a_finished_run_stays_finished(self, stack: str) -> None:
+        name = legacy_name(stack, up(stack))
+        objects = {
+            f"{bucket(stack)}/runs/{name}/{PRICE_FILE}": "{}",
+            f"{bucket(stack)}/runs/{name}/{RUN_MARKER}": '{"completed_at": 1}',
+        }
+        pulled = up(stack, objects)
+        assert not starts_training(pulled), "a new paid run after an upgrade"
+        assert folder(pulled) == f"runs/{name}"
+        line = pulled.outputs["paidRun"]
+        assert "named by an earlier version of this program) has finished" in line, line
+        record = pulled.by_name(f"gft-{stack}-run-key")
+        assert record.plain_inputs()["name"] == f"runs/{name}/{run_identity.RUN_KEY_FILE}", "adopted for good"
+        assert record.retain_on_delete
+
+    def test_a_running_run_keeps_its_name(self, stack: str) -> None:
+        name = legacy_name(stack, up(stack))
+        pulled = up(stack, {f"{bucket(stack)}/runs/{name}/{PRICE_FILE}": "{}"})
+        assert folder(pulled) == f"runs/{name}" and starts_training(pulled)
+        assert pulled.outputs["paidRun"].startswith("no new paid run starts"), pulled.outputs["paidRun"]
+
+    def test_after_the_upgrade_a_new_recipe_is_a_new_run(self, stack: str) -> None:
+        """Once the stack's run carries its record, the older folders are history: a change is a new run."""
+        first = up(stack)
+        name = legacy_name(stack, first)
+        objects = {f"{bucket(stack)}/runs/{name}/{RUN_MARKER}": "{}", **finished(first)}
+        changed = up(stack, objects, recipeOverrides=["training.seed=7"])
+        assert folder(changed) not in (f"runs/{name}", folder(first)) and starts_training(changed)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_preview_prints_the_line(stack: str) -> None:
+    preview = run_stack(stack, preview=True)
+    line = preview.outputs["paidRun"]
+    assert line.startswith("a paid training run starts") and "has no run in this stack's bucket yet" in line
