@@ -9,7 +9,8 @@ Decisions
   `grants_to(identity)` lists every grant to one identity and waits `IAM_PROPAGATION_S` after them.
   Why: docs/decisions/service-accounts-outlive-destroy.md.
 - The bucket outlives `pulumi destroy` (`bucketForceDestroy` removes it), soft delete is off unless
-  `bucketSoftDeleteDays` says, and an existing bucket is adopted: docs/decisions/bucket-outlives-destroy.md.
+  `bucketSoftDeleteDays` says, and an existing bucket is adopted, its labels included:
+  docs/decisions/bucket-outlives-destroy.md.
 - The HF token (Cloud Run only) and `servingApiKey` go to Secret Manager, each with its reader's grant.
   Kubernetes identities and Workload Identity belong to the GKE components.
 """
@@ -47,9 +48,6 @@ _WORKLOAD_APIS = {
     Workload.GKE_RAY: _GKE_APIS,
     Workload.CLOUD_RUN: ("run.googleapis.com", "compute.googleapis.com", "logging.googleapis.com"),
 }
-# What an adopted bucket ignores: pulumi-gcp imports its labels into `effectiveLabels` only
-# (docs/decisions/bucket-outlives-destroy.md).
-ADOPTED_BUCKET_IGNORES = ("labels", "pulumiLabels")
 # What must be enabled before the first `pulumi up` can read anything (README, "The cloud path"): the preflight
 # reads GPU quotas through the Cloud Quotas API before any resource (so before any `projects.Service`) exists,
 # and the Cloud Quotas API lists a service's quotas only once that service is enabled in the project: the
@@ -295,10 +293,12 @@ class Foundation(pulumi.ComponentResource):
                 parent=self,
                 depends_on=self.apis,
                 retain_on_delete=not cfg.bucket_force_destroy,
-                # The bucket's ID is its name (terraform-provider-google google_storage_bucket).
+                # The bucket's ID is its name (terraform-provider-google google_storage_bucket). While the bucket is in
+                # the state with that ID the option does nothing (pulumi/pulumi step_generator.go imports only when
+                # there is no old state or its ID differs), so `labels` and every other setting update as for any
+                # resource; after a destroy the import reads the bucket and the same `up` updates it to the program's
+                # inputs (docs/decisions/bucket-outlives-destroy.md).
                 import_=adopt,
-                # An import reads no labels into `labels` / `pulumiLabels` (docs/decisions/bucket-outlives-destroy.md).
-                ignore_changes=list(ADOPTED_BUCKET_IGNORES) if adopt else None,
             ),
         )
         self.bucket_name = self.bucket.name

@@ -6,7 +6,7 @@ unless the resource says `createIgnoreAlreadyExists`. `destroy` is modelled from
 every resource goes except those registered with `retain_on_delete` and the accounts whose provider
 `deletionPolicy` is ABANDON. The second `up` must then adopt the kept bucket (import by its name, the
 bucket's ID) with the very inputs the first `up` created it with, and the engine's import must find nothing
-to change in what the provider reads back (`import_differences`), so the models in it stay where the stack
+to replace in what the provider reads back (`import_then_update`), so the models in it stay where the stack
 outputs point; and it must adopt the kept accounts, as the first `up` in a project the CI setup prepared
 (infra/bootstrap/ci-setup.sh creates them) must.
 """
@@ -20,6 +20,7 @@ import pytest
 from pulumi.runtime.mocks import MockResourceArgs
 
 from infra.offline.engine import Mocks, Recorded, StackRun, run_stack, stack_names
+from infra.offline.impact import classify, covers, diff_paths, rules
 from tests.infra.conftest import PREBUILT
 
 BUCKET = "gcp:storage/bucket:Bucket"
@@ -48,28 +49,22 @@ def kept_after_destroy(run: StackRun) -> tuple[str, ...]:
     return tuple(sorted(r.plain_inputs()["name"] for r in run.of_type(BUCKET) if r.retain_on_delete))
 
 
-# pulumi-gcp >= 8 adds this label to every resource it creates, in `pulumiLabels` (GCP 8.0 migration guide,
-# "Default label"); the stacks leave addPulumiAttributionLabel at its default.
-ATTRIBUTION_LABEL = {"goog-pulumi-provisioned": "true"}
-
-
-def import_differences(bucket: Recorded, created: dict[str, object]) -> list[str]:
-    """The properties an import of `bucket` finds different, as `pulumi up` would: the provider reads the
-    existing bucket (created with `created`) but, on an import, reads its labels into `effectiveLabels` only,
-    `labels` and `pulumiLabels` stay empty (terraform-provider-google tpgresource.SetLabels keeps only
-    configured keys, and an import has none; pulumi-gcp #1961 dropped its patch that imported them); the
-    engine puts the read values at the `ignore_changes` paths (pulumi/pulumi step.go `ImportStep` →
-    `diffResource(..., s.ignoreChanges)`), the provider plans `pulumiLabels` = labels + the attribution label,
-    and any remaining difference fails the import ("inputs to import do not match the existing resource")."""
-    read = {**created, "labels": {}, "pulumiLabels": {}}
-    ignored = set(bucket.ignore_changes)
+def import_then_update(bucket: Recorded, created: dict[str, object]) -> tuple[list[str], list[str]]:
+    """What `pulumi up` does to a kept bucket it adopts, as the pinned CLI does it: the import reads the existing bucket
+    (created with `created`) and takes what it read as the old state without comparing (pulumi/pulumi
+    pkg/resource/deploy/step.go `ImportStep.Apply`, from v3.175), and the step generator then diffs the program's
+    inputs against it (step_generator.go `continueStepsFromImport`). The provider reads an imported bucket's labels
+    into `effectiveLabels` only (terraform-provider-google tpgresource.SetLabels keeps configured keys, an import has
+    none; pulumi-gcp #1961), so `labels` differ. Returns the paths that would replace the bucket, which fails the
+    `up` ("previously-imported resources that still specify an ID may not be replaced", step_generator.go), and the
+    paths the update sets."""
+    read = {**created, "labels": {}}
     planned = dict(bucket.plain_inputs())
-    for key in ignored & set(read):
+    for key in set(bucket.ignore_changes) & set(read):
         planned[key] = read[key]
-    labels = planned.get("labels") or {}
-    assert isinstance(labels, dict)
-    planned["pulumiLabels"] = {**ATTRIBUTION_LABEL, **labels}
-    return sorted(k for k in set(planned) | set(read) if k not in ignored and planned.get(k) != read.get(k))
+    changed = diff_paths(read, planned)
+    rule = rules()[BUCKET]
+    return [p for p in changed if covers(rule.replace, p)], [p for p in changed if not covers(rule.replace, p)]
 
 
 def stack_bucket(run: StackRun) -> Recorded:
@@ -92,14 +87,24 @@ class TestUpDestroyUp:
         bucket = stack_bucket(second)
         assert bucket.import_id == kept[0]
         assert bucket.plain_inputs() == stack_bucket(first).plain_inputs()
-        assert import_differences(bucket, stack_bucket(first).plain_inputs()) == [], "the import would fail"
+        replaced, updated = import_then_update(bucket, stack_bucket(first).plain_inputs())
+        assert replaced == [], "the adopted bucket would be replaced: the up fails"
+        assert any(p.startswith("labels") for p in updated), "the update after the import sets the labels"
         assert second.outputs["bucket"] == first.outputs["bucket"], "the outputs point at the same models"
         grants = [r for r in second.resources if r.type == "gcp:storage/bucketIAMMember:BucketIAMMember"]
         assert {g.plain_inputs()["bucket"] for g in grants} >= set(kept), "its identities get their grants back"
 
-    def test_a_created_bucket_keeps_its_labels_managed(self, stack: str) -> None:
-        first = stack_bucket(up(stack))
-        assert first.plain_inputs()["labels"] and not first.ignore_changes, "labels are set when it is created"
+    def test_labels_reach_the_bucket_on_every_up(self, stack: str) -> None:
+        """The bucket is in the state, so `import_` is a no-op and a label change is an update of it: no
+        `ignore_changes` keeps the labels of the first `up` (nor of the adoption after a destroy)."""
+        first = up(stack)
+        kept = kept_after_destroy(first)
+        for existing in ((), kept):
+            before = up(stack, existing=existing)
+            after = up(stack, existing=existing, labels=["team=ml-platform", "owner=alice"])
+            impact = classify(before, after)[stack_bucket(after).urn]
+            assert impact.action == "update" and any(r.startswith("labels") for r in impact.reasons), impact
+            assert stack_bucket(after).plain_inputs()["labels"]["owner"] == "alice"
 
     def test_force_destroy_leaves_nothing_to_adopt(self, stack: str) -> None:
         first = up(stack, bucketForceDestroy=True)
