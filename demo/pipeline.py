@@ -621,9 +621,9 @@ def _write_summary(demo: DemoResult, path: Path) -> None:
 NEXT_STEPS = """\
 Next steps: the same pipeline on Google Cloud (README.md and docs/ have the details)
   make plan STACK=dev                          # offline: what `pulumi up` would create (Cloud Run L4, Gemma 3 1B)
-  make plan STACK=a4-gemma4                    # GKE A4 (8 x B200), Gemma 4 31B, FSDP
+  make plan STACK=a4-gemma4                    # GKE A4 (8 x B200), Gemma 4 31B, DDP over LoRA
   make plan STACK=ray-gemma3-vision            # GKE + Ray, Gemma 3 4B vision, QLoRA
-  pulumi stack select dev                      # or a4-gemma4 / ray-gemma3-vision
+  pulumi stack select --create dev             # or a4-gemma4 / ray-gemma3-vision
   pulumi config set gcp:project YOUR_PROJECT
   pulumi config set --secret hfToken hf_...    # Gemma weights are gated on the Hub
   pulumi up                                    # builds the images and starts the training run
