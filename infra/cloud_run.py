@@ -1,12 +1,10 @@
 """Stack `dev`: a Cloud Run GPU Job trains, a vLLM Cloud Run GPU Service serves.
 
 Decisions (why: docs/decisions/cloud-run-training-start.md, docs/decisions/cloud-run-serving.md)
-- A run is `run_id`, 12 hex characters of the run's identity (infra/run_identity.py: recipe, data, overrides,
-  runGeneration, never the trainer image); it names the run folder on the mounted bucket, so each run resumes
-  only its own checkpoints.
-- `pulumi up` starts training with `gcloud run jobs execute --async`, triggered by `run_id` only (not the
-  Job's execution token; its `update` is a no-op), so a re-run by hand (`rerunTraining`) leaves the stack working
-  and nothing but a new run id starts an execution.
+- A run is `run_id`, 12 hex characters of its key (infra/run_identity.py; never the trainer image); it names
+  the run folder on the mounted bucket, so each run resumes only its own checkpoints.
+- `pulumi up` starts training with `gcloud run jobs execute --async`, triggered by `run_id` only (no execution
+  token, a no-op `update`): a re-run by hand (`rerunTraining`) leaves the stack working.
 - Serving (`servingEnabled`) serves a pinned, finished run: `servingRunId`, else the run the serving gate
   picks among the finished ones (infra/serving_gate.py).
 - Startup probe: serving/startup.py's window, 30 s initial delay + 24 x 10 s = 270 s.

@@ -7,9 +7,8 @@ Decisions (why and sources: docs/decisions/gke-cluster-and-provider.md, docs/dec
 - Autopilot, regional: GKE adds the GPU nodes a Pod asks for and removes them after, so none idles.
 - Workload Identity pool set explicitly; nodes run as the stack's node account; the Ray operator
   add-on only for the Ray workload; deletion protection off by default (a disposable stack).
-- ONE Kubernetes provider, authenticated by the `gke-gcloud-auth-plugin` exec plugin (no credential in
-  state), and identified by the cluster it reaches (its endpoint and CA, as pulumi-kubernetes compares them):
-  a replaced cluster replaces the provider and every object in it; an update of the cluster keeps them.
+- ONE Kubernetes provider, authenticated by the `gke-gcloud-auth-plugin` exec plugin (no credential in state),
+  identified by the cluster it reaches (endpoint, CA): a replaced cluster replaces it and every object in it.
 - No setting a user changes day to day feeds an input that replaces the cluster (docs/operations.md).
 - The stack's own VPC and subnet, no firewall rule of ours, public nodes and no Cloud NAT.
 Not here: node pools (Autopilot has none), private nodes and authorized networks (the public endpoint

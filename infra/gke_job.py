@@ -6,14 +6,12 @@
 Decisions (why and sources: docs/decisions/gke-training-job.md)
 - Top to bottom: `declare` → `TrainingJob` → `render_training_job`, a pure function of a
   `gke_workload.GpuRun` to manifests (a headless Service when nodes > 1, the Job).
-- Named `train-<recipe>-<key8>` by the run's identity (infra/run_identity.py: recipe, data, overrides,
-  runGeneration): a new trainer image or a move to spot replaces the Job under its name, and the run resumes.
-- `pulumi up` does not wait for training (a `waitFor` met at creation), but a delete waits for the pods (their
-  grace and a margin: `DELETE_TIMEOUT`); the finished Job is removed after 3 days, so run `pulumi refresh` before
-  changing a setting of a finished run.
-- Retries resume from the latest checkpoint; preemption and maintenance use none; a deadline bounds it.
-- Whole nodes; multi-node is an Indexed Job in one zone, rank 0 at `<job>-0.<job>:29500`.
-- DDP over LoRA by the memory model (trainer/memory_plan.py); FSDP2 when a recipe selects it.
+- Named `train-<recipe>-<key8>` by the run's key (infra/run_identity.py): a new trainer image or a move to spot
+  replaces the Job under its name, and the run resumes.
+- `pulumi up` does not wait for training (a `waitFor` met at creation); a delete waits for the pods
+  (`DELETE_TIMEOUT`); the finished Job goes after 3 days; retries resume (preemption uses none), a deadline.
+- Whole nodes, DDP over LoRA by the memory model (FSDP2 when a recipe asks); multi-node is an Indexed Job in
+  one zone, rank 0 at `<job>-0.<job>:29500`.
 Not here: JobSet, A4 RDMA / GPUDirect networking (NCCL over the pod network: correct, not fast), Kueue.
 """
 

@@ -5,13 +5,11 @@
 Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-preemption.md)
 - Top to bottom: `declare` → `RayTraining` → pure renderers of a `RayRunSpec` (a `gke_workload.GpuRun`
   plus Ray's fields) to manifests, validated offline against KubeRay's schema and rules.
-- `rayCluster: ephemeral` (default): the RayJob brings its cluster and deletes it 60 s after the job
-  ends; `standing`: a RayCluster `gemma-tuning` stays up (and bills) and the RayJob targets it.
-- One GPU worker per node, in one zone; a small head that runs no Ray tasks; the trainer image by digest.
-- Named by the run's identity (infra/run_identity.py); a change of what the run runs (entrypoint, cluster spec)
-  replaces it, its limits (deadline, retries, TTL) change in place; KubeRay's CRD defaults leave every field it
-  sets as it is (infra/offline/kuberay_crds.py).
-- GPU workers get the preStop hook that saves a checkpoint on preemption (trainer/preemption.py).
+- `rayCluster: ephemeral` (default): the RayJob brings its cluster, deleted 60 s after the job ends;
+  `standing`: a RayCluster `gemma-tuning` stays up (and bills) and the RayJob targets it.
+- One GPU worker per node, in one zone, saving on preemption (preStop, trainer/preemption.py); a small head.
+- Named by the run's key (infra/run_identity.py); what the run runs (entrypoint, cluster spec) replaces it,
+  its limits (deadline, retries, TTL) change in place (`RESTARTING_FIELDS`, infra/offline/kuberay_crds.py).
 - Waits for the KubeRay CRDs (`infra.crd_wait.CrdWait`) and every IAM grant; never for the training. Ingress
   beyond the namespace's pods: the job API from non-Pod sources (KubeRay), metrics (`ray_network_policy`).
 Not here: Ray autoscaling, RayService / serving, Kueue.

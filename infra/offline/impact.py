@@ -3,19 +3,14 @@
     .venv/bin/python -m infra.offline.impact                    # every change of CHANGES: writes the table (make impact)
     .venv/bin/python -m infra.offline.impact --only gpuType     # plan and print the rows of one key
 
-`classify(before, after)` matches two offline runs of the real program by URN and says, for each resource, what
-`pulumi up` would do: unchanged, updated in place, replaced (delete-first or create-first), created or deleted.
-The rules are data (infra/offline/provider_rules.yaml, each read from a provider's source, named there):
-- an input change at a path the resource's provider forces new replaces it; so does a `replace_on_changes` path;
-  `ignore_changes` paths are left out;
-- an input whose value came from a replaced resource is unknown (the engine's delete-before-replace rule), and a
-  resource whose provider is replaced is replaced (pulumi/pulumi step_generator.go);
-- the Kubernetes provider decides its own replacement as pulumi-kubernetes' DiffConfig does (`kubernetes_provider`);
-- delete-first when the program says so, else for a bridged resource whose autonamed input is set, and for a
-  Kubernetes object that keeps its name.
-`run_effect` reads what that does to the training run. `make impact` plans every entry of `CHANGES` on every stack
-it applies to and writes docs/operations.md's table and infra/offline/impact_results.json (checked by
-tests/infra/test_change_impact.py). Not here: drift from live state, provider errors, what a real API accepts.
+`classify(before, after)` matches two offline runs of the real program by URN and says what `pulumi up` would do to
+each resource: unchanged, updated in place, replaced (delete-first or create-first), created or deleted, by rules
+kept as data with their sources (infra/offline/provider_rules.yaml): a forced input path or a `replace_on_changes`
+path replaces, `ignore_changes` paths are left out, an input from a replaced resource is unknown and a replaced
+provider replaces what it manages (pulumi/pulumi step_generator.go), the Kubernetes provider decides as its
+`DiffConfig` does. `run_effect` reads what that does to the training run. `make impact` plans `CHANGES` on every
+stack and writes docs/operations.md's table and impact_results.json (tests/infra/test_change_impact.py checks them).
+Why: docs/decisions/change-impact.md. Not here: drift from live state, provider errors, what a real API accepts.
 """
 
 from __future__ import annotations
@@ -332,6 +327,11 @@ class Change:
         return self.run_on.get(stack, self.run)
 
 
+def on_serving(label: str, overrides: dict[str, Any]) -> Change:
+    """A change of the dev stack with serving on, keyed by its first key."""
+    return Change(label, next(iter(overrides)), overrides, stacks=("dev",), base=SERVING)
+
+
 # Restarts: the run's pods are replaced under its name and resume from its last checkpoint. Updated: the Job or
 # RayJob changes in place (a label, a limit KubeRay or Kubernetes reads live). A dev training execution is never
 # restarted by a change: the Cloud Run Job's template updates for the next execution.
@@ -369,25 +369,12 @@ CHANGES: tuple[Change, ...] = (
     ),
     Change("`hfToken` → another token", "hfToken", {"hfToken": "mock-other-hf-token-not-a-real-credential"}),
     Change("`servingEnabled` → true", "servingEnabled", SERVING, stacks=("dev",)),
-    Change(
-        "`servingMaxInstances` → 2", "servingMaxInstances", {"servingMaxInstances": 2}, stacks=("dev",), base=SERVING
-    ),
-    Change(
-        "`servingMaxModelLen` → 2048", "servingMaxModelLen", {"servingMaxModelLen": 2048}, stacks=("dev",), base=SERVING
-    ),
-    Change(
-        "`servingRunId` → the served run",
-        "servingRunId",
-        {"servingRunId": MOCK_TRAINED_RUN},
-        stacks=("dev",),
-        base=SERVING,
-    ),
-    Change(
+    on_serving("`servingMaxInstances` → 2", {"servingMaxInstances": 2}),
+    on_serving("`servingMaxModelLen` → 2048", {"servingMaxModelLen": 2048}),
+    on_serving("`servingRunId` → the served run", {"servingRunId": MOCK_TRAINED_RUN}),
+    on_serving(
         "`servingPublic` → true with `servingApiKey`",
-        "servingPublic",
         {"servingPublic": True, "servingApiKey": "mock-vllm-api-key-not-a-real-credential"},
-        stacks=("dev",),
-        base=SERVING,
     ),
     Change("`labels` + `owner=alice`", "labels", {"labels": ["team=ml-platform", "owner=alice"]}),
     Change("`bucketForceDestroy` → true", "bucketForceDestroy", {"bucketForceDestroy": True}),
@@ -431,64 +418,19 @@ CHANGES: tuple[Change, ...] = (
         stacks=GKE,
         run="restarts",
     ),
-    Change(
-        "`servingGpuType` → nvidia-rtx-pro-6000",
-        "servingGpuType",
-        {"servingGpuType": "nvidia-rtx-pro-6000"},
-        stacks=("dev",),
-        base=SERVING,
-    ),
-    Change(
-        "`servingInvokers` + a user",
-        "servingInvokers",
-        {"servingInvokers": ["user:alice@example.com", "user:bob@example.com"]},
-        stacks=("dev",),
-        base=SERVING,
-    ),
-    Change(
+    on_serving("`servingGpuType` → nvidia-rtx-pro-6000", {"servingGpuType": "nvidia-rtx-pro-6000"}),
+    on_serving("`servingInvokers` + a user", {"servingInvokers": ["user:alice@example.com", "user:bob@example.com"]}),
+    on_serving(
         "`servingExtraArgs` + `--max-num-batched-tokens 4096`",
-        "servingExtraArgs",
         {"servingExtraArgs": ["--max-num-batched-tokens", "4096"]},
-        stacks=("dev",),
-        base=SERVING,
     ),
-    Change(
-        "`servingEnv` + `VLLM_LOGGING_LEVEL=DEBUG`",
-        "servingEnv",
-        {"servingEnv": ["VLLM_LOGGING_LEVEL=DEBUG"]},
-        stacks=("dev",),
-        base=SERVING,
-    ),
-    Change(
-        "`servingConcurrency` → 64", "servingConcurrency", {"servingConcurrency": 64}, stacks=("dev",), base=SERVING
-    ),
-    Change(
-        "`servingMaxEvalLoss` → 5", "servingMaxEvalLoss", {"servingMaxEvalLoss": "5"}, stacks=("dev",), base=SERVING
-    ),
-    Change(
-        "`servingVllmImage` → another CUDA 12.9 tag",
-        "servingVllmImage",
-        {"servingVllmImage": "vllm/vllm-openai:v0.27.0-cu129"},
-        stacks=("dev",),
-        base=SERVING,
-    ),
-    Change(
-        "`servingApiKey` → set",
-        "servingApiKey",
-        {"servingApiKey": "mock-vllm-api-key-not-a-real-credential"},
-        stacks=("dev",),
-        base=SERVING,
-    ),
-    Change(
-        "`gpuZonalRedundancy` → true", "gpuZonalRedundancy", {"gpuZonalRedundancy": True}, stacks=("dev",), base=SERVING
-    ),
-    Change(
-        "`servingHourPriceUsd` → 1.5",
-        "servingHourPriceUsd",
-        {"servingHourPriceUsd": "1.5"},
-        stacks=("dev",),
-        base=SERVING,
-    ),
+    on_serving("`servingEnv` + `VLLM_LOGGING_LEVEL=DEBUG`", {"servingEnv": ["VLLM_LOGGING_LEVEL=DEBUG"]}),
+    on_serving("`servingConcurrency` → 64", {"servingConcurrency": 64}),
+    on_serving("`servingMaxEvalLoss` → 5", {"servingMaxEvalLoss": "5"}),
+    on_serving("`servingVllmImage` → another CUDA 12.9 tag", {"servingVllmImage": "vllm/vllm-openai:v0.27.0-cu129"}),
+    on_serving("`servingApiKey` → set", {"servingApiKey": "mock-vllm-api-key-not-a-real-credential"}),
+    on_serving("`gpuZonalRedundancy` → true", {"gpuZonalRedundancy": True}),
+    on_serving("`servingHourPriceUsd` → 1.5", {"servingHourPriceUsd": "1.5"}),
     Change("`preflight` → warn", "preflight", {"preflight": "warn"}),
     Change(
         "`budgetUsd` with `billingAccount` and `budgetEmails`",
