@@ -208,7 +208,7 @@ class TestEveryRunGetsItsPrice:
     @pytest.mark.parametrize("stack", stack_names())
     def test_the_price_file_sits_in_the_run_folder(self, stack: str, tmp_path: Path) -> None:
         stack_run = run_stack(stack, overrides=PREBUILT)
-        (price,) = stack_run.of_type("gcp:storage/bucketObject:BucketObject")
+        price = stack_run.by_name(f"gft-{stack}-price")
         inputs = price.plain_inputs()
         out = self.output_dir(stack_run)
         relative = out.removeprefix("/mnt/bucket/") if out.startswith("/mnt/") else out.split("/", 3)[3]
@@ -225,7 +225,7 @@ class TestEveryRunGetsItsPrice:
     def test_no_price_no_file(self) -> None:
         h100x4 = {**PREBUILT, "gpuType": "nvidia-h100-80gb", "gpusPerNode": 4, "capacity": "spot", **SIZED_FOR_4}
         stack_run = run_stack("a4-gemma4", overrides=h100x4, remove=NO_RESERVATION)
-        assert not stack_run.of_type("gcp:storage/bucketObject:BucketObject")
+        assert not [r for r in stack_run.of_type("gcp:storage/bucketObject:BucketObject") if r.name.endswith("-price")]
 
     def test_what_the_same_run_costs_on_each_stack(self) -> None:
         """`make demo` prints this after its local run: the same wall time on each stack's hardware."""
