@@ -457,7 +457,7 @@ def repository_changed(what_if: str | None) -> Iterator[None]:
     if what_if is None:
         yield
         return
-    from infra import images, run_identity
+    from infra import images
 
     content_hash = images.content_hash
 
@@ -467,6 +467,8 @@ def repository_changed(what_if: str | None) -> Iterator[None]:
 
     patches: list[Any] = [mock.patch.object(images, "content_hash", edited)]
     if what_if in ("recipe", "data"):
+        from infra import run_identity
+
         name = {"recipe": "recipe_digest", "data": "data_digest"}[what_if]
         original: Callable[..., str] = getattr(run_identity, name)
         patches.append(mock.patch.object(run_identity, name, lambda *a, **k: f"{original(*a, **k)}+edit"))

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from infra import run_identity
 from infra.foundation import FINISHED_OUTPUT, RUN_MARKER
 from infra.offline import impact
 from infra.offline.engine import StackRun, run_stack
@@ -25,6 +24,8 @@ from trainer.recipe import recipe_sha256
 STACKS = ("dev", "a4-gemma4", "ray-gemma3-vision")
 WORKLOADS = ("kubernetes:batch/v1:Job", "kubernetes:ray.io/v1:RayJob")
 RUN_NAME = {"dev": "runUri", "a4-gemma4": "runDir", "ray-gemma3-vision": "runDir"}
+# The GKE name prefixes and lengths the older formula used (infra/gke_job.py, infra/ray_job.py at the parent commit).
+LEGACY_NAMES = {"a4-gemma4": ("train", 56), "ray-gemma3-vision": ("ft", 40)}
 
 
 def bucket(stack: str) -> str:
@@ -48,14 +49,16 @@ def starts_training(run: StackRun) -> bool:
 
 
 def finished(run: StackRun) -> dict[str, str]:
-    """The bucket after `run` finished: its record (as the program wrote it), price file and completion marker."""
-    record = run.by_name(f"gft-{run.stack}-run-key").plain_inputs()
+    """The bucket after `run` finished: its record (as the program wrote it, when it writes one), price file and
+    completion marker."""
     where = folder(run)
-    return {
-        f"{bucket(run.stack)}/{record['name']}": record["content"],
+    objects = {
         f"{bucket(run.stack)}/{where}/{PRICE_FILE}": "{}",
         f"{bucket(run.stack)}/{where}/{RUN_MARKER}": '{"completed_at": 1}',
     }
+    for record in (r.plain_inputs() for r in run.resources if r.name == f"gft-{run.stack}-run-key"):
+        objects[f"{bucket(run.stack)}/{record['name']}"] = record["content"]
+    return objects
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -92,13 +95,14 @@ def legacy_name(stack: str, run: StackRun) -> str:
     image built from another trainer/ than this checkout's."""
     cfg = run.cfg
     assert cfg is not None
-    naming = run_identity.naming(cfg)
     identity = {"image": "trainer:" + "e" * 64, "recipe": recipe_sha256(cfg.recipe_source), "overrides": []}
-    if stack != "dev":
-        identity |= {"recipe": cfg.recipe, "recipe_sha256": recipe_sha256(cfg.recipe_source)}
-        identity |= {"gpu_type": cfg.gpu_type, "gpus_per_node": cfg.gpus_per_node, "nodes": cfg.nodes}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return naming.name(digest)
+    if stack == "dev":
+        return f"{cfg.recipe}-{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]}"
+    identity |= {"recipe": cfg.recipe, "recipe_sha256": recipe_sha256(cfg.recipe_source)}
+    identity |= {"gpu_type": cfg.gpu_type, "gpus_per_node": cfg.gpus_per_node, "nodes": cfg.nodes}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+    prefix, max_len = LEGACY_NAMES[stack]
+    return f"{prefix}-{cfg.recipe[: max_len - len(prefix) - len(digest) - 2].rstrip('-')}-{digest}"
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -117,7 +121,7 @@ class TestUpgradeFromImageNamedRuns:
         line = pulled.outputs["paidRun"]
         assert "named by an earlier version of this program) has finished" in line, line
         record = pulled.by_name(f"gft-{stack}-run-key")
-        assert record.plain_inputs()["name"] == f"runs/{name}/{run_identity.RUN_KEY_FILE}", "adopted for good"
+        assert record.plain_inputs()["name"] == f"runs/{name}/_RUN_KEY.json", "adopted for good"
         assert record.retain_on_delete
 
     def test_a_running_run_keeps_its_name(self, stack: str) -> None:
