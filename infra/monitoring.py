@@ -345,7 +345,7 @@ def declare(
     else:
         recipients = "the console only (set alertEmails to be emailed)"
     return {
-        "dashboard": monitoring.dashboard_url,
+        "runDashboard": monitoring.dashboard_url,
         "alerts": (
             f"no step for {cfg.alert_stall_minutes} min, or still training after {run_minutes(cfg)} min: "
             f"to {recipients}"

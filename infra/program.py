@@ -72,9 +72,9 @@ def run() -> dict[str, Any]:
     # when the user asked for it).
     pulumi.log.info(f"training: {run.line()}")
     outputs["paidRun"] = run.line()
-    outputs.update(_workload(cfg, loaded, foundation, images, run))
+    _add(outputs, _workload(cfg, loaded, foundation, images, run))
     run_identity.declare_record(name, cfg, run, foundation.bucket_name, after=[foundation.bucket])
-    outputs.update(cost.outputs(cfg))
+    _add(outputs, cost.outputs(cfg))
     # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py); a finished
     # run's folder keeps the price it ran with (its marker's cost line was computed from it).
     run_dir = pulumi.Output.from_input(outputs.get("runDir") or outputs["runUri"])
@@ -94,8 +94,16 @@ def run() -> dict[str, Any]:
             f"{cfg.budget_usd} USD a month for resources labelled stack={cfg.stack} in {cfg.project} (billing "
             f"account {cfg.billing_account}); alerts at 50, 90 and 100 % to {recipients}"
         )
-    outputs.update(monitoring.declare(name, cfg, after=list(foundation.apis), budget_channels=budget_channels))
+    _add(outputs, monitoring.declare(name, cfg, after=list(foundation.apis), budget_channels=budget_channels))
     return outputs
+
+
+def _add(outputs: dict[str, Any], more: dict[str, Any]) -> None:
+    """Add a part's outputs; two parts naming one output would silently hide one of them."""
+    clash = sorted(outputs.keys() & more.keys())
+    if clash:
+        raise AssertionError(f"stack outputs {clash} are declared twice: rename one")
+    outputs.update(more)
 
 
 def _workload(

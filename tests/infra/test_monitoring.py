@@ -69,7 +69,7 @@ class TestDashboard:
     def test_each_stack_links_its_dashboard_from_the_outputs(self, stacks: dict[str, StackRun]) -> None:
         for stack, run in stacks.items():
             dashboard = run.one(DASHBOARD)
-            url = str(run.outputs["dashboard"])
+            url = str(run.outputs["runDashboard"])
             assert url.startswith("https://console.cloud.google.com/monitoring/dashboards/builder/"), url
             assert run.cfg is not None
             assert url.endswith(f"/{dashboard.name}-id?project={run.cfg.project}"), (stack, url)  # the mock's ID
