@@ -3,7 +3,8 @@
 A server-side dry run is authorized as the verb it tries, so the GKE preview identities hold container.developer:
 pods, exec, port-forward, tokens, and through Workload Identity the trainer's bucket. This ValidatingAdmissionPolicy
 (admissionregistration.k8s.io/v1, GA in 1.30) refuses every CREATE, UPDATE, DELETE and CONNECT of theirs on any
-resource that is not a dry run; reads never reach admission. GKE names a Google service account by its email.
+resource that is not a dry run of a whole object (a dry-run TokenRequest still mints a token); reads never reach
+admission. GKE names a Google service account by its email.
 - Applied by `kubectl apply` in `pulumi up` (a pulumi-command step, never in a preview): a Pulumi-managed policy would
   be dry-run by every preview, and no preview may write admission policies (no admission rule guards them).
 - GKE's IAM has no permission on admission policies: the step binds itself, through RBAC, a ClusterRole that may
@@ -26,11 +27,16 @@ from infra.config import StackConfig
 # The CI identities that hold Kubernetes write verbs for dry runs only (infra/bootstrap/ci-identities.yaml).
 PREVIEW_ACCOUNTS = ("gft-ci-preview-gke", "gft-ci-deploy-preview")
 POLICY_NAME = "gft-ci-previews-dry-run-only"
-# Which requests the rule looks at: those of a preview identity. `request.dryRun` is unset on a CONNECT.
+# Which requests the rule looks at: those of a preview identity. `request.dryRun` is false (or unset) on a CONNECT.
 MATCH_EXPRESSION = "request.userInfo.username in {usernames}"
-VALIDATION_EXPRESSION = "has(request.dryRun) && request.dryRun == true"
+# A dry run of a whole object only: a dry run is as dry as the storage behind it, and some subresources ignore it
+# (kubernetes pkg/registry/core/serviceaccount/storage/token.go `TokenREST.Create` never reads options.DryRun, so a
+# dry-run TokenRequest returns a signed token). pulumi-kubernetes previews whole objects, never a subresource.
+VALIDATION_EXPRESSION = (
+    "has(request.dryRun) && request.dryRun == true && (!has(request.subResource) || request.subResource == '')"
+)
 MESSAGE = (
-    "CI preview identities may only dry-run (kubectl --dry-run=server, pulumi preview): "
+    "CI preview identities may only dry-run whole objects (kubectl --dry-run=server, pulumi preview): "
     "infra/admission.py, docs/ci.md 'What a pull request can do'"
 )
 

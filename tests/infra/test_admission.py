@@ -78,6 +78,22 @@ class TestTheRule:
     def test_a_preview_makes_no_write(self, account: str, operation: str, resource: str, dry_run: bool | None) -> None:
         assert not admitted(request(account, operation, resource, dry_run))
 
+    @pytest.mark.parametrize("account", [CI_PREVIEW_GKE, CI_DEPLOY_PREVIEW])
+    @pytest.mark.parametrize(
+        ("operation", "resource"),
+        [
+            # kubernetes pkg/registry/core/serviceaccount/storage/token.go `TokenREST.Create` never reads
+            # options.DryRun: a dry-run TokenRequest returns a signed token all the same
+            ("CREATE", "serviceaccounts/token"),
+            ("CREATE", "pods/eviction"),
+            ("UPDATE", "pods/ephemeralcontainers"),
+            ("CREATE", "pods/binding"),
+        ],
+    )
+    def test_no_subresource_even_as_a_dry_run(self, account: str, operation: str, resource: str) -> None:
+        """A dry run is only as dry as the storage behind it; a preview dry-runs whole objects, never a subresource."""
+        assert not admitted(request(account, operation, resource, dry_run=True))
+
     def test_the_deploy_and_everyone_else_are_not_its_business(self) -> None:
         assert admitted(request(CI_DEPLOY, "CREATE", "pods", dry_run=False))
         assert admitted(request("someone", "CONNECT", "pods/exec", dry_run=None))
