@@ -11,7 +11,7 @@ Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-
 - Named by the run's key (infra/run_identity.py); what the run runs (entrypoint, cluster spec) replaces it,
   its limits (deadline, retries, TTL) change in place (`RESTARTING_FIELDS`, infra/offline/kuberay_crds.py).
 - Waits for the KubeRay CRDs (`infra.crd_wait.CrdWait`) and every IAM grant; never for the training. Ingress
-  beyond the namespace's pods: the job API from non-Pod sources (KubeRay), metrics (`ray_network_policy`).
+  beyond the namespace's pods: the job API from KubeRay (via konnectivity), metrics (`ray_network_policy`).
 Not here: Ray autoscaling, RayService / serving, Kueue.
 """
 
@@ -82,10 +82,18 @@ IN_PLACE_FIELDS = {
 # deadline rule passes such a workload only with this label (infra/policy/policies.py LONG_RUNNING_LABEL).
 LONG_RUNNING_LABEL = "gemma-finetune/gpu-long-running"
 DASHBOARD_PORT = 8265
+# GKE's control plane (and the KubeRay operator GKE runs there) reaches a pod through the konnectivity agents, pods in
+# kube-system: that traffic has a Pod address (tigera/operator PR #5212: "On AKS and GKE the apiserver proxies
+# admission calls through those pods"), so an ipBlock outside the Pod range alone never admits it.
+CONTROL_PLANE_TUNNEL = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+    "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}},
+}
 # Ray's metrics export port, which KubeRay names `metrics` on every Ray pod; GKE's Ray monitoring scrapes it with
-# Google Cloud Managed Service for Prometheus, whose collectors run in namespace gmp-system.
+# Google Cloud Managed Service for Prometheus, whose collectors run in gke-gmp-system when GKE manages them (Autopilot)
+# and in gmp-system when installed by hand.
 METRICS_PORT = 8080
-METRICS_NAMESPACE = "gmp-system"
+METRICS_NAMESPACES = ("gke-gmp-system", "gmp-system")
 
 
 def declare(
@@ -241,15 +249,24 @@ class RayRunSpec:
 
 def ray_network_policy(group: str) -> dict[str, Any]:
     """NetworkPolicy spec added to the namespace's own-pods-only rule for one Ray cluster's pods: the head's job
-    API from outside the cluster's Pod range (KubeRay's operator, the API server's proxy; no other pod), and the
-    metrics port from Managed Prometheus's collectors."""
+    API from GKE's KubeRay operator (through the konnectivity agents, or directly from outside the Pod range; no
+    other pod), and the metrics port from Managed Prometheus's collectors."""
     outside_pods = {"ipBlock": {"cidr": "0.0.0.0/0", "except": [POD_RANGE]}}
-    collectors = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": METRICS_NAMESPACE}}}
+    collectors = {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": list(METRICS_NAMESPACES)}
+            ]
+        }
+    }
     return {
         "podSelector": {"matchLabels": {RUN_LABEL: group}},
         "policyTypes": ["Ingress"],
         "ingress": [
-            {"from": [outside_pods], "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]},
+            {
+                "from": [outside_pods, dict(CONTROL_PLANE_TUNNEL)],
+                "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}],
+            },
             {"from": [collectors], "ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
         ],
     }
