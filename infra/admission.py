@@ -15,6 +15,7 @@ Evidence and what it costs: docs/ci.md, "What a pull request can do"; the CEL re
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,3 +171,17 @@ class PreviewFence(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=args.depends_on),
         )
         self.register_outputs({"policy": POLICY_NAME})
+
+
+def main(argv: list[str]) -> int:
+    """Print the fence for another cluster of the project (`python -m infra.admission PROJECT | kubectl apply -f -`):
+    Workload Identity maps a namespace/KSA of ANY cluster in the project to the same Google principal."""
+    if len(argv) != 1:
+        print("usage: python -m infra.admission PROJECT_ID", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump_all(render_fence(argv[0]), sort_keys=False), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

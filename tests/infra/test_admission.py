@@ -106,6 +106,11 @@ class TestTheRule:
         assert rule["resources"] == ["*", "*/*"] and rule["apiGroups"] == ["*"] and rule["apiVersions"] == ["*"]
         assert admission.render_policy(PROJECT)["failurePolicy"] == "Fail"
 
+    def test_it_prints_the_fence_for_another_cluster_of_the_project(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert admission.main([PROJECT]) == 0
+        assert list(yaml.safe_load_all(capsys.readouterr().out)) == admission.render_fence(PROJECT)
+        assert admission.main([]) == 2
+
     def test_the_manifests_are_valid_kubernetes_objects(self) -> None:
         documents = [*admission.render_fence(PROJECT), admission.render_fence_role()]
         for document in yaml.safe_load_all(yaml.safe_dump_all(documents)):
