@@ -12,12 +12,15 @@ Decisions (sources and the publication order they rely on: docs/decisions/servin
 - When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was worse,
   and the override (`pulumi config set servingRunId RUN`).
 - Only runs scored on the same held-out rows (`eval.held_out.sha256`, trainer/data.py `held_out_identity`) are
-  compared; of two scored on different rows the newer is served and `pulumi up` warns that the rows differ.
+  compared. A run scored on other rows than the served one is checked against its own base model on its own rows
+  (`eval.before`): not worse, serving moves to it; worse, serving stays; `pulumi up` warns either way.
+- A loss or score that is not a finite number (a diverged run writes `NaN`) is worse than any number and meets no bar.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,8 @@ class RunEval:
     score_name: str | None = None
     score: float | None = None
     held_out: str | None = None  # sha256 of the held-out rows it was scored on
+    base_loss: float | None = None  # the base model's on the same rows (`eval.before`)
+    base_score: float | None = None
 
     def shown(self) -> str:
         loss = "no held-out loss" if self.loss is None else f"held-out loss {self.loss:.4f}"
@@ -65,14 +70,30 @@ def run_eval(summary_text: str | None) -> RunEval:
     """The held-out loss and the score of a run summary's text (trainer/run_eval.py's `eval`)."""
     summary = _summary(summary_text)
     evaluation = summary.get(EVAL_KEY)
-    name, score, rows = None, None, None
+    name, score, rows, base_loss, base_score = None, None, None, None, None
     if isinstance(evaluation, dict) and isinstance(evaluation.get("score"), str):
         after = evaluation.get("after")
         score = _number(after.get(evaluation["score"])) if isinstance(after, dict) else None
         name = evaluation["score"] if score is not None else None
     if isinstance(evaluation, dict) and isinstance(evaluation.get("held_out"), dict):
         rows = evaluation["held_out"].get("sha256")
-    return RunEval(_number(summary.get(SCORE_KEY)), name, score, rows if isinstance(rows, str) else None)
+    before = evaluation.get("before") if isinstance(evaluation, dict) else None
+    if isinstance(before, dict):
+        base_loss = _number(before.get("loss"))
+        base_score = _number(before.get(name)) if name is not None else None
+    return RunEval(
+        _number(summary.get(SCORE_KEY)), name, score, rows if isinstance(rows, str) else None, base_loss, base_score
+    )
+
+
+def _higher(value: float, than: float) -> bool:
+    """`value > than`, with a value that is not a finite number (NaN, inf) higher than any number."""
+    return not math.isfinite(value) or (math.isfinite(than) and value > than)
+
+
+def _lower(value: float, than: float) -> bool:
+    """`value < than`, with a value that is not a finite number lower than any number."""
+    return not math.isfinite(value) or (math.isfinite(than) and value < than)
 
 
 @dataclass(frozen=True)
@@ -90,13 +111,20 @@ def _worse(new: RunEval, old: RunEval) -> tuple[bool, list[str]]:
         return False, []
     if new.loss is not None and old.loss is not None:
         comparable = True
-        if new.loss > old.loss:
+        if _higher(new.loss, old.loss):
             worse.append("held-out loss higher")
     if new.score is not None and old.score is not None and new.score_name == old.score_name:
         comparable = True
-        if new.score < old.score:
+        if _lower(new.score, old.score):
             worse.append(f"{new.score_name} lower")
     return comparable, worse
+
+
+def _worse_than_base(run: RunEval) -> list[str]:
+    """What is worse in `run` than in its own base model on the same rows (`eval.before`): the one comparison left
+    for a run scored on other held-out rows than the served one."""
+    base = RunEval(run.base_loss, run.score_name if run.base_score is not None else None, run.base_score)
+    return _worse(run, base)[1]
 
 
 def _bars(max_loss: float | None, min_score: float | None) -> str:
@@ -110,11 +138,11 @@ def _misses(run: RunEval, max_loss: float | None, min_score: float | None) -> li
     trained before runs scored themselves, or with evaluation.generate_rows 0) misses servingMinScore: it cannot
     show the score the bar asks for, and an old unscored run must not win over newer scored ones."""
     misses = []
-    if max_loss is not None and run.loss is not None and run.loss > max_loss:
+    if max_loss is not None and run.loss is not None and _higher(run.loss, max_loss):
         misses.append(f"above servingMaxEvalLoss={max_loss}")
     if min_score is not None and run.score is None:
         misses.append(f"no score for servingMinScore={min_score}")
-    elif min_score is not None and run.score is not None and run.score < min_score:
+    elif min_score is not None and run.score is not None and _lower(run.score, min_score):
         misses.append(f"below servingMinScore={min_score}")
     return misses
 
@@ -147,28 +175,41 @@ def gate(
             f"{of(newest).shown()}, {' and '.join(_misses(of(newest), max_loss, min_score))}. {override}",
             note,
         )
-    served, note, reasons, rows_differ = finished[0], None, [], None
+    served, note, why, rows_differ = finished[0], None, "", None
     for rid in finished[1:]:
-        comparable, worse = _worse(of(rid), of(served))
-        if rid == newest and of(rid).other_rows(of(served)):
-            rows_differ = (
-                f"runs {served} and {rid} were scored on different held-out rows (sha256 "
-                f"{(of(served).held_out or '')[:12]} vs {(of(rid).held_out or '')[:12]}), so the gate could not "
-                f"compare them and serving moved to "
-                f"{rid} ({of(rid).shown()}; {served}: {of(served).shown()}). Fix: the same data.eval_path in both "
-                f"recipes keeps runs comparable; to serve {served}: pulumi config set servingRunId {served}"
+        new, old = of(rid), of(served)
+        if new.other_rows(old):
+            # no comparison between the two: the run is checked against its own base model on its own rows
+            rows = (
+                f"{rid} was scored on other held-out rows than {served} (sha256 {(new.held_out or '')[:12]} vs "
+                f"{(old.held_out or '')[:12]}), so the gate cannot compare them"
             )
+            fix = "the same data.eval_path in both recipes keeps runs comparable"
+            base_worse = _worse_than_base(new)
+            if base_worse:
+                why = f"{rows}, and it is worse than its base model on its own held-out rows: {', '.join(base_worse)}"
+                continue
+            if rid == newest:
+                rows_differ = (
+                    f"runs {served} and {rid} were scored on different held-out rows (sha256 {(old.held_out or '')[:12]} "
+                    f"vs {(new.held_out or '')[:12]}), so the gate could not compare them; {rid} is not worse than its "
+                    f"base model on its rows, and serving moved to it ({new.shown()}; {served}: {old.shown()}). "
+                    f"Fix: {fix}; to serve {served}: pulumi config set servingRunId {served}"
+                )
+            served = rid
+            continue
+        comparable, worse = _worse(new, old)
         if not comparable:
-            note = f"run {rid} moved serving without a comparison ({of(rid).shown()}; served run {served}: {of(served).shown()})"
+            note = f"run {rid} moved serving without a comparison ({new.shown()}; served run {served}: {old.shown()})"
             served = rid
         elif not worse:
             served = rid
         else:
-            reasons = worse
+            why = f"worse: {' and '.join(worse)}"
     if served == newest:
         return GateDecision(served, warning=rows_differ, note=None if rows_differ else note)
     return GateDecision(
         served,
         f"serving keeps run {served} ({of(served).shown()}): the newest finished run {newest} has "
-        f"{of(newest).shown()}, worse: {' and '.join(reasons)}. {override}",
+        f"{of(newest).shown()}, {why}. {override}",
     )

@@ -211,3 +211,34 @@ def test_the_gate_reads_the_held_out_rows_from_the_summary() -> None:
     assert (
         run_eval(json.dumps({"eval_loss": 0.8, "eval": {"score": "x", "held_out": "not a mapping"}})).held_out is None
     )
+
+
+def test_a_run_on_other_held_out_rows_that_is_worse_than_its_own_base_model_is_not_served() -> None:
+    """Why: runs scored on other rows cannot be compared with each other, and a seeded slice changes with any edit
+    of the data, so a diverged run on new data would be served unchecked. Its own summary still compares it with
+    the base model on its own rows (`eval.before`): a run worse than the untuned model keeps the served one."""
+    diverged = finished(B, 3.5, 0.01, rows=OTHER)  # the base model's loss is 3.0 and its emoji_f1 0.05
+    run = run_stack("dev", overrides=SERVING, bucket_objects={**finished(A, 0.80, 0.6, rows=SAME), **diverged})
+    assert _served(run) == A
+    (warning,) = [w for w in run.warnings if "serving keeps run" in w]
+    assert f"{B} was scored on other held-out rows than {A} (sha256 {OTHER[:12]} vs {SAME[:12]})" in warning
+    assert "worse than its base model on its own held-out rows: held-out loss higher, emoji_f1 lower" in warning
+    assert f"pulumi config set servingRunId {B}" in warning
+    # one worse on either number is held too; one better than its base on both moves serving (and says so)
+    assert (
+        gate([A, B], {A: RunEval(0.8, held_out=SAME), B: RunEval(0.9, held_out=OTHER, base_loss=0.7)}, None).served == A
+    )
+    moved = gate([A, B], {A: RunEval(0.8, held_out=SAME), B: RunEval(0.9, held_out=OTHER, base_loss=2.0)}, None)
+    assert moved.served == B and moved.warning is not None and "different held-out rows" in moved.warning
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_run_whose_loss_is_not_a_number_is_never_served(bad: float) -> None:
+    """Why: a diverged run's summary holds `"eval_loss": NaN` (json writes it, json reads it back), and every
+    comparison with NaN is false, so it was 'not worse' and met servingMaxEvalLoss."""
+    text = json.dumps({"eval_loss": bad})
+    assert run_eval(text).loss is not None
+    evals = {A: RunEval(0.8), B: run_eval(text)}
+    assert gate([A, B], evals, None).served == A
+    assert gate([A, B], evals, 1.0).served == A
+    assert gate([B, A], {**evals}, None).served == A  # a finite run after a NaN one moves serving
