@@ -651,19 +651,37 @@ def recipe_file_problem(value: str) -> str | None:
     if path.stem in list_recipes() and full != shipped.resolve():
         return f"recipe={value!r} has the name of the shipped recipe {path.stem!r}. Fix: rename the file"
     try:
-        recipe = parse_recipe(str(full))
-        local = recipe.data.repository_files()
+        outside = _data_outside_image(parse_recipe(str(full)))
     except RecipeError as exc:
         return f"recipe={value!r}: {exc}"
-    trainer_dir = (REPO_ROOT / "trainer").resolve()
-    outside = [str(f) for f in local if not f.resolve().is_relative_to(trainer_dir)]
     if outside:
-        return (
-            f"recipe={value!r} reads {', '.join(outside)}, outside trainer/: the trainer image carries trainer/ only. "
-            "Fix: move the data under trainer/samples/ (and point data.path there), or upload it to a bucket "
-            "(data.path: gs://BUCKET/PREFIX/*.jsonl with data.rows)"
-        )
+        return f"recipe={value!r} reads {outside}"
     return None
+
+
+def _data_outside_image(recipe: Recipe) -> str | None:
+    """The local files the recipe's data reads outside trainer/ (the trainer image's build context), with the fix;
+    None when every one travels in the image. RecipeError when a local file is missing."""
+    trainer_dir = (REPO_ROOT / "trainer").resolve()
+    outside = [str(f) for f in recipe.data.repository_files() if not f.resolve().is_relative_to(trainer_dir)]
+    if not outside:
+        return None
+    return (
+        f"{', '.join(outside)}, outside trainer/: the trainer image carries trainer/ only. "
+        "Fix: move the data under trainer/samples/ (and point data.path, data.sources or data.eval_path there), or "
+        "upload it to a bucket (data.path: gs://BUCKET/PREFIX/*.jsonl with data.rows)"
+    )
+
+
+def _override_data_problem(cfg: StackConfig) -> str | None:
+    """`recipe_file_problem` for the data the overrides name: a file outside trainer/ plans, then stops the job."""
+    if not cfg.recipe_overrides:
+        return None
+    try:
+        outside = _data_outside_image(parse_recipe(cfg.recipe_source, cfg.recipe_overrides))
+    except RecipeError:
+        return None  # _hf_token_problem reports it
+    return f"recipeOverrides make recipe {cfg.recipe!r} read {outside}" if outside else None
 
 
 def _url_rows_problem(cfg: StackConfig) -> str | None:
@@ -782,7 +800,13 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
         )
     except ValidationError as exc:
         raise ConfigError(_render(stack, [_describe(e) for e in exc.errors()])) from None
-    token_problem = _url_rows_problem(cfg) or _memory_problem(cfg) or _hf_token_problem(cfg) or _world_size_problem(cfg)
+    token_problem = (
+        _override_data_problem(cfg)
+        or _url_rows_problem(cfg)
+        or _memory_problem(cfg)
+        or _hf_token_problem(cfg)
+        or _world_size_problem(cfg)
+    )
     if token_problem:
         raise ConfigError(_render(stack, [token_problem]))
     return cfg

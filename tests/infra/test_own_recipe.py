@@ -131,3 +131,25 @@ def test_a_prebuilt_image_cannot_carry_a_recipe_file(own_dir: Path) -> None:
     with pytest.raises(ConfigError, match="only an image this stack builds carries") as raised:
         run_stack("dev", overrides={"recipe": _rel(own_dir / "tickets-dev.yaml"), **PREBUILT})
     assert "Fix: pulumi config set imageBuild cloud-build" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["data.eval_path={file}", "data.path={file}"],
+)
+def test_an_override_that_points_the_data_outside_trainer_is_a_config_error(own_dir: Path, override: str) -> None:
+    """Why: the check that a recipe's local data travels in the image read the recipe file without its overrides,
+    so `recipeOverrides=[data.eval_path=...]` naming a file outside trainer/ planned, and the job stopped at start
+    (no such file in the image) after a GPU was rented."""
+    held = own_dir / "held-out.jsonl"
+    shutil.copyfile(REPO_ROOT / TICKETS, held)
+    recipe = own_dir / "tickets-dev.yaml"
+    recipe.write_text(dev_recipe())
+    overrides = ["data.eval_rows=0", override.format(file=_rel(held))]
+    with pytest.raises(
+        ConfigError, match=r"recipeOverrides make recipe 'tickets-dev' read .*held-out\.jsonl, outside trainer/"
+    ) as raised:
+        run_stack("dev", overrides={"recipe": _rel(recipe), "recipeOverrides": overrides})
+    assert "Fix:" in str(raised.value)
+    inside = ["data.eval_rows=0", override.format(file=TICKETS)]
+    assert run_stack("dev", overrides={"recipe": _rel(recipe), "recipeOverrides": inside}).cfg is not None
