@@ -222,7 +222,9 @@ def _mixture_data(tmp_path: Path, eval_line: str = "  eval_rows: 4\n") -> str:
     )
 
 
-def test_a_mixture_of_three_formats_is_one_dataset_and_the_check_reports_each_source(tmp_path: Path) -> None:
+def test_a_mixture_of_three_formats_is_one_dataset_and_the_check_reports_each_source(
+    tiny_gemma3_dir: Path, tmp_path: Path
+) -> None:
     recipe_file = _recipe_file(tmp_path, _mixture_data(tmp_path))
     recipe = load_recipe(str(recipe_file), BATCH_2)
     assert step_plan(recipe).data_rows == 20  # shares 2:1:1 of what the capped csv (5) allows: 10 + 5 + 5
@@ -235,7 +237,8 @@ def test_a_mixture_of_three_formats_is_one_dataset_and_the_check_reports_each_so
     assert all(row["messages"][-1]["role"] == "assistant" for row in split.train)
     assert split.report.summary() == "skipped 0 of 20 rows"  # each row counted once, when its source is formatted
 
-    out = check(str(recipe_file), BATCH_2)
+    # measured with the tiny Gemma's tokenizer: the 270M's takes seconds to load, and only where it was built
+    out = check(str(recipe_file), [*BATCH_2, f"model.name_or_path={tiny_gemma3_dir}"])
     lines = out.splitlines()
     assert lines[0] == "ok: a mixture of 3 sources, 20 rows"
     assert lines[1].startswith(
@@ -248,6 +251,8 @@ def test_a_mixture_of_three_formats_is_one_dataset_and_the_check_reports_each_so
         f"  data.sources[2]: 20 rows in {tmp_path}/flat.csv (format=columns), takes 5 (25% of the mix) by max_rows 5 and fraction 1;"
     )
     assert "  held out: data.eval_rows=4 rows of a seeded shuffle" in out and "16 training rows" in out
+    for i in range(3):
+        assert f"  data.sources[{i}]: all 20 rows checked fit training.max_length=256" in out, out
 
 
 def test_a_text_source_and_an_image_source_mix_into_one_schema(tmp_path: Path) -> None:
