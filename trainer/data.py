@@ -469,10 +469,22 @@ def check_first_rows(
             else ""
         )
         detail = f" ({first.detail})" if first.detail else ""
+        keys = "data" if key == "data.eval_path" else key  # the held-out file is read with the data level's keys
+        fix = "Fix the row (docs/own-data.md shows each format's rows)"
+        if len(head) > 1 and len(bad) == len(head) and not others.keys() - {first.reason}:
+            # every row fails the same way: the recipe does not describe the rows, the rows are not to blame
+            more = (
+                f" And every one of the {len(head)} rows checked fails alike: {keys}.format={spec.format.value} "
+                "does not describe these rows."
+            )
+            fix = (
+                f"Fix: {keys}.format and its keys (columns: {keys}.columns; chat turns under other names: "
+                f"{keys}.field_messages, {keys}.message_property_mappings, {keys}.roles; docs/own-data.md), or "
+                "`python -m trainer.data check FILE` reads a file's format from its fields"
+            )
         raise DataError(
-            f"{loaded.origin.where(index)}, field {first.field or '(row)'}: {first.reason}{detail} [{key}.format="
-            f"{spec.format.value}].{more} Fix the row (docs/own-data.md shows each format's rows); "
-            f"`python -m trainer.data check RECIPE` checks the data on your machine"
+            f"{loaded.origin.where(index)}, field {first.field or '(row)'}: {first.reason}{detail} [{keys}.format="
+            f"{spec.format.value}].{more} {fix}; `python -m trainer.data check RECIPE` checks the data on your machine"
         )
     longest = max(too_long, default=None)
     checked = Checked(

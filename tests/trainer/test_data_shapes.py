@@ -473,3 +473,28 @@ def test_a_mixture_with_a_held_out_file_trains_and_records_its_held_out_rows(
     assert summary["eval"]["held_out"]["rows"] == 3 and summary["eval"]["held_out"]["from"].startswith(
         "data.eval_path="
     )
+
+
+def test_when_every_row_fails_alike_the_fix_is_the_recipes_format_not_the_rows(tmp_path: Path) -> None:
+    """Why: a flat CSV (or any file) read under the wrong data.format failed every row with 'missing field
+    messages' and told the user to fix the row; it is the recipe that does not describe the rows."""
+    path = tmp_path / "tickets.csv"
+    path.write_text("ticket,category\n" + "".join(f"ticket {i},{CATEGORIES[i % 4]}\n" for i in range(5)))
+    with pytest.raises(DataError) as info:
+        prepare_datasets(DataSpec(format="messages", path=str(path)))
+    text = str(info.value)
+    assert text.startswith(f"{path} row 1, field messages: missing field 'messages' (row has ['category', 'ticket'])")
+    assert "every one of the 5 rows checked fails alike: data.format=messages does not describe these rows" in text
+    assert "Fix: data.format and its keys (columns: data.columns" in text and "Fix the row" not in text
+    # a held-out file is read with the data level's keys, and the message names those (no data.eval_path.format)
+    with pytest.raises(DataError) as info:
+        prepare_datasets(
+            DataSpec(format="messages", path=str(_jsonl(tmp_path / "t.jsonl", messages_rows(4))), eval_path=str(path))
+        )
+    assert "[data.format=messages]" in str(info.value) and "eval_path.format" not in str(info.value)
+    # one bad row among good ones is the row's to fix
+    rows = [*messages_rows(3), {"messages": [{"role": "user", "content": "hi"}]}]
+    with pytest.raises(
+        DataError, match=r"row 4 \(line 4\), field messages: last turn is not the assistant's.*Fix the row"
+    ):
+        prepare_datasets(DataSpec(format="messages", path=str(_jsonl(tmp_path / "rows.jsonl", rows))))
