@@ -498,3 +498,35 @@ def test_when_every_row_fails_alike_the_fix_is_the_recipes_format_not_the_rows(t
         DataError, match=r"row 4 \(line 4\), field messages: last turn is not the assistant's.*Fix the row"
     ):
         prepare_datasets(DataSpec(format="messages", path=str(_jsonl(tmp_path / "rows.jsonl", rows))))
+
+
+def test_every_rank_mixes_splits_and_names_the_same_rows(tmp_path: Path) -> None:
+    """Each rank (an accelerate process, a Ray worker) builds the mixture, the split and the held-out identity on
+    its own: another process, with another hash seed, must get the very same rows in the same order."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    recipe_file = _recipe_file(tmp_path, _mixture_data(tmp_path))
+    code = (
+        "import hashlib, json, sys\n"
+        "from trainer.data import held_out_identity, prepare_datasets\n"
+        "from trainer.recipe import load_recipe\n"
+        "data = load_recipe(sys.argv[1], ['training.per_device_train_batch_size=2']).data\n"
+        "split = prepare_datasets(data)\n"
+        "rows = json.dumps([list(split.train['messages']), list(split.eval['messages'])])\n"
+        "print(hashlib.sha256(rows.encode()).hexdigest(), held_out_identity(data)['sha256'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONHASHSEED": "7"}
+    other = subprocess.run(
+        [sys.executable, "-c", code, str(recipe_file)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert other.returncode == 0, other.stderr[-2000:]
+    data = load_recipe(str(recipe_file), BATCH_2).data
+    split = prepare_datasets(data)
+    assert split.eval is not None
+    rows = json.dumps([list(split.train["messages"]), list(split.eval["messages"])])
+    identity = held_out_identity(data)
+    assert identity is not None
+    assert other.stdout.split() == [hashlib.sha256(rows.encode()).hexdigest(), identity["sha256"]]
