@@ -695,7 +695,8 @@ def _url_rows_problem(cfg: StackConfig) -> str | None:
     if len(buckets) > 1:
         return (
             f"recipe {cfg.recipe!r} reads data from {len(buckets)} buckets ({', '.join(buckets)}): a stack grants "
-            "the trainer read access on one (infra/data_access.py). Fix: keep data.path and data.image_dir in one bucket"
+            "the trainer read access on one (infra/data_access.py). Fix: keep data.path, every data.sources path, "
+            "data.eval_path and data.image_dir in one bucket"
         )
     if data.undeclared_urls:
         key, url = data.undeclared_urls[0]

@@ -108,6 +108,21 @@ def test_bucket_data_without_rows_is_a_config_error(own_dir: Path) -> None:
     assert plans.cfg is not None and plans.cfg.recipe == "tickets-dev"
 
 
+def test_data_in_two_buckets_is_a_config_error_that_names_every_key(own_dir: Path) -> None:
+    """A stack grants read access on one data bucket; the held-out file (or a source) in another one is refused,
+    and the fix names the keys that can point there (not data.path and data.image_dir alone)."""
+    recipe = own_dir / "tickets-dev.yaml"
+    recipe.write_text(dev_recipe("path: gs://team-data/tickets/*.jsonl\n  rows: 64"))
+    with pytest.raises(ConfigError, match=r"reads data from 2 buckets \(team-data, team-eval\)") as raised:
+        run_stack(
+            "dev",
+            overrides={"recipe": _rel(recipe), "recipeOverrides": ["data.eval_path=gs://team-eval/held-out.jsonl"]},
+        )
+    assert "Fix: keep data.path, every data.sources path, data.eval_path and data.image_dir in one bucket" in str(
+        raised.value
+    )
+
+
 @pytest.mark.parametrize(
     ("stack", "template", "output"),
     [
