@@ -417,10 +417,10 @@ class Foundation(pulumi.ComponentResource):
     def _grant_data_read(self) -> None:
         """The trainer reads the recipe's gs:// data: objectViewer on that bucket, limited to its prefix
         (infra/data_access.py)."""
-        from infra.data_access import CONDITION_TITLE, READ_ROLE, data_read_scopes, read_condition
+        from infra.data_access import CONDITION_TITLE, READ_ROLE, data_read_grants, read_condition
 
-        for index, (bucket, prefix) in enumerate(data_read_scopes(self._cfg)):
-            condition = read_condition(bucket, prefix)
+        for index, (bucket, prefixes) in enumerate(data_read_grants(self._cfg)):
+            condition = read_condition(bucket, prefixes)
             self._grants[Identity.TRAINER].append(
                 gcp.storage.BucketIAMMember(
                     f"{self._name}-data-read-{index}",
@@ -428,7 +428,9 @@ class Foundation(pulumi.ComponentResource):
                     role=READ_ROLE,
                     member=self._member(Identity.TRAINER),
                     condition=gcp.storage.BucketIAMMemberConditionArgs(
-                        title=CONDITION_TITLE, description=f"read gs://{bucket}/{prefix}*", expression=condition
+                        title=CONDITION_TITLE,
+                        description="read " + ", ".join(f"gs://{bucket}/{prefix}*" for prefix in prefixes),
+                        expression=condition,
                     )
                     if condition
                     else None,

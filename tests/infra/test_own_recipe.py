@@ -123,6 +123,42 @@ def test_data_in_two_buckets_is_a_config_error_that_names_every_key(own_dir: Pat
     )
 
 
+def _data_grants(run: object) -> dict[tuple[str, ...], str]:
+    """The trainer's read grants on the data bucket: the IAM binding each one makes -> the resource's name."""
+    grants = {}
+    for grant in run.of_type("gcp:storage/bucketIAMMember:BucketIAMMember"):  # type: ignore[attr-defined]
+        if "-data-read-" in grant.name:
+            inputs = grant.plain_inputs()
+            condition = inputs.get("condition") or {}
+            key = (inputs["bucket"], inputs["role"], inputs["member"], condition.get("expression", ""))
+            grants[key] = grant.name
+    return grants
+
+
+def test_adding_a_held_out_file_keeps_the_training_datas_read_grant(own_dir: Path) -> None:
+    """Why: one grant per prefix, named by its place in the sorted prefixes, moved the training data's binding to
+    another resource when a held-out file sorted before it. The provider's delete of the replaced resource removes
+    its binding (terraform-provider-google tpgiamresource/resource_iam_member.go resourceIamMemberDelete,
+    subtractFromBindings), and Pulumi deletes replaced resources last: the binding the other resource had just
+    'created' (already there) was gone, and the new run could not read its data. One grant per bucket, covering
+    every prefix, never leaves a binding to another resource."""
+    recipe = own_dir / "tickets-dev.yaml"
+    recipe.write_text(dev_recipe("path: gs://team-data/tickets/*.jsonl\n  rows: 64"))
+    before = _data_grants(run_stack("dev", overrides={"recipe": _rel(recipe)}))
+    held_out = ["data.eval_rows=0", "data.eval_path=gs://team-data/held/eval.jsonl"]
+    after = _data_grants(run_stack("dev", overrides={"recipe": _rel(recipe), "recipeOverrides": held_out}))
+    moved = {key: (before[key], after[key]) for key in before.keys() & after.keys() if before[key] != after[key]}
+    assert not moved, f"a binding changed resources (the old one's delete removes it): {moved}"
+    (expression,) = [key[3] for key in after]
+    assert "objects/tickets/'" in expression and "objects/held/eval.jsonl'" in expression
+    # a stack whose data has one prefix keeps the very grant it has (no replacement on the next `up`)
+    assert [key[3] for key in before] == [
+        "resource.name.startsWith('projects/_/buckets/team-data/objects/tickets/') || "
+        "api.getAttribute('storage.googleapis.com/objectListPrefix', '').startsWith('tickets/')"
+    ]
+    assert list(before.values()) == list(after.values()) == ["gft-dev-data-read-0"]
+
+
 @pytest.mark.parametrize(
     ("stack", "template", "output"),
     [

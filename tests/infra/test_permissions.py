@@ -534,6 +534,28 @@ class TestDataInAnotherBucket:
             if variant.label != "dev, data in another bucket":
                 assert self._data_grants(run) == [], variant.label
 
+    def test_a_held_out_file_beside_the_data_is_read_through_the_same_one_grant(self) -> None:
+        """Every prefix of the data's bucket (sources, data.eval_path, data.image_dir) in one grant whose condition
+        covers each and nothing else (infra/data_access.py `data_read_grants`)."""
+        from infra.offline.engine import run_stack
+        from tests.infra.conftest import OWN_DATA_PATH, OWN_DATA_RECIPE
+
+        held_out = ["data.eval_rows=0", "data.eval_path=gs://my-gcp-project-gft-data/held/eval.jsonl"]
+        run = run_stack("dev", overrides={"recipe": OWN_DATA_RECIPE, "recipeOverrides": [OWN_DATA_PATH, *held_out]})
+        assert run.cfg is not None
+        (grant,) = self._data_grants(run)
+        data = "projects/_/buckets/my-gcp-project-gft-data"
+        for name in ("tickets/train-0.jsonl", "held/eval.jsonl"):
+            assert covers(
+                grant, Need("storage.objects.get", Scope.DATA, "t", resource=f"{data}/objects/{name}"), run.cfg
+            )
+        for folder in ("tickets/", "held/"):
+            listing = Need("storage.objects.list", Scope.DATA, "t", resource=data, list_prefix=folder)
+            assert covers(grant, listing, run.cfg)
+        outside = Need("storage.objects.get", Scope.DATA, "t", resource=f"{data}/objects/held/other.jsonl")
+        assert not covers(grant, outside, run.cfg)
+        assert missing(run, _all(run)) == []  # the permission proof: the trainer reads both, CI may grant it
+
     def test_a_bucket_the_deploy_does_not_administer_is_reported(self) -> None:
         """CI's deploy identity administers PROJECT-gft-* buckets only: a grant on another bucket needs its owner."""
         from infra.offline.engine import run_stack
