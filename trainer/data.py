@@ -482,6 +482,12 @@ def check_first_rows(
                 f"{keys}.field_messages, {keys}.message_property_mappings, {keys}.roles; docs/own-data.md), or "
                 "`python -m trainer.data check FILE` reads a file's format from its fields"
             )
+            if key == "data.eval_path":
+                fix = (
+                    "Fix: data.eval_path is read with the data level's format keys: write the held-out rows in the "
+                    "training rows' format (with data.sources, the data level's keys describe data.eval_path alone: "
+                    "set them to its format)"
+                )
         raise DataError(
             f"{loaded.origin.where(index)}, field {first.field or '(row)'}: {first.reason}{detail} [{keys}.format="
             f"{spec.format.value}].{more} {fix}; `python -m trainer.data check RECIPE` checks the data on your machine"

@@ -492,6 +492,9 @@ def test_when_every_row_fails_alike_the_fix_is_the_recipes_format_not_the_rows(t
             DataSpec(format="messages", path=str(_jsonl(tmp_path / "t.jsonl", messages_rows(4))), eval_path=str(path))
         )
     assert "[data.format=messages]" in str(info.value) and "eval_path.format" not in str(info.value)
+    assert "Fix: data.eval_path is read with the data level's format keys: write the held-out rows in the" in str(
+        info.value
+    )
     # one bad row among good ones is the row's to fix
     rows = [*messages_rows(3), {"messages": [{"role": "user", "content": "hi"}]}]
     with pytest.raises(
