@@ -529,18 +529,13 @@ def prepare_datasets(
         mixture = mix_sources(spec, check=check)
         rows, report, train_format = mixture.rows, mixture.report, CONVERSATIONS
         log.info("data: a mixture of %s", ", ".join(f"{s.taken} rows of {s.key}" for s in mixture.sources))
+        for source in mixture.sources:
+            _log_declared_rows(source.spec, source.key, source.rows)
     else:
         loaded = read_rows(spec)
         check(loaded, spec, "data")
         rows, train_format = loaded.dataset(), spec
-        if spec.rows is not None and spec.source is not DataSource.HUB and spec.rows != len(rows):
-            log.warning(
-                "data.rows=%d but %s holds %d rows: the recipe's step plan counted %d (the run trains on all of them)",
-                spec.rows,
-                spec.path,
-                len(rows),
-                spec.rows,
-            )
+        _log_declared_rows(spec, "data", len(rows))
     held_out = None
     if spec.eval_path is not None:
         eval_loaded = read_rows(spec.eval_source, key="data.eval")
@@ -560,6 +555,21 @@ def prepare_datasets(
     if len(train) == 0:
         raise RecipeError(f"no training rows left for {spec.label}: {report.summary()}")
     return DataSplit(train=train, eval=evaluation, report=report)
+
+
+def _log_declared_rows(spec: RowsSpec, key: str, held: int) -> None:
+    """A URL's declared `rows` that differ from what its files hold: the step plan (and a mixture's shares) counted
+    the declared number, the run trains on what is there."""
+    if spec.rows is not None and spec.source is not DataSource.HUB and spec.rows != held:
+        log.warning(
+            "%s.rows=%d but %s holds %d rows: the recipe's step plan counted %d (%s)",
+            key,
+            spec.rows,
+            spec.path,
+            held,
+            spec.rows,
+            "the run trains on all of them" if key == "data" else "the mix takes its share of the rows there",
+        )
 
 
 def preview(recipe_name: str, rows: int = 3) -> None:

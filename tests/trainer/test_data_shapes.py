@@ -533,3 +533,23 @@ def test_every_rank_mixes_splits_and_names_the_same_rows(tmp_path: Path) -> None
     identity = held_out_identity(data)
     assert identity is not None
     assert other.stdout.split() == [hashlib.sha256(rows.encode()).hexdigest(), identity["sha256"]]
+
+
+def test_a_url_source_whose_rows_differ_from_its_declared_count_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As for one URL (`data.rows`), a mixture's URL source that declares other rows than its files hold is logged:
+    the step plan, and what the fractions take of each source, were computed from the declared count."""
+    import logging
+
+    url = f"file://{_jsonl(tmp_path / 'a.jsonl', messages_rows(20))}"
+    local = _jsonl(tmp_path / "b.jsonl", messages_rows(20, 100))
+    data = DataSpec(
+        sources=[
+            {"path": url, "format": "messages", "rows": 10, "fraction": 1},
+            {"path": str(local), "format": "messages", "fraction": 1},
+        ]
+    )
+    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+        prepare_datasets(data)
+    assert f"data.sources[0].rows=10 but {url} holds 20 rows: the recipe's step plan counted 10" in caplog.text
