@@ -182,11 +182,19 @@ def split_rows(rows: Dataset, spec: DataSpec, held_out: Dataset | None = None) -
     return rows.select(range(spec.eval_rows, len(rows))), rows.select(range(spec.eval_rows))
 
 
+def held_out_raw(spec: DataSpec) -> Dataset | None:
+    """The held-out rows before formatting, as `split_rows` holds them out: `data.eval_path`'s read alone (the
+    training data is not read again for them), else the seeded slice of the data; None without held-out rows."""
+    if spec.eval_path is not None:
+        return read_rows(spec.eval_source, key="data.eval").dataset()
+    return split_rows(load_rows(spec), spec)[1]
+
+
 def held_out_identity(spec: DataSpec) -> dict[str, Any] | None:
     """Which rows a run holds out, as the run summary records it (`eval.held_out`): their count and the sha256 of
     their content in order (images by their bytes); None without held-out rows. Two runs with the same sha256 were
     scored on the same rows (the serving gate compares only those)."""
-    _, rows = split_rows(load_rows(spec), spec)
+    rows = held_out_raw(spec)
     if rows is None:
         return None
     import hashlib

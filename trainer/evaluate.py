@@ -251,10 +251,10 @@ def answer_losses(model: PreTrainedModel, processing_class: Any, conversations: 
 
 def held_out_rows(recipe: Recipe, max_samples: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(conversation, raw row) pairs from the recipe's eval split, capped at `max_samples`; bad rows skipped."""
-    from trainer.data import load_rows, open_image, resolve_image_dir, split_rows
+    from trainer.data import held_out_raw, open_image, resolve_image_dir
     from trainer.formatting import FormattingError, row_formatter
 
-    _, raw = split_rows(load_rows(recipe.data), recipe.data)
+    raw = held_out_raw(recipe.data)
     if raw is None:
         raise RecipeError(f"recipe {recipe.name} holds out no rows (data.eval_rows is 0): nothing to evaluate on")
     has_images = recipe.data.task is Task.PRODUCT_DESCRIPTION or "images" in raw.column_names

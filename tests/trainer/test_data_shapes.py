@@ -553,3 +553,19 @@ def test_a_url_source_whose_rows_differ_from_its_declared_count_is_logged(
     with caplog.at_level(logging.WARNING, logger="trainer.data"):
         prepare_datasets(data)
     assert f"data.sources[0].rows=10 but {url} holds 20 rows: the recipe's step plan counted 10" in caplog.text
+
+
+def test_the_held_out_file_is_read_without_the_training_data(tmp_path: Path) -> None:
+    """Why: after training, every rank names and answers the held-out rows (run_eval.py); with data.eval_path that
+    read, and for a mixture formatted (every image opened), all the training data again to throw it away."""
+    from trainer.evaluate import held_out_rows
+
+    train = _jsonl(tmp_path / "train.jsonl", messages_rows(12))
+    held = _jsonl(tmp_path / "eval.jsonl", messages_rows(3, 700))
+    recipe = load_recipe(
+        str(_recipe_file(tmp_path, f"  format: messages\n  path: {train}\n  eval_path: {held}\n")), BATCH_2
+    )
+    expected = held_out_identity(recipe.data)
+    train.unlink()  # what is not read cannot be missing
+    assert held_out_identity(recipe.data) == expected
+    assert [c["messages"][0]["content"] for c, _ in held_out_rows(recipe, 2)] == [_ticket(i)[0] for i in (700, 701)]
