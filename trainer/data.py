@@ -650,8 +650,11 @@ def check_tokenizer(recipe: Any, tokenizer: str | None) -> tuple[Any, str]:
     if tokenizer is None and recipe is not None:
         try:
             tokenizer = resolve_model_path(recipe.model.name_or_path)
-        except LocalModelError:
-            tokenizer = None  # the local model is not built here: the lengths are not measured
+        except LocalModelError:  # the local model is not built here (python -m trainer builds it)
+            return None, (
+                f"lengths not measured ({recipe.model.name_or_path} is not built on this machine: "
+                "`python -m trainer.local_model` builds it, or pass --tokenizer MODEL_OR_FOLDER)"
+            )
     if tokenizer is None:
         return None, "lengths not measured (no tokenizer: pass --tokenizer MODEL_OR_FOLDER)"
     from transformers import AutoTokenizer

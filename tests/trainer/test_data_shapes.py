@@ -569,3 +569,16 @@ def test_the_held_out_file_is_read_without_the_training_data(tmp_path: Path) -> 
     train.unlink()  # what is not read cannot be missing
     assert held_out_identity(recipe.data) == expected
     assert [c["messages"][0]["content"] for c, _ in held_out_rows(recipe, 2)] == [_ticket(i)[0] for i in (700, 701)]
+
+
+def test_a_check_before_the_local_model_is_built_says_how_to_measure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why: on a fresh clone the template's `local:gemma3-270m` is not built yet (python -m trainer builds it), and
+    the check's note asked for a --tokenizer the user does not have."""
+    monkeypatch.setenv("GEMMA_FT_CACHE", str(tmp_path / "empty-cache"))
+    out = check(TEMPLATE)
+    assert (
+        "lengths not measured (local:gemma3-270m is not built on this machine: `python -m trainer.local_model` "
+        "builds it, or pass --tokenizer MODEL_OR_FOLDER)" in out
+    ), out
