@@ -268,11 +268,13 @@ def test_the_base_scores_of_a_standard_format_have_a_key(tmp_path: Path) -> None
 
 
 def test_data_names_a_file_and_its_format_is_read_from_the_rows(tmp_path: Path) -> None:
-    (tmp_path / "pc.jsonl").write_text(json.dumps({"prompt": "Ticket: late parcel", "completion": "shipping"}) + "\n")
+    # enough rows for the template's held-out slice and one batch (a smaller file is refused, with the numbers)
+    rows = [{"prompt": f"Ticket: late parcel {i}", "completion": "shipping"} for i in range(20)]
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     recipe = demo.build_recipe(demo.DemoOptions(output_dir=tmp_path / "out", data=str(tmp_path / "pc.jsonl")))
     assert recipe.name == "my-data-local" and recipe.data.format.value == "prompt-completion"
     assert recipe.data.path == str(tmp_path / "pc.jsonl") and recipe.output.dir == str(tmp_path / "out")
-    (tmp_path / "flat.csv").write_text("ticket,category\nlate parcel,shipping\n")
+    (tmp_path / "flat.csv").write_text("ticket,category\n" + "".join(f"late parcel {i},shipping\n" for i in range(20)))
     with pytest.raises(demo.DemoError, match=r"data\.columns"):
         demo.build_recipe(demo.DemoOptions(output_dir=tmp_path / "out", data=str(tmp_path / "flat.csv")))
 
