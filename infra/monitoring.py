@@ -10,6 +10,8 @@ Decisions (each chart and alert, sources, what is unconfirmed: docs/operations.m
 - Alerts are thresholds on the heartbeat, not metric absence (which cannot tell a stalled run from a finished
   one): a run that stops writing is missing data, counted as not met, so only a live run alerts.
 - Alerts go to `alertEmails` (one email channel each), else to the budget's channels, else the console only.
+- The policies wait until Cloud Monitoring knows their new metrics (a step polls for them with `gcloud` and `curl`):
+  the API refuses a policy on a metric it does not know yet.
 Not here: the lines themselves (trainer/metrics_log.py); the budget (infra/budget.py).
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pulumi
+import pulumi_command as command
 import pulumi_gcp as gcp
 
 from infra.budget import email_channels
@@ -44,6 +47,40 @@ DCGM_FB_USED = "prometheus.googleapis.com/DCGM_FI_DEV_FB_USED/gauge"
 # services and jobs); the metric type names are UNCONFIRMED in Google's metric list (docs/operations.md)
 RUN_GPU_UTIL = "run.googleapis.com/container/gpu/utilizations"
 RUN_GPU_MEMORY = "run.googleapis.com/container/gpu/memory_utilizations"
+# Cloud Monitoring knows a new log-based metric's type only a while after Cloud Logging created it, and until then
+# refuses an alert policy that names it: "Error 404: Cannot find metric(s) that match type = ... If a metric was
+# created recently, it could take up to 10 minutes to become available" (hashicorp/terraform-provider-google#11102,
+# open; depends_on does not help). So the policies wait on a step that polls for the metric types they read.
+DESCRIPTOR_WAIT_S = 15 * 60
+DESCRIPTOR_POLL_S = 10
+DESCRIPTOR_WAIT_SCRIPT = """set -euo pipefail
+for tool in gcloud curl; do
+  command -v "$tool" >/dev/null || { echo "$tool is needed to wait for the metrics $METRIC_TYPES" >&2; exit 1; }
+done
+api="${MONITORING_API:-https://monitoring.googleapis.com}/v3/projects/$PROJECT/metricDescriptors"
+body=$(mktemp)
+trap 'rm -f "$body"' EXIT
+deadline=$(( $(date +%s) + WAIT_SECONDS ))
+for type in $METRIC_TYPES; do
+  while :; do
+    token=$(gcloud auth print-access-token)
+    status=$(printf 'Authorization: Bearer %s\\n' "$token" | curl -sS -G -H @- -o "$body" -w '%{http_code}' \\
+      --data-urlencode "filter=metric.type = \\"$type\\"" "$api") || status=000
+    case "$status" in
+      200) if grep -qF "\\"$type\\"" "$body"; then break; fi ;;
+      000|429|5??) ;;
+      *) echo "metricDescriptors.list of $type answered $status: $(cat "$body")" >&2; exit 1 ;;
+    esac
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      echo "Cloud Monitoring does not know $type after ${WAIT_SECONDS}s (last answer: $status)." >&2
+      echo "Check the metric: gcloud logging metrics list --project $PROJECT; then run pulumi up again." >&2
+      exit 1
+    fi
+    sleep "$POLL_SECONDS"
+  done
+done
+printf 'known to Cloud Monitoring: %s' "$METRIC_TYPES"
+"""
 
 
 @dataclass(frozen=True)
@@ -68,6 +105,14 @@ LINE_METRICS = (
     LineMetric("since_step_s", lines.HEARTBEAT_EVENT, lines.SINCE_STEP_S, "s", "seconds since the last step"),
     LineMetric("elapsed_s", lines.HEARTBEAT_EVENT, lines.ELAPSED_S, "s", "seconds since this attempt started"),
 )
+
+
+# The metrics the alert policies read: the stall alert's and the overrun alert's.
+ALERT_METRICS = ("since_step_s", "elapsed_s")
+
+
+def _line_metric(key: str) -> LineMetric:
+    return next(m for m in LINE_METRICS if m.key == key)
 
 
 def metric_name(cfg: StackConfig, metric: LineMetric) -> str:
@@ -128,7 +173,7 @@ def _dataset(
 
 
 def _by_run(cfg: StackConfig, key: str, legend: str = "${metric.labels.run}") -> dict[str, Any]:
-    metric = next(m for m in LINE_METRICS if m.key == key)
+    metric = _line_metric(key)
     return _dataset(_series(cfg, metric), "ALIGN_MEAN", ["metric.label.run"], legend)
 
 
@@ -210,6 +255,8 @@ class RunMonitoring(pulumi.ComponentResource):
     """Log-based metrics over the trainer's lines, a dashboard, and the stall and overrun alert policies."""
 
     metrics: dict[str, gcp.logging.Metric]
+    descriptors: command.local.Command
+    """Returns once Cloud Monitoring knows the alerted metrics' types: the policies wait on it."""
     dashboard: gcp.monitoring.Dashboard
     channels: list[gcp.monitoring.NotificationChannel]
     alerts: dict[str, gcp.monitoring.AlertPolicy]
@@ -251,6 +298,24 @@ class RunMonitoring(pulumi.ComponentResource):
             dashboard_json=json.dumps(dashboard_document(cfg), sort_keys=True),
             opts=after_metrics,
         )
+        alerted = [self.metrics[key] for key in ALERT_METRICS]
+        # Runs again only when one of those metrics is new (its ID changes): a later `up` waits for nothing.
+        self.descriptors = command.local.Command(
+            f"{name}-metric-descriptors",
+            create=DESCRIPTOR_WAIT_SCRIPT,
+            interpreter=["/bin/bash", "-c"],
+            environment={
+                "PROJECT": cfg.project,
+                "METRIC_TYPES": " ".join(metric_type(cfg, _line_metric(key)) for key in ALERT_METRICS),
+                "WAIT_SECONDS": str(DESCRIPTOR_WAIT_S),
+                "POLL_SECONDS": str(DESCRIPTOR_POLL_S),
+            },
+            triggers=[metric.id for metric in alerted],
+            opts=pulumi.ResourceOptions(parent=self, depends_on=alerted),
+        )
+        after_descriptors = pulumi.ResourceOptions(
+            parent=self, depends_on=[*args.after, *self.metrics.values(), self.descriptors]
+        )
         self.dashboard_url = self.dashboard.id.apply(lambda dashboard_id: dashboard_url(cfg, dashboard_id))
         own = email_channels(f"{name}-alert-email", cfg, cfg.alert_emails, "run alert", after)
         self.channels = own or list(args.channels)
@@ -264,7 +329,7 @@ class RunMonitoring(pulumi.ComponentResource):
                 f"no training progress for {cfg.alert_stall_minutes} min",
                 "ERROR",
                 notify,
-                after_metrics,
+                after_descriptors,
             ),
             "overrun": self._threshold_policy(
                 f"{name}-alert-overrun",
@@ -274,7 +339,7 @@ class RunMonitoring(pulumi.ComponentResource):
                 f"still training after {run_minutes(cfg)} min",
                 "WARNING",
                 notify,
-                after_metrics,
+                after_descriptors,
             ),
         }
         self.register_outputs({"dashboard_url": self.dashboard_url})
@@ -290,7 +355,7 @@ class RunMonitoring(pulumi.ComponentResource):
         notify: list[pulumi.Output[str]],
         opts: pulumi.ResourceOptions,
     ) -> gcp.monitoring.AlertPolicy:
-        metric = next(m for m in LINE_METRICS if m.key == key)
+        metric = _line_metric(key)
         return gcp.monitoring.AlertPolicy(
             resource_name,
             project=cfg.project,

@@ -291,7 +291,7 @@ ensure_custom_role gftCiProjectIamGranter "gemma-finetune CI project IAM granter
 ensure_custom_role gftCiAdmissionFenceApplier "gemma-finetune CI admission fence applier" \
   container.clusterRoles.get,container.clusterRoles.create,container.clusterRoles.update,container.clusterRoles.escalate,container.clusterRoles.bind,container.clusterRoleBindings.get,container.clusterRoleBindings.create,container.clusterRoleBindings.update
 ensure_custom_role gftCiLogMetricWriter "gemma-finetune CI log-based metric writer" \
-  logging.logMetrics.create,logging.logMetrics.delete,logging.logMetrics.get,logging.logMetrics.update
+  logging.logMetrics.create,logging.logMetrics.delete,logging.logMetrics.get,logging.logMetrics.update,monitoring.metricDescriptors.list
 ensure_custom_role gftCiWorkloadIdentityBinder "gemma-finetune CI Workload Identity binder" \
   iam.serviceAccounts.get,iam.serviceAccounts.getIamPolicy,iam.serviceAccounts.setIamPolicy
 custom="projects/$PROJECT_ID/roles"

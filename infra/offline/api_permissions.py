@@ -37,6 +37,7 @@ from infra.foundation import (
     staging_bucket_name,
 )
 from infra.images import CLOUD_BUILD_SCRIPT
+from infra.monitoring import DESCRIPTOR_WAIT_SCRIPT
 from infra.offline.engine import Recorded, StackRun
 
 
@@ -521,6 +522,17 @@ COMMANDS: dict[str, Command] = {
         ),
     ),
     IAM_WAIT_SCRIPT: Command("sleep until fresh IAM grants have propagated (infra/foundation.py)", ()),
+    DESCRIPTOR_WAIT_SCRIPT: Command(
+        "poll Cloud Monitoring for the alerted log-based metrics (infra/monitoring.py)",
+        (
+            CommandCall(
+                "monitoring.metricDescriptors.list",
+                ("project", "PROJECT"),
+                "GET projects/PROJECT/metricDescriptors?filter=metric.type = ... (Monitoring API "
+                "projects.metricDescriptors.list) until each alerted metric's type is listed",
+            ),
+        ),
+    ),
     FENCE_SCRIPT: Command(
         "kubectl apply of the preview fence (infra/admission.py)",
         (

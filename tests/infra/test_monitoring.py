@@ -9,15 +9,24 @@ metrics' filters and extractors, and the declared conditions are evaluated perio
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
 from infra import monitoring
 from infra.config import ConfigError
 from infra.gke import cluster_name
+from infra.monitoring import DESCRIPTOR_WAIT_SCRIPT
 from infra.offline.api_permissions import deploy_needs, preview_needs
 from infra.offline.engine import StackRun, run_stack, stack_names
 from infra.offline.log_metrics import (
@@ -42,6 +51,7 @@ METRIC = "gcp:logging/metric:Metric"
 CHANNEL = "gcp:monitoring/notificationChannel:NotificationChannel"
 SERVICE = "gcp:projects/service:Service"
 CLUSTER = "gcp:container/cluster:Cluster"
+COMMAND = "command:local:Command"
 WRITES = {"logging.logEntries.create", "monitoring.timeSeries.create"}
 
 
@@ -55,8 +65,6 @@ def _metric_types(filter_: str) -> list[str]:
 
 
 def _datasets(run: StackRun) -> list[tuple[str, dict[str, Any]]]:
-    import json
-
     document = json.loads(run.one(DASHBOARD).plain_inputs()["dashboardJson"])
     return [
         (tile["widget"]["title"], dataset)
@@ -127,6 +135,26 @@ class TestDashboard:
                 for condition in policy.plain_inputs()["conditions"]:
                     for metric_type in _metric_types(condition["conditionThreshold"]["filter"]):
                         assert types[metric_type] in ancestors(graph, policy.urn), (stack, policy.urn, metric_type)
+
+    def test_each_alert_waits_until_cloud_monitoring_knows_its_metric(self, stacks: dict[str, StackRun]) -> None:
+        """A policy on a log-based metric Cloud Monitoring does not know yet is refused with a 404 (up to 10 minutes
+        after the metric's creation): each policy comes after a wait step that polls for its metric's type, which
+        itself comes after that metric."""
+        for stack, run in stacks.items():
+            graph = dependency_graph(run)
+            metrics = {monitoring.METRIC_PREFIX + m.plain_inputs()["name"]: m.urn for m in run.of_type(METRIC)}
+            waits = {w.urn: w for w in run.of_type(COMMAND) if w.plain_inputs()["create"] == DESCRIPTOR_WAIT_SCRIPT}
+            assert waits, stack
+            for policy in run.of_type(POLICY):
+                (condition,) = policy.plain_inputs()["conditions"]
+                (metric_type,) = _metric_types(condition["conditionThreshold"]["filter"])
+                polled = [
+                    urn
+                    for urn in ancestors(graph, policy.urn)
+                    if urn in waits and metric_type in waits[urn].plain_inputs()["environment"]["METRIC_TYPES"].split()
+                ]
+                assert polled, (stack, policy.name, metric_type)
+                assert all(metrics[metric_type] in ancestors(graph, urn) for urn in polled), (stack, policy.name)
 
 
 class TestLineMetrics:
@@ -349,6 +377,127 @@ class TestTheDeployManagesThemWithTheirOwnCalls:
             assert {need.permission for need in deploy_needs(run)} >= self.CALLS, stack
             assert not self.CALLS & {need.permission for need in preview_needs(run)}, stack
 
-    def test_the_log_metric_role_holds_only_the_metric_calls(self) -> None:
+    def test_the_log_metric_role_holds_only_the_metric_calls_and_the_descriptor_list(
+        self, stacks: dict[str, StackRun]
+    ) -> None:
         role = ci_identities()["custom_roles"]["gftCiLogMetricWriter"]
-        assert set(role["permissions"]) == {c for c in self.CALLS if c.startswith("logging.")}
+        polled = "monitoring.metricDescriptors.list"  # the wait before the alert policies
+        assert set(role["permissions"]) == {c for c in self.CALLS if c.startswith("logging.")} | {polled}
+        for stack, run in stacks.items():
+            assert polled in {need.permission for need in deploy_needs(run)}, stack
+
+
+# --------------------------------------------------------------------------------------------------- descriptor wait
+class FakeMonitoring:
+    """Cloud Monitoring's projects.metricDescriptors.list on 127.0.0.1: a metric type is listed only from its
+    `appear_after`-th request on (as a new log-based metric reaches Monitoring a while after Logging made it);
+    `status` answers every request with that HTTP status instead."""
+
+    def __init__(self, appear_after: int, status: int = 200) -> None:
+        self.requests: list[tuple[str, dict[str, list[str]], str]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                query = parse_qs(url.query)
+                fake.requests.append((url.path, query, self.headers.get("Authorization", "")))
+                (wanted,) = re.fullmatch(r'metric\.type = "([^"]+)"', query["filter"][0]).groups()  # type: ignore[union-attr]
+                asked = sum(1 for _, q, _ in fake.requests if q["filter"] == query["filter"])
+                if status != 200:
+                    body: dict[str, Any] = {"error": {"code": status, "message": "Permission denied (fake)"}}
+                elif asked >= appear_after:
+                    body = {"metricDescriptors": [{"type": wanted, "metricKind": "DELTA"}]}
+                else:
+                    body = {}
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def descriptor_wait(run: StackRun) -> dict[str, Any]:
+    (wait,) = [w for w in run.of_type(COMMAND) if w.plain_inputs()["create"] == DESCRIPTOR_WAIT_SCRIPT]
+    return wait.plain_inputs()
+
+
+def run_descriptor_wait(
+    inputs: dict[str, Any], fake: FakeMonitoring, tmp_path: Path, types: list[str], wait_seconds: int = 60
+) -> subprocess.CompletedProcess[str]:
+    """The declared wait step's script, under bash with the real curl, `gcloud` a stand-in that prints a token."""
+    assert shutil.which("curl"), "curl is needed"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text('#!/bin/bash\n[ "$*" = "auth print-access-token" ] && echo fake-token-1\n')
+    gcloud.chmod(0o755)
+    proxies = {"HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy"}
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in proxies},
+        **inputs["environment"],
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "METRIC_TYPES": " ".join(types),
+        "WAIT_SECONDS": str(wait_seconds),
+        "POLL_SECONDS": "0",
+        "MONITORING_API": fake.url,
+    }
+    return subprocess.run(
+        [*inputs["interpreter"], inputs["create"]], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+class TestDescriptorWait:
+    TYPES = ("logging.googleapis.com/user/gft/dev/since_step_s", "logging.googleapis.com/user/gft/dev/elapsed_s")
+
+    def test_returns_once_each_metric_is_listed(self, stacks: dict[str, StackRun], tmp_path: Path) -> None:
+        run = stacks["dev"]
+        assert run.cfg is not None
+        fake = FakeMonitoring(appear_after=3)
+        try:
+            done = run_descriptor_wait(descriptor_wait(run), fake, tmp_path, list(self.TYPES))
+        finally:
+            fake.close()
+        assert done.returncode == 0, done.stderr
+        asked = [q["filter"][0] for _, q, _ in fake.requests]
+        assert asked == [f'metric.type = "{t}"' for t in self.TYPES for _ in range(3)], asked
+        assert {path for path, _, _ in fake.requests} == {f"/v3/projects/{run.cfg.project}/metricDescriptors"}
+        assert {auth for _, _, auth in fake.requests} == {"Bearer fake-token-1"}
+
+    def test_it_polls_the_types_the_policies_read(self, stacks: dict[str, StackRun]) -> None:
+        for stack, run in stacks.items():
+            polled = descriptor_wait(run)["environment"]["METRIC_TYPES"].split()
+            read = [_metric_types(policy(run, kind)["conditions"][0]["conditionThreshold"]["filter"])[0]
+                    for kind in ("stall", "overrun")]  # fmt: skip
+            assert sorted(polled) == sorted(read), stack
+
+    def test_a_refusal_fails_at_once_with_the_apis_answer(self, stacks: dict[str, StackRun], tmp_path: Path) -> None:
+        fake = FakeMonitoring(appear_after=1, status=403)
+        try:
+            done = run_descriptor_wait(descriptor_wait(stacks["dev"]), fake, tmp_path, list(self.TYPES))
+        finally:
+            fake.close()
+        assert done.returncode == 1 and len(fake.requests) == 1, (done.returncode, fake.requests)
+        assert "answered 403" in done.stderr and "Permission denied (fake)" in done.stderr
+
+    def test_a_metric_never_listed_fails_after_the_wait(self, stacks: dict[str, StackRun], tmp_path: Path) -> None:
+        fake = FakeMonitoring(appear_after=10**9)
+        try:
+            done = run_descriptor_wait(descriptor_wait(stacks["dev"]), fake, tmp_path, [self.TYPES[0]], wait_seconds=1)
+        finally:
+            fake.close()
+        assert done.returncode == 1 and len(fake.requests) >= 2, (done.returncode, len(fake.requests))
+        assert f"does not know {self.TYPES[0]} after 1s" in done.stderr and "pulumi up again" in done.stderr
