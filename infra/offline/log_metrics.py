@@ -9,6 +9,11 @@
 - `replay_threshold`: a metric-threshold condition on one series: ALIGN_MEAN per alignment period, met when every
   aligned point within `duration` violates it; a period without data is missing data, which
   EVALUATION_MISSING_DATA_INACTIVE counts as not met (Monitoring API, projects.alertPolicies: MetricThreshold).
+- `dashboard_as_read` / `dashboard_changed`: what the Monitoring API returns for a dashboard (proto3 JSON: a field
+  at its default value, such as a tile's `xPos` 0, is left out; `name` and `etag` are added), and whether the
+  provider then sees a change to apply (terraform-provider-google v7.45.0 google/services/monitoring/
+  resource_monitoring_dashboard.go: `monitoringDashboardDiffSuppress` drops the keys the configuration lacks from
+  what was read, then compares the two).
 Anything outside this subset raises `UnsupportedQuery` instead of guessing. Not here: the metrics and policies
 (infra/monitoring.py).
 """
@@ -212,3 +217,37 @@ def _seconds(duration: str) -> float:
     if not duration.endswith("s"):
         raise UnsupportedQuery(f"duration {duration!r} is not in seconds")
     return float(duration[:-1])
+
+
+def dashboard_as_read(document: Mapping[str, Any], dashboard_id: str = "projects/1/dashboards/d") -> dict[str, Any]:
+    """The dashboard as projects.dashboards.get returns it: default values (0, "", false, [], {}) left out."""
+
+    def read(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            kept = {key: read(item) for key, item in value.items()}
+            return {key: item for key, item in kept.items() if item not in (0, "", False, [], {}) or item is True}
+        if isinstance(value, list):
+            return [read(item) for item in value]
+        return value
+
+    return {**read(document), "name": dashboard_id, "etag": "e1"}
+
+
+def dashboard_changed(read: Mapping[str, Any], configured: Mapping[str, Any]) -> bool:
+    """Whether the provider plans an update of a dashboard read as `read` and configured as `configured`."""
+
+    def without_computed(old: Any, new: Any) -> Any:  # removeComputedKeys
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            return {key: without_computed(value, new[key]) for key, value in old.items() if new.get(key) is not None}
+        if isinstance(old, list) and isinstance(new, list):
+            return [without_computed(o, new[i]) if i < len(new) else o for i, o in enumerate(old)]
+        return old
+
+    def numbers(value: Any) -> Any:  # JSON numbers decode to float64 on both sides
+        if isinstance(value, Mapping):
+            return {key: numbers(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [numbers(item) for item in value]
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    return numbers(without_computed(dict(read), dict(configured))) != numbers(dict(configured))
