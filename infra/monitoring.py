@@ -101,7 +101,7 @@ LINE_METRICS = (
     LineMetric("epoch", lines.TRAIN_EVENT, lines.EPOCH, "1", "epoch (fractional)"),
     LineMetric("eval_loss", lines.EVAL_EVENT, lines.EVAL_LOSS, "1", "held-out loss of the tuned model"),
     LineMetric("base_eval_loss", lines.EVAL_EVENT, lines.BASE_EVAL_LOSS, "1", "held-out loss of the base model"),
-    LineMetric("cost_usd", lines.HEARTBEAT_EVENT, lines.COST_USD, "USD", "cost of this attempt so far"),
+    LineMetric("cost_usd", lines.HEARTBEAT_EVENT, lines.COST_USD, "{USD}", "cost of this attempt so far"),
     LineMetric("since_step_s", lines.HEARTBEAT_EVENT, lines.SINCE_STEP_S, "s", "seconds since the last step"),
     LineMetric("elapsed_s", lines.HEARTBEAT_EVENT, lines.ELAPSED_S, "s", "seconds since this attempt started"),
 )

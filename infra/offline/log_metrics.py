@@ -14,6 +14,9 @@
   provider then sees a change to apply (terraform-provider-google v7.45.0 google/services/monitoring/
   resource_monitoring_dashboard.go: `monitoringDashboardDiffSuppress` drops the keys the configuration lacks from
   what was read, then compares the two).
+- `unit_problem`: a metric descriptor's `unit` against the grammar the API documents (google/api/metric.proto,
+  `MetricDescriptor.unit`, googleapis-common-protos 1.75.0): basic units bit By s min h d 1 with SI or binary
+  prefixes, `%`, `{annotation}`, joined by `.` and `/`; a currency is no unit there (`{USD}` is an annotation).
 Anything outside this subset raises `UnsupportedQuery` instead of guessing. Not here: the metrics and policies
 (infra/monitoring.py).
 """
@@ -251,3 +254,44 @@ def dashboard_changed(read: Mapping[str, Any], configured: Mapping[str, Any]) ->
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     return numbers(without_computed(dict(read), dict(configured))) != numbers(dict(configured))
+
+
+_PREFIXES = [
+    "k",
+    "M",
+    "G",
+    "T",
+    "P",
+    "E",
+    "Z",
+    "Y",
+    "m",
+    "u",
+    "n",
+    "p",
+    "f",
+    "a",
+    "z",
+    "y",
+    "Ki",
+    "Mi",
+    "Gi",
+    "Ti",
+    "Pi",
+]
+_UNITS = ("bit", "By", "s", "min", "h", "d", "1")
+_ANNOTATION = r"\{[!-z|~]+\}"  # printable ASCII without { }
+_COMPONENT = re.compile(
+    rf"^(?:(?:(?:{'|'.join(_PREFIXES)})?(?:{'|'.join(_UNITS)})|%)(?:{_ANNOTATION})?|{_ANNOTATION}|1)$"
+)
+
+
+def unit_problem(unit: str) -> str | None:
+    """None when `unit` follows MetricDescriptor.unit's grammar, else what is wrong with it."""
+    if not unit:
+        return None
+    factors, *divisors = unit.split("/")
+    for component in [*factors.split("."), *divisors]:
+        if not _COMPONENT.match(component):
+            return f"{component!r} in {unit!r} is no UNIT, PREFIX UNIT, %, {{annotation}} or 1 of MetricDescriptor.unit"
+    return None

@@ -41,6 +41,7 @@ from infra.offline.log_metrics import (
     series_of,
     structured_entry,
     trainer_resource,
+    unit_problem,
 )
 from infra.offline.permissions import ci_identities, permissions_of, planned_grants
 from tests.infra.conftest import ALERT_EMAILS, BUDGET, Variant
@@ -187,6 +188,14 @@ class TestLineMetrics:
                 assert (descriptor["metricKind"], descriptor["valueType"]) == ("DELTA", "DISTRIBUTION"), metric.urn
                 assert inputs["valueExtractor"].startswith("EXTRACT(jsonPayload.") and inputs["bucketOptions"]
                 assert {label["key"] for label in descriptor["labels"]} == set(inputs["labelExtractors"]) == {"run"}
+
+    def test_each_unit_is_one_the_api_takes(self, stacks: dict[str, StackRun]) -> None:
+        """MetricDescriptor.unit is a subset of UCUM (google/api/metric.proto): `USD` is none of its units."""
+        for stack, run in stacks.items():
+            for metric in run.of_type(METRIC):
+                unit = metric.plain_inputs()["metricDescriptor"]["unit"]
+                assert unit_problem(unit) is None, (stack, metric.name, unit_problem(unit))
+        assert unit_problem("USD") and unit_problem("{USD}") is None  # the check can fail
 
     def test_a_stack_counts_its_own_trainer_only(self, stacks: dict[str, StackRun]) -> None:
         """The same line from another stack's trainer (another cluster, namespace or job) records nothing here."""
