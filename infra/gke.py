@@ -43,10 +43,24 @@ SERVICE_RANGE_NAME = "services"
 SERVICE_RANGE = "10.0.32.0/20"
 # One region: regional dynamic routing is enough (no Cloud Router here); it is also Compute Engine's default.
 ROUTING_MODE = "REGIONAL"
-# GKE's managed DCGM package (GPU utilisation and memory for the run's dashboard, infra/monitoring.py) beside the
-# system metrics; it needs Managed Service for Prometheus. An in-place cluster update (terraform-provider-google
-# resource_container_cluster.go: DesiredMonitoringConfig). Why and what it leaves out: docs/operations.md.
-MONITORING_COMPONENTS = ("SYSTEM_COMPONENTS", "DCGM")
+# The cluster's metric packages. The list replaces the cluster's whole set (GKE API MonitoringComponentConfig, as
+# `gcloud ... --monitoring`), so it keeps the packages GKE turns on for a new cluster (system, kube state, cAdvisor
+# and Kubelet: GoogleCloudPlatform/cluster-toolkit modules/scheduler/gke-cluster/main.tf default_monitoring_component)
+# and adds the managed DCGM package (GPU utilisation and memory for the run's dashboard, infra/monitoring.py), which
+# needs Managed Service for Prometheus. A change is an in-place cluster update (terraform-provider-google v7.45.0
+# resource_container_cluster.go: monitoring_config is not ForceNew; Update sends DesiredMonitoringConfig).
+DEFAULT_MONITORING_COMPONENTS = (
+    "SYSTEM_COMPONENTS",
+    "STORAGE",
+    "HPA",
+    "POD",
+    "DAEMONSET",
+    "DEPLOYMENT",
+    "STATEFULSET",
+    "CADVISOR",
+    "KUBELET",
+)
+MONITORING_COMPONENTS = (*DEFAULT_MONITORING_COMPONENTS, "DCGM")
 
 
 def cluster_name(cfg: StackConfig) -> str:

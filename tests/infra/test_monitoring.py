@@ -139,6 +139,21 @@ class TestDashboard:
                 assert {"SYSTEM_COMPONENTS", "DCGM"} <= set(config["enableComponents"]), stack
                 assert config["managedPrometheus"]["enabled"] is True, stack
 
+    def test_the_clusters_other_metric_packages_stay_on(self, stacks: dict[str, StackRun]) -> None:
+        """The list replaces the cluster's whole set of packages: it keeps those GKE turns on for a new cluster (kube
+        state, cAdvisor, Kubelet), each once and each a value the provider accepts (terraform-provider-google
+        resource_container_cluster.go, enable_components)."""
+        accepted = {"SYSTEM_COMPONENTS", "APISERVER", "SCHEDULER", "CONTROLLER_MANAGER", "STORAGE", "HPA", "POD",
+                    "DAEMONSET", "DEPLOYMENT", "STATEFULSET", "KUBELET", "CADVISOR", "DCGM", "JOBSET"}  # fmt: skip
+        gke_defaults = {"SYSTEM_COMPONENTS", "STORAGE", "HPA", "POD", "DAEMONSET", "DEPLOYMENT", "STATEFULSET",
+                        "CADVISOR", "KUBELET"}  # fmt: skip
+        clusters = [c for run in stacks.values() for c in run.of_type(CLUSTER)]
+        assert clusters
+        for cluster in clusters:
+            components = cluster.plain_inputs()["monitoringConfig"]["enableComponents"]
+            assert len(components) == len(set(components)) and set(components) <= accepted, components
+            assert gke_defaults <= set(components), gke_defaults - set(components)
+
     def test_everything_waits_for_the_api_it_calls_and_alerts_for_their_metrics(
         self, stacks: dict[str, StackRun]
     ) -> None:
