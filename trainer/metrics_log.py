@@ -59,9 +59,19 @@ def send_to_container_stdout() -> str | None:
     """In a Kubernetes pod, write the lines to the container's stdout rather than this process's (a Ray worker's
     goes to a file of Ray's); elsewhere (a laptop, a local Ray cluster) change nothing. Returns the path used."""
     global _stream_path
-    if os.environ.get(_IN_A_POD) and Path(CONTAINER_STDOUT).exists():
+    if os.environ.get(_IN_A_POD) and _writable(CONTAINER_STDOUT):
         _stream_path = CONTAINER_STDOUT
     return _stream_path
+
+
+def _writable(path: str) -> bool:
+    """Whether this process may open `path` to write. /proc/1/fd/1 of a first process owned by another user (a
+    shared process namespace, an image whose init runs as root) refuses even a stat: EACCES, which
+    `Path.exists()` raises instead of answering False, and the worker would die of it."""
+    try:
+        return os.access(path, os.W_OK)
+    except (OSError, ValueError):
+        return False
 
 
 def _write(line: str) -> None:

@@ -176,6 +176,38 @@ class TestWhereTheLinesGo:
         _drive(metrics_log.metrics_log_callback(tiny_recipe(tmp_path, tmp_path / "run"), 60), _state(True))
         assert len(metric_lines(container.read_text())) == 3 and metric_lines(capsys.readouterr().out) == []
 
+    def test_a_first_process_it_may_not_reach_leaves_the_lines_on_stdout(self) -> None:
+        """/proc/1/fd/1 of a first process of another user (or with capabilities this one lacks) refuses even a
+        stat with EACCES: the worker goes on, its lines on its own stdout. Run for real: in a process that cannot
+        reach this machine's PID 1 (this one, or one dropped to `nobody`)."""
+        import os
+        import shutil
+        import subprocess
+        import sys
+
+        drop: list[str] = []
+        try:
+            os.stat(metrics_log.CONTAINER_STDOUT)
+        except PermissionError:
+            pass  # this process already cannot reach it
+        else:
+            if os.geteuid() != 0 or shutil.which("setpriv") is None:
+                pytest.skip("this process can reach PID 1's stdout and cannot drop to another user")
+            drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        code = (
+            "import os\n"
+            "from trainer import metrics_log as m\n"
+            "try:\n    os.stat(m.CONTAINER_STDOUT)\nexcept PermissionError:\n    print('refused')\n"
+            "print('path', m.send_to_container_stdout())\n"
+            'm._write(\'{"gft_event":"train"}\')\n'
+        )
+        env = {**os.environ, "KUBERNETES_SERVICE_HOST": "10.0.32.1", "PYTHONDONTWRITEBYTECODE": "1"}
+        done = subprocess.run(
+            [*drop, sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["refused", "path None", '{"gft_event":"train"}'], done.stdout
+
     def test_elsewhere_to_stdout(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         monkeypatch.setattr(metrics_log, "CONTAINER_STDOUT", str(tmp_path / "container-stdout"))
         monkeypatch.setattr(metrics_log, "_stream_path", None)
