@@ -39,6 +39,9 @@ BUCKETS = gcp.logging.MetricBucketOptionsArgs(
     )
 )
 ALIGNMENT = "60s"  # one heartbeat a minute (trainer/metrics_log.py HEARTBEAT_S)
+# An alert looks back two heartbeats: lines come a little over a minute apart (the thread waits HEARTBEAT_S after
+# each), and a look-back of one would now and then hold none, close the open incident and open it again.
+ALERT_ALIGNMENT = f"{2 * int(lines.HEARTBEAT_S)}s"
 AUTO_CLOSE = "1800s"  # the shortest auto-close the API takes; missing data closes an incident sooner
 # Managed DCGM metrics as Managed Service for Prometheus writes them (GKE docs, "Collect and view DCGM metrics")
 DCGM_GPU_UTIL = "prometheus.googleapis.com/DCGM_FI_DEV_GPU_UTIL/gauge"
@@ -376,7 +379,7 @@ class RunMonitoring(pulumi.ComponentResource):
                         duration="0s",
                         aggregations=[
                             gcp.monitoring.AlertPolicyConditionConditionThresholdAggregationArgs(
-                                alignment_period=ALIGNMENT, per_series_aligner="ALIGN_MEAN"
+                                alignment_period=ALERT_ALIGNMENT, per_series_aligner="ALIGN_MEAN"
                             )
                         ],
                         evaluation_missing_data="EVALUATION_MISSING_DATA_INACTIVE",

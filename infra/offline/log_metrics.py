@@ -6,9 +6,11 @@
 - `matches`: the Logging query language's `field = "value"`, `field:*` (exists) and `AND` (Cloud Logging docs,
   "Logging query language"); `extract`: a log-based metric's `EXTRACT(field)`, nothing recorded without a value
   (LogMetric reference: valueExtractor, labelExtractors).
-- `replay_threshold`: a metric-threshold condition on one series: ALIGN_MEAN per alignment period, met when every
-  aligned point within `duration` violates it; a period without data is missing data, which
-  EVALUATION_MISSING_DATA_INACTIVE counts as not met (Monitoring API, projects.alertPolicies: MetricThreshold).
+- `replay_threshold`: a metric-threshold condition on one series, evaluated every `EVALUATION_STEP_S`: ALIGN_MEAN over
+  the alignment period looking back from that moment (Cloud Monitoring docs, "Alerting policies": the alignment
+  period is a look-back window that slides with the evaluation), met when every evaluation within `duration`
+  violates it; a window without data is missing data, which EVALUATION_MISSING_DATA_INACTIVE counts as not met
+  (Monitoring API, projects.alertPolicies: MetricThreshold).
 - `dashboard_as_read` / `dashboard_changed`: what the Monitoring API returns for a dashboard (proto3 JSON: a field
   at its default value, such as a tile's `xPos` 0, is left out; `name` and `etag` are added), and whether the
   provider then sees a change to apply (terraform-provider-google v7.45.0 google/services/monitoring/
@@ -35,6 +37,7 @@ from infra.gke import cluster_name
 from infra.monitoring import METRIC_PREFIX
 
 _LABELS_FIELD = "logging.googleapis.com/labels"
+EVALUATION_STEP_S = 10.0  # how often the replay evaluates a condition (the window, not this step, decides)
 _SPECIAL_PREFIX = "logging.googleapis.com/"
 _TERM = re.compile(r'^\s*([A-Za-z_][\w.]*)\s*(?:(=)\s*"((?:[^"\\]|\\.)*)"|(:)\*)\s*$')
 _EXTRACT = re.compile(r"^EXTRACT\(([A-Za-z_][\w.]*)\)$")
@@ -187,16 +190,16 @@ def replay_threshold(condition: Mapping[str, Any], points: list[Point], until: f
     duration = _seconds(threshold.get("duration") or "0s")
     limit = float(threshold["thresholdValue"])
     verdicts: list[Verdict] = []
-    end = period
-    while end <= until + period:
-        inside = [p.value for p in points if end - period <= p.at < end]
+    at = EVALUATION_STEP_S
+    while at <= until:
+        inside = [p.value for p in points if at - period < p.at <= at]
         value = sum(inside) / len(inside) if inside else None
         violated = missing_active if value is None else value > limit
-        verdicts.append(Verdict(end, value, violated))
-        end += period
-    window = max(1, int(duration // period) + (1 if duration % period else 0)) if duration else 1
+        verdicts.append(Verdict(at, value, violated))
+        at += EVALUATION_STEP_S
+    window = int(duration // EVALUATION_STEP_S) + 1
     return [
-        Verdict(v.at, v.value, all(w.met for w in verdicts[max(0, i - window + 1) : i + 1]) and i + 1 >= window)
+        Verdict(v.at, v.value, i + 1 >= window and all(w.met for w in verdicts[i + 1 - window : i + 1]))
         for i, v in enumerate(verdicts)
     ]
 

@@ -234,10 +234,15 @@ class TestLineMetrics:
 
 # --------------------------------------------------------------------------------------------------- alerts
 def simulate(
-    run: StackRun, until: float, step_every: float = 10.0, stall_at: float | None = None, end_at: float | None = None
+    run: StackRun,
+    until: float,
+    step_every: float = 10.0,
+    stall_at: float | None = None,
+    end_at: float | None = None,
+    beat_every: int = 60,
 ) -> list[tuple[float, dict[str, Any]]]:
-    """A run as the trainer writes it: a step every `step_every` s until `stall_at` (then none), a heartbeat a
-    minute until `end_at` (training ended, or the process is gone: no line after it)."""
+    """A run as the trainer writes it: a step every `step_every` s until `stall_at` (then none), a heartbeat every
+    `beat_every` s until `end_at` (training ended, or the process is gone: no line after it)."""
     assert run.cfg is not None
     now = [0.0]
     written: list[tuple[float, str]] = []
@@ -253,7 +258,7 @@ def simulate(
             step += 1
             lines.stepped(step)
             lines.train({"loss": 1.0, "num_input_tokens_seen": 100 * step}, step, step / 1000)
-        if second % 60 == 0:
+        if second % beat_every == 0:
             lines.heartbeat()
     resource = trainer_resource(run.cfg)
     return [(at, structured_entry(line, resource)) for at, line in written]
@@ -290,6 +295,21 @@ class TestStallAlert:
             assert len(found) == 1 and found[0][1] is None, (stack, found)
             last_step = 590
             assert last_step + stall < found[0][0] <= last_step + stall + 2 * 60, (stack, found)
+
+    def test_a_late_heartbeat_does_not_close_and_reopen_the_incident(self, stacks: dict[str, StackRun]) -> None:
+        """The heartbeat thread waits 60 s after each line, so lines come a little over a minute apart, and a log
+        entry's time is the agent's: the look-back window must hold a line even when one is late (here each by 1 s),
+        or the open incident closes for missing data and opens again, one more email each time."""
+        for stack, run in stacks.items():
+            assert run.cfg is not None
+            overrun_until = monitoring.run_minutes(run.cfg) * 60 + 3600
+            for kind, entries in (
+                ("stall", simulate(run, until=7200, stall_at=600, beat_every=61)),
+                ("overrun", simulate(run, until=overrun_until, beat_every=61)),
+            ):
+                until = entries[-1][0]
+                found = replay(run, kind, entries, until=until)
+                assert len(found) == 1 and found[0][1] is None, (stack, kind, found)
 
     def test_a_run_that_steps_raises_nothing(self, stacks: dict[str, StackRun]) -> None:
         for stack, run in stacks.items():
