@@ -4,9 +4,13 @@
 
 Decisions (docs/decisions/merged-export.md):
 - The base is reloaded in bf16 (never the 4-bit weights, not fp16), the adapter merged, and saved as
-  safetensors with the tokenizer, chat template and a generation_config that stops at `<end_of_turn>`.
+  safetensors with the tokenizer (a vision run's processor), chat template and a generation_config that stops
+  at `<end_of_turn>`.
 - `_COMPLETE.json` (base, adapter, time, every file's size) is written LAST and atomically, a stale one removed
   first; `serving/completion.py` is the one reader that decides a folder is complete.
+- A run publishes in one order on every output kind (`publish_run`): `run_summary.json` with its evaluation
+  first, then the adapter's and the merged model's markers, locally and at a remote `output.dir`; a reader that
+  finds a marker so finds the run's scores (the serving gate never serves an unscored run by accident).
 - Every exported file is made world-readable first (safetensors writes 0600; the serving image is uid 2000).
 - `output.push_to_hub` (off by default) uploads the export, or the adapter when not merged, to a private repo
   unless `output.hub_private` is false, with HF_TOKEN from the environment, never logged.
@@ -18,14 +22,19 @@ import argparse
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoints import write_json_atomic
 from trainer.model_files import resolve_model_path, set_stop_tokens
 
+if TYPE_CHECKING:
+    from trainer.checkpoints import OutputLocation
+
 log = logging.getLogger(__name__)
 
 COMPLETION_MARKER = "_COMPLETE.json"
+# What a run writes before any completion marker: its scores (trainer/run_eval.py) and what it cost.
+SUMMARY_FILE = "run_summary.json"
 
 
 def is_complete(directory: str | Path) -> bool:
@@ -66,20 +75,33 @@ def write_completion_marker(directory: Path, **details: Any) -> Path:
     return marker
 
 
-def merge_and_export(
-    base_model: str, adapter_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16", tokenizer: Any = None
-) -> Path:
-    """Merge `adapter_dir` into `base_model` (reloaded in `dtype`) and save a complete, marked model folder.
+def clear_completion_marker(directory: str | Path) -> None:
+    """Remove a folder's marker before its files are written again (a retried run): never complete while rewritten."""
+    (Path(directory) / COMPLETION_MARKER).unlink(missing_ok=True)
 
-    `tokenizer`: the run's tokenizer, already in memory (the trainer passes its own); else it is loaded
-    from the adapter folder (or the base). Gemma's 262k-token tokenizer takes seconds to load.
+
+def merge_and_export(
+    base_model: str,
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    tokenizer: Any = None,
+    mark: bool = True,
+) -> Path:
+    """Merge `adapter_dir` into `base_model` (reloaded in `dtype`) and save a model folder, marked unless `mark`
+    is False (a run marks it in `publish_run`, after its summary).
+
+    `tokenizer`: the run's tokenizer or a vision run's processor, already in memory (the trainer passes its own);
+    else it is loaded from the adapter folder (or the base). Gemma's 262k-token tokenizer takes seconds to load.
+    AutoModelForCausalLM maps a Gemma 3 or 4 vision checkpoint to its ...ForConditionalGeneration class (transformers
+    5.23 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), the class a vision run trains, so the tower is merged and saved too.
     """
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir, adapter_dir = Path(out_dir), Path(adapter_dir)
-    (out_dir / COMPLETION_MARKER).unlink(missing_ok=True)
+    clear_completion_marker(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base_path = resolve_model_path(base_model)
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
@@ -88,12 +110,50 @@ def merge_and_export(
         tokenizer = AutoTokenizer.from_pretrained(
             adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_path
         )
-    set_stop_tokens(merged, tokenizer)
+    set_stop_tokens(merged, getattr(tokenizer, "tokenizer", tokenizer))  # a processor's own tokenizer
     merged.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    write_completion_marker(out_dir, base_model=base_model, adapter=str(adapter_dir), dtype=dtype)
+    if mark:
+        write_completion_marker(out_dir, **merged_details(base_model, adapter_dir, dtype))
     log.info("exported merged model to %s", out_dir)
     return out_dir
+
+
+def merged_details(base_model: str, adapter_dir: str | Path, dtype: str = "bfloat16") -> dict[str, Any]:
+    """What a merged export's marker records besides its files."""
+    return {"base_model": base_model, "adapter": str(adapter_dir), "dtype": dtype}
+
+
+def publish_run(
+    location: OutputLocation,
+    summary: dict[str, Any],
+    adapter_dir: Path,
+    merged_dir: Path | None,
+    base_model: str,
+) -> None:
+    """Write the run's summary, then mark its exports complete, in that order locally and at a remote output.dir.
+
+    Every reader that finds a marker (the serving gate, `serving/completion.py`, a person) so finds the summary with
+    the run's evaluation already there: a `pulumi up` between the two, or a job killed there, cannot see an export
+    without its scores. The adapter's marker records its base, which serving loads it on.
+    """
+    from trainer.checkpoints import upload_dir  # looked up per call: tests record uploads by patching it
+
+    summary_path = location.local / SUMMARY_FILE
+    write_json_atomic(summary_path, summary)
+    if location.remote:
+        from fsspec.core import url_to_fs
+
+        fs, root = url_to_fs(location.remote)
+        fs.makedirs(root, exist_ok=True)
+        fs.put_file(str(summary_path), f"{root}/{SUMMARY_FILE}")
+    write_completion_marker(adapter_dir, base_model=base_model, kind="adapter")
+    if merged_dir is not None:
+        write_completion_marker(merged_dir, **merged_details(base_model, adapter_dir))
+    if location.remote:
+        upload_dir(adapter_dir, f"{location.remote}/adapter", marker=COMPLETION_MARKER)
+        if merged_dir is not None:
+            upload_dir(merged_dir, f"{location.remote}/merged", marker=COMPLETION_MARKER)
 
 
 def is_adapter(directory: str | Path) -> bool:

@@ -275,11 +275,12 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     import ray.train
     from ray.train.huggingface.transformers import prepare_trainer
 
-    from trainer.checkpoints import OutputLocation, upload_dir
+    from trainer.checkpoints import OutputLocation
+    from trainer.export import clear_completion_marker, merge_and_export, publish_run
     from trainer.metrics_log import send_to_container_stdout
     from trainer.preemption import Preempted, acknowledge, preemption_callback
     from trainer.run_eval import run_evaluation
-    from trainer.train import SUMMARY_FILE, build_trainer, run_summary
+    from trainer.train import build_trainer, run_summary
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     send_to_container_stdout()  # Ray keeps this worker's stdout in a file: the metric lines go to the pod's
@@ -323,9 +324,16 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     # every worker: the held-out loss and the answers are collectives over the Ray workers' process group
     evaluation = run_evaluation(trainer, recipe, processor)
     adapter_dir = location.local / "adapter"
+    if trainer.is_world_process_zero():
+        clear_completion_marker(adapter_dir)  # a restarted group rewrites it: marked again only after the summary
     trainer.save_model(str(adapter_dir))
     if trainer.is_world_process_zero():
         processor.save_pretrained(adapter_dir)
+        merged_dir = None
+        if recipe.output.merge:  # what serving loads when vLLM cannot take the adapter (docs/serving.md)
+            merged_dir = merge_and_export(
+                recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=processor, mark=False
+            )
         eval_loss = evaluation["after"]["loss"] if evaluation else None
         summary = run_summary(recipe, trainer, train_output, eval_loss, None, time.perf_counter() - started)
         summary.update(
@@ -340,19 +348,14 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
                 "ddp_find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
             }
         )
-        (location.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        if location.remote:
-            upload_dir(adapter_dir, f"{location.remote}/adapter")
-            from fsspec.core import url_to_fs
-
-            fs, root = url_to_fs(location.remote)
-            fs.put_file(str(location.local / SUMMARY_FILE), f"{root}/{SUMMARY_FILE}")
+        # the summary, then the exports' markers, on every output kind (trainer/export.py publish_run)
+        publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path)
         # last, as `python -m trainer` does: what `pulumi up` and `main` read to start nothing for this run again
         location.mark_run_complete(
             {
                 "recipe": recipe.name,
                 "adapter_dir": location.remote_path("adapter") or str(adapter_dir),
-                "merged_dir": None,
+                "merged_dir": (location.remote_path("merged") or str(merged_dir)) if merged_dir else None,
                 "summary": summary,
             }
         )

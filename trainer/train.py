@@ -19,7 +19,6 @@ Decisions (docs/decisions/sft-training-run.md, with the output layout under `out
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.base_weights import stage_base_model
 from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
 from trainer.cost_line import SUMMARY_COST_KEY, run_cost_line
+from trainer.export import SUMMARY_FILE as SUMMARY_FILE
 from trainer.preemption import Preempted, preemption_callback
 from trainer.recipe import Recipe, RecipeError, world_size_problem
 from trainer.run_eval import run_evaluation
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SUMMARY_FILE = "run_summary.json"
 # How long the ranks wait for local rank 0 to load the model: on a fresh node that is the first
 # download of the weights from the Hub (Gemma 4 31B: ~62 GB). Every later collective keeps the
 # process group's own timeout (`ddp_timeout`, 30 min), so a hung rank is still found within it.
@@ -280,7 +279,7 @@ def finished_result(recipe: Recipe) -> RunResult | None:
 
 def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult:
     """Train, save the adapter, optionally merge, write run_summary.json, mirror everything to output.dir."""
-    from trainer.export import merge_and_export, push_to_hub
+    from trainer.export import clear_completion_marker, merge_and_export, publish_run, push_to_hub
 
     started = time.perf_counter()
     finished = finished_result(recipe)
@@ -308,11 +307,13 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     eval_loss = evaluation["after"]["loss"] if evaluation else None
 
     adapter_dir = location.local / "adapter"
+    if trainer.is_world_process_zero():
+        clear_completion_marker(adapter_dir)  # a retried run rewrites it: marked again only after its summary
     save_adapter(trainer, adapter_dir)
     merged_dir = None
     if recipe.output.merge and trainer.is_world_process_zero():
         merged_dir = merge_and_export(
-            recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=tokenizer
+            recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=tokenizer, mark=False
         )
 
     summary = run_summary(recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started)
@@ -325,8 +326,9 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         processing_class=tokenizer,
     )
     if trainer.is_world_process_zero():
-        (location.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        _publish(location, merged_dir is not None)
+        # the summary, then the exports' markers (trainer/export.py publish_run), then the logs
+        publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path)
+        _publish_logs(location)
         if recipe.output.push_to_hub and recipe.output.hub_model_id:
             summary["hub_url"] = push_to_hub(
                 merged_dir or adapter_dir, recipe.output.hub_model_id, recipe.output.hub_private
@@ -389,18 +391,7 @@ def run_summary(
     }
 
 
-def _publish(location: OutputLocation, merged: bool) -> None:
-    """Mirror the final artefacts to a remote output.dir: adapter, logs, summary, then the merged model (marker last)."""
-    if not location.remote:
-        return
-    from trainer.export import COMPLETION_MARKER
-
-    upload_dir(location.local / "adapter", f"{location.remote}/adapter")
-    if (location.local / "logs").is_dir():
+def _publish_logs(location: OutputLocation) -> None:
+    """Mirror the training logs (TensorBoard) to a remote output.dir; the exports are `publish_run`'s."""
+    if location.remote and (location.local / "logs").is_dir():
         upload_dir(location.local / "logs", f"{location.remote}/logs")
-    from fsspec.core import url_to_fs
-
-    fs, root = url_to_fs(location.remote)
-    fs.put_file(str(location.local / SUMMARY_FILE), f"{root}/{SUMMARY_FILE}")
-    if merged:
-        upload_dir(location.local / "merged", f"{location.remote}/merged", marker=COMPLETION_MARKER)

@@ -226,9 +226,10 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
             assert torch.equal(in_memory[key].to(tensor.dtype), tensor), f"rank {rank}: {key} differs from training"
 
     # One upload per checkpoint: Ray's report (above: each file handed over once); the trainer's mirror
-    # callback uploads none of them to output.dir, only the final adapter goes there.
+    # callback uploads none of them to output.dir, only the final adapter and the merged export serving loads
+    # (the W2 recipe merges: vLLM refuses its adapter's modules_to_save) go there, after the summary.
     uploads = [json.loads(line) for f in sorted(record.glob("uploads-*.jsonl")) for line in f.read_text().splitlines()]
-    assert [u["url"] for u in uploads] == [f"file://{out}/adapter"], uploads
+    assert [u["url"] for u in uploads] == [f"file://{out}/adapter", f"file://{out}/merged"], uploads
     assert not (out / "checkpoints").exists()
     # One download per node on resume: the second attempt's ranks on one Ray node share one copy.
     nodes = {(record / f"node-attempt-2-rank-{r}.txt").read_text() for r in (0, 1)}
