@@ -27,12 +27,16 @@ class GkeAccelerator:
 
 @dataclass(frozen=True)
 class CloudRunGpu:
-    """A GPU that Cloud Run attaches (one per instance), with the minimum CPU and memory it needs."""
+    """A GPU that Cloud Run attaches (one per instance), with the minimum CPU and memory it needs and the driver its
+    instances run (the CUDA version that driver supports; the GPU's compute capability as 89 for sm_89)."""
 
     value: str
     min_cpu: int
     min_memory_gib: int
     regions: tuple[str, ...]
+    driver: str
+    driver_cuda: tuple[int, int]
+    compute_capability: int
 
 
 GKE_ACCELERATORS: dict[str, GkeAccelerator] = {
@@ -50,13 +54,27 @@ GKE_ACCELERATORS: dict[str, GkeAccelerator] = {
 CLOUD_RUN_GPUS: dict[str, CloudRunGpu] = {
     g.value: g
     for g in (
+        # The driver of each: "L4 GPU with the current NVIDIA driver version: 535.216.03 (12.2)", "NVIDIA RTX PRO 6000
+        # Blackwell GPU with the current NVIDIA driver version: 580.x.x (13.0)" (Cloud Run GPU pages for services and
+        # worker pools, 2026).
         CloudRunGpu(
             "nvidia-l4",
             4,
             16,
             ("us-central1", "us-east4", "europe-west1", "europe-west4", "asia-southeast1", "asia-south1"),
+            "535.216.03",
+            (12, 2),
+            89,
         ),
-        CloudRunGpu("nvidia-rtx-pro-6000", 20, 80, ("us-central1", "europe-west4", "asia-southeast1", "asia-south2")),
+        CloudRunGpu(
+            "nvidia-rtx-pro-6000",
+            20,
+            80,
+            ("us-central1", "europe-west4", "asia-southeast1", "asia-south2"),
+            "580.x",
+            (13, 0),
+            120,
+        ),
     )
 }
 

@@ -29,7 +29,7 @@ import pulumi
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from infra.catalog import CLOUD_RUN_GPUS, GKE_ACCELERATORS, TRAINING_GPU
-from serving.vllm_args import SERVED_MAX_MODEL_LEN, VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda_major
+from serving.vllm_args import SERVED_MAX_MODEL_LEN, VLLM_IMAGE, cuda12_variant, extra_arg_problem, image_cuda
 from trainer.memory_plan import GPUS
 from trainer.ray_entry import RAY_VERSION
 from trainer.recipe import (
@@ -92,7 +92,7 @@ _BILLING_ACCOUNT = re.compile(r"^[0-9A-F]{6}-[0-9A-F]{6}-[0-9A-F]{6}$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 # A budget sends to at most 5 Monitoring notification channels (Budget allUpdatesRule, pulumi-gcp 10.2 docs).
 MAX_BUDGET_EMAILS = 5
-_RUN_ID = re.compile(r"^[0-9a-f]{12}$")
+_RUN_ID = re.compile(r"^(?:[0-9a-f]{12}|[0-9a-f]{8})$")
 _IMAGE_REF = re.compile(
     r"^[a-z0-9][a-z0-9._/-]*(:\d+/[a-z0-9._/-]+)?(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})$"
 )
@@ -172,13 +172,18 @@ class StackConfig(BaseModel):
     hf_token_set: bool = Field(False, description="whether gemma-finetune:hfToken is set (the value stays secret)")
 
     serving_enabled: bool = Field(False, alias="servingEnabled")
-    serving_gpu_type: str = Field("nvidia-l4", alias="servingGpuType")
+    serving_gpu_type: str = Field(
+        "",
+        alias="servingGpuType",
+        description="the service's Cloud Run GPU; unset: the one with the least memory that holds the served model",
+    )
     serving_public: bool = Field(False, alias="servingPublic")
     serving_invokers: list[str] = Field(default_factory=list, alias="servingInvokers")
     serving_max_instances: int = Field(1, alias="servingMaxInstances", gt=0, le=10)
     serving_max_model_len: int = Field(SERVED_MAX_MODEL_LEN, alias="servingMaxModelLen", gt=0)
     serving_extra_args: list[str] = Field(default_factory=list, alias="servingExtraArgs")
     serving_run_id: str | None = Field(None, alias="servingRunId")
+    serving_compare_run_ids: list[str] = Field(default_factory=list, alias="servingCompareRunIds", max_length=3)
     serving_max_eval_loss: float | None = Field(None, alias="servingMaxEvalLoss", gt=0)
     serving_min_score: float | None = Field(None, alias="servingMinScore")
     serving_vllm_image: str = Field(VLLM_IMAGE, alias="servingVllmImage")
@@ -379,10 +384,21 @@ class StackConfig(BaseModel):
     def _run_id(cls, v: str | None) -> str | None:
         if v is not None and not _RUN_ID.match(v):
             raise ValueError(
-                f"servingRunId={v!r} is not a run id (12 lowercase hex characters, the runId output of a training "
-                "run). List completed runs with `gcloud storage ls 'gs://BUCKET/runs/*/merged/_COMPLETE.json'`. "
-                "Fix: pulumi config set servingRunId 0123456789ab, or pulumi config rm servingRunId to serve the "
-                "run the serving gate picks"
+                f"servingRunId={v!r} is not a run id (12 lowercase hex characters on cloud-run, the runId output of "
+                "a training run; 8 on GKE, the end of its run folder runs/<job name>). List completed runs with "
+                "`gcloud storage ls 'gs://BUCKET/runs/*/*/_COMPLETE.json'`. Fix: pulumi config set servingRunId "
+                "0123456789ab, or pulumi config rm servingRunId to serve the run the serving gate picks"
+            )
+        return v
+
+    @field_validator("serving_compare_run_ids")
+    @classmethod
+    def _compare_run_ids(cls, v: list[str]) -> list[str]:
+        bad = [rid for rid in v if not _RUN_ID.match(rid)]
+        if bad or len(set(v)) != len(v):
+            raise ValueError(
+                f"servingCompareRunIds={v!r}: each entry a run id (12 hex characters on cloud-run, 8 on GKE), each "
+                "once. Fix: pulumi config set --path 'servingCompareRunIds[0]' RUN_ID"
             )
         return v
 
@@ -471,7 +487,7 @@ class StackConfig(BaseModel):
             missing = [
                 k for k, v in (("trainerImage", self.trainer_image), ("servingImage", self.serving_image)) if not v
             ]
-            if self.workload is not Workload.CLOUD_RUN or not self.serving_enabled:
+            if not self.serving_enabled:
                 missing = [k for k in missing if k != "servingImage"]
             if self.recipe_file or self.recipe.endswith(RECIPE_FILE_SUFFIXES):  # after or before the renaming
                 problems.append(
@@ -484,11 +500,7 @@ class StackConfig(BaseModel):
                     f"Fix: {_set(missing[0], 'REGION-docker.pkg.dev/PROJECT/REPO/NAME@sha256:…')}, "
                     "or use imageBuild=docker / cloud-build"
                 )
-        if self.serving_enabled and self.workload is not Workload.CLOUD_RUN:
-            problems.append(
-                f"servingEnabled=true is only implemented for workload cloud-run (this stack is {self.workload}); "
-                f"Fix: {_set('servingEnabled', False)}"
-            )
+        problems += self._check_serving_keys()
         problems += self._check_budget()
         problems += self._check_alerts()
         if problems:
@@ -553,20 +565,33 @@ class StackConfig(BaseModel):
                 f"capacity={self.capacity} does not apply to Cloud Run (GPU quota is per region). "
                 f"Fix: pulumi config rm capacity"
             )
-        if self.serving_gpu_type not in CLOUD_RUN_GPUS:
+        return problems
+
+    def _check_serving_keys(self) -> list[str]:
+        """The serving keys that need no recipe (the GPU's fit and the image's CUDA are `serving_problems`)."""
+        problems = []
+        if self.serving_gpu_type and self.serving_gpu_type not in CLOUD_RUN_GPUS:
             problems.append(
-                f"servingGpuType={self.serving_gpu_type!r} is not offered by Cloud Run. "
-                f"Cloud Run offers: {', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('servingGpuType', 'nvidia-l4')}"
+                f"servingGpuType={self.serving_gpu_type!r} is not offered by Cloud Run, which serves every stack. "
+                f"Cloud Run offers: {', '.join(CLOUD_RUN_GPUS)}. Fix: {_set('servingGpuType', 'nvidia-l4')}, or "
+                "pulumi config rm servingGpuType (the smallest GPU the served model fits)"
             )
-        cuda = image_cuda_major(self.serving_vllm_image)
-        if self.serving_gpu_type == "nvidia-l4" and cuda is not None and cuda >= 13:
+        if self.serving_enabled and self.serving_gpu_type in CLOUD_RUN_GPUS:
+            regions = CLOUD_RUN_GPUS[self.serving_gpu_type].regions
+            if self.region not in regions:
+                problems.append(
+                    f"gcp:region={self.region!r} has no Cloud Run {self.serving_gpu_type} GPUs for the vLLM service. "
+                    f"Regions with them: {', '.join(regions)}. Fix: {_set('gcp:region', regions[0])}, or another "
+                    "servingGpuType"
+                )
+        length = 12 if self.workload is Workload.CLOUD_RUN else 8
+        ids = [*([self.serving_run_id] if self.serving_run_id else []), *self.serving_compare_run_ids]
+        wrong = [rid for rid in ids if len(rid) != length]
+        if wrong:
             problems.append(
-                f"servingVllmImage={self.serving_vllm_image!r} is a CUDA {cuda} build (from vLLM v0.20 on, a tag "
-                "without a suffix is the CUDA 13.0 build: vllm-project/vllm#39878), but Cloud Run's L4 driver is 535 "
-                "(CUDA 12.2) and CUDA 13 needs driver >= 580 (NVIDIA CUDA minor version compatibility). Allowed on "
-                "nvidia-l4: a CUDA 12 build, i.e. a `-cu129` tag (vllm/vllm-openai:vX.Y.Z-cu129), a release before "
-                f"v0.20, or a digest. Fix: {_set('servingVllmImage', cuda12_variant(self.serving_vllm_image))}, or "
-                f"{_set('servingGpuType', 'nvidia-rtx-pro-6000')} (driver 580)"
+                f"servingRunId / servingCompareRunIds {wrong}: a run id of workload {self.workload} has {length} hex "
+                f"characters ({'the runId output' if length == 12 else 'the end of the run folder runs/<job name>'}). "
+                "Fix: pulumi config set servingRunId RUN_ID"
             )
         return problems
 
@@ -713,6 +738,7 @@ _LIST_FIELDS = {
     "servingInvokers",
     "servingExtraArgs",
     "servingEnv",
+    "servingCompareRunIds",
     "labels",
     "budgetEmails",
     "alertEmails",
@@ -810,7 +836,125 @@ def validate(raw: dict[str, Any], stack: str, hf_token_set: bool) -> StackConfig
     )
     if token_problem:
         raise ConfigError(_render(stack, [token_problem]))
+    cfg, serving = resolve_serving(cfg)
+    if serving:
+        raise ConfigError(_render(stack, serving))
     return cfg
+
+
+# What a CUDA build needs of a GPU without PTX JIT: SASS for its architecture. sm_120 (RTX PRO 6000 Blackwell) is a
+# target from CUDA 12.8 on (NVIDIA CUDA 12.8 release notes: "added support for SM_120"); an older build can reach
+# it only as PTX, JIT-compiled by the driver.
+FIRST_CUDA_FOR_CC = {120: (12, 8), 89: (11, 8)}
+# What of vLLM v0.28.0 reaches sm_120 only as PTX (compute_80), read from the fatbins of the PyPI wheel's .so files
+# (its CUDA 13.0 build; docs/serving.md, "An image the GPU's driver can run"): vllm_flash_attn/_vllm_fa2_C (every
+# kernel: SASS sm_80 + PTX compute_80), 5 kernel groups of _C_stable_libtorch and 1 of _moe_C. sm_89 (L4) has SASS
+# in every generic kernel (sm_80/86/89), and Triton compiles its kernels to SASS with its own ptxas (12.8 below
+# sm_100, 13.1 from sm_100: triton 3.7.1 backends/nvidia/compiler.py `get_ptxas`).
+PTX_ONLY_ON = {120: "FlashAttention 2 and 6 kernel groups of vLLM v0.28.0 carry sm_120 only as PTX (compute_80)"}
+
+
+def image_driver_problem(image: str, gpu: str) -> str | None:
+    """Why a vLLM image cannot run on a Cloud Run GPU's driver, or None (also when the tag does not say its CUDA).
+
+    NVIDIA's rules (docs.nvidia.com/deploy/cuda-compatibility): a build for a newer CUDA major than the driver's does
+    not run; a build for a newer minor of the same major runs by minor-version compatibility, which has no PTX JIT, so
+    every kernel must carry SASS for the GPU; a build older than the GPU's architecture can only JIT it."""
+    found = image_cuda(image)
+    spec = CLOUD_RUN_GPUS.get(gpu)
+    if found is None or spec is None:
+        return None
+    major, minor = found
+    built = f"CUDA {major}.{minor}" if minor is not None else f"CUDA {major}"
+    driver = f"Cloud Run's {gpu} driver is {spec.driver} (CUDA {spec.driver_cuda[0]}.{spec.driver_cuda[1]})"
+    fix_cuda12 = _set("servingVllmImage", cuda12_variant(image))
+    if major > spec.driver_cuda[0]:
+        return (
+            f"servingVllmImage={image!r} is a CUDA {major} build (from vLLM v0.20 on, a tag without a suffix is the CUDA "
+            f"13.0 build: vllm-project/vllm#39878), but {driver}: a newer CUDA major needs a newer driver (NVIDIA "
+            f"CUDA minor version compatibility covers one major only). Allowed on {gpu}: a CUDA "
+            f"{spec.driver_cuda[0]} build, i.e. a `-cu129` tag (vllm/vllm-openai:vX.Y.Z-cu129), a release before "
+            f"v0.20, or a digest. Fix: {fix_cuda12}, or {_set('servingGpuType', 'nvidia-rtx-pro-6000')} (driver 580)"
+        )
+    first = FIRST_CUDA_FOR_CC.get(spec.compute_capability)
+    if first and minor is not None and (major, minor) < first:
+        return (
+            f"servingVllmImage={image!r} is a {built} build: CUDA {first[0]}.{first[1]} is the first that compiles for "
+            f"sm_{spec.compute_capability} ({gpu}), so its kernels would reach this GPU only by PTX JIT, if at all. "
+            f"Fix: {_set('servingVllmImage', VLLM_IMAGE)}"
+        )
+    if major == spec.driver_cuda[0] and minor is not None and minor > spec.driver_cuda[1]:
+        ptx_only = PTX_ONLY_ON.get(spec.compute_capability)
+        if ptx_only:
+            return (
+                f"servingVllmImage={image!r} is a {built} build and {driver}: it runs by minor-version compatibility, "
+                f"which has no PTX JIT, and {ptx_only}. Fix: {_set('servingVllmImage', VLLM_IMAGE)} (CUDA 12.9, "
+                "which the 580 driver runs natively, JIT included)"
+            )
+    return None
+
+
+def resolve_serving(cfg: StackConfig) -> tuple[StackConfig, list[str]]:
+    """The stack with `servingGpuType` chosen when unset (the GPU with the least memory that holds the served model),
+    and, with serving on, what cannot be served: a model its GPU cannot hold, a merged export the recipe does not
+    write, runs compared where only merged exports are served, an image the GPU's driver cannot run."""
+    from serving.memory import UnknownModelError
+    from serving.served_model import MERGED, served_model
+
+    recipe = load_recipe(cfg.recipe_source, cfg.recipe_overrides)  # loads: _hf_token_problem checked it
+    model = served_model(recipe, cfg.workload is not Workload.CLOUD_RUN, len(cfg.serving_compare_run_ids))
+    length, seqs = cfg.serving_max_model_len, cfg.serving_concurrency
+    gpu = cfg.serving_gpu_type
+    if not gpu:
+        try:
+            gpu = model.smallest_gpu(length, seqs) or max(
+                CLOUD_RUN_GPUS, key=lambda g: CLOUD_RUN_GPUS[g].min_memory_gib
+            )
+        except UnknownModelError:
+            gpu = "nvidia-l4"
+        cfg = cfg.model_copy(update={"serving_gpu_type": gpu})
+    if not cfg.serving_enabled:
+        return cfg, []
+    problems = []
+    n = len(cfg.recipe_overrides)
+    if model.artefact == MERGED and not recipe.output.merge:
+        problems.append(
+            f"servingEnabled=true serves the merged export of recipe {cfg.recipe!r} ({model.why}), but its "
+            f"output.merge is false. Fix: pulumi config set --path 'recipeOverrides[{n}]' output.merge=true (a new run)"
+        )
+    if model.artefact == MERGED and cfg.serving_compare_run_ids:
+        problems.append(
+            f"servingCompareRunIds serves other runs' adapters beside the served one, but this stack serves merged "
+            f"exports ({model.why}). Fix: pulumi config rm servingCompareRunIds"
+        )
+    try:
+        estimate = model.memory(gpu, length, seqs)
+    except UnknownModelError as exc:
+        if cfg.preflight is PreflightMode.STRICT:
+            problems.append(
+                f"{exc}: whether the served model fits servingGpuType={gpu} cannot be checked. Fix: a Gemma the memory "
+                "model knows, or pulumi config set preflight warn"
+            )
+        estimate = None
+    if estimate is not None and not estimate.fits:
+        fixes = [
+            f"{_set('servingGpuType', other)} ({model.memory(other, length, seqs).line()})"
+            for other in CLOUD_RUN_GPUS
+            if other != gpu and model.memory(other, length, seqs).fits
+        ]
+        from serving.memory import longest_context_that_fits
+
+        longest = longest_context_that_fits(estimate)
+        if longest:
+            fixes.append(f"{_set('servingMaxModelLen', longest)} (the longest context whose one request fits)")
+        problems.append(
+            f"servingGpuType={gpu} cannot hold the served model: {estimate.line()}. Fix: "
+            + ("; or ".join(fixes) if fixes else "a smaller Gemma (docs/own-data.md, 'Which Gemma fits')")
+        )
+    driver = image_driver_problem(cfg.serving_vllm_image, gpu)
+    if driver:
+        problems.append(driver)
+    return cfg, problems
 
 
 def _world_size_problem(cfg: StackConfig) -> str | None:

@@ -7,7 +7,8 @@ Decisions (why and sources: docs/decisions/run-cost-ceiling.md)
   retries); gke-ray `backoffLimit` + 1, plus the cluster TTL; cloud-run `maxRetries` + 1, no tail.
 - GKE nodes outlive their Pods: `NODE_RELEASE_S` per attempt; GKE runs add the cluster fee for the window.
 - A standing Ray cluster has no deadline, so no ceiling (`maxRunCostUsd` refuses it).
-- `servingCostPerHourUsd`: every instance `servingMaxInstances` allows, awake for an hour.
+- Serving: every instance `servingMaxInstances` allows awake for an hour; one cold start from the request
+  (serving/startup.py) and an idle instance until scale-in, both billed (instance-based billing).
 - Each run's price goes to a file in its output folder (`price_document`), not to the pod template,
   where a new price would replace a running Job.
 Not here: the prices (`infra.pricing`), enforcing the limit (`infra.preflight`, the policy pack's
@@ -23,9 +24,17 @@ from typing import Any
 import pulumi
 import pulumi_gcp as gcp
 
-from infra import cloud_run, ray_job
+from infra import cloud_run, ray_job, serving
 from infra.config import RayClusterMode, StackConfig, Workload
-from infra.pricing import GKE_CLUSTER_FEE_CENTS, PRICES_AS_OF, HourlyPrice, cloud_run_instance_hour, gke_node_hour
+from infra.pricing import (
+    CLOUD_RUN_CPU_SECOND,
+    CLOUD_RUN_MEMORY_SECOND,
+    GKE_CLUSTER_FEE_CENTS,
+    PRICES_AS_OF,
+    HourlyPrice,
+    cloud_run_instance_hour,
+    gke_node_hour,
+)
 from trainer.cost_line import PRICE_FILE, SUMMARY_COST_KEY
 
 NODE_RELEASE_S = 600
@@ -78,9 +87,37 @@ def training_hour(cfg: StackConfig) -> HourlyPrice | None:
 
 
 def serving_hour(cfg: StackConfig) -> HourlyPrice | None:
-    """The hourly price of one vLLM instance (cloud-run with serving on), as the service is sized."""
-    limits = cloud_run.service_limits(cfg)
+    """The hourly price of one vLLM instance, as the service is sized."""
+    limits = serving.service_limits(cfg)
     return cloud_run_instance_hour(cfg, cfg.serving_gpu_type, cfg.gpu_zonal_redundancy, limits, serving=True)
+
+
+def serving_cold_start_text(cfg: StackConfig) -> str:
+    """One cold start from the request, its parts, and what it and an idle instance until scale-in cost."""
+    cold = serving.served_cold_start(cfg)
+    low, high = cold.from_request_s()
+    hourly = serving_hour(cfg)
+    idle_min = serving.IDLE_BEFORE_SCALE_IN_S // 60
+    idle_s = serving.IDLE_BEFORE_SCALE_IN_S
+    if hourly is None:
+        limits = serving.service_limits(cfg)
+        per_s = (
+            float(limits["cpu"]) * CLOUD_RUN_CPU_SECOND.usd
+            + float(limits["memory"].removesuffix("Gi")) * CLOUD_RUN_MEMORY_SECOND.usd
+        )
+        price = (
+            f"at least {low * per_s:,.2f}-{high * per_s:,.2f} USD per cold start and {idle_s * per_s:,.2f} USD for an "
+            f"idle instance until scale-in ({idle_min} min), for its {limits['cpu']} vCPU and {limits['memory']} alone: "
+            f"the price table has no Cloud Run {cfg.serving_gpu_type} GPU figure; set the instance's with "
+            "`pulumi config set servingHourPriceUsd 12.34`"
+        )
+    else:
+        per_s = hourly.usd / 3600
+        price = (
+            f"{low * per_s:,.2f}-{high * per_s:,.2f} USD per cold start, {idle_s * per_s:,.2f} USD for an idle "
+            f"instance until scale-in ({idle_min} min; scale to zero is not free on a GPU), at {hourly.describe()}"
+        )
+    return f"{low}-{high} s from the request ({'; '.join(cold.lines())}); {price}"
 
 
 def run_ceiling(cfg: StackConfig) -> RunCeiling:
@@ -108,8 +145,10 @@ def outputs(cfg: StackConfig) -> dict[str, object]:
         "runCostCeilingUsd": ceiling.usd,
         "runCostCeiling": _ceiling_text(cfg, ceiling),
     }
-    if cfg.workload is Workload.CLOUD_RUN and cfg.serving_enabled:
+    if cfg.serving_enabled:
         out["servingCostPerHourUsd"] = serving_per_hour_usd(cfg)
+        out["servingColdStart"] = serving_cold_start_text(cfg)
+        out["servingMemory"] = serving.served_memory_of(cfg).line()
     return out
 
 

@@ -132,13 +132,15 @@ def reads_hf_secret(cfg: StackConfig) -> bool:
 
 
 def reads_api_key_secret(cfg: StackConfig) -> bool:
-    """The vLLM Service reads `servingApiKey` from Secret Manager (`infra.cloud_run` VLLM_API_KEY secretKeyRef)."""
+    """The vLLM Service reads `servingApiKey` from Secret Manager (`infra.serving` VLLM_API_KEY secretKeyRef)."""
     return cfg.serving_enabled and cfg.serving_api_key_set
 
 
 def required_apis(cfg: StackConfig) -> list[str]:
     """The APIs this stack uses, and no others."""
     apis = list(_COMMON_APIS) + list(_WORKLOAD_APIS[cfg.workload])
+    if cfg.serving_enabled:  # every stack serves on Cloud Run (infra/serving.py)
+        apis.append("run.googleapis.com")
     if reads_hf_secret(cfg) or reads_api_key_secret(cfg):
         apis.append("secretmanager.googleapis.com")
     if cfg.image_build is ImageBuild.CLOUD_BUILD:

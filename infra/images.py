@@ -29,7 +29,7 @@ import pulumi
 import pulumi_command as command
 import pulumi_docker_build as docker_build
 
-from infra.config import ImageBuild, StackConfig, Workload
+from infra.config import ImageBuild, StackConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where `stage_context` writes the build contexts (under build/, which .gitignore leaves out).
@@ -253,7 +253,7 @@ class Images(pulumi.ComponentResource):
         self.trainer_image = self._image(name, trainer, cfg.trainer_image)
         self.trainer_content = image_content(trainer, cfg.image_build, cfg.trainer_image)
         self.serving_image = None
-        if cfg.serving_enabled and cfg.workload is Workload.CLOUD_RUN:
+        if cfg.serving_enabled:  # every stack serves on Cloud Run (infra/serving.py)
             self.serving_image = self._image(name, SERVING, cfg.serving_image)
         outputs: dict[str, pulumi.Output[str]] = {"trainer_image": self.trainer_image}
         if self.serving_image is not None:

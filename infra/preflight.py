@@ -234,13 +234,14 @@ def gpu_quota_needs(cfg: StackConfig) -> list[QuotaNeed]:
     """The quotas this stack draws GPUs from, and how many it needs of each (none for a reservation)."""
     if cfg.workload is Workload.CLOUD_RUN:
         return _cloud_run_needs(cfg)
+    needs = _serving_needs(cfg, {})  # every stack serves on Cloud Run (infra/serving.py)
     if cfg.capacity is Capacity.RESERVATION:
-        return []
+        return needs
     assert cfg.gpu_type and cfg.gpus_per_node
     preemptible = cfg.capacity in (Capacity.SPOT, Capacity.FLEX_START)
     needed = cfg.nodes * cfg.gpus_per_node
     because = f"capacity={cfg.capacity} with nodes={cfg.nodes} x gpusPerNode={cfg.gpus_per_node} ({cfg.gpu_type})"
-    needs = [QuotaNeed(GKE_GPU_QUOTAS[(cfg.gpu_type, preemptible)], needed, because)]
+    needs.append(QuotaNeed(GKE_GPU_QUOTAS[(cfg.gpu_type, preemptible)], needed, because))
     if not preemptible:
         needs.append(QuotaNeed(GPUS_ALL_REGIONS, needed, because))
     return needs
@@ -248,7 +249,11 @@ def gpu_quota_needs(cfg: StackConfig) -> list[QuotaNeed]:
 
 def _cloud_run_needs(cfg: StackConfig) -> list[QuotaNeed]:
     job = CLOUD_RUN_GPU_QUOTA[(cfg.gpu_type or "nvidia-l4", False)]
-    needs: dict[str, list[tuple[int, str]]] = {job: [(1, f"the training Job (gpuType={cfg.gpu_type}, 1 task)")]}
+    return _serving_needs(cfg, {job: [(1, f"the training Job (gpuType={cfg.gpu_type}, 1 task)")]})
+
+
+def _serving_needs(cfg: StackConfig, needs: dict[str, list[tuple[int, str]]]) -> list[QuotaNeed]:
+    """`needs` (Cloud Run quota id -> GPUs and why) plus the vLLM service's, as QuotaNeeds."""
     if cfg.serving_enabled:
         service = CLOUD_RUN_GPU_QUOTA[(cfg.serving_gpu_type, cfg.gpu_zonal_redundancy)]
         instances = cfg.serving_max_instances + 1

@@ -2,8 +2,8 @@
 
 Flow: validated config → preflight → foundation → images → the run (infra/run_identity.py: which one, and whether
 this `up` starts a paid one: the `paidRun` output, printed by the preview too) → the workload the stack names →
-outputs (the run's cost ceiling among them) → the budget guard when the stack sets one → the run's dashboard and
-alerts.
+serving (every stack: infra/serving.py) → outputs (the run's cost ceiling among them) → the budget guard when the
+stack sets one → the run's dashboard and alerts.
 Bad configuration raises `ConfigError`, and configuration the project cannot serve (a reservation that
 is missing or too small, GPU quota below what the run needs, a cost ceiling above `maxRunCostUsd`)
 raises `PreflightError`, both before the first resource is declared.
@@ -16,7 +16,7 @@ from typing import Any
 import pulumi
 
 from infra import config as stack_config
-from infra import cost, monitoring, preflight, run_identity
+from infra import cost, monitoring, preflight, run_identity, serving
 from infra.budget import BudgetGuard, BudgetGuardArgs
 from infra.config import Workload
 from infra.foundation import FINISHED_OUTPUT, Foundation, FoundationArgs, Identity
@@ -74,6 +74,7 @@ def run() -> dict[str, Any]:
     outputs["paidRun"] = run.line()
     _add(outputs, _workload(cfg, loaded, foundation, images, run))
     run_identity.declare_record(name, cfg, run, foundation.bucket_name, after=[foundation.bucket])
+    _add(outputs, serving.declare(cfg, foundation, images.serving_image))
     _add(outputs, cost.outputs(cfg))
     # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py); a finished
     # run's folder keeps the price it ran with (its marker's cost line was computed from it).

@@ -1,4 +1,4 @@
-"""The serving gate (`dev`): the vLLM Service moves to a newly finished run only when it is not worse.
+"""The serving gate (every stack): the vLLM Service moves to a newly finished run only when it is not worse.
 
 Decisions (sources and the publication order they rely on: docs/decisions/serving-gate.md)
 - A run's evaluation is its `run_summary.json`: the held-out loss `eval_loss` (lower is better) and, where the run
@@ -9,6 +9,8 @@ Decisions (sources and the publication order they rely on: docs/decisions/servin
 - `servingMaxEvalLoss` / `servingMinScore`, when set, replace the comparison (the newest run meeting both is
   served; none is an error with the fix). A run without a loss is not gated; in the comparison a run without a
   score is judged on its loss, and it never meets `servingMinScore`. `servingRunId` always wins.
+- A finished run without its `run_summary.json` is never chosen (only `servingRunId` serves it): the trainer
+  writes the summary before any marker (trainer/export.py `publish_run`).
 - When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was worse,
   and the override (`pulumi config set servingRunId RUN`).
 - Only runs scored on the same held-out rows (`eval.held_out.sha256`, trainer/data.py `held_out_identity`) are
@@ -150,7 +152,36 @@ def _misses(run: RunEval, max_loss: float | None, min_score: float | None) -> li
 def gate(
     finished: list[str], evals: dict[str, RunEval], max_loss: float | None, min_score: float | None = None
 ) -> GateDecision:
-    """The run to serve among `finished` (oldest first, at least one) and what `pulumi up` says about it."""
+    """The run to serve among `finished` (oldest first, at least one) and what `pulumi up` says about it.
+
+    `evals` holds the runs whose summary was read; a finished run missing from it is not a candidate."""
+    newest = finished[-1]
+    override = f"To serve it anyway: pulumi config set servingRunId {newest}"
+    unscored = [r for r in finished if r not in evals]
+    finished = [r for r in finished if r in evals]
+    if not finished:
+        raise ValueError(
+            f"no finished run has its {RUN_SUMMARY} ({', '.join(reversed(unscored))}): the trainer writes it before "
+            "any completion marker, so these runs were cut off at their end or made by an older trainer, and the "
+            f"gate serves no run it cannot score. Fix: pulumi config set servingRunId {newest} (served unscored), "
+            "or train again"
+        )
+    decision = _gate(finished, evals, max_loss, min_score)
+    if newest in unscored:
+        skipped = (
+            f"the newest finished run {newest} has no {RUN_SUMMARY} (cut off after its export, or an older trainer): "
+            f"not served. {override}"
+        )
+        return GateDecision(
+            decision.served, f"{decision.warning} {skipped}" if decision.warning else skipped, decision.note
+        )
+    return decision
+
+
+def _gate(
+    finished: list[str], evals: dict[str, RunEval], max_loss: float | None, min_score: float | None
+) -> GateDecision:
+    """`gate` over runs that all have a summary."""
     newest = finished[-1]
     override = f"To serve it anyway: pulumi config set servingRunId {newest}"
 

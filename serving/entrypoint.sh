@@ -104,4 +104,14 @@ getattr(importlib.import_module(module), name)' "$mw" 2>&1)"; then
   fi
 done
 
+# A base streamed from gs:// (--load-format runai_streamer) needs the streamer and its GCS backend
+# (serving/Dockerfile installs it): checked now, not after vLLM has started its engine.
+for arg in "$@"; do
+  if [[ "$arg" == "runai_streamer" || "$arg" == "--load-format=runai_streamer" ]]; then
+    if ! why="$("${PYTHON:-python3}" -c 'import runai_model_streamer, runai_model_streamer_gcs' 2>&1)"; then
+      die "--load-format runai_streamer, but the Run:ai streamer cannot be imported (${why##*$'\n'}): build the image from serving/Dockerfile, which installs runai-model-streamer-gcs"
+    fi
+  fi
+done
+
 exec vllm serve "$@"

@@ -3,21 +3,23 @@
     from serving.startup import STARTUP_WINDOW, EXPECTED_START
     STARTUP_WINDOW.initial_delay_s    # 30: Cloud Run sends the first startup probe 30 s after start
     STARTUP_WINDOW.total_s            # 270: what the Cloud Run startup probe allows (30 + 24 x 10)
-    STARTUP_WINDOW.vllm_budget_s      # 270: minus the entrypoint's marker wait (0 on Cloud Run)
     STARTUP_WINDOW.max_marker_wait_s  # 150: the longest marker wait the window allows (vLLM keeps 120 s)
     expected_start_s()                # (32, 110): the fastest and slowest start expected, from EXPECTED_START
+    cold_start(62, Loader.STREAMER, large=True).from_request_s()   # a served model's cold start, from the request
 
 The decision: cut the start (`COLD_START_VLLM`: eager mode, whole-file weight reads), then fit the probe to it:
 an initial delay no longer than the fastest expected start, a window about 2.5 times the slowest, within the
 Cloud Run limits in `PROBE_LIMITS`. The entrypoint's marker wait is subtracted from vLLM's budget here and
-nowhere else; the client waits this window plus one `--timeout` for a scaled-to-zero service. The sources, and
-what is unconfirmed (`EXPECTED_START` is estimated, not measured): docs/decisions/cloud-run-startup-window.md.
-Standard library only (the client imports it). It does not measure anything.
+nowhere else; the client waits this window plus one `--timeout`. Every served model gets its own estimate from the
+request and window (`cold_start`, `window_for`). Sources and what is unconfirmed (all estimated, nothing measured):
+docs/decisions/cloud-run-startup-window.md, docs/serving.md. Standard library only (the client imports it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 API_PROBE_SOURCE = (
@@ -121,6 +123,91 @@ class StartupWindow:
 
 
 STARTUP_WINDOW = StartupWindow()
+
+
+# --------------------------------------------------------------------------- a served model's cold start, from the request
+
+
+class Loader(StrEnum):
+    """How vLLM reads the weights: over the Cloud Storage volume (gcsfuse, one stream per file, whole files with
+    `--safetensors-load-strategy eager`) or straight from gs:// with the Run:ai streamer (`--load-format
+    runai_streamer`, files read in parallel chunks)."""
+
+    MOUNT = "mount"
+    STREAMER = "streamer"
+
+
+# MB/s each loader reads a checkpoint at (fastest, slowest). Mount: the range EXPECTED_START assumes; Google's
+# GPU best practices say the FUSE volume "does not parallelize the download" (cloud.google.com/run/docs/configuring/
+# services/gpu-best-practices). Streamer: parallel range reads (RUNAI_STREAMER_CONCURRENCY), without Direct VPC
+# egress. Both UNCONFIRMED on Cloud Run: estimates, not measurements.
+LOADER_MB_S: dict[Loader, tuple[int, int]] = {Loader.MOUNT: (250, 80), Loader.STREAMER: (1500, 400)}
+# Before the container starts, so before the probe's clock: Cloud Run states instances with GPUs start in about 5 s
+# (cloud.google.com/run/docs/configuring/services/gpu: "plus the time to load the container and the model"); the
+# serving image is the ~10 GB vLLM image, streamed by Cloud Run (size and speed UNCONFIRMED).
+INSTANCE_S = (5, 30)
+IMAGE_PULL_S = (15, 90)
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    """The steps between a request to a service with no instance and the first answer, each (step, fastest s,
+    slowest s); the first `before_container` of them happen before the container starts."""
+
+    parts: tuple[tuple[str, int, int], ...]
+    before_container: int = 2
+
+    def from_request_s(self) -> tuple[int, int]:
+        return sum(low for _, low, _ in self.parts), sum(high for _, _, high in self.parts)
+
+    def in_container_s(self) -> tuple[int, int]:
+        inside = self.parts[self.before_container :]
+        return sum(low for _, low, _ in inside), sum(high for _, _, high in inside)
+
+    def lines(self) -> list[str]:
+        return [f"{step}: {low}-{high} s" for step, low, high in self.parts]
+
+
+def cold_start(weights_gb: float, loader: Loader, large: bool = False) -> ColdStart:
+    """The cold start of a model with `weights_gb` of weights read by `loader`. `large`: a model whose engine start
+    takes longer (a 31B: its profiling pass, and Triton compiling the attention kernels Gemma 4 runs on, with no
+    cache on a fresh instance)."""
+    fast_mb_s, slow_mb_s = LOADER_MB_S[loader]
+    how = "over the Cloud Storage volume" if loader is Loader.MOUNT else "from gs:// with the Run:ai streamer"
+    weights = (
+        f"weights: {weights_gb:.1f} GB read {how} ({slow_mb_s}-{fast_mb_s} MB/s), copied to the GPU",
+        math.floor(weights_gb * 1000 / fast_mb_s),
+        math.ceil(weights_gb * 1000 / slow_mb_s),
+    )
+    engine = (15, 90) if large else (2, 20)
+    return ColdStart(
+        (
+            ("instance and GPU attached", *INSTANCE_S),
+            ("serving image pulled (streamed)", *IMAGE_PULL_S),
+            ("entrypoint: completion check, API key guard import", 1, 5),
+            ("imports: torch, vLLM, transformers in the API server and the engine core, CUDA init", 20, 50),
+            weights,
+            ("engine start: KV-cache profiling pass (eager), kernels compiled, API server up", *engine),
+            ("the next startup probe (every 10 s) answered", 0, 10),
+        )
+    )
+
+
+def window_for(cold: ColdStart) -> StartupWindow:
+    """The startup probe for `cold`: the window is 1.5 x its slowest start in the container (rounded up to 10 s),
+    reached with the longest span Cloud Run allows (24 x 10 s) after an initial delay of the rest, never shorter than
+    `STARTUP_WINDOW`'s 30 s nor longer than Cloud Run's 240 s. A window that still falls short of the slowest start
+    is reported by `covers`."""
+    _, slowest = cold.in_container_s()
+    needed = math.ceil(1.5 * slowest / 10) * 10
+    span = STARTUP_WINDOW.period_s * STARTUP_WINDOW.failure_threshold
+    initial = min(MAX_INITIAL_DELAY_S, max(FIRST_PROBE_WITHIN_S, needed - span))
+    return StartupWindow(initial_delay_s=initial)
+
+
+def covers(window: StartupWindow, cold: ColdStart) -> bool:
+    """Whether the window outlasts the slowest start in the container."""
+    return window.total_s >= cold.in_container_s()[1]
 
 
 # --------------------------------------------------------------------------- the official openai client on a cold service

@@ -39,8 +39,20 @@ DEFAULT_PORT = 8000
 # The context the Cloud Run service serves by default (`--max-model-len`; the stack's servingMaxModelLen), which the
 # local server applies too: a prompt vLLM refuses for its length is refused there as well.
 SERVED_MAX_MODEL_LEN = 4096
-# vLLM accepts only these values for --max-lora-rank.
+# vLLM accepts only these values for --max-lora-rank (`MaxLoRARanks`, vllm/config/lora.py, v0.28.0).
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The Gemma classes vLLM v0.28.0 serves LoRA adapters for: each subclasses SupportsLoRA (vllm/model_executor/models
+# gemma3.py Gemma3ForCausalLM, gemma3_mm.py Gemma3ForConditionalGeneration, gemma4_mm.py
+# Gemma4ForConditionalGeneration, which maps the checkpoint's `model.language_model.` to its own
+# `language_model.model.`, for the adapter's weight names too: vllm/lora/utils.py parse_fine_tuned_lora_name).
+VLLM_LORA_ARCHITECTURES = frozenset(
+    {"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration"}
+)
+# vLLM's `--load-format` values this project renders: `auto` reads safetensors from a folder, `runai_streamer`
+# streams them from object storage (gs://, s3://) in parallel ranges (vllm/model_executor/model_loader/
+# runai_streamer_loader.py); the extra config keys that loader accepts.
+LoadFormat = Literal["auto", "runai_streamer"]
+RUNAI_STREAMER_KEYS = frozenset({"concurrency", "memory_limit", "distributed"})
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -79,7 +91,7 @@ def model_type_of(name_or_path: str) -> str | None:
 # ("The plain :v0.20.2 tag now resolves to a cu130 build").
 VLLM_REPOSITORIES = frozenset({"vllm/vllm-openai", "docker.io/vllm/vllm-openai"})
 FIRST_CUDA13_DEFAULT = (0, 20)
-_CUDA_SUFFIX = re.compile(r"(?:^|-)cu(?:da-?)?(\d{2})\d?(?:-|$)")
+_CUDA_SUFFIX = re.compile(r"(?:^|-)cu(?:da-?)?(\d{2})\.?(\d)?(?:-|$)")
 _RELEASE_TAG = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
 
 
@@ -93,20 +105,28 @@ def _split_image(image: str) -> tuple[str, str]:
     return repo, tag
 
 
-def image_cuda_major(image: str) -> int | None:
-    """The CUDA major version an image's tag says it was built for (12, 13), or None when the tag does not say.
+def image_cuda(image: str) -> tuple[int, int | None] | None:
+    """The CUDA version an image's tag says it was built for, (12, 9) for `-cu129`, or None when the tag does not say.
 
-    A `-cuNNN` suffix says so for any image; a plain release tag of the official vLLM image means CUDA 13 from
-    v0.20 on and CUDA 12 before. Digests and other tags (`gemma4`, nightlies, your own images) are unknown.
+    A `-cuNNN` suffix says so for any image (`-cu12` alone: minor unknown); a plain release tag of the official vLLM
+    image means CUDA 13.0 from v0.20 on and CUDA 12 before (minor unknown). Digests and other tags (`gemma4`,
+    nightlies, your own images) are unknown.
     """
     repo, tag = _split_image(image)
     suffix = _CUDA_SUFFIX.search(tag.lower())
     if suffix:
-        return int(suffix.group(1))
+        minor = suffix.group(2)
+        return int(suffix.group(1)), int(minor) if minor else None
     release = _RELEASE_TAG.match(tag)
     if repo in VLLM_REPOSITORIES and release:
-        return 13 if (int(release.group(1)), int(release.group(2))) >= FIRST_CUDA13_DEFAULT else 12
+        return (13, 0) if (int(release.group(1)), int(release.group(2))) >= FIRST_CUDA13_DEFAULT else (12, None)
     return None
+
+
+def image_cuda_major(image: str) -> int | None:
+    """The CUDA major version an image's tag says it was built for (12, 13), or None when the tag does not say."""
+    found = image_cuda(image)
+    return found[0] if found else None
 
 
 def cuda12_variant(image: str) -> str:
@@ -179,6 +199,9 @@ _TYPED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_lora_rank": ("--max-lora-rank",),
     "max_loras": ("--max-loras",),
     "max_num_seqs": ("--max-num-seqs",),
+    "load_format": ("--load-format",),
+    "model_loader_extra_config": ("--model-loader-extra-config",),
+    "language_model_only": ("--language-model-only", "--no-language-model-only", "--limit-mm-per-prompt"),
     # vLLM appends every `--middleware` (make_arg_parser in vllm/entrypoints/openai/cli_args.py:
     # frontend_kwargs["middleware"]["action"] = "append") and build_app calls app.add_middleware for each in
     # order; Starlette's add_middleware inserts at the front, so the last one added is the outermost and sees
@@ -329,6 +352,15 @@ class VllmServerConfig(BaseModel):
     max_num_seqs: int | None = Field(
         None, description="sequences vLLM schedules at once (its continuous batch); null keeps vLLM's default"
     )
+    load_format: LoadFormat | None = Field(
+        None, description="auto | runai_streamer (a gs:// model, read in parallel); null keeps vLLM's default"
+    )
+    model_loader_extra_config: dict[str, int | bool] | None = Field(
+        None, description=f"the runai_streamer loader's settings, keys {sorted(RUNAI_STREAMER_KEYS)}"
+    )
+    language_model_only: bool = Field(
+        False, description="a multimodal checkpoint served for text only: no image input, no encoder profiling"
+    )
     api_key_guard: bool = Field(
         False,
         description=f"load {API_KEY_GUARD_MIDDLEWARE} (`--middleware`): with VLLM_API_KEY set, every route but "
@@ -448,6 +480,24 @@ class VllmServerConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _streamer_settings(self) -> VllmServerConfig:
+        remote = self.model.startswith(("gs://", "s3://"))
+        if remote and self.load_format != "runai_streamer":
+            raise ValueError(
+                f"model={self.model!r} is in object storage: vLLM reads it only with load_format=runai_streamer"
+            )
+        if self.model_loader_extra_config is not None:
+            if self.load_format != "runai_streamer":
+                raise ValueError("model_loader_extra_config is set without load_format=runai_streamer")
+            unknown = set(self.model_loader_extra_config) - RUNAI_STREAMER_KEYS
+            if unknown:
+                raise ValueError(
+                    f"model_loader_extra_config has {sorted(unknown)}: vLLM's runai_streamer loader accepts only "
+                    f"{sorted(RUNAI_STREAMER_KEYS)}"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _lora_settings_need_adapters(self) -> VllmServerConfig:
         if not self.lora_modules:
             for field in ("max_lora_rank", "max_loras"):
@@ -511,6 +561,12 @@ def render_args(cfg: VllmServerConfig) -> list[str]:
         args.append("--enforce-eager")
     if cfg.safetensors_load_strategy is not None:
         args += ["--safetensors-load-strategy", cfg.safetensors_load_strategy]
+    if cfg.load_format is not None:
+        args += ["--load-format", cfg.load_format]
+    if cfg.model_loader_extra_config is not None:
+        args += ["--model-loader-extra-config", json.dumps(cfg.model_loader_extra_config, separators=(",", ":"))]
+    if cfg.language_model_only:
+        args.append("--language-model-only")
     if cfg.api_key_guard:
         args += ["--middleware", API_KEY_GUARD_MIDDLEWARE]
     if cfg.lora_modules:

@@ -8,9 +8,8 @@ Decisions (docs/decisions/merged-export.md):
   at `<end_of_turn>`.
 - `_COMPLETE.json` (base, adapter, time, every file's size) is written LAST and atomically, a stale one removed
   first; `serving/completion.py` is the one reader that decides a folder is complete.
-- A run publishes in one order on every output kind (`publish_run`): `run_summary.json` with its evaluation
-  first, then the adapter's and the merged model's markers, locally and at a remote `output.dir`; a reader that
-  finds a marker so finds the run's scores (the serving gate never serves an unscored run by accident).
+- A run publishes in one order on every output kind (`publish_run`): `run_summary.json` with its evaluation,
+  then the adapter's and the merged model's markers: whoever finds a marker finds the run's scores.
 - Every exported file is made world-readable first (safetensors writes 0600; the serving image is uid 2000).
 - `output.push_to_hub` (off by default) uploads the export, or the adapter when not merged, to a private repo
   unless `output.hub_private` is false, with HF_TOKEN from the environment, never logged.

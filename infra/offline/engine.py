@@ -33,7 +33,7 @@ from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
 from infra.catalog import GKE_GPU_QUOTAS
-from infra.config import StackConfig
+from infra.config import StackConfig, Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "gemma-finetune"
@@ -276,6 +276,39 @@ MOCK_TRAINED_RUN = "0123456789ab"
 MOCK_EXPORT_FILES = {"config.json": 900, "model.safetensors": 2_000_000, "tokenizer.json": 30_000}
 
 
+def assumed_run(cfg: StackConfig) -> dict[str, str]:
+    """What one finished run of this stack leaves in its bucket, as the trainer publishes it (trainer/export.py
+    `publish_run`): its summary, the adapter and the merged export each with its marker, and on GKE the base it
+    staged (trainer/base_weights.py). Its id is MOCK_TRAINED_RUN, cut to the stack's run id length."""
+    from infra.serving import run_id_length, served_layout
+    from trainer.recipe import load_recipe
+
+    recipe = load_recipe(cfg.recipe_source, cfg.recipe_overrides)
+    layout = served_layout(cfg, recipe)
+    folder = layout.folder(MOCK_TRAINED_RUN[: run_id_length(cfg)])
+    adapter_config = {
+        "r": recipe.lora.r,
+        "lora_alpha": recipe.lora.alpha,
+        "target_modules": recipe.lora.target_modules,
+        "base_model_name_or_path": recipe.model.name_or_path,
+        "modules_to_save": recipe.lora.modules_to_save or None,
+    }
+    exports = {
+        "merged": {name: "x" * size for name, size in MOCK_EXPORT_FILES.items()},
+        "adapter": {"adapter_config.json": json.dumps(adapter_config), "adapter_model.safetensors": "x" * 4000},
+    }
+    objects = {f"{folder}/run_summary.json": json.dumps({"recipe": recipe.name, "eval_loss": 0.5})}
+    for kind, files in exports.items():
+        objects.update({f"{folder}/{kind}/{name}": content for name, content in files.items()})
+        inventory = [{"path": name, "bytes": len(content)} for name, content in files.items()]
+        objects[f"{folder}/{kind}/_COMPLETE.json"] = json.dumps({"completed_at": 0, "files": inventory})
+    if cfg.workload is not Workload.CLOUD_RUN:
+        base = layout.base_folder(MOCK_TRAINED_RUN[: run_id_length(cfg)])
+        objects[f"{base}/config.json"] = "{}"
+        objects[f"{base}/_BASE_COMPLETE.json"] = json.dumps({"repo_id": recipe.model.name_or_path})
+    return objects
+
+
 def _gcs_glob(glob: str) -> re.Pattern[str]:
     """Cloud Storage matchGlob: `**` crosses folders, `*` and `?` do not."""
     out, i = "", 0
@@ -299,8 +332,7 @@ class Mocks(pulumi_mocks.Mocks):
     """Fills what a real provider computes; echoes everything else.
 
     `bucket_objects` maps `bucket/object` to its content for the storage reads the program makes
-    (later entries are newer); `assume_trained` adds one finished run,
-    `runs/<recipe>-MOCK_TRAINED_RUN/merged/`. `existing_buckets` are already in the project: the
+    (later entries are newer); `assume_trained` adds one finished run of the stack (`assumed_run`). `existing_buckets` are already in the project: the
     bucket list answers with them, and creating one fails with 409 unless it is imported.
     `existing_accounts` are service account ids already in the project: creating one fails with 409
     unless the account says `createIgnoreAlreadyExists` (docs/decisions/offline-engine-mocks.md).
@@ -323,6 +355,9 @@ class Mocks(pulumi_mocks.Mocks):
         self.invokes: list[tuple[str, dict[str, Any]]] = []
         self.bucket_objects = dict(bucket_objects or {})
         self.assume_trained = assume_trained
+        # the validated configuration of the run (set by `run_stack` once the program has loaded it): what a
+        # finished run of this stack leaves in its bucket depends on its workload and recipe (`assumed_run`)
+        self.stack_cfg: StackConfig | None = None
         self.preview = preview
         self.reservations = dict(reservations or {})
         self.existing_buckets = set(existing_buckets)
@@ -330,14 +365,9 @@ class Mocks(pulumi_mocks.Mocks):
     def _objects(self, bucket: str, prefix: str) -> dict[str, str]:
         """Object name -> content in `bucket` under `prefix`, the assumed finished run included."""
         found = {k.split("/", 1)[1]: v for k, v in self.bucket_objects.items() if k.split("/", 1)[0] == bucket}
-        if self.assume_trained and prefix.startswith("runs/"):
-            # the program lists `runs/<recipe>-` or `runs/<recipe>-<run id>/…`
-            recipe = prefix[len("runs/") :].split("/", 1)[0].rpartition("-")[0]
-            folder = f"runs/{recipe}-{MOCK_TRAINED_RUN}/merged"
-            for name, size in MOCK_EXPORT_FILES.items():
-                found.setdefault(f"{folder}/{name}", "x" * size)
-            inventory = [{"path": n, "bytes": b} for n, b in MOCK_EXPORT_FILES.items()]
-            found.setdefault(f"{folder}/_COMPLETE.json", json.dumps({"completed_at": 0, "files": inventory}))
+        if self.assume_trained and prefix.startswith("runs/") and self.stack_cfg is not None:
+            for name, content in assumed_run(self.stack_cfg).items():
+                found.setdefault(name, content)
         return {name: content for name, content in found.items() if name.startswith(prefix)}
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str | None, dict]:
@@ -660,6 +690,7 @@ def run_stack(
 
     def program() -> Any:
         loaded.append(stack_config.load().cfg)
+        mocks.stack_cfg = loaded[-1]
         return resolve_outputs(run())
 
     try:

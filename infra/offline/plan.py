@@ -134,7 +134,14 @@ def print_table(run: StackRun, out: Path) -> None:
     print("\nCost:")
     print(f"    one training run at most: {run.outputs.get('runCostCeiling')}")
     if "servingCostPerHourUsd" in run.outputs:
-        print(f"    serving, every instance awake: {run.outputs['servingCostPerHourUsd']} USD/h")
+        hourly = run.outputs["servingCostPerHourUsd"]
+        shown = f"{hourly} USD/h" if hourly is not None else "unknown (set servingHourPriceUsd)"
+        print(f"    serving, every instance awake: {shown}")
+    if "servingColdStart" in run.outputs:
+        print(f"    serving, one cold start: {run.outputs['servingColdStart']}")
+    if "servingMemory" in run.outputs:
+        print("\nServing memory (one GPU, serving/memory.py):")
+        print(f"    {run.outputs['servingMemory']}")
     verdict = stack_memory_verdict(run.cfg) if run.cfg is not None else None
     if verdict is not None:
         print("\nMemory (per GPU, trainer/memory_plan.py):")
@@ -179,15 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack", required=True, help=f"one of: {', '.join(stack_names())}")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument(
-        "--assume-trained", action="store_true", help="plan serving as if the training run had finished"
+        "--assume-trained",
+        action="store_true",
+        help="plan serving as if a training run had finished (the default with --set servingEnabled=true)",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "plan")
     args = parser.parse_args(argv)
     if args.stack not in stack_names():
         print(f"unknown stack {args.stack!r}: stacks here are {', '.join(stack_names())}", file=sys.stderr)
         return 2
+    overrides = _parse_sets(args.set)
+    # serving needs a finished run in the bucket, which an offline plan has not: plan it as if one had finished
+    assume_trained = args.assume_trained or overrides.get("servingEnabled") is True
+    if assume_trained and not args.assume_trained:
+        print("Serving is planned as if a training run had finished (a run the mocks put in the bucket).\n")
     try:
-        run = run_stack(args.stack, overrides=_parse_sets(args.set), assume_trained=args.assume_trained)
+        run = run_stack(args.stack, overrides=overrides, assume_trained=assume_trained)
     except pulumi.RunError as exc:  # ConfigError, PreflightError included: the message is the whole story
         print(str(exc), file=sys.stderr)
         # A failed run leaves the event loop of its provider invokes behind; collect it now, while its file

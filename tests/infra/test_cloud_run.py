@@ -221,11 +221,17 @@ BUCKET = "my-gcp-project-gft-dev"
 FILES = {"config.json": 900, "model.safetensors": 2_000_000, "tokenizer.json": 30_000}
 
 
-def completed_run(rid: str, files: dict[str, int] | None = None, missing: tuple[str, ...] = ()) -> dict[str, str]:
-    """What a finished training run leaves in the bucket: its export and the marker listing it."""
+def completed_run(
+    rid: str, files: dict[str, int] | None = None, missing: tuple[str, ...] = (), summary: bool = True
+) -> dict[str, str]:
+    """What a finished training run leaves in the bucket: its summary (without held-out rows: no loss), then its
+    export and the marker listing it (trainer/export.py publish_run)."""
     folder = f"{BUCKET}/runs/emoji-gemma3-1b-{rid}/merged"
     files = files or FILES
-    objects = {f"{folder}/{name}": "x" for name in files if name not in missing}
+    objects = {}
+    if summary:
+        objects[f"{BUCKET}/runs/emoji-gemma3-1b-{rid}/run_summary.json"] = json.dumps({"eval_loss": None})
+    objects.update({f"{folder}/{name}": "x" for name in files if name not in missing})
     inventory = [{"path": name, "bytes": size} for name, size in files.items()]
     objects[f"{folder}/_COMPLETE.json"] = json.dumps({"completed_at": 1, "files": inventory})
     return objects
@@ -288,11 +294,11 @@ class TestPinnedRun:
 class TestStartupWindow:
     def test_the_programs_docstring_states_the_window_it_renders(self) -> None:
         """infra/cloud_run.py said 120 s + 24 x 10 s = 360 s after serving/startup.py moved to 30 s and 270 s."""
-        import infra.cloud_run
+        import infra.serving
 
         w = STARTUP_WINDOW
         stated = f"{w.initial_delay_s} s initial delay + {w.failure_threshold} x {w.period_s} s = {w.total_s} s"
-        assert stated in " ".join((infra.cloud_run.__doc__ or "").split())
+        assert stated in " ".join((infra.serving.__doc__ or "").split())
 
     def test_probe_starts_early_and_spans_the_stated_window_within_cloud_run_limits(self) -> None:
         """A ready vLLM must not sit idle on a billed L4: the first probe comes within FIRST_PROBE_WITHIN_S.
@@ -478,7 +484,7 @@ class TestApiKey:
 
         import yaml
 
-        from infra import cloud_run
+        from infra import serving as serving_module
         from serving.vllm_args import VLLM_HEALTH_PATH, VLLM_KEYLESS_INFERENCE_ROUTE
 
         root = Path(__file__).resolve().parents[2]
@@ -488,7 +494,7 @@ class TestApiKey:
             "Pulumi.yaml servingApiKey": config["servingApiKey"]["description"],
             "Pulumi.yaml servingPublic": config["servingPublic"]["description"],
             "docs/serving.md": serving[serving.index("**`servingPublic: true`") :][:1800],
-            "infra/cloud_run.py": cloud_run.__doc__ or "",
+            "infra/serving.py": serving_module.__doc__ or "",
         }
         for where, text in docs.items():
             flat = " ".join(text.split()).replace("`", "")

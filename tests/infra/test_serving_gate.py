@@ -34,7 +34,10 @@ def finished(rid: str, eval_loss: float | None, score: float | None = None, rows
             "after": {"loss": eval_loss, "exact_match": score / 2, "rouge_l_f1": 0.0, "emoji_f1": score},
             "examples": [],
         }
-    return {f"{BUCKET}/runs/emoji-gemma3-1b-{rid}/{RUN_SUMMARY}": json.dumps(summary), **completed_run(rid)}
+    return {
+        f"{BUCKET}/runs/emoji-gemma3-1b-{rid}/{RUN_SUMMARY}": json.dumps(summary),
+        **completed_run(rid, summary=False),
+    }
 
 
 def _served(run) -> str:  # type: ignore[no-untyped-def]
@@ -81,11 +84,22 @@ def test_serving_max_eval_loss_replaces_the_comparison() -> None:
 
 
 def test_runs_without_a_score_are_not_gated() -> None:
-    """No held-out rows, or a run without a listed summary: serving moves as before the gate (the newest)."""
+    """No held-out rows (a summary without a loss): serving moves as before the gate (the newest)."""
     objects = {**finished(A, 0.5), **finished(B, None)}
     assert _served(run_stack("dev", overrides=SERVING, bucket_objects=objects)) == B
-    no_summary = {**finished(A, 0.5), **completed_run(B)}
-    assert _served(run_stack("dev", overrides=SERVING, bucket_objects=no_summary)) == B
+
+
+def test_a_run_without_its_summary_is_never_chosen_by_the_gate() -> None:
+    """A run cut off between its export's marker and its summary (or made by an older trainer) slipped past the gate
+    "without a comparison"; now only servingRunId serves it, and `pulumi up` says why it was skipped."""
+    no_summary = {**finished(A, 0.5), **completed_run(B, summary=False)}
+    run = run_stack("dev", overrides=SERVING, bucket_objects=no_summary)
+    assert _served(run) == A
+    (warning,) = [w for w in run.warnings if "has no run_summary.json" in w]
+    assert f"newest finished run {B}" in warning and f"pulumi config set servingRunId {B}" in warning
+    assert _served(run_stack("dev", overrides={**SERVING, "servingRunId": B}, bucket_objects=no_summary)) == B
+    with pytest.raises(pulumi.RunError, match=rf"no finished run has its run_summary.json \({B}\).*servingRunId {B}"):
+        run_stack("dev", overrides=SERVING, bucket_objects=completed_run(B, summary=False))
 
 
 def test_the_gate_reads_the_trainers_summary_and_its_loss() -> None:

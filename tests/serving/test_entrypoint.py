@@ -387,3 +387,34 @@ class TestMiddlewareAndKey:
         model = _model(tmp_path / "merged")
         done, recorded = _run([str(model)], stub_bin, tmp_path, **self._env(VLLM_API_KEY=""))
         assert done.returncode == 0 and recorded == ["serve", str(model)], done.stderr
+
+
+class TestStreamedBase:
+    """A base read from gs:// (the adapter stacks) needs the Run:ai streamer in the image: checked before vLLM starts."""
+
+    def args(self, tmp_path: Path) -> list[str]:
+        adapter = _model(tmp_path / "adapter", adapter=True)
+        return render_args(
+            VllmServerConfig(
+                model="gs://bucket/runs/r/_base/google--gemma-4-31B-it@main",
+                load_format="runai_streamer",
+                lora_modules={"sql": str(adapter)},
+            )
+        )
+
+    def test_an_image_without_the_streamer_stops_before_vllm(self, stub_bin: Path, tmp_path: Path) -> None:
+        done, recorded = _run(self.args(tmp_path), stub_bin, tmp_path)  # this venv has no Run:ai streamer
+        assert done.returncode == 3 and recorded is None
+        assert "Run:ai streamer cannot be imported" in done.stderr and "runai-model-streamer-gcs" in done.stderr
+        assert "LoRA adapter at" in done.stderr and "is complete" in done.stderr, "the adapter was checked first"
+
+    def test_with_the_streamer_vllm_gets_the_args(self, stub_bin: Path, tmp_path: Path) -> None:
+        modules = tmp_path / "site"
+        for name in ("runai_model_streamer", "runai_model_streamer_gcs"):
+            (modules / name).mkdir(parents=True)
+            (modules / name / "__init__.py").write_text("")
+        args = self.args(tmp_path)
+        done, recorded = _run(args, stub_bin, tmp_path, PYTHONPATH=str(modules))
+        assert done.returncode == 0, done.stderr
+        assert recorded == ["serve", *args]
+        assert "is not a local folder; vLLM will fetch it" in done.stderr
