@@ -1,4 +1,4 @@
-"""A local OpenAI-compatible server for a merged model folder, on 127.0.0.1 (CPU), and its keeper.
+"""The local OpenAI-compatible server of `make demo` and the tests: `transformers serve`, behind a thin layer.
 
     python -m demo.local_server outputs/emoji-local/merged --port 8000     # foreground
     python -m serving.client --url http://127.0.0.1:8000 "Translate to emoji: I love pizza"
@@ -7,23 +7,23 @@
     with LocalServer("outputs/emoji-local/merged") as server:   # a free port, stopped on exit
         chat(server.url, [{"role": "user", "content": "Translate to emoji: I love pizza"}])
 
-Decisions (docs/decisions/local-server.md): our own small server (`http.server` + transformers `generate`),
-not `transformers serve`; it answers the part of vLLM's OpenAI API clients use, streaming included, as vLLM
-v0.28.0 does (shapes, `gemma`, greedy defaults, errors, limits), so code written against it runs unchanged
-against the Cloud Run service. Loopback only; complete exports only (serving/completion.py); 503 until the
-model is loaded, like a cold instance; `LocalServer` always stops its process group. No batching, `n`,
-logprobs, penalties or LoRA: it is not for production traffic.
+Decision (docs/decisions/local-server.md): the server is the one transformers ships (transformers 5.23
+`transformers serve`: chat with streaming, completions, models, health; image parts for vision models), built from
+its own parts (`ModelManager`, the handlers, `build_server`) with the model preloaded. `VllmFace`, an ASGI layer in
+front of it, keeps only the differences a client of the Cloud Run service would notice, each named in
+`DIFFERENCES`. Around it: loopback only, complete exports only (serving/completion.py), 503 until the model is
+loaded (a cold instance), and `LocalServer`, which runs it as a child and always stops its process group.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import errno
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -33,10 +33,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -145,630 +143,318 @@ def check_model_dir(model_dir: Path, require_marker: bool = True) -> None:
         raise ModelNotReadyError(f"model at {model_dir} has no config.json: point at the merged model folder")
 
 
-# --------------------------------------------------------------------------- the server (child process)
+# --------------------------------------------------------------------------- the layer: what a client would notice
 
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One validated request: a chat (`messages`) or a plain completion (`prompt`)."""
-
-    kind: str  # "chat" | "completion"
-    messages: list[dict[str, str]] | None
-    prompt: str | None
-    max_tokens: int | None  # None: the rest of the context, as vLLM
-    temperature: float
-    top_p: float
-    top_k: int = 0  # 0: off, as in vLLM
-    stream: bool = False
-    include_usage: bool = False
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    max_tokens_param: str = "max_tokens"
-
-
-@dataclass
-class _Prepared:
-    """A request with its prompt tokenised and its output budget settled (vLLM's checks, before the lock)."""
-
-    request: GenerationRequest
-    inputs: Any
-    prompt_len: int
-    max_tokens: int
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-
-def _stop_criterion(job: _Prepared, tokenizer: Any) -> Any:
-    """A transformers stopping criterion: end generation once `job.cancel` is set (the client went away) or the
-    new text holds one of the request's stop strings (transformers' own StopStringCriteria cannot read every
-    tokenizer's vocabulary, so the decoded text is what is checked)."""
-    import torch
-    from transformers import StoppingCriteria
-
-    stop, start = job.request.stop, job.prompt_len
-
-    class Until(StoppingCriteria):
-        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-            done = job.cancel.is_set()
-            if not done and stop:
-                text = tokenizer.decode(input_ids[0, start:], skip_special_tokens=True)
-                done = any(s in text for s in stop)
-            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-    return Until()
-
-
-def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
-    """`text` up to the first stop string (excluded, as vLLM's default include_stop_str_in_output=False), and it."""
-    found = [(text.find(s), s) for s in stop if s in text]
-    if not found:
-        return text, None
-    at, which = min(found)
-    return text[:at], which
-
-
-class _Engine:
-    """The model and tokenizer, loaded once; generation is serialised (one CPU, one request at a time)."""
-
-    def __init__(
-        self, model_dir: Path, served_model_name: str, max_model_len: int | None = SERVED_MAX_MODEL_LEN
-    ) -> None:
-        self.model_dir = model_dir
-        self.served_model_name = served_model_name
-        self.context_limit = max_model_len
-        self.created = int(time.time())
-        self.ready = threading.Event()
-        self.load_error: str | None = None
-        self._lock = threading.Lock()
-        self.model: Any = None
-        self.tokenizer: Any = None
-        self.max_model_len = 0
-
-    def load(self) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        started = time.monotonic()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise LocalServerError(f"the tokenizer in {self.model_dir} has no chat template; the export must save one")
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model.eval()
-        # the service's --max-model-len (servingMaxModelLen), or the model's max_position_embeddings if that is
-        # less (vLLM refuses a longer --max-model-len) or no limit was given (vLLM's own default)
-        positions = int(self.model.config.max_position_embeddings)
-        self.max_model_len = min(positions, self.context_limit) if self.context_limit else positions
-        log.info("model %s loaded in %.1f s", self.model_dir, time.monotonic() - started)
-        self.ready.set()
-
-    def prepare(self, request: GenerationRequest) -> _Prepared:
-        """Tokenise and apply vLLM's length rules (vllm/renderers/params.py TokenizeParams, v0.28.0): 400 if the
-        prompt plus the requested tokens exceed the context; no max_tokens means the rest of the context."""
-        if request.kind == "chat":
-            inputs = self.tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )
-        else:
-            inputs = self.tokenizer(request.prompt, return_tensors="pt")
-        prompt_len = int(inputs["input_ids"].shape[1])
-        limit, asked = self.max_model_len, request.max_tokens
-        if asked is not None and asked > limit:
-            raise _BadRequest(
-                f"{request.max_tokens_param}={asked} cannot be greater than max_model_len=max_total_tokens={limit}. "
-                "Please request fewer output tokens.",
-                param=request.max_tokens_param,
-            )
-        if prompt_len > limit - (asked or 0):
-            raise _BadRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested {asked or 0} output "
-                f"tokens and your prompt contains {prompt_len} input tokens, for a total of {prompt_len + (asked or 0)} "
-                "tokens. Please reduce the length of the input prompt or the number of requested output tokens.",
-                param="input_tokens",
-            )
-        max_tokens = min(asked, limit - prompt_len) if asked is not None else limit - prompt_len
-        if max_tokens < 1:
-            raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-        return _Prepared(request, inputs, prompt_len, max_tokens)
-
-    def _run(self, job: _Prepared, streamer: Any = None) -> list[int]:
-        """Generate under the lock; returns the new token ids. Stops early when `job.cancel` is set."""
-        import torch
-        from transformers import StoppingCriteriaList
-
-        request = job.request
-        with self._lock, torch.inference_mode():
-            if request.seed is not None:  # generation is serialised, so the global generator is this request's
-                torch.manual_seed(request.seed)
-            output = self.model.generate(
-                **job.inputs,
-                max_new_tokens=job.max_tokens,
-                pad_token_id=self.tokenizer.pad_token_id,
-                streamer=streamer,
-                stopping_criteria=StoppingCriteriaList([_stop_criterion(job, self.tokenizer)]),
-                **_sampling_kwargs(request),
-            )
-        return output[0, job.prompt_len :].tolist()
-
-    def _finish_reason(self, new_tokens: list[int], max_tokens: int, stopped_by: str | None) -> str:
-        if stopped_by is not None:
-            return "stop"
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
-        return "stop" if (new_tokens and new_tokens[-1] in eos_ids) or len(new_tokens) < max_tokens else "length"
-
-    @staticmethod
-    def _usage(prompt_len: int, completion_len: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": completion_len,
-            "total_tokens": prompt_len + completion_len,
-        }
-
-    def _choice(
-        self,
-        request: GenerationRequest,
-        text: str | None,
-        finish: str | None,
-        delta: bool,
-        stop_reason: str | None = None,
-    ) -> dict[str, Any]:
-        if request.kind == "completion":
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        else:
-            key = "delta" if delta else "message"
-            content: dict[str, Any] = {} if delta and text is None else {"content": text or ""}
-            if not delta:
-                content = {"role": "assistant", **content}
-            choice = {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
-        if finish is not None or not delta:
-            choice["stop_reason"] = stop_reason
-        return choice
-
-    def _envelope(self, request: GenerationRequest, rid: str, chunk: bool) -> dict[str, Any]:
-        obj = "chat.completion" if request.kind == "chat" else "text_completion"
-        return {
-            "id": rid,
-            "object": f"{obj}.chunk" if chunk and request.kind == "chat" else obj,
-            "created": int(time.time()),
-            "model": self.served_model_name,
-        }
-
-    def generate(self, job: _Prepared) -> dict[str, Any]:
-        request = job.request
-        new_tokens = self._run(job)
-        # the text as decoded, untrimmed: what vLLM returns, and what the stream below sends piece by piece
-        text, stopped_by = _cut_at_stop(self.tokenizer.decode(new_tokens, skip_special_tokens=True), request.stop)
-        rid = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        finish = self._finish_reason(new_tokens, job.max_tokens, stopped_by)
-        return {
-            **self._envelope(request, rid, chunk=False),
-            "choices": [self._choice(request, text, finish, delta=False, stop_reason=stopped_by)],
-            "usage": self._usage(job.prompt_len, len(new_tokens)),
-        }
-
-    def stream(self, job: _Prepared) -> Iterator[dict[str, Any]]:
-        """The response as OpenAI stream chunks, produced while the model generates.
-
-        Each chunk is what the decoded text of all new tokens so far adds to what was sent, so the chunks add up to
-        exactly the whole answer's text (an unfinished character, U+FFFD at the end, waits for its next token).
-        With stop strings, the last `len(longest stop) - 1` characters are held back until they cannot begin one,
-        as vLLM does (SamplingParams.output_text_buffer_length). A consumer that stops early (a closed stream)
-        sets `job.cancel`: generation ends at the next token and releases the lock (`_stop_criterion`).
-        """
-        from transformers.generation.streamers import BaseStreamer
-
-        request = job.request
-        tokens: queue.Queue[list[int] | None] = queue.Queue()
-
-        class Tokens(BaseStreamer):
-            prompt_seen = False
-
-            def put(self, value: Any) -> None:
-                if not self.prompt_seen:  # generate() first puts the prompt
-                    self.prompt_seen = True
-                    return
-                tokens.put(value.reshape(-1).tolist())
-
-            def end(self) -> None:
-                tokens.put(None)
-
-        result: dict[str, Any] = {}
-
-        def work() -> None:
-            try:
-                result["value"] = self._run(job, Tokens())
-            except BaseException as exc:  # reported to the client after the stream ends
-                result["error"] = exc
-                tokens.put(None)
-
-        worker = threading.Thread(target=work, name="generate", daemon=True)
-        worker.start()
-        rid = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        holdback = max((len(s) for s in request.stop), default=1) - 1
-        ids: list[int] = []
-        sent, stopped_by = "", None
-
-        def more(text: str, final: bool) -> str:
-            kept, stop = _cut_at_stop(text, request.stop)
-            upto = len(kept) if stop is not None or final else max(len(sent), len(kept) - holdback)
-            return kept[len(sent) : upto] if kept.startswith(sent) else ""
-
-        try:
-            if request.kind == "chat":
-                first = self._choice(request, "", None, delta=True)
-                first["delta"] = {"role": "assistant", "content": ""}
-                yield {**self._envelope(request, rid, chunk=True), "choices": [first]}
-            while (new := tokens.get()) is not None:
-                ids += new
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                if stopped_by is not None or text.endswith("\ufffd"):
-                    continue
-                piece = more(text, final=False)
-                stopped_by = _cut_at_stop(text, request.stop)[1]
-                if piece:
-                    sent += piece
-                    yield {
-                        **self._envelope(request, rid, chunk=True),
-                        "choices": [self._choice(request, piece, None, True)],
-                    }
-            worker.join()
-            if "error" in result:
-                raise result["error"]
-            new_tokens = result["value"]
-            text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
-            piece = more(text, final=True)
-            if piece:  # what was held back
-                sent += piece
-                yield {
-                    **self._envelope(request, rid, chunk=True),
-                    "choices": [self._choice(request, piece, None, True)],
-                }
-            stopped_by = _cut_at_stop(text, request.stop)[1]
-            finish = self._finish_reason(new_tokens, job.max_tokens, stopped_by)
-            last = self._choice(request, None, finish, delta=True, stop_reason=stopped_by)
-            if request.kind == "completion":
-                last["text"] = ""
-            yield {**self._envelope(request, rid, chunk=True), "choices": [last]}
-            if request.include_usage:
-                yield {
-                    **self._envelope(request, rid, chunk=True),
-                    "choices": [],
-                    "usage": self._usage(job.prompt_len, len(new_tokens)),
-                }
-        finally:
-            job.cancel.set()  # a consumer that stopped early (a closed stream) ends the generation
-            worker.join(timeout=30)
-
-
-@contextlib.contextmanager
-def _cancel_when_client_leaves(sock: socket.socket, cancel: threading.Event) -> Iterator[None]:
-    """Set `cancel` once the client closes its connection while the body of the block runs (a generation).
-
-    vLLM cancels a request whose client went away, streamed or not (`with_cancellation` on its chat and completion
-    routes, v0.28.0); without this a client that timed out and retried would wait behind the answer nobody reads.
-    A non-blocking peek that reads no bytes is the client's end of the connection (data it pipelines is left unread
-    for the next request)."""
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.1):
-            try:
-                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                    cancel.set()
-                    return
-            except (BlockingIOError, InterruptedError):  # nothing to read: the client is still there
-                continue
-            except OSError:  # reset, or closed under us
-                cancel.set()
-                return
-
-    watcher = threading.Thread(target=watch, name="disconnect-watch", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join(timeout=1)
-
-
-def _sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
-    """`generate` settings for the request alone: every one is passed, so the model's generation_config.json
-    (the base's do_sample, top_k 64, top_p 0.95) never adds its own, as vLLM's `--generation-config vllm` does not."""
-    if request.temperature <= 0:  # vLLM: temperature 0 is greedy, top_k/top_p ignored (SamplingParams)
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    return {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k}
-
-
-# vLLM's error types by status (create_error_response, vllm/entrypoints/serve/exception_handling/error_response.py)
+# Where `transformers serve` (5.23) answers otherwise than the Cloud Run service's vLLM (v0.28.0, run as
+# serving/vllm_args.py renders it), and what `VllmFace` does about each. Everything else is transformers' own.
+DIFFERENCES = {
+    "models": "GET /v1/models lists the Hugging Face cache (ModelManager.get_gen_models); vLLM lists its served name",
+    "model name": "requests must name the preloaded folder and answers carry `path@main`; vLLM takes and answers "
+    "its --served-model-name, and any other name is a 404 `The model `x` does not exist.`",
+    "sampling": "a request without temperature samples with the model's generation_config; the service is greedy "
+    "(--generation-config vllm, --override-generation-config temperature 0: serving.vllm_args.served_sampling_defaults)",
+    "lengths": "max_tokens defaults to at least 1024 whatever the context; vLLM's default is the rest of the context "
+    "(16 for completions) and it refuses a prompt plus max_tokens over --max-model-len with a 400",
+    "errors": 'errors are FastAPI\'s {"detail": ...} (422 for a bad body); vLLM\'s are {"error": {message, type, '
+    "param, code}} (400 for a bad body)",
+    "stream end": "the last chunk carries the finish reason and the usage, with no `data: [DONE]`; vLLM sends usage "
+    "only when stream_options.include_usage asks, in a chunk of its own with no choices, then `data: [DONE]`",
+    "loading": "the port opens only once the model is loaded; a cold Cloud Run instance answers 503 meanwhile",
+}
+# What stays different (not bridged): sampling with temperature > 0 keeps the model's generation_config top_k (vLLM
+# runs top_k 0: its chat API has no top_k to send); one request at a time on the CPU, no `n`, no logprobs.
+REMAINING = "top_k of the model's generation_config when sampling; no batching, `n` or logprobs"
 ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
-    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# vLLM's default max_tokens for /v1/completions (CompletionRequest.max_tokens, v0.28.0)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_BODY_BYTES = 32 * 1024 * 1024  # base64 images included
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
-class _BadRequest(ValueError):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+class Refusal(ValueError):
+    """A request the service would refuse: status, message and the parameter at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
-        self.param = param
+        self.status, self.param = status, param
 
 
-def _text_content(content: Any) -> str:
-    """OpenAI content: a string, or a list of parts of which only text parts are accepted."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise _BadRequest("message content must be a string or a list of text parts (this server is text-only)")
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """vLLM's ErrorResponse (vllm/entrypoints/serve/exception_handling/error_response.py, v0.28.0)."""
+    status = 400 if status == 422 else status
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "BadRequestError"), "param": param,
+                      "code": status}}  # fmt: skip
 
 
-def _common(body: Any, served_model_name: str, default_max_tokens: int | None) -> dict[str, Any]:
-    """The fields chat and completion requests share, validated the way vLLM answers them (vllm/sampling_params.py
-    `_verify_args`, the request models in vllm/entrypoints/openai/*/protocol.py; v0.28.0)."""
+@dataclass
+class Served:
+    """What the layer knows of the served model once it is loaded."""
+
+    name: str
+    path: str
+    max_model_len: int | None
+    processor: Any = None
+    context: int | None = None
+    load_error: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def prompt_tokens(self, path: str, body: dict[str, Any]) -> int:
+        """The prompt's length in tokens, as the handler will tokenize it (the chat template for chat)."""
+        if path == COMPLETIONS:
+            prompt = body.get("prompt", "")
+            tokenizer = getattr(self.processor, "tokenizer", self.processor)
+            return len(tokenizer(prompt if isinstance(prompt, str) else "".join(map(str, prompt)))["input_ids"])
+        messages = [
+            {"role": m.get("role"), "content": m.get("content") if isinstance(m.get("content"), str) else [
+                {"type": "image", "url": (p.get("image_url") or {}).get("url")} if p.get("type") == "image_url"
+                else {"type": "text", "text": p.get("text", "")} for p in m.get("content") or []]}
+            for m in body.get("messages") or []
+        ]  # fmt: skip
+        ids = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return len(ids["input_ids"][0] if hasattr(ids["input_ids"][0], "__len__") else ids["input_ids"])
+
+
+def rewrite_request(served: Served, path: str, body: Any) -> dict[str, Any]:
+    """The request as transformers serve needs it, or a `Refusal` as vLLM would answer (names, sampling, lengths)."""
     if not isinstance(body, dict):
-        raise _BadRequest("the request body must be a JSON object")
-    model = body.get("model", served_model_name)
-    if model != served_model_name:
-        raise _BadRequest(f"The model `{model}` does not exist.", 404, "model")
-    if body.get("n", 1) not in (1, None):
-        raise _BadRequest("only n=1 is supported by the local server", param="n")
-    for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "best_of"):
-        if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
-            raise _BadRequest(f"{unsupported} is not supported by the local server", param=unsupported)
-    # vLLM applies these (SamplingParams); generate() here does not, so only their neutral values are accepted
-    for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0)):
-        if body.get(name) not in (None, neutral):
-            raise _BadRequest(
-                f"{name}={body[name]!r} is not supported by the local server (only {neutral})", param=name
-            )
-    if body.get("logit_bias"):
-        raise _BadRequest("logit_bias is not supported by the local server", param="logit_bias")
-    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(param)
-    if max_tokens is None:
-        max_tokens = default_max_tokens
+        raise Refusal(400, "the request body must be a JSON object")
+    name = body.get("model", served.name)
+    if name != served.name:
+        raise Refusal(404, f"The model `{name}` does not exist.", "model")
+    body = {**body, "model": served.path}
+    defaults = served_sampling_defaults()  # the service's: greedy unless asked (DIFFERENCES["sampling"])
+    for name in ("temperature", "top_p"):
+        if body.get(name) is None:
+            body[name] = defaults[name]
+    max_tokens = body.pop("max_completion_tokens", None)
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    # what the service does for a parameter the request omits (serving/vllm_args.py decides it, once)
-    defaults = served_sampling_defaults()
-    temperature = defaults["temperature"] if body.get("temperature") is None else body["temperature"]
-    top_p = defaults["top_p"] if body.get("top_p") is None else body["top_p"]
-    top_k = defaults["top_k"] if body.get("top_k") is None else body["top_k"]
-    if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
-        raise _BadRequest(f"temperature must be in [0, 2], got {temperature}.", param="temperature")
-    if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
-        raise _BadRequest(f"top_p must be in (0, 1], got {top_p}.", param="top_p")
-    if not isinstance(top_k, int) or top_k < -1:
-        raise _BadRequest(f"top_k must be 0 (disable), or at least 1, got {top_k!r}.", param="top_k")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _BadRequest("stop must be a string or a list of strings", param="stop")
-    if any(not s for s in stop):
-        raise _BadRequest("stop cannot contain an empty string.", param="stop")
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63):
-        raise _BadRequest(f"seed must be a 64-bit integer, got {seed!r}", param="seed")
-    stream = bool(body.get("stream"))
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _BadRequest("stream_options must be an object", param="stream_options")
-    return {
-        "max_tokens": max_tokens,
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "top_k": max(top_k, 0),
-        "stream": stream,
-        "include_usage": stream and bool(options.get("include_usage")),
-        "stop": tuple(dict.fromkeys(stop)),
-        "seed": seed,
-        "max_tokens_param": param,
-    }
+        raise Refusal(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if served.context is not None:
+        prompt = served.prompt_tokens(path, body)
+        room = served.context - prompt
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = max_tokens if max_tokens is not None else 0
+            raise Refusal(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum context length "
+                f"is {served.context} tokens and your request has {prompt} input tokens ({asked} > {served.context} "
+                f"- {prompt}).",
+                "max_tokens",
+            )
+        if max_tokens is None:
+            max_tokens = min(room, COMPLETION_DEFAULT_MAX_TOKENS) if path == COMPLETIONS else room
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
 
 
-def parse_chat_request(body: Any, served_model_name: str) -> GenerationRequest:
-    """Validate a chat request the way vLLM would answer it (no max_tokens: the rest of the context)."""
-    common = _common(body, served_model_name, default_max_tokens=None)
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise _BadRequest("messages must be a non-empty list of {role, content}", param="messages")
-    messages = []
-    for m in raw:
-        if not isinstance(m, dict) or m.get("role") not in {"system", "user", "assistant"}:
-            raise _BadRequest("each message needs a role of system, user or assistant", param="messages")
-        messages.append({"role": m["role"], "content": _text_content(m.get("content", ""))})
-    return GenerationRequest("chat", messages, None, **common)
-
-
-def parse_completion_request(body: Any, served_model_name: str) -> GenerationRequest:
-    """Validate a `/v1/completions` request: one text prompt (vLLM's and OpenAI's default max_tokens is 16)."""
-    common = _common(body, served_model_name, default_max_tokens=16)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise _BadRequest("prompt must be a non-empty string (one prompt per request)", param="prompt")
-    return GenerationRequest("completion", None, prompt, **common)
-
-
-_ROUTES = {"/v1/chat/completions": parse_chat_request, "/v1/completions": parse_completion_request}
-# A request body larger than this is refused (413) before it is read; a body that arrives slower than
-# BODY_READ_TIMEOUT_S (a Content-Length larger than what is sent) is answered 408 instead of holding a thread.
-MAX_BODY_BYTES = 16 * 1024 * 1024
-BODY_READ_TIMEOUT_S = 30.0
-
-
-def _make_handler(engine: _Engine) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "gemma-finetune-local"
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.info("%s %s", self.address_string(), format % args)
-
-        def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(payload, ensure_ascii=False).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str, param: str | None = None) -> None:
-            """vLLM's ErrorResponse: {"error": {"message", "type", "param", "code"}}."""
-            extra = {"Retry-After": "1"} if status == 503 else None
-            kind = ERROR_TYPES.get(status, "BadRequestError")
-            self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": status}}, extra)
-
-        def _not_ready(self) -> bool:
-            if engine.ready.is_set():
-                return False
-            self._error(503, engine.load_error or "the model is loading")
-            return True
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                status = 200 if engine.ready.is_set() else 503
-                self._send(status, {"status": "ok" if status == 200 else "loading", "model": engine.served_model_name})
-            elif self.path == "/v1/models":
-                if self._not_ready():
-                    return
-                card = {
-                    "id": engine.served_model_name,
-                    "object": "model",
-                    "created": engine.created,
-                    "owned_by": "gemma-finetune",
-                    "root": str(engine.model_dir),
-                    "max_model_len": engine.max_model_len,
-                }
-                self._send(200, {"object": "list", "data": [card]})
-            else:
-                self._error(404, f"no route {self.path}")
-
-        def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
-            """Server-sent events as vLLM sends them: `data: {json}` per chunk, then `data: [DONE]`."""
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")  # the body ends when the connection does
-            self.end_headers()
-            self.close_connection = True
-            try:
-                try:
-                    for chunk in chunks:
-                        self._event(chunk)
-                except (BrokenPipeError, ConnectionResetError):
-                    raise
-                except Exception as exc:  # headers are gone: report in-band, as vLLM does
-                    log.exception("generation failed while streaming")
-                    message = f"generation failed: {type(exc).__name__}: {exc}"
-                    self._event(
-                        {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
-                    )
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                log.info("the client closed the stream early; generation stopped")
-            finally:
-                close = getattr(chunks, "close", None)
-                if close is not None:
-                    close()  # runs the generator's finally: cancel, then wait for the worker to let go of the lock
-
-        def _event(self, payload: dict[str, Any]) -> None:
-            self.wfile.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
-            self.wfile.flush()
-
-        def _read_body(self) -> bytes | None:
-            """The body, or None after answering 400 (bad Content-Length), 413 (too large) or 408 (too slow)."""
-            raw_length = self.headers.get("Content-Length")
-            if raw_length is None:
-                return b""
-            if not raw_length.strip().isdigit():
-                self.close_connection = True
-                self._error(400, f"Content-Length {raw_length!r} is not a number of bytes")
-                return None
-            length = int(raw_length)
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                self._error(413, f"request body of {length} bytes is larger than {MAX_BODY_BYTES} bytes")
-                return None
-            self.connection.settimeout(BODY_READ_TIMEOUT_S)
-            try:
-                raw = self.rfile.read(length)
-            except TimeoutError:
-                raw = None
-            finally:
-                self.connection.settimeout(None)
-            if raw is None or len(raw) < length:
-                self.close_connection = True
-                self._error(
-                    408, f"the {length} bytes of body announced did not arrive within {BODY_READ_TIMEOUT_S:g} s"
-                )
-                return None
-            return raw
-
-        def do_POST(self) -> None:
-            raw = self._read_body()
-            if raw is None:
-                return
-            parse = _ROUTES.get(self.path.split("?", 1)[0])
-            if parse is None:
-                self._error(404, f"no route {self.path}")
-                return
-            if self._not_ready():
-                return
-            try:
-                request = parse(json.loads(raw or b"null"), engine.served_model_name)
-                job = engine.prepare(request)
-                if request.stream:
-                    self._stream(engine.stream(job))
-                else:
-                    with _cancel_when_client_leaves(self.connection, job.cancel):
-                        answer = engine.generate(job)
-                    if job.cancel.is_set():  # nobody to answer
-                        self.close_connection = True
-                        log.info("the client closed the connection; generation stopped")
-                        return
-                    self._send(200, answer)
-            except _BadRequest as exc:
-                self._error(exc.status, str(exc), exc.param)
-            except json.JSONDecodeError as exc:
-                self._error(400, f"the body is not JSON: {exc}")
-            except Exception as exc:  # a bug or an OOM must not kill the server mid-demo
-                log.exception("generation failed")
-                self._error(500, f"generation failed: {type(exc).__name__}: {exc}")
-
-    return Handler
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """The keeper died without stopping us (SIGKILL, crash): exit rather than hold the port and memory."""
-    while True:
-        if os.getppid() != parent_pid:
-            log.warning("parent %d is gone; stopping", parent_pid)
-            os._exit(0)
-        time.sleep(1.0)
-
-
-def open_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
-    """Bind (host, port); a busy port raises `PortBusyError`, a privileged one `PortDeniedError`."""
-
-    class _Server(ThreadingHTTPServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        daemon_threads = True
-
+def rewrite_event(served: Served, data: str, include_usage: bool) -> list[str]:
+    """One `data:` payload of a stream as vLLM sends it: the served name; usage in a chunk of its own, if asked."""
     try:
-        return _Server((host, port), handler)
+        chunk = json.loads(data)
+    except ValueError:
+        return [data]
+    if not isinstance(chunk, dict):
+        return [data]
+    if "error" in chunk:
+        message = chunk["error"] if isinstance(chunk["error"], str) else json.dumps(chunk["error"])
+        return [json.dumps(error_body(500, message))]
+    chunk["model"] = served.name
+    usage = chunk.pop("usage", None)
+    events = [json.dumps(chunk)]
+    if usage is not None and include_usage:
+        events.append(json.dumps({**chunk, "choices": [], "usage": usage}))
+    return events
+
+
+class VllmFace:
+    """ASGI middleware in front of transformers serve's app: `DIFFERENCES`, answered as the service answers."""
+
+    def __init__(self, app: Any, served: Served) -> None:
+        self.app, self.served = app, served
+
+    async def _json(self, send: Send, status: int, payload: dict[str, Any]) -> None:
+        body = json.dumps(payload).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        served = self.served
+        if served.load_error or not served.ready.is_set():  # a failed load never answers 200, not even /health
+            status = 500 if served.load_error else 503
+            message = served.load_error or "the model is loading"
+            return await self._json(send, status, error_body(status, message))
+        if path == "/v1/models" and method == "GET":
+            card = {"id": served.name, "object": "model", "created": 0, "owned_by": "gemma-finetune",
+                    "root": served.path, "max_model_len": served.context}  # fmt: skip
+            return await self._json(send, 200, {"object": "list", "data": [card]})
+        if method != "POST" or path not in (CHAT, COMPLETIONS):
+            return await self.app(scope, receive, self._errors_as_vllm(send))
+        raw = await _read_body(receive)
+        try:
+            if raw is None:
+                raise Refusal(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            body = rewrite_request(served, path, json.loads(raw or b"null"))
+        except ValueError as exc:
+            status, param = (exc.status, exc.param) if isinstance(exc, Refusal) else (400, None)
+            return await self._json(send, status, error_body(status, str(exc), param))
+        options = body.get("stream_options") or {}
+        include_usage = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
+        replay = json.dumps(body).encode()
+        sent = False
+
+        async def replayed() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": replay, "more_body": False}
+            return await receive()  # a disconnect, which stops the generation
+
+        await self.app(scope, replayed, self._answers_as_vllm(send, include_usage))
+
+    def _errors_as_vllm(self, send: Send) -> Send:
+        return self._answers_as_vllm(send, include_usage=False)
+
+    def _answers_as_vllm(self, send: Send, include_usage: bool) -> Send:
+        """Rewrite the response on its way out: JSON bodies whole, streams event by event."""
+        state: dict[str, Any] = {"start": None, "stream": False, "buffer": b"", "pending": ""}
+
+        async def rewriting(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                state["stream"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                state["start"] = message
+                if state["stream"]:
+                    await send(message)
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            more = message.get("more_body", False)
+            if state["stream"]:
+                text = state["pending"] + message.get("body", b"").decode()
+                *events, state["pending"] = text.split("\n\n")
+                out = []
+                for event in events:
+                    data = event.removeprefix("data: ").strip()
+                    out += [f"data: {e}\n\n" for e in rewrite_event(self.served, data, include_usage)] if data else []
+                if not more:
+                    out.append("data: [DONE]\n\n")
+                return await send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": more})
+            state["buffer"] += message.get("body", b"")
+            if more:
+                return
+            start = state["start"]
+            status = start["status"]
+            body = _json_answer(self.served, status, state["buffer"])
+            headers = [(k, v) for k, v in start.get("headers") or [] if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "status": 400 if status == 422 else status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        return rewriting
+
+
+def _json_answer(served: Served, status: int, raw: bytes) -> bytes:
+    try:
+        payload = json.loads(raw or b"null")
+    except ValueError:
+        return raw
+    if status >= 400:
+        detail = payload.get("detail", payload.get("error")) if isinstance(payload, dict) else payload
+        return json.dumps(error_body(status, detail if isinstance(detail, str) else json.dumps(detail))).encode()
+    if isinstance(payload, dict) and "model" in payload:
+        payload["model"] = served.name
+    return json.dumps(payload).encode()
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None when it is larger than MAX_BODY_BYTES."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+# --------------------------------------------------------------------------- the server (child process)
+
+
+def transformers_serve_app(served: Served) -> Any:
+    """transformers serve's app, built as `transformers serve` builds it (transformers/cli/serve.py `Serve`), with no
+    model yet: `load` preloads the folder as its forced model while the layer answers 503."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.systemone import SystemOneHandler
+    from transformers.cli.serving.transcription import TranscriptionHandler
+    from transformers.cli.serving.utils import GenerationState
+
+    manager = ModelManager(device="cpu", dtype="float32")
+    state = GenerationState(continuous_batching=False, compile=False, cb_config=None)
+    app = build_server(
+        manager,
+        ChatCompletionHandler(model_manager=manager, generation_state=state),
+        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
+        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
+        transcription_handler=TranscriptionHandler(manager, state),
+        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
+        generation_state=state,
+    )
+
+    def load() -> None:
+        try:
+            manager.force_model, manager.model_timeout = served.path, -1  # what Serve(force_model=...) sets
+            model, served.processor = manager.load_model_and_processor(manager.process_model_name(served.path))
+            limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+            served.context = (
+                min(x for x in (served.max_model_len, limit) if x) if (served.max_model_len or limit) else None
+            )
+            served.ready.set()
+        except Exception as exc:  # reported on every request and by the keeper, which reads the log
+            served.load_error = f"the model failed to load: {type(exc).__name__}: {exc}"
+            log.exception("model load failed")
+            served.ready.set()
+
+    return VllmFace(app, served), load
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a busy port fails in milliseconds."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
     except OSError as exc:
+        sock.close()
         error = _bind_error(exc, host, port)
         if error is not None:
             raise error from None
         raise
+    sock.listen(128)
+    return sock
 
 
 def serve(
@@ -781,15 +467,16 @@ def serve(
     max_model_len: int | None = SERVED_MAX_MODEL_LEN,
 ) -> int:
     """Run the server in the foreground until SIGTERM/SIGINT; returns the process exit code."""
+    import uvicorn
+
     check_loopback(host)
     try:
         check_model_dir(model_dir, require_marker)
     except ModelNotReadyError as exc:
         log.error("%s", exc)
         return EXIT_MODEL_NOT_READY
-    engine = _Engine(model_dir, served_model_name, max_model_len)
     try:
-        httpd = open_server(host, port, _make_handler(engine))
+        sock = bind(host, port)
     except PortBusyError as exc:
         log.error("%s", exc)
         return EXIT_PORT_BUSY
@@ -798,28 +485,29 @@ def serve(
         return EXIT_PORT_DENIED
     if parent_pid is not None:
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
-    log.info("listening on http://%s:%d (model %s as %r)", host, httpd.server_address[1], model_dir, served_model_name)
-    try:
-        try:
-            engine.load()
-        except Exception as exc:
-            engine.load_error = f"the model failed to load: {type(exc).__name__}: {exc}"
-            log.exception("model load failed")
-            return 1
-        while True:
-            time.sleep(3600)  # requests are served by the http thread; SIGTERM/SIGINT end this
-    except (KeyboardInterrupt, SystemExit):
-        log.info("stopping")
-        return 0
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    served = Served(served_model_name, str(model_dir), max_model_len)
+    app, load = transformers_serve_app(served)
+    # the access log ("POST /v1/chat/completions ... 200") goes to the server's log, as vLLM's does
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="off"))
+
+    def load_or_stop() -> None:
+        load()
+        if served.load_error:
+            server.should_exit = True  # a model that cannot load is an exit, as for vLLM; the keeper shows the log
+
+    threading.Thread(target=load_or_stop, name="load", daemon=True).start()
+    log.info("listening on http://%s:%d (model %s as %r)", host, sock.getsockname()[1], model_dir, served_model_name)
+    asyncio.run(server.serve(sockets=[sock]))  # uvicorn stops on SIGTERM/SIGINT
+    return 1 if served.load_error else 0
 
 
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """The keeper died without stopping us (SIGKILL, crash): exit rather than hold the port and memory."""
+    while True:
+        if os.getppid() != parent_pid:
+            log.warning("parent %d is gone; stopping", parent_pid)
+            os._exit(0)
+        time.sleep(1.0)
 
 
 # --------------------------------------------------------------------------- the keeper (parent process)

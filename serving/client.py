@@ -11,17 +11,19 @@ client found by itself (`$GEMMA_FT_ID_TOKEN`, gcloud, `$GEMMA_FT_API_KEY`) goes 
 `$GEMMA_FT_URL`/`$GEMMA_FT_TRUSTED_URLS` (API keys also to this machine), never over http, never printed, and no
 redirect is followed; with an API key the token travels in `X-Serverless-Authorization`. Every failure says
 why and the fix. 429/5xx and refused connections are retried with backoff, for Cloud Run until the startup
-window (serving/startup.py) plus one `--timeout` has passed. It does not stream nor handle tools or images
-(the official `openai` client works against the same servers): it is for smoke tests and the demo.
+window (serving/startup.py) plus one `--timeout` has passed. `--image`: a file as base64, or a URL, in an
+`image_url` part. No streaming, no tools (the `openai` client works against the same servers): smoke tests, demo.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import http.client
 import json
 import logging
+import mimetypes
 import os
 import shutil
 import subprocess
@@ -49,7 +51,7 @@ GCLOUD_TIMEOUT_S = 60.0
 # Cloud Run reads the identity token here when the application uses Authorization itself.
 SERVERLESS_AUTH_HEADER = "X-Serverless-Authorization"
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 LOGIN_HELP = (
     "log in with `gcloud auth login` (a person; `gcloud auth application-default login` is not enough for "
@@ -555,6 +557,31 @@ def chat(
     return str(content or "")
 
 
+def image_url(image: str) -> str:
+    """What an `image_url` part carries: an http(s) URL as given, a file as a base64 data URL (vLLM and transformers
+    serve accept both: the OpenAI chat format's two forms)."""
+    if image.startswith(("http://", "https://", "data:")):
+        return image
+    path = os.path.expanduser(image)
+    mime = mimetypes.guess_type(path)[0] or ""
+    if not mime.startswith("image/"):
+        raise ClientError(f"--image {image!r}: not an image file by its name (.jpg, .png, .webp, ...)")
+    try:
+        with open(path, "rb") as f:
+            data = base64.b64encode(f.read()).decode("ascii")
+    except OSError as exc:
+        raise ClientError(f"--image {image!r} cannot be read: {exc.strerror or exc}") from None
+    return f"data:{mime};base64,{data}"
+
+
+def user_message(text: str, images: list[str] | None = None) -> Message:
+    """A user turn: plain text, or OpenAI content parts with the images first, then the text."""
+    if not images:
+        return {"role": "user", "content": text}
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": image_url(i)}} for i in images]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m serving.client", description="Ask the served Gemma model (OpenAI-compatible API)."
@@ -570,6 +597,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--system", help="optional system message")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image for a vision model: a file (sent as base64) or an http(s) URL; repeat for several",
+    )
     p.add_argument(
         "--token", help=f"Google identity token, sent to the given https host (default ${TOKEN_ENV}, then gcloud)"
     )
@@ -609,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         messages: list[Message] = []
         if args.system:
             messages.append({"role": "system", "content": args.system})
-        messages.append({"role": "user", "content": args.prompt})
+        messages.append(user_message(args.prompt, args.image))
         answer = chat(
             root,
             messages,

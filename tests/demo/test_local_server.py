@@ -1,4 +1,5 @@
-"""demo/local_server.py on a tiny Gemma 3: a real server on 127.0.0.1, queried by serving/client.py.
+"""demo/local_server.py on a tiny Gemma 3: transformers serve behind its thin layer on 127.0.0.1, queried by
+serving/client.py.
 
 Every test checks that nothing is left running: the process group is gone and the port is free (the tests that
 only ask a server share one, checked when their class ends).
@@ -18,16 +19,16 @@ import pytest
 
 from demo.local_server import (
     EXIT_PORT_BUSY,
-    GenerationRequest,
     LocalServer,
     LocalServerError,
     ModelNotReadyError,
     PortBusyError,
+    Refusal,
+    Served,
+    bind,
     check_port_free,
     free_port,
-    open_server,
-    parse_chat_request,
-    parse_completion_request,
+    rewrite_request,
 )
 from serving.client import ClientError, NotFoundError, chat, chat_completion, list_models
 from serving.vllm_args import COMPLETION_MARKER
@@ -104,7 +105,9 @@ class TestServesTheModel:
     def test_unknown_model_and_bad_request(self, server: LocalServer) -> None:
         with pytest.raises(NotFoundError, match="The model `other` does not exist"):
             chat(server.url, USER, model="other")
-        with pytest.raises(ClientError, match=r"HTTP 400.*max_tokens=100000"):
+        with pytest.raises(
+            ClientError, match=r"HTTP 400.*'max_tokens' or 'max_completion_tokens' is too large: 100000"
+        ):
             chat(server.url, USER, max_tokens=100_000)
         # the server survives bad requests
         assert list_models(server.url) == ["gemma"]
@@ -167,15 +170,13 @@ class TestPrivilegedPort:
     """EACCES (a port below ip_unprivileged_port_start) is not "in use": the message must say what it is."""
 
     def test_keeper_and_server_report_a_privileged_port(self) -> None:
-        from http.server import BaseHTTPRequestHandler
-
         start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
         if start == 0:
             pytest.skip("every port is unprivileged on this machine")
         port = start - 1
         for check in (
             lambda: check_port_free("127.0.0.1", port),
-            lambda: open_server("127.0.0.1", port, BaseHTTPRequestHandler),
+            lambda: bind("127.0.0.1", port),
         ):
             result = in_child_as_nobody(check)
             assert result.startswith("PortDeniedError: "), result
@@ -227,35 +228,32 @@ class TestAlwaysStops:
                 keeper.wait()
 
 
-class TestRequestParsing:
-    def test_defaults(self) -> None:
-        """No max_tokens: the rest of the context, as vLLM (settled per request by _Engine.prepare)."""
-        assert parse_chat_request({"messages": USER}, "gemma") == GenerationRequest("chat", USER, None, None, 0.0, 1.0)
+class TestRequestRewriting:
+    """`rewrite_request`: what the layer changes in a request before transformers serve sees it."""
 
-    def test_completion_defaults_and_stream_options(self) -> None:
-        body = {"prompt": ["Translate"], "stream": True, "stream_options": {"include_usage": True}}
-        assert parse_completion_request(body, "gemma") == GenerationRequest(
-            "completion", None, "Translate", 16, 0.0, 1.0, stream=True, include_usage=True
+    SERVED = Served("gemma", "/models/merged", None)
+
+    def test_the_served_name_becomes_the_folder_and_sampling_the_services(self) -> None:
+        body = rewrite_request(self.SERVED, "/v1/chat/completions", {"model": "gemma", "messages": USER})
+        assert body["model"] == "/models/merged" and body["temperature"] == 0.0 and body["top_p"] == 1.0
+        assert (
+            rewrite_request(self.SERVED, "/v1/chat/completions", {"messages": USER, "temperature": 0.7})["temperature"]
+            == 0.7
         )
 
-    def test_text_parts(self) -> None:
-        body = {
-            "model": "gemma",
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        }
-        assert parse_chat_request(body, "gemma").messages == [{"role": "user", "content": "ab"}]
+    def test_max_completion_tokens_is_max_tokens(self) -> None:
+        body = rewrite_request(self.SERVED, "/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5})
+        assert body["max_tokens"] == 5 and "max_completion_tokens" not in body
 
     @pytest.mark.parametrize(
-        ("body", "message"),
+        ("body", "status", "message"),
         [
-            ({"messages": []}, "non-empty list"),
-            ({"messages": [{"role": "tool", "content": "x"}]}, "role of system, user or assistant"),
-            ({"messages": USER, "logprobs": True}, "logprobs is not supported"),
-            ({"messages": USER, "temperature": 3}, r"temperature must be in \[0, 2\], got 3"),
-            ({"messages": USER, "n": 2}, "n=1"),
-            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text-only"),
+            ({"model": "other", "messages": USER}, 404, "The model `other` does not exist."),
+            ({"messages": USER, "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0."),
+            ([1, 2], 400, "must be a JSON object"),
         ],
     )
-    def test_rejections(self, body: dict[str, object], message: str) -> None:
-        with pytest.raises(ValueError, match=message):
-            parse_chat_request(body, "gemma")
+    def test_refusals(self, body: object, status: int, message: str) -> None:
+        with pytest.raises(Refusal, match=message) as info:
+            rewrite_request(self.SERVED, "/v1/chat/completions", body)
+        assert info.value.status == status

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from demo.local_server import parse_chat_request, parse_completion_request
+from demo.local_server import REMAINING, Served, rewrite_request
 from serving.vllm_args import (
     DEFAULT_MODEL_PATH,
     VLLM_NEUTRAL_SAMPLING,
@@ -118,8 +118,8 @@ class TestLoraAdapters:
 
 class TestExtraArgs:
     def test_passed_through_last_and_verbatim(self) -> None:
-        args = render_args(VllmServerConfig(extra_args=["--load-format", "runai_streamer", "--disable-log-requests"]))
-        assert args[-3:] == ["--load-format", "runai_streamer", "--disable-log-requests"]
+        args = render_args(VllmServerConfig(extra_args=["--kv-cache-dtype", "fp8", "--disable-log-requests"]))
+        assert args[-3:] == ["--kv-cache-dtype", "fp8", "--disable-log-requests"]
 
     @pytest.mark.parametrize(
         ("arg", "field"),
@@ -375,24 +375,23 @@ class TestServedSamplingDefaults:
         assert served == {p: served_sampling_defaults()[p] for p in SAMPLING_KEYS}
 
     def test_the_local_server_takes_the_same_defaults(self) -> None:
+        """demo/local_server.py's layer sends transformers serve the temperature and top_p vLLM would use."""
         args = render_args(VllmServerConfig())
-        body = {"messages": [{"role": "user", "content": "hi"}]}
-        served = _vllm_request_sampling(args, GEMMA3_EXPORT_GENERATION_CONFIG, body)
-        for local in (parse_chat_request(body, "gemma"), parse_completion_request({"prompt": "hi"}, "gemma")):
-            assert (local.temperature, local.top_p, local.top_k) == (
-                served["temperature"],
-                served["top_p"],
-                served["top_k"],
-            )
+        served = Served("gemma", "/m", None)
+        for path, body in (("/v1/chat/completions", {"messages": []}), ("/v1/completions", {"prompt": "hi"})):
+            vllm = _vllm_request_sampling(args, GEMMA3_EXPORT_GENERATION_CONFIG, body)
+            local = rewrite_request(served, path, body)
+            assert (local["temperature"], local["top_p"]) == (vllm["temperature"], vllm["top_p"])
 
-    def test_a_request_that_asks_for_sampling_gets_vllms_neutral_rest_not_the_bases(self) -> None:
-        """temperature=0.8 alone: top_k/top_p stay vLLM's neutral ones (0, 1.0), not Gemma's 64/0.95."""
+    def test_a_request_that_asks_for_sampling_gets_vllms_neutral_top_p_not_the_bases(self) -> None:
+        """temperature=0.8 alone: top_p stays vLLM's neutral 1.0, not Gemma's 0.95; top_k, which the OpenAI chat API
+        cannot carry to transformers serve, is the one difference left, and named (REMAINING)."""
         args = render_args(VllmServerConfig())
         body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.8}
-        served = _vllm_request_sampling(args, GEMMA3_EXPORT_GENERATION_CONFIG, body)
-        local = parse_chat_request(body, "gemma")
-        assert served["temperature"] == local.temperature == 0.8
-        assert (served["top_k"], served["top_p"]) == (local.top_k, local.top_p) == (0, 1.0)
+        vllm = _vllm_request_sampling(args, GEMMA3_EXPORT_GENERATION_CONFIG, body)
+        local = rewrite_request(Served("gemma", "/m", None), "/v1/chat/completions", body)
+        assert vllm["temperature"] == local["temperature"] == 0.8
+        assert vllm["top_p"] == local["top_p"] == 1.0 and vllm["top_k"] == 0 and "top_k" in REMAINING
 
     @pytest.mark.parametrize("flag", ["--generation-config=auto", "--override-generation-config", "--generation-c"])
     def test_extra_args_cannot_change_them(self, flag: str) -> None:
