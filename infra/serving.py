@@ -34,7 +34,15 @@ from infra.serving_gate import RUN_SUMMARY, gate, run_eval
 from serving.completion import ADAPTER, COMPLETION_MARKER, MODEL, IncompleteModelError, Inventory, check_inventory
 from serving.memory import ServedMemory
 from serving.served_model import MERGE_REASONS, ServedModel, lora_rank_for, served_model
-from serving.startup import COLD_START_VLLM, ColdStart, Loader, StartupWindow, cold_start, window_for
+from serving.startup import (
+    COLD_START_VLLM,
+    STARTUP_WINDOW,
+    ColdStart,
+    Loader,
+    StartupWindow,
+    cold_start,
+    window_for,
+)
 from serving.vllm_args import ALLOWED_LORA_RANKS, VLLM_HEALTH_PATH, Dtype, VllmServerConfig, model_type_of, render_args
 from trainer.base_weights import BASE_MARKER, BASE_SUBDIR
 from trainer.base_weights import _key as staged_base_key
@@ -578,6 +586,9 @@ def declare(cfg: StackConfig, foundation: Foundation, serving_image: pulumi.Outp
     recipe = load_recipe(cfg.recipe_source, cfg.recipe_overrides)
     prompt = _SAMPLE_PROMPTS.get(str(recipe.data.task), "Hello")
     image = " --image PRODUCT.jpg" if not recipe.model.text_only else ""
+    # the client waits the 270 s window plus one --timeout for a cold service: longer for a longer window
+    window = service_window(cfg).total_s
+    timeout = f" --timeout {window - STARTUP_WINDOW.total_s + 120}" if window > STARTUP_WINDOW.total_s else ""
     return {
         "servingUrl": service.url,
         "servingRunId": service.runs.apply(lambda runs: runs.primary),
@@ -588,6 +599,6 @@ def declare(cfg: StackConfig, foundation: Foundation, serving_image: pulumi.Outp
         ),
         "query": service.url.apply(
             # GEMMA_FT_URL is the client's token allowlist: identity tokens go only to the stack's servingUrl
-            lambda url: f'GEMMA_FT_URL={url} python -m serving.client --model {cfg.recipe}{image} "{prompt}"'
+            lambda url: f'GEMMA_FT_URL={url} python -m serving.client --model {cfg.recipe}{timeout}{image} "{prompt}"'
         ),
     }

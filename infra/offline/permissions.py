@@ -211,12 +211,17 @@ RUNTIMES: tuple[Runtime, ...] = (
         _account(Identity.SERVING),
         lambda cfg: cfg.serving_enabled,
         (
-            Need("storage.objects.list", Scope.BUCKET, "vLLM lists runs/<run>/merged on the read-only volume"),
+            Need(
+                "storage.objects.list",
+                Scope.BUCKET,
+                "vLLM lists runs/<run>/merged or /adapter on the read-only volume, and the Run:ai streamer lists the "
+                "staged base's safetensors under gs://BUCKET/runs/<run>/_base (vllm/transformers_utils/runai_utils.py)",
+            ),
             Need(
                 "storage.objects.get",
                 Scope.BUCKET,
-                "vLLM loads the merged model from /mnt/models (infra/cloud_run.py VllmService; "
-                "serving/entrypoint.sh checks the completion marker)",
+                "vLLM loads the merged model or the adapters from /mnt/models and streams a staged base from gs:// "
+                "(infra/serving.py VllmService; serving/entrypoint.sh checks the completion markers)",
             ),
         ),
     ),
@@ -229,7 +234,7 @@ RUNTIMES: tuple[Runtime, ...] = (
                 "secretmanager.versions.access",
                 Scope.API_KEY_SECRET,
                 "Cloud Run resolves the Service's VLLM_API_KEY secretKeyRef as the Service's account "
-                "(infra/cloud_run.py VllmService; Cloud Run docs, 'Configure secrets')",
+                "(infra/serving.py VllmService; Cloud Run docs, 'Configure secrets')",
             ),
         ),
     ),

@@ -204,6 +204,15 @@ class TestColdStart:
             assert run.cfg is not None and total >= served_cold_start(run.cfg).in_container_s()[1], stack
         assert window_for(cold_start(2.0, Loader.MOUNT)) == STARTUP_WINDOW, "dev's 1B keeps its 270 s window"
 
+    def test_the_query_waits_out_a_longer_window(self) -> None:
+        """The client keeps a first request alive for the 270 s window plus one --timeout; the 31B's is longer."""
+        from infra.offline.engine import redact_secrets
+
+        query = redact_secrets(run_stack("a4-gemma4", overrides=SERVING_ON, assume_trained=True).outputs)["query"]
+        assert " --timeout 320 " in query, query  # 470 s window - 270 s + 120 s
+        dev = redact_secrets(run_stack("dev", overrides=SERVING_ON, assume_trained=True).outputs)["query"]
+        assert "--timeout" not in dev
+
     def test_a_start_no_window_can_hold_is_reported(self) -> None:
         """62 GB over the FUSE mount (80 MB/s at worst) outlasts the longest probe Cloud Run allows: why the 31B
         base is streamed from gs:// instead."""
