@@ -917,7 +917,7 @@ def resolve_serving(cfg: StackConfig) -> tuple[StackConfig, list[str]]:
         return cfg, []
     problems = []
     n = len(cfg.recipe_overrides)
-    if model.artefact == MERGED and not recipe.output.merge:
+    if model.artefact == MERGED and not recipe.writes_merged:
         problems.append(
             f"servingEnabled=true serves the merged export of recipe {cfg.recipe!r} ({model.why}), but its "
             f"output.merge is false. Fix: pulumi config set --path 'recipeOverrides[{n}]' output.merge=true (a new run)"

@@ -74,7 +74,7 @@ def run() -> dict[str, Any]:
     outputs["paidRun"] = run.line()
     _add(outputs, _workload(cfg, loaded, foundation, images, run))
     run_identity.declare_record(name, cfg, run, foundation.bucket_name, after=[foundation.bucket])
-    _add(outputs, serving.declare(cfg, foundation, images.serving_image))
+    _add(outputs, serving.declare(cfg, foundation, images.serving_image, run))
     _add(outputs, cost.outputs(cfg))
     # The run's price, for the cost line the trainer writes into its marker and summary (infra/cost.py); a finished
     # run's folder keeps the price it ran with (its marker's cost line was computed from it).

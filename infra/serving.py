@@ -29,7 +29,7 @@ import pulumi_gcp as gcp
 from infra.cloud_run import instance_limits
 from infra.config import StackConfig, Workload
 from infra.foundation import Foundation, Identity
-from infra.run_identity import naming
+from infra.run_identity import RUN_GENERATION_KEY, RunState, naming
 from infra.serving_gate import RUN_SUMMARY, gate, run_eval
 from serving.completion import ADAPTER, COMPLETION_MARKER, MODEL, IncompleteModelError, Inventory, check_inventory
 from serving.memory import ServedMemory
@@ -206,7 +206,17 @@ def finished_runs(layout: ServedLayout, markers: list[Any]) -> list[str]:
     return sorted(runs, key=lambda r: (runs[r], r))
 
 
-def _no_run(cfg: StackConfig, layout: ServedLayout, bucket: str) -> pulumi.RunError:
+def _no_run(cfg: StackConfig, layout: ServedLayout, bucket: str, run: RunState | None) -> pulumi.RunError:
+    """No export of this recipe is marked complete: the run is still going, or (its `_RUN_COMPLETE.json` there) it
+    finished without the export this stack serves, as runs did before the trainer wrote it (docs/serving.md)."""
+    if run is not None and run.finished is not None:
+        again = run.inputs["generation"] + 1
+        return pulumi.RunError(
+            f"servingEnabled=true but run {run.name} finished without a {layout.artefact} export: no "
+            f"gs://{bucket}/{layout.marker_glob} ({layout.why}; a run made before the trainer wrote that export). "
+            f"Fix: pulumi config set {RUN_GENERATION_KEY} {again} && pulumi up (one paid run, which writes it), or "
+            "pulumi config set servingEnabled false"
+        )
     return pulumi.RunError(
         f"servingEnabled=true but no training run of recipe {cfg.recipe} has finished yet: no "
         f"gs://{bucket}/{layout.marker_glob}. Follow the current run with `{layout.follow}`, then run `pulumi up` "
@@ -306,8 +316,11 @@ class ServedRuns:
         return (self.primary, *self.compared)
 
 
-def served_runs(cfg: StackConfig, layout: ServedLayout, bucket: pulumi.Output[str]) -> pulumi.Output[ServedRuns]:
-    """The runs to serve, each verified complete in the bucket, or a `pulumi.RunError` that says what to do."""
+def served_runs(
+    cfg: StackConfig, layout: ServedLayout, bucket: pulumi.Output[str], run: RunState | None = None
+) -> pulumi.Output[ServedRuns]:
+    """The runs to serve, each verified complete in the bucket, or a `pulumi.RunError` that says what to do (`run`:
+    the stack's training run, named in the error when none is servable)."""
     markers = gcp.storage.get_bucket_objects_output(
         bucket=bucket, prefix=layout.listing_prefix, match_glob=layout.marker_glob
     ).bucket_objects
@@ -321,7 +334,7 @@ def served_runs(cfg: StackConfig, layout: ServedLayout, bucket: pulumi.Output[st
         listing, bucket_name, listed_summaries = parts
         finished = finished_runs(layout, listing)
         if not finished:
-            raise _no_run(cfg, layout, bucket_name)
+            raise _no_run(cfg, layout, bucket_name, run)
         compared = tuple(
             pinned(cfg, layout, finished, rid, bucket_name, "servingCompareRunIds")
             for rid in cfg.serving_compare_run_ids
@@ -437,14 +450,20 @@ class VllmService(pulumi.ComponentResource):
     runs: pulumi.Output[ServedRuns]
 
     def __init__(
-        self, name: str, cfg: StackConfig, foundation: Foundation, image: pulumi.Output[str], opts=None
+        self,
+        name: str,
+        cfg: StackConfig,
+        foundation: Foundation,
+        image: pulumi.Output[str],
+        run: RunState | None = None,
+        opts=None,
     ) -> None:
         super().__init__("gemma-finetune:gcp:VllmService", name, None, opts)
         assert foundation.serving_account is not None, "the foundation creates a serving account when serving is on"
         child = pulumi.ResourceOptions(parent=self)
         layout = served_layout(cfg)
         window = service_window(cfg)
-        self.runs = served_runs(cfg, layout, foundation.bucket_name)
+        self.runs = served_runs(cfg, layout, foundation.bucket_name, run)
         vllm_args = pulumi.Output.all(self.runs, foundation.bucket_name).apply(
             lambda parts: render_args(vllm_config(cfg, layout, parts[0], parts[1]))
         )
@@ -563,8 +582,11 @@ _SAMPLE_PROMPTS = {
 }
 
 
-def declare(cfg: StackConfig, foundation: Foundation, serving_image: pulumi.Output[str] | None) -> dict[str, Any]:
-    """The serving part of any stack: the service and its outputs, or the next step when serving is off."""
+def declare(
+    cfg: StackConfig, foundation: Foundation, serving_image: pulumi.Output[str] | None, run: RunState | None = None
+) -> dict[str, Any]:
+    """The serving part of any stack: the service and its outputs, or the next step when serving is off (`run`: the
+    stack's training run, `infra.run_identity.resolve`)."""
     if not cfg.serving_enabled:
         return {"nextStep": "when a training run has finished: pulumi config set servingEnabled true && pulumi up"}
     assert serving_image is not None, "the images component builds the serving image when serving is on"
@@ -575,7 +597,7 @@ def declare(cfg: StackConfig, foundation: Foundation, serving_image: pulumi.Outp
         )
     name = f"gft-{cfg.stack}"
     layout = served_layout(cfg)
-    service = VllmService(name, cfg, foundation, serving_image)
+    service = VllmService(name, cfg, foundation, serving_image, run)
     names = service.runs.apply(
         lambda runs: (
             [layout.adapter_name(cfg.recipe, rid, rid == runs.primary) for rid in runs.all]

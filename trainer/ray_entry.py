@@ -9,9 +9,9 @@ A thin adapter: `TorchTrainer` around the core's Hugging Face trainer (`prepare_
 `use_cpu`; vision recipes get trainer/collators.py, over-long rows dropped, DDP's unused-parameter search off
 (docs/decisions/ray-train-workers.md). Checkpoints reach Ray after a barrier, each file once and complete,
 under the recipe's run name so a retry resumes (docs/decisions/ray-train-checkpoints.md); preemption is a
-preStop notice read at each step end (docs/decisions/ray-preemption.md). Rank 0 writes the final adapter and
-run_summary.json to `output.dir`, then `_RUN_COMPLETE.json`: with it there, `main` starts no worker again.
-`RAY_VERSION` is the image's Ray; nothing heavy is imported at import time.
+preStop notice read at each step end (docs/decisions/ray-preemption.md). Rank 0 writes the adapter, the merged export
+(`Recipe.writes_merged`) and run_summary.json before their markers (`publish_run`), then `_RUN_COMPLETE.json`: with
+it there, `main` starts no worker again. `RAY_VERSION` is the image's Ray; nothing heavy is imported at import time.
 It does not decide the cluster's shape (infra/ray_job.py does) and does not use Ray Data.
 """
 
@@ -330,7 +330,13 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     if trainer.is_world_process_zero():
         processor.save_pretrained(adapter_dir)
         merged_dir = None
-        if recipe.output.merge:  # what serving loads when vLLM cannot take the adapter (docs/serving.md)
+        if recipe.writes_merged:  # what serving loads when vLLM cannot take the adapter (docs/serving.md)
+            if not recipe.output.merge:
+                log.info(
+                    "output.merge is false, but the adapter saves %s whole (lora.modules_to_save), which vLLM cannot "
+                    "load: the merged export is written too, the form of this run that can be served",
+                    ", ".join(recipe.lora.modules_to_save),
+                )
             merged_dir = merge_and_export(
                 recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=processor, mark=False
             )

@@ -614,7 +614,11 @@ class TrainingSpec(_Strict):
 
 class OutputSpec(_Strict):
     dir: str = Field(description="local folder (relative to the working directory) or gs:// URI")
-    merge: bool = Field(True, description="merge the adapter into the base in bf16 and export it for vLLM")
+    merge: bool = Field(
+        True,
+        description="merge the adapter into the base in bf16 and export it for vLLM (an adapter with "
+        "lora.modules_to_save is merged whatever this says: vLLM cannot load it; Recipe.writes_merged)",
+    )
     push_to_hub: bool = False
     hub_model_id: str | None = None
     hub_private: bool = True
@@ -703,6 +707,15 @@ class Recipe(_Strict):
     output: OutputSpec
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     distributed: DistributedSpec = Field(default_factory=DistributedSpec)
+
+    @property
+    def writes_merged(self) -> bool:
+        """Whether a run exports the merged model: `output.merge`, or an adapter with `lora.modules_to_save`, which
+        vLLM refuses to load as an adapter (vllm/lora/peft_helper.py), so its merged export is the one form of the run
+        that can be served (docs/serving.md, "Adapters, not copies"). Decided by the trainer, not the recipe file:
+        the file's bytes name the run (infra/run_identity.py), and an edit of them would train every finished run again.
+        """
+        return self.output.merge or bool(self.lora.modules_to_save)
 
     @property
     def max_new_tokens(self) -> int:

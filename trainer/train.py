@@ -311,7 +311,7 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
         clear_completion_marker(adapter_dir)  # a retried run rewrites it: marked again only after its summary
     save_adapter(trainer, adapter_dir)
     merged_dir = None
-    if recipe.output.merge and trainer.is_world_process_zero():
+    if recipe.writes_merged and trainer.is_world_process_zero():
         merged_dir = merge_and_export(
             recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=tokenizer, mark=False
         )

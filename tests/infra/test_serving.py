@@ -97,8 +97,31 @@ class TestEveryStackServes:
         args = container(run)["args"]
         assert args[0] == f"/mnt/models/runs/ft-product-descriptions-gemma3-{RID}/merged"
         assert "--enable-lora" not in args and "--language-model-only" not in args, "it answers images"
+
+    def test_the_vision_recipe_file_is_not_edited_to_merge(self) -> None:
+        """Its bytes name the run (infra/run_identity.py): `merge: true` in the file would train every finished vision
+        run again. Its modules_to_save adapter is merged by the trainer instead (Recipe.writes_merged), so serving
+        it is no config error; where only `output.merge` decides (dev: no staged base), false is still refused."""
+        from trainer.recipe import load_recipe
+
+        recipe = load_recipe("product-descriptions-gemma3-4b")
+        assert recipe.output.merge is False and recipe.lora.modules_to_save and recipe.writes_merged
+        overrides = {**SERVING_ON, "recipeOverrides": ["output.merge=false"]}
+        run = run_stack("ray-gemma3-vision", overrides=overrides, assume_trained=True)
+        assert container(run)["args"][0].endswith("/merged")
         with pytest.raises(ConfigError, match=r"output.merge is false\. Fix: .*output.merge=true"):
-            run_stack("ray-gemma3-vision", overrides={**SERVING_ON, "recipeOverrides": ["output.merge=false"]})
+            run_stack("dev", overrides={**SERVING_ON, "recipeOverrides": ["output.merge=false"]})
+
+    def test_a_run_that_finished_without_the_export_names_the_one_new_run(self) -> None:
+        """A vision run trained before the trainer merged it has `_RUN_COMPLETE.json` and no merged export."""
+        from tests.infra.test_finished_runs import completed, up
+
+        first = up("ray-gemma3-vision")
+        with pytest.raises(pulumi.RunError) as info:
+            up("ray-gemma3-vision", completed(first), after=first, **SERVING_ON)
+        message = str(info.value)
+        assert f"run {first.outputs['rayJobName']} finished without a merged export" in message
+        assert "Fix: pulumi config set runGeneration 1 && pulumi up" in message
 
 
 class TestAdaptersNotCopies:

@@ -227,7 +227,8 @@ def test_interrupted_run_resumes_from_the_checkpoint_every_rank_finished(ray_clu
 
     # One upload per checkpoint: Ray's report (above: each file handed over once); the trainer's mirror
     # callback uploads none of them to output.dir, only the final adapter and the merged export serving loads
-    # (the W2 recipe merges: vLLM refuses its adapter's modules_to_save) go there, after the summary.
+    # (the W2 recipe says merge: false, but vLLM refuses its adapter's modules_to_save, so the run merges:
+    # Recipe.writes_merged) go there, after the summary.
     uploads = [json.loads(line) for f in sorted(record.glob("uploads-*.jsonl")) for line in f.read_text().splitlines()]
     assert [u["url"] for u in uploads] == [f"file://{out}/adapter", f"file://{out}/merged"], uploads
     assert not (out / "checkpoints").exists()
