@@ -3,20 +3,15 @@
 Decisions (sources and the publication order they rely on: docs/decisions/serving-gate.md)
 - A run's evaluation is its `run_summary.json`: the held-out loss `eval_loss` (lower is better) and, where the run
   answered held-out rows, its score `eval.after[eval.score]` (higher is better; trainer/run_eval.py).
-- No state is read: walking the bucket's finished runs oldest first, the served run moves to the next one when
-  that one's loss is not higher and, when both have the same score metric, its score not lower: what a `pulumi up`
-  after each finished run would have served, from any checkout and after a lost state.
-- `servingMaxEvalLoss` / `servingMinScore`, when set, replace the comparison (the newest run meeting both is
-  served; none is an error with the fix). A run without a loss is not gated; in the comparison a run without a
-  score is judged on its loss, and it never meets `servingMinScore`. `servingRunId` always wins.
-- A finished run without its `run_summary.json` is never chosen (only `servingRunId` serves it): the trainer
-  writes the summary before any marker (trainer/export.py `publish_run`).
+- No state is read: walking the finished runs oldest first, the served run moves to the next one when its loss is not
+  higher and, with the same score metric, its score not lower (what an `up` after each run would have served).
+- `servingMaxEvalLoss` / `servingMinScore` replace the comparison (the newest run meeting both; none is an error with
+  the fix). A run without a loss is not gated; one without a score is judged on its loss and never meets
+  `servingMinScore`. `servingRunId` always wins, and alone serves a run without its summary (`publish_run`).
+- Only runs scored on the same held-out rows (`eval.held_out.sha256`) are compared; a run on other rows must not be
+  worse than its own base model on them (`eval.before`). A loss or score that is not finite (`NaN`) is worse than any.
 - When the newest finished run is not the one served, `pulumi up` warns with both runs' numbers, what was worse,
   and the override (`pulumi config set servingRunId RUN`).
-- Only runs scored on the same held-out rows (`eval.held_out.sha256`, trainer/data.py `held_out_identity`) are
-  compared. A run scored on other rows than the served one is checked against its own base model on its own rows
-  (`eval.before`): not worse, serving moves to it; worse, serving stays; `pulumi up` warns either way.
-- A loss or score that is not a finite number (a diverged run writes `NaN`) is worse than any number and meets no bar.
 """
 
 from __future__ import annotations
