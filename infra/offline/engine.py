@@ -276,16 +276,17 @@ MOCK_TRAINED_RUN = "0123456789ab"
 MOCK_EXPORT_FILES = {"config.json": 900, "model.safetensors": 2_000_000, "tokenizer.json": 30_000}
 
 
-def assumed_run(cfg: StackConfig) -> dict[str, str]:
+def assumed_run(cfg: StackConfig, rid: str = MOCK_TRAINED_RUN) -> dict[str, str]:
     """What one finished run of this stack leaves in its bucket, as the trainer publishes it (trainer/export.py
     `publish_run`): its summary, the adapter and the merged export each with its marker, and on GKE the base it
-    staged (trainer/base_weights.py). Its id is MOCK_TRAINED_RUN, cut to the stack's run id length."""
+    staged (trainer/base_weights.py). Its id is `rid` (MOCK_TRAINED_RUN), cut to the stack's run id length."""
     from infra.serving import run_id_length, served_layout
     from trainer.recipe import load_recipe
 
     recipe = load_recipe(cfg.recipe_source, cfg.recipe_overrides)
     layout = served_layout(cfg, recipe)
-    folder = layout.folder(MOCK_TRAINED_RUN[: run_id_length(cfg)])
+    rid = rid[: run_id_length(cfg)]
+    folder = layout.folder(rid)
     adapter_config = {
         "r": recipe.lora.r,
         "lora_alpha": recipe.lora.alpha,
@@ -303,7 +304,7 @@ def assumed_run(cfg: StackConfig) -> dict[str, str]:
         inventory = [{"path": name, "bytes": len(content)} for name, content in files.items()]
         objects[f"{folder}/{kind}/_COMPLETE.json"] = json.dumps({"completed_at": 0, "files": inventory})
     if cfg.workload is not Workload.CLOUD_RUN:
-        base = layout.base_folder(MOCK_TRAINED_RUN[: run_id_length(cfg)])
+        base = layout.base_folder(rid)
         objects[f"{base}/config.json"] = "{}"
         objects[f"{base}/_BASE_COMPLETE.json"] = json.dumps({"repo_id": recipe.model.name_or_path})
     return objects
@@ -332,7 +333,8 @@ class Mocks(pulumi_mocks.Mocks):
     """Fills what a real provider computes; echoes everything else.
 
     `bucket_objects` maps `bucket/object` to its content for the storage reads the program makes
-    (later entries are newer); `assume_trained` adds one finished run of the stack (`assumed_run`). `existing_buckets` are already in the project: the
+    (later entries are newer); `assume_trained` adds one finished run of the stack (`assumed_run`), or, given run ids,
+    one per id (oldest first, all older than `bucket_objects`). `existing_buckets` are already in the project: the
     bucket list answers with them, and creating one fails with 409 unless it is imported.
     `existing_accounts` are service account ids already in the project: creating one fails with 409
     unless the account says `createIgnoreAlreadyExists` (docs/decisions/offline-engine-mocks.md).
@@ -341,7 +343,7 @@ class Mocks(pulumi_mocks.Mocks):
     def __init__(
         self,
         bucket_objects: dict[str, str] | None = None,
-        assume_trained: bool = False,
+        assume_trained: bool | tuple[str, ...] = False,
         preview: bool = False,
         reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
         project: str = "mock-project",
@@ -354,10 +356,13 @@ class Mocks(pulumi_mocks.Mocks):
         self.existing_accounts = set(existing_accounts)
         self.invokes: list[tuple[str, dict[str, Any]]] = []
         self.bucket_objects = dict(bucket_objects or {})
-        self.assume_trained = assume_trained
+        self.assumed_ids: tuple[str, ...] = (
+            (MOCK_TRAINED_RUN,) if assume_trained is True else tuple(assume_trained or ())
+        )
         # the validated configuration of the run (set by `run_stack` once the program has loaded it): what a
         # finished run of this stack leaves in its bucket depends on its workload and recipe (`assumed_run`)
         self.stack_cfg: StackConfig | None = None
+        self._assumed_objects: dict[str, tuple[str, int]] | None = None
         self.preview = preview
         self.reservations = dict(reservations or {})
         self.existing_buckets = set(existing_buckets)
@@ -365,10 +370,29 @@ class Mocks(pulumi_mocks.Mocks):
     def _objects(self, bucket: str, prefix: str) -> dict[str, str]:
         """Object name -> content in `bucket` under `prefix`, the assumed finished run included."""
         found = {k.split("/", 1)[1]: v for k, v in self.bucket_objects.items() if k.split("/", 1)[0] == bucket}
-        if self.assume_trained and prefix.startswith("runs/") and self.stack_cfg is not None:
-            for name, content in assumed_run(self.stack_cfg).items():
+        if prefix.startswith("runs/"):
+            for name, (content, _) in self._assumed().items():
                 found.setdefault(name, content)
         return {name: content for name, content in found.items() if name.startswith(prefix)}
+
+    def _assumed(self) -> dict[str, tuple[str, int]]:
+        """The assumed runs' objects: name -> (content, which run), once the program has loaded its configuration."""
+        if self.stack_cfg is None:
+            return {}
+        if self._assumed_objects is None:
+            self._assumed_objects = {
+                name: (content, i)
+                for i, rid in enumerate(self.assumed_ids)
+                for name, content in assumed_run(self.stack_cfg, rid).items()
+            }
+        return self._assumed_objects
+
+    def _age(self, bucket: str, name: str) -> int:
+        """An object's place in time: the assumed runs in their order, then `bucket_objects` in theirs."""
+        order = {key: i for i, key in enumerate(self.bucket_objects)}
+        if f"{bucket}/{name}" in order:
+            return len(self.assumed_ids) + order[f"{bucket}/{name}"]
+        return self._assumed().get(name, ("", 0))[1]
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str | None, dict]:
         rid, state = self._new_resource(args)
@@ -486,7 +510,6 @@ class Mocks(pulumi_mocks.Mocks):
             objects = self._objects(bucket, str(args.args.get("prefix") or ""))
             glob = args.args.get("matchGlob")
             pattern = _gcs_glob(str(glob)) if glob else None
-            order = {name: i for i, name in enumerate(self.bucket_objects)}
             listed = [
                 {
                     "name": name,
@@ -494,8 +517,8 @@ class Mocks(pulumi_mocks.Mocks):
                     "mediaLink": f"https://storage.googleapis.com/download/storage/v1/b/{bucket}/o/{name}",
                     "selfLink": f"https://www.googleapis.com/storage/v1/b/{bucket}/o/{name}",
                     "storageClass": "STANDARD",
-                    # later entries of bucket_objects are newer; the assumed run is the oldest
-                    "updated": f"2026-01-01T00:{order.get(f'{bucket}/{name}', -1) + 1:02d}:00Z",
+                    # later entries of bucket_objects are newer; the assumed runs are older, in their order
+                    "updated": f"2026-01-01T00:{self._age(bucket, name):02d}:00Z",
                 }
                 for name in sorted(objects)
                 if pattern is None or pattern.fullmatch(name)
@@ -601,7 +624,7 @@ def mock_engine(
     hf_token: str | None = MOCK_HF_TOKEN,
     preview: bool = False,
     bucket_objects: dict[str, str] | None = None,
-    assume_trained: bool = False,
+    assume_trained: bool | tuple[str, ...] = False,
     reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
     existing_buckets: tuple[str, ...] = (),
     quotas: dict[str, dict[str, Any] | ProviderError] | None = None,
@@ -650,7 +673,7 @@ def run_stack(
     hf_token: str | None = MOCK_HF_TOKEN,
     preview: bool = False,
     bucket_objects: dict[str, str] | None = None,
-    assume_trained: bool = False,
+    assume_trained: bool | tuple[str, ...] = False,
     reservations: dict[str, dict[str, Any] | ProviderError | None] | None = None,
     existing_buckets: tuple[str, ...] = (),
     quotas: dict[str, dict[str, Any] | ProviderError] | None = None,

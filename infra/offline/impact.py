@@ -282,6 +282,8 @@ def run_effect(before: StackRun, after: StackRun, impacts: dict[str, Impact]) ->
 # The changes users make, each planned on every stack it applies to (make impact), a few in the tests.
 
 SERVING = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}
+# A second finished run, older than the one served (MOCK_TRAINED_RUN), for the row that serves it beside it.
+COMPARED_RUN = "fedcba987654"
 STACKS = ("dev", "a4-gemma4", "ray-gemma3-vision")
 GKE = ("a4-gemma4", "ray-gemma3-vision")
 ON_SPOT = {"capacity": "spot"}
@@ -322,14 +324,21 @@ class Change:
     """What it is meant to do to a run under way (`run_effect`): the table's promise, checked by the tests."""
     run_on: dict[str, str] = field(default_factory=dict)
     """`run` where a stack differs (stack -> effect)."""
+    overrides_on: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """`overrides` where a stack needs other values of the same keys (a run id's length)."""
+    finished_runs: tuple[str, ...] = (MOCK_TRAINED_RUN,)
+    """The finished runs in the stack's bucket, before and after (oldest first; what serving may serve)."""
 
     def expected_run(self, stack: str) -> str:
         return self.run_on.get(stack, self.run)
 
+    def overrides_for(self, stack: str) -> dict[str, Any]:
+        return self.overrides_on.get(stack, self.overrides)
 
-def on_serving(label: str, overrides: dict[str, Any]) -> Change:
-    """A change of the dev stack with serving on, keyed by its first key."""
-    return Change(label, next(iter(overrides)), overrides, stacks=("dev",), base=SERVING)
+
+def on_serving(label: str, overrides: dict[str, Any], **more: Any) -> Change:
+    """A change of every stack with serving on (each serves on Cloud Run: infra/serving.py), keyed by its first key."""
+    return Change(label, next(iter(overrides)), overrides, base=SERVING, **more)
 
 
 # Restarts: the run's pods are replaced under its name and resume from its last checkpoint. Updated: the Job or
@@ -368,10 +377,24 @@ CHANGES: tuple[Change, ...] = (
         run="restarts",
     ),
     Change("`hfToken` → another token", "hfToken", {"hfToken": "mock-other-hf-token-not-a-real-credential"}),
-    Change("`servingEnabled` → true", "servingEnabled", SERVING, stacks=("dev",)),
+    Change("`servingEnabled` → true", "servingEnabled", SERVING),
     on_serving("`servingMaxInstances` → 2", {"servingMaxInstances": 2}),
     on_serving("`servingMaxModelLen` → 2048", {"servingMaxModelLen": 2048}),
-    on_serving("`servingRunId` → the served run", {"servingRunId": MOCK_TRAINED_RUN}),
+    on_serving(
+        "`servingRunId` → the served run",
+        {"servingRunId": MOCK_TRAINED_RUN},
+        # a GKE run id is the run folder's 8 hex characters (infra/run_identity.py naming)
+        overrides_on={stack: {"servingRunId": MOCK_TRAINED_RUN[:8]} for stack in GKE},
+    ),
+    Change(
+        "`servingCompareRunIds` + an older finished run",
+        "servingCompareRunIds",
+        {"servingCompareRunIds": [COMPARED_RUN[:8]]},
+        # only a stack that serves adapters compares runs (dev and the vision stack serve merged exports)
+        stacks=("a4-gemma4",),
+        base=SERVING,
+        finished_runs=(COMPARED_RUN, MOCK_TRAINED_RUN),
+    ),
     on_serving(
         "`servingPublic` → true with `servingApiKey`",
         {"servingPublic": True, "servingApiKey": "mock-vllm-api-key-not-a-real-credential"},
@@ -489,8 +512,8 @@ def bucket_of(stack: str, overrides: dict[str, Any]) -> str:
 
 
 def plan(change: Change, stack: str, befores: dict[str, StackRun] | None = None) -> tuple[StackRun, StackRun]:
-    """The stack as it stands (its bucket kept, a run under way; serving's finished run for dev), then after the
-    change. Both runs see the project the stack was deployed in. `befores` keeps the first runs for reuse."""
+    """The stack as it stands (its bucket kept, a run under way, and an earlier finished run that serving can serve),
+    then after the change. Both runs see the project the stack was deployed in. `befores` keeps the first runs."""
     base_bucket = bucket_of(stack, change.base)
 
     def one(extra: dict[str, Any], remove: tuple[str, ...], what_if: str | None) -> StackRun:
@@ -500,14 +523,14 @@ def plan(change: Change, stack: str, befores: dict[str, StackRun] | None = None)
                 overrides={**change.base, **extra},
                 remove=(*change.base_remove, *remove),
                 existing_buckets=(base_bucket,),
-                assume_trained=stack == "dev",
+                assume_trained=change.finished_runs,
             )
 
-    key = json.dumps([stack, change.base, change.base_remove], sort_keys=True)
+    key = json.dumps([stack, change.base, change.base_remove, change.finished_runs], sort_keys=True)
     cache = befores if befores is not None else {}
     if key not in cache:
         cache[key] = one({}, (), None)
-    return cache[key], one(change.overrides, change.remove, change.what_if)
+    return cache[key], one(change.overrides_for(stack), change.remove, change.what_if)
 
 
 @dataclass
