@@ -34,6 +34,18 @@ def unpinned(dockerfile: str) -> list[str]:
     problems = [f"FROM {image} is not pinned by digest" for image in base_images(dockerfile) if not DIGEST.match(image)]
     if re.match(r"#\s*syntax=", dockerfile) and not re.match(r"#\s*syntax=\S+@sha256:[0-9a-f]{64}", dockerfile):
         problems.append("a `# syntax=` frontend pulled by tag")
+    return problems + unhashed_pip_installs(dockerfile)
+
+
+def unhashed_pip_installs(dockerfile: str) -> list[str]:
+    """Each `pip install` of a package named in the Dockerfile itself: pip checks no hash on it (a `-r` file's lines
+    are `unhashed_requirements`' to check)."""
+    joined = re.sub(r"\\\n", " ", dockerfile)
+    problems = []
+    for command in re.findall(r"pip install ([^;&|\n]*)", joined):
+        named = [word.strip("\"'") for word in command.split() if not word.startswith("-") and "/" not in word]
+        if named and "--require-hashes" not in command and "--hash=" not in command:
+            problems.append(f"pip install {named[0].split('==')[0]} without a hash")
     return problems
 
 
@@ -56,6 +68,7 @@ def test_the_check_fails_on_a_tag() -> None:
 # Each entry is named in docs/ci.md, "Not pinned yet, and why".
 NOT_YET_PINNED = {
     "serving/Dockerfile: FROM vllm/vllm-openai:v0.28.0-cu129 is not pinned by digest": "servingVllmImage",
+    "serving/Dockerfile: pip install runai-model-streamer-gcs without a hash": "runai-model-streamer-gcs",
     "infra/cloudbuild.yaml: step gcr.io/cloud-builders/docker is not pinned by digest": "gcr.io/cloud-builders/docker",
     "trainer/requirements-gpu.txt: no --hash on torch==2.13.0+cu128": "trainer/requirements-gpu.txt",
     ".github/workflows: pulumi/actions installs the Pulumi CLI without a checksum": "pulumi-version",
@@ -117,6 +130,10 @@ def test_the_checks_fail_on_a_tag_a_missing_hash_and_an_unchecked_cli() -> None:
         "no --hash on b==2"
     ]
     assert unhashed_requirements("a==1 --hash=sha256:00\n") == []
+    assert unhashed_pip_installs('RUN python3 -m pip install --no-cache-dir \\\n    "b==$(v)" && true\n') == [
+        "pip install b without a hash"
+    ]
+    assert unhashed_pip_installs("RUN pip install --only-binary=:all: -r /tmp/r.txt\n") == []
     workflow = {"jobs": {"j": {"steps": [{"uses": "pulumi/actions@x", "with": {"pulumi-version": "3.272.0"}}]}}}
     assert unchecked_cli(yaml.safe_dump(workflow))
     assert not unchecked_cli(yaml.safe_dump({"jobs": {"j": {"steps": [{"run": "pulumi version"}]}}}))
