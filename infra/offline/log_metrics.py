@@ -1,25 +1,14 @@
 """What Cloud Logging and Cloud Monitoring do with the trainer's lines, replayed offline for the subset we declare.
 
-- `structured_entry`: the platform agents parse single-line JSON on stdout into `jsonPayload`; `severity` and
-  `logging.googleapis.com/labels` move to the entry; any other line is a `textPayload` (Cloud Logging docs,
-  "Structured logging", special JSON fields).
-- `matches`: the Logging query language's `field = "value"`, `field:*` (exists) and `AND` (Cloud Logging docs,
-  "Logging query language"); `extract`: a log-based metric's `EXTRACT(field)`, nothing recorded without a value
-  (LogMetric reference: valueExtractor, labelExtractors).
-- `replay_threshold`: a metric-threshold condition on one series, evaluated every `EVALUATION_STEP_S`: ALIGN_MEAN over
-  the alignment period looking back from that moment (Cloud Monitoring docs, "Alerting policies": the alignment
-  period is a look-back window that slides with the evaluation), met when every evaluation within `duration`
-  violates it; a window without data is missing data, which EVALUATION_MISSING_DATA_INACTIVE counts as not met
-  (Monitoring API, projects.alertPolicies: MetricThreshold).
-- `dashboard_as_read` / `dashboard_changed`: what the Monitoring API returns for a dashboard (proto3 JSON: a field
-  at its default value, such as a tile's `xPos` 0, is left out; `name` and `etag` are added), and whether the
-  provider then sees a change to apply (terraform-provider-google v7.45.0 google/services/monitoring/
-  resource_monitoring_dashboard.go: `monitoringDashboardDiffSuppress` drops the keys the configuration lacks from
-  what was read, then compares the two).
-- `unit_problem`: a metric descriptor's `unit` against the grammar the API documents (google/api/metric.proto,
-  `MetricDescriptor.unit`, googleapis-common-protos 1.75.0): basic units bit By s min h d 1 with SI or binary
-  prefixes, `%`, `{annotation}`, joined by `.` and `/`; a currency is no unit there (`{USD}` is an annotation).
-Anything outside this subset raises `UnsupportedQuery` instead of guessing. Not here: the metrics and policies
+- `structured_entry`: an agent's parse of one stdout line (single-line JSON → `jsonPayload`, else `textPayload`).
+- `matches` / `extract`: a log filter's `=`, `:*` and `AND`; a log-based metric's `EXTRACT(field)`.
+- `replay_threshold`: a metric-threshold condition on one series, evaluated as the alignment window slides;
+  missing data is "not met" (EVALUATION_MISSING_DATA_INACTIVE).
+- `dashboard_as_read` / `dashboard_changed`: the API's read-back of a dashboard (fields at their default left out)
+  and whether the provider then plans a change.
+- `unit_problem`: a metric descriptor's `unit` against the grammar the API documents.
+Anything outside this subset raises `UnsupportedQuery` instead of guessing. The rules and where each was read:
+docs/operations.md, "How the tests replay Logging and Monitoring". Not here: the metrics and policies
 (infra/monitoring.py).
 """
 
