@@ -8,7 +8,8 @@ Decisions
   capacity and how sure the price is. A file, not an env var or argument: those live in the pod template, and a
   new price there would replace a running Job.
 - estimated_usd = hourly price x units x this attempt's wall time: earlier attempts, node start-up and release
-  are not in it (the ceiling, `runCostCeilingUsd`, bounds all of them). Without the file, no price.
+  are not in it (the ceiling, `runCostCeilingUsd`, bounds all of them). Without the file, no price. With the
+  run's phases (trainer/train.py `Phases`), each phase's seconds and, priced, its share of the cost.
 - `run_cost_line` is what the trainer calls at a run's end (trainer/train.py `run_summary`: run_summary.json and
   `_RUN_COMPLETE.json`, accelerate and Ray runs alike); a price file it cannot read costs the run its price, never
   the run. Not here: prices, writing the marker or the summary.
@@ -49,9 +50,13 @@ def read_price(output_dir: str | Path) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def cost_line(price: dict[str, Any] | None, wall_seconds: float) -> dict[str, Any]:
-    """The cost line of one run: its wall time and, with the stack's price, what that time cost."""
+def cost_line(
+    price: dict[str, Any] | None, wall_seconds: float, phases_s: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """The cost line of one run: its wall time and, with the stack's price, what that time (and each phase) cost."""
     line: dict[str, Any] = {"wall_seconds": round(wall_seconds, 1)}
+    if phases_s:
+        line["phase_seconds"] = dict(phases_s)
     if not price:
         line["estimated_usd"] = None
         line["note"] = f"no {PRICE_FILE} in the output folder (not run by a stack): no price"
@@ -60,6 +65,8 @@ def cost_line(price: dict[str, Any] | None, wall_seconds: float) -> dict[str, An
     hourly, units = float(price["hourly_usd"]), int(price["units"])
     line["estimated_usd"] = round(hourly * units * wall_seconds / 3600, 2)
     line["formula"] = f"{hourly:,.2f} USD/h x {units} {price.get('unit', 'unit')}(s) x {wall_seconds / 3600:.2f} h"
+    if phases_s:
+        line["phase_usd"] = {name: round(hourly * units * seconds / 3600, 2) for name, seconds in phases_s.items()}
     return line
 
 
@@ -75,14 +82,16 @@ def describe(line: dict[str, Any]) -> str:
     )
 
 
-def run_cost_line(output_dir: str | Path, wall_seconds: float) -> dict[str, Any]:
+def run_cost_line(
+    output_dir: str | Path, wall_seconds: float, phases_s: dict[str, float] | None = None
+) -> dict[str, Any]:
     """The cost line of the run in `output_dir`, logged; an unreadable price file leaves the price out."""
     try:
         price = read_price(output_dir)
     except (OSError, ValueError) as error:  # a missing grant or a damaged file must not fail a finished run
-        line = cost_line(None, wall_seconds)
+        line = cost_line(None, wall_seconds, phases_s)
         line["note"] = f"could not read {PRICE_FILE} in {output_dir}: {error}"
     else:
-        line = cost_line(price, wall_seconds)
+        line = cost_line(price, wall_seconds, phases_s)
     log.info("%s", describe(line))
     return line

@@ -572,6 +572,13 @@ class DataSpec(RowsSpec):
         return needed
 
 
+class CompileMode(StrEnum):
+    """`training.compile`: eager, or each decoder layer compiled in place (trainer/regional_compile.py)."""
+
+    NONE = "none"
+    REGIONAL = "regional"
+
+
 class TrainingSpec(_Strict):
     """The SFT arguments we set on purpose; `extra` passes anything else to trl's SFTConfig."""
 
@@ -594,6 +601,11 @@ class TrainingSpec(_Strict):
     padding_free: bool = False
     assistant_only_loss: bool = True
     gradient_checkpointing: bool = False
+    compile: CompileMode = Field(
+        CompileMode.NONE,
+        description="none | regional: torch.compile each decoder layer (fewer, fused kernels per step; "
+        "compiles for a few minutes at the start)",
+    )
     logging_steps: int = Field(10, gt=0)
     save_steps: int = Field(100, gt=0)
     save_total_limit: int | None = 3

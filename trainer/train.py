@@ -69,6 +69,35 @@ class RunResult:
     processing_class: Any = field(default=None, repr=False, compare=False)
 
 
+class Phases:
+    """Wall seconds of each phase of a run, in the order they ran (run_summary.json `phases_s`, the cost line).
+
+    `start` is the process's own start-up before `main` (interpreter, imports, the launcher's rendezvous),
+    read from the process's creation time. Node provisioning and the image pull happen before any process:
+    bench/time_to_model.py models them."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - started)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + seconds, 2)
+
+
+def process_start_seconds() -> float:
+    """Seconds from this process's creation to now (psutil, accelerate's own dependency)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
 def choose_loss_mode(tokenizer: PreTrainedTokenizerBase, assistant_only: bool) -> LossMode:
     """ASSISTANT when trl can mask by generation markers for this template, else COMPLETION; FULL if asked."""
     if not assistant_only:
@@ -139,7 +168,14 @@ def sft_config(recipe: Recipe, location: OutputLocation, has_eval: bool, loss: L
         "report_to": list(t.report_to) or "none",
         "bf16": on_gpu and compute_dtype == torch.bfloat16,
         "fp16": on_gpu and compute_dtype == torch.float16,
-        "include_num_input_tokens_seen": "non_padding",
+        "include_num_input_tokens_seen": "non_padding",  # read once per update (trainer/step_syncs.py)
+        # no read of the loss per micro-step: a NaN loss is logged as NaN instead of being averaged away
+        "logging_nan_inf_filter": False,
+        # DDP over LoRA: every adapter gets a gradient in every micro-step and no buffer changes in training, so
+        # DDP neither walks the graph for unused parameters nor broadcasts buffers before each forward
+        # (transformers sets find_unused_parameters=True for any model that is not a PreTrainedModel, a PeftModel)
+        "ddp_find_unused_parameters": False,
+        "ddp_broadcast_buffers": False,
         "dataset_num_proc": None,
         "disable_tqdm": True,
     }
@@ -173,7 +209,7 @@ class TrainingInputs:
     peft_config: LoraConfig
 
 
-def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
+def training_inputs(recipe: Recipe, location: OutputLocation, phases: Phases | None = None) -> TrainingInputs:
     """Tokenizer, data and SFTConfig, THEN the model.
 
     TrainingArguments.__post_init__ reads `self.device`, which creates accelerate's PartialState
@@ -186,21 +222,26 @@ def training_inputs(recipe: Recipe, location: OutputLocation) -> TrainingInputs:
     from trainer.model_files import resolve_model_path
     from trainer.modeling import load_model, load_tokenizer, lora_config
 
+    phase = phases or Phases()
     fsdp2_loads_persistent_buffers()  # else accelerate's FSDP2 prepare fails on Gemma 4 (trainer/fsdp.py)
     # staged once per run in the bucket (trainer/base_weights.py); per-node file lock, before the process group
-    model_path = stage_base_model(resolve_model_path(recipe.model.name_or_path), recipe.model.revision, location)
-    tokenizer: Any = load_tokenizer(recipe.model, model_path)
-    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    split = prepare_datasets(recipe.data, text_tokenizer, recipe.training.max_length)
-    loss = choose_loss_mode(text_tokenizer, recipe.training.assistant_only_loss)
-    train_set, eval_set = split.train, split.eval
-    if loss is LossMode.COMPLETION:
-        train_set = to_prompt_completion(train_set)
-        eval_set = to_prompt_completion(eval_set) if eval_set is not None else None
-    args = sft_config(recipe, location, has_eval=eval_set is not None, loss=loss)
-    startup = startup_group()  # every rank, right after the process group came up in sft_config
-    model = load_model(recipe.model, recipe.quantization, model_path)
-    _startup_barrier(startup)  # the ranks that load no weights wait here for local rank 0's download
+    with phase("stage_weights"):
+        model_path = stage_base_model(resolve_model_path(recipe.model.name_or_path), recipe.model.revision, location)
+    with phase("prepare_data"):
+        tokenizer: Any = load_tokenizer(recipe.model, model_path)
+        text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        split = prepare_datasets(recipe.data, text_tokenizer, recipe.training.max_length)
+        loss = choose_loss_mode(text_tokenizer, recipe.training.assistant_only_loss)
+        train_set, eval_set = split.train, split.eval
+        if loss is LossMode.COMPLETION:
+            train_set = to_prompt_completion(train_set)
+            eval_set = to_prompt_completion(eval_set) if eval_set is not None else None
+        args = sft_config(recipe, location, has_eval=eval_set is not None, loss=loss)
+        startup = startup_group()  # every rank, right after the process group came up in sft_config
+    with phase("load_model"):
+        model = load_model(recipe.model, recipe.quantization, model_path)
+    with phase("wait_for_ranks"):
+        _startup_barrier(startup)  # the ranks that load no weights wait here for local rank 0's download
     return TrainingInputs(args, model, tokenizer, train_set, eval_set, lora_config(recipe.lora, model))
 
 
@@ -227,14 +268,19 @@ def _startup_barrier(group: Any) -> None:
 
 
 def build_trainer(
-    recipe: Recipe, location: OutputLocation, callbacks: Sequence[TrainerCallback] = ()
+    recipe: Recipe,
+    location: OutputLocation,
+    callbacks: Sequence[TrainerCallback] = (),
+    phases: Phases | None = None,
 ) -> tuple[SFTTrainer, Any]:
     """Load model, tokenizer and data for a recipe and wire them into an SFTTrainer (not yet trained)."""
     from trainer.lm_head import new_sft_trainer
     from trainer.metrics_log import metrics_log_callback
+    from trainer.recipe import CompileMode
 
-    inputs = training_inputs(recipe, location)
-    with _tensorboard_dir(location.local / "logs"):
+    phase = phases or Phases()
+    inputs = training_inputs(recipe, location, phase)
+    with phase("build_trainer"), _tensorboard_dir(location.local / "logs"):
         trainer = new_sft_trainer(
             model=inputs.model,
             args=inputs.args,
@@ -244,7 +290,45 @@ def build_trainer(
             peft_config=inputs.peft_config,
             callbacks=[mirror_callback(location), metrics_log_callback(recipe), *callbacks],
         )
+        trainer.add_callback(ddp_check(trainer))
+        if recipe.training.compile is CompileMode.REGIONAL and getattr(trainer, "is_fsdp_enabled", False):
+            log.warning("training.compile=regional is not applied under FSDP2: its layers run eagerly")
+        elif recipe.training.compile is CompileMode.REGIONAL:
+            from trainer.regional_compile import compile_decoder_layers, eager_after_training
+
+            log.info("compiled %d decoder layers in place", compile_decoder_layers(trainer.model))
+            trainer.add_callback(eager_after_training())
     return trainer, inputs.tokenizer
+
+
+def ddp_settings(model_wrapped: Any) -> dict[str, bool] | None:
+    """The DDP wrapper's own settings (run_summary.json `ddp`), None when the run is not wrapped in DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model_wrapped, DistributedDataParallel):
+        return None
+    return {
+        "find_unused_parameters": bool(model_wrapped.find_unused_parameters),
+        "broadcast_buffers": bool(model_wrapped.broadcast_buffers),
+    }
+
+
+def ddp_check(trainer: SFTTrainer) -> TrainerCallback:
+    """A callback that, once accelerate has wrapped the model (`on_train_begin`), stops a run whose DDP wrapper
+    does not hold the settings sft_config asked for."""
+    from transformers import TrainerCallback
+
+    class DdpCheck(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            found = ddp_settings(trainer.model_wrapped)
+            wanted = {
+                "find_unused_parameters": args.ddp_find_unused_parameters,
+                "broadcast_buffers": args.ddp_broadcast_buffers,
+            }
+            if found is not None and any(v is not None and found[k] != v for k, v in wanted.items()):
+                raise RuntimeError(f"the DDP wrapper holds {found}, not the {wanted} sft_config set")
+
+    return DdpCheck()
 
 
 def find_resume_checkpoint(location: OutputLocation, args: TrainingArguments) -> Path | None:
@@ -282,6 +366,8 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     from trainer.export import clear_completion_marker, merge_and_export, publish_run, push_to_hub
 
     started = time.perf_counter()
+    phase = Phases()
+    phase.add("start", process_start_seconds())
     finished = finished_result(recipe)
     if finished is not None:
         return finished
@@ -292,31 +378,38 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
     preemption = preemption_callback()
-    trainer, tokenizer = build_trainer(recipe, location, [*callbacks, preemption])
-    resume_from = find_resume_checkpoint(location, trainer.args)
+    trainer, tokenizer = build_trainer(recipe, location, [*callbacks, preemption], phase)
+    with phase("find_checkpoint"):
+        resume_from = find_resume_checkpoint(location, trainer.args)
     if resume_from is not None:
         log.info("resuming from %s", resume_from)
     preemption.install()
     try:
-        train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        with phase("train"):
+            train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     finally:
         preemption.uninstall()
     if preemption.stopped_at is not None:
         raise Preempted(preemption.stopped_at)
-    evaluation = run_evaluation(trainer, recipe, tokenizer)  # None without held-out rows
+    with phase("evaluate"):
+        evaluation = run_evaluation(trainer, recipe, tokenizer)  # None without held-out rows
     eval_loss = evaluation["after"]["loss"] if evaluation else None
 
     adapter_dir = location.local / "adapter"
     if trainer.is_world_process_zero():
         clear_completion_marker(adapter_dir)  # a retried run rewrites it: marked again only after its summary
-    save_adapter(trainer, adapter_dir)
+    with phase("save_adapter"):
+        save_adapter(trainer, adapter_dir)
     merged_dir = None
     if recipe.writes_merged and trainer.is_world_process_zero():
-        merged_dir = merge_and_export(
-            recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=tokenizer, mark=False
-        )
+        with phase("merge"):
+            merged_dir = merge_and_export(
+                recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=tokenizer, mark=False
+            )
 
-    summary = run_summary(recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started)
+    summary = run_summary(
+        recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started, phase.seconds
+    )
     summary["eval"] = evaluation
     result = RunResult(
         output_dir=recipe.output.dir,
@@ -327,18 +420,22 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     )
     if trainer.is_world_process_zero():
         # the summary, then the exports' markers (trainer/export.py publish_run), then the logs
-        publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path)
-        _publish_logs(location)
+        with phase("publish"):
+            publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path)
+            _publish_logs(location)
         if recipe.output.push_to_hub and recipe.output.hub_model_id:
-            summary["hub_url"] = push_to_hub(
-                merged_dir or adapter_dir, recipe.output.hub_model_id, recipe.output.hub_private
-            )
+            with phase("push_to_hub"):
+                summary["hub_url"] = push_to_hub(
+                    merged_dir or adapter_dir, recipe.output.hub_model_id, recipe.output.hub_private
+                )
         location.mark_run_complete(
             {
                 "recipe": recipe.name,
                 "adapter_dir": result.adapter_dir,
                 "merged_dir": result.merged_dir,
                 "summary": summary,
+                # the uploads ran after run_summary.json was written
+                "upload_phases_s": {k: v for k, v in phase.seconds.items() if k not in summary["phases_s"]},
             }
         )
     return result
@@ -369,8 +466,9 @@ def run_summary(
     eval_loss: float | None,
     resumed_from: Path | None,
     wall_time_s: float,
+    phases_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """What a person checks after a run: how far it got, how fast, how well, and what it cost."""
+    """What a person checks after a run: how far it got, how fast, how well, where the time went, what it cost."""
     state = trainer.state
     train_losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
     runtime = float(train_output.metrics.get("train_runtime", wall_time_s))
@@ -387,7 +485,10 @@ def run_summary(
         "eval_loss": eval_loss,
         "train_runtime_s": round(runtime, 2),
         "wall_time_s": round(wall_time_s, 2),
-        SUMMARY_COST_KEY: run_cost_line(recipe.output.dir, wall_time_s),
+        "phases_s": dict(phases_s or {}),
+        # the DDP wrapper's own settings, None when the run was not wrapped in DDP
+        "ddp": ddp_settings(trainer.model_wrapped),
+        SUMMARY_COST_KEY: run_cost_line(recipe.output.dir, wall_time_s, phases_s),
     }
 
 

@@ -90,6 +90,7 @@ def w1_overrides(model_dir: Path, url: str, nproc: int, max_steps: int, save_ste
         "training.per_device_train_batch_size=1",
         "training.gradient_accumulation_steps=1",
         "training.report_to=[]",
+        "training.compile=none",  # inductor's C++ build takes minutes per rank on a CPU
         f"distributed.world_size={nproc}",
         f"output.dir={url}",
     ]

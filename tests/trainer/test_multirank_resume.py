@@ -175,6 +175,9 @@ def test_killed_three_rank_run_resumes_on_an_empty_machine(tiny_gemma4_dir: Path
 
     summary = json.loads((remote / "run_summary.json").read_text())
     assert summary["resumed_from_step"] == resume_step and summary["steps"] == MAX_STEPS, summary
+    # accelerate wrapped the 3 ranks in DDP with the trainer's settings (tests/trainer/test_ddp_settings.py)
+    assert summary["ddp"] == {"find_unused_parameters": False, "broadcast_buffers": False}, summary["ddp"]
+    assert summary["phases_s"]["train"] > 0 and summary["phases_s"]["find_checkpoint"] >= 0
     assert (remote / RUN_MARKER).is_file()
     # one download on the machine, every rank resumed from it, and every rank found its RNG state
     downloads = output.count(f"downloading checkpoint-{resume_step}")

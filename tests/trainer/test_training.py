@@ -84,6 +84,17 @@ def test_gemma3_lora_run_trains_saves_merges(tiny_gemma3_dir: Path, tmp_path: Pa
     assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["eval_loss"])
     assert summary["tokens_seen"] > 0 and summary["tokens_per_second"] > 0
     assert summary["recipe"] == "emoji-local" and summary["model"] == str(tiny_gemma3_dir)
+    # where the time went, in the order it went (and priced per phase in the cost line when the stack sets a price)
+    phases = summary["phases_s"]
+    assert list(phases) == [
+        "start", "stage_weights", "prepare_data", "load_model", "wait_for_ranks", "build_trainer",
+        "find_checkpoint", "train", "evaluate", "save_adapter", "merge",
+    ]  # fmt: skip
+    assert all(seconds >= 0 for seconds in phases.values()) and phases["train"] > 0 and phases["merge"] > 0
+    assert sum(v for k, v in phases.items() if k != "start") <= summary["wall_time_s"] + 0.1
+    assert summary["cost"]["phase_seconds"] == phases and summary["ddp"] is None  # one process: no DDP wrapper
+    marker = json.loads((out / RUN_MARKER).read_text())
+    assert marker["summary"]["phases_s"] == phases and set(marker["upload_phases_s"]) == {"publish"}
     # LoRA B starts at zero: a non-zero B means the trainable weights changed
     assert _lora_b_norm(out / "adapter") > 0
     assert list((out / "logs").glob("events.out.tfevents.*")), "no TensorBoard events under logs/"
@@ -247,8 +258,16 @@ def test_qlora_nf4_on_cpu(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
     trainer, _ = build_trainer(recipe, _location(tmp_path))
     quantized = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert quantized and quantized[0].weight.quant_state.quant_type == "nf4"
+    # trl 1.16 casts a quantized model's trainable parameters to bf16; the adapters train in fp32 all the same
+    trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {p.dtype for p in trainable.values()} == {torch.float32}, {p.dtype for p in trainable.values()}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
     output = trainer.train()  # train before any generate call: bitsandbytes CPU kernels prefer that order
     assert math.isfinite(output.training_loss)
+    assert {p.dtype for p in trainable.values()} == {torch.float32}
+    assert {trainer.optimizer.state[p]["exp_avg"].dtype for p in trainable.values()} == {torch.float32}
+    assert any(not torch.equal(before[n], p) for n, p in trainable.items()), "the adapters did not train"
 
 
 @pytest.mark.slow
