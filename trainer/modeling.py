@@ -4,8 +4,8 @@
 
 Decisions:
 - dtype `auto` means bf16 where the GPU supports it, else fp16 on a GPU, else fp32 on the CPU.
-- QLoRA is bitsandbytes 4-bit (nf4/fp4, optional double quantisation) with the recipe's compute
-  and storage dtypes; the adapters train on top in higher precision (trl casts them).
+- QLoRA is bitsandbytes 4-bit (nf4/fp4, optional double quantisation) with the recipe's compute and storage
+  dtypes; adapters train in float32 (trainer/lm_head.py). Without FSDP2 weights load onto the GPU (`direct_device`).
 - LoRA never targets a vision or audio tower nor the projector (`exclude_modules`, a regex over module
   names, so even `all-linear` stays in the language model); `lora.vision_tower: true` (W2) also adapts the
   vision tower and projector, audio towers stay excluded.
@@ -110,6 +110,20 @@ def loads_weights_on_this_rank(quantized: bool) -> bool:
     return not is_fsdp_enabled() or is_local_dist_rank_0()
 
 
+def direct_device(quantized: bool) -> str | None:
+    """The GPU this rank trains on when its weights can go straight there (`device_map`), else None.
+
+    Without it transformers reads the safetensors into host memory and accelerate's `prepare` copies the model to
+    the GPU afterwards: a second pass over 62 GB per rank for W1. Not under FSDP2 (it shards from rank 0's host
+    copy) and not for 4-bit models (bitsandbytes' quantizer already places them on the current GPU)."""
+    import torch
+
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in {"1", "true", "yes"}
+    if quantized or fsdp or not torch.cuda.is_available():
+        return None
+    return f"cuda:{torch.cuda.current_device()}"  # accelerate set it to this rank's GPU when the config was built
+
+
 def load_model(
     spec: ModelSpec, quantization: QuantizationSpec | None = None, model_path: str | None = None
 ) -> PreTrainedModel:
@@ -134,6 +148,9 @@ def load_model(
     if not loads_weights_on_this_rank(quantized=bnb is not None):
         model = _load_without_weights(path, spec, kwargs)
     else:
+        device = direct_device(quantized=bnb is not None)
+        if device is not None:
+            kwargs["device_map"] = {"": device}
         model = loader.from_pretrained(path, **kwargs)
         log.info("loaded %s (%s, %s%s)", path, kwargs["dtype"], spec.attn_implementation, ", 4-bit" if bnb else "")
     if path != spec.name_or_path and is_hub_id(spec.name_or_path):

@@ -72,7 +72,7 @@ def test_w2_lora_adapts_the_vision_tower_and_the_language_model() -> None:
     vision = [name for name in adapted if "vision_tower" in name]
     assert vision and any("language_model" in name for name in adapted), adapted
     assert any(name.endswith(("fc1", "fc2")) for name in vision) and any(name.endswith("q_proj") for name in vision)
-    assert not any(name.endswith("lm_head") for name in adapted)  # kept whole via modules_to_save
+    assert not any(name.endswith("lm_head") for name in adapted)  # the head is tied to the frozen embedding
 
 
 def test_text_only_model_gets_no_exclusion(tiny_gemma3_dir: Path) -> None:
@@ -115,3 +115,19 @@ def test_w1_recipe_loads_the_gemma4_class_of_the_real_checkpoint(tiny_gemma4_dir
     peft_model = get_peft_model(model, lora_config(recipe.lora, model))
     adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
     assert adapted and all("language_model" in name for name in adapted), adapted
+
+
+def test_weights_go_straight_to_the_ranks_gpu_unless_fsdp_or_4bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why: read into host memory first, every DDP rank copied W1's 62 GB to its GPU a second time in prepare()."""
+    import torch
+
+    from trainer.modeling import direct_device
+
+    assert direct_device(quantized=False) is None  # this CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # accelerate's set_device for local rank 3
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert direct_device(quantized=False) == "cuda:3"
+    assert direct_device(quantized=True) is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch's FSDP config
+    assert direct_device(quantized=False) is None
