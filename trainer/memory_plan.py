@@ -438,7 +438,7 @@ def estimate(
     images_per_micro_batch: int = 0,
     vision_tower_lora: bool = False,
 ) -> Estimate:
-    """Peak bytes per GPU of a LoRA step (bf16 or 4-bit base, fp32 adapters, AdamW) under `strategy`.
+    """Peak bytes per GPU of a LoRA step (bf16 or 4-bit base, fp32 adapters, bf16 saved modules, AdamW) under `strategy`.
 
     `fsdp-gathered` is FSDP2 with reshard_after_forward=False: every layer stays unsharded from its
     forward to its backward, so at the turn of the step the whole base is unsharded on each GPU. Under QLoRA one
@@ -458,9 +458,12 @@ def estimate(
         frozen = shard + (2 * biggest + shape.embedding_params * 2) / GB
     if quantization is not None:
         frozen += max(a * b for a, b in shape.projections(0).values()) * 2 / GB
-    trainable = shape.lora_params(lora_r, lora_targets, vision_tower_lora) + modules_to_save_params
-    # fp32 weight + grad + AdamW m and v = 16 B; DDP adds its fp32 gradient buckets, FSDP shards all of it
-    state = trainable * (20 if strategy == "ddp" else 16 / world_size) / GB
+    lora = shape.lora_params(lora_r, lora_targets, vision_tower_lora)
+    # LoRA adapters in fp32, QLoRA's too (trainer/lm_head.py `adapters_in_fp32`): weight + grad + AdamW m and v =
+    # 16 B, and DDP's fp32 gradient bucket. Saved full modules (`lora.modules_to_save`) train in the model's bf16:
+    # weight + grad 4 B, AdamW's moments in the parameter's dtype 4 B, DDP's bf16 bucket 2 B. FSDP shards it all.
+    state = (lora * 20 + modules_to_save_params * 10 if strategy == "ddp" else
+             (lora * 16 + modules_to_save_params * 8) / world_size) / GB  # fmt: skip
     per_layer = [activation_bytes_per_token(shape, n) for n in range(shape.layers)]
     # with checkpointing each layer keeps only its input, and one layer's activations at a time are recomputed
     act_per_token = shape.layers * 2 * shape.hidden + max(per_layer) if gradient_checkpointing else sum(per_layer)
