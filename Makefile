@@ -28,7 +28,7 @@ export OMP_WAIT_POLICY := PASSIVE
 # a PYTHONDONTWRITEBYTECODE from the environment would have every process compile what it imports again
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: help venv test test-fast lint lint-files scan demo plan impact bench gpu-wheelhouse gpu-check-dry clean
+.PHONY: help venv test test-fast lint lint-files scan demo plan impact bench step-ops time-to-model gpu-wheelhouse gpu-check-dry clean
 
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -108,6 +108,12 @@ impact: $(STAMP) ## what each config key (and a pull of trainer/) does on day tw
 bench: $(STAMP) ## training throughput, each shipped text recipe vs its seed (CPU)
 	$(PY) bench/train_throughput.py --device cpu --recipe text-to-sql-gemma4-31b --out build/bench/text-to-sql.json
 	$(PY) bench/train_throughput.py --device cpu --recipe emoji-gemma3-1b --out build/bench/emoji.json
+
+step-ops: $(STAMP) ## kernels and host-device syncs per W1 micro-step, counted on the CPU (minutes): bench/step_ops.json
+	$(PY) bench/step_ops.py --json bench/step_ops.json
+
+time-to-model: $(STAMP) ## each stack's modelled wait from `pulumi up` to the model in the bucket: bench/time_to_model.json
+	$(PY) bench/time_to_model.py --json bench/time_to_model.json
 
 gpu-wheelhouse: $(STAMP) ## wheels the lent GPU machine lacks (cp312), for bench/gpu_check.sh offline: one carry
 	bench/prepare_wheelhouse.sh --dest build/gpu-wheelhouse
