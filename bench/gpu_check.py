@@ -1,10 +1,12 @@
-"""The prepared GPU check: each recipe's first optimizer steps on CUDA, in a 300 s budget, results to a file.
+"""The prepared GPU check: each recipe's first optimizer steps on CUDA, in a 480 s budget, results to a file.
 
     bench/gpu_check.sh                       # on a lent GPU (after bench/prepare_wheelhouse.sh here)
     .venv/bin/python bench/gpu_check.py --dry-run --out build/gpu_check/dry.json   # CPU: the plumbing only
 
-Each check runs in its own process with a timeout (`CHECKS`): every shipped cloud recipe on a tiny model
-of its family and on the real Gemma 3 270M; W1 through `python -m trainer.launch` as FSDP2 (also resumed from
+Each check runs in its own process with a timeout (`CHECKS`): first W1 as it trains at Gemma 4 31B's real widths
+(bench/gpu_w1.py: eager, compiled and flex-attention block stacks, DDP through the wrapper on one NCCL rank) and
+W3's 4-bit QLoRA on the 1B shape; every shipped cloud recipe on a tiny model of its family and on the real Gemma 3
+270M; W1 through `python -m trainer.launch` as FSDP2 (also resumed from
 its adapter-only checkpoint) and as the DDP recipe's single-process path; save and resume at step 2; the
 kernel trl's fused LM head takes in training; bench/train_throughput.py on the Gemma 3 1B shape for a
 measured MFU. Results go under $OUT when it is set. Each reports status, steps, tokens/s, MFU and seconds;
@@ -34,8 +36,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import gpu_w1  # noqa: E402
+
 DEFAULT_OUT = "build/gpu_check/results.json"
-BUDGET_S = 300  # one device call of ~6 min with the machine's start-up, so a rerun fits the 15-minute lease
+BUDGET_S = 480  # one device call of ~10 min with the machine's start-up; what it leaves out runs in a second call
 H200_BF16_DENSE_TFLOPS = 989.0
 SAMPLES = {
     "emoji-gemma3-1b": ["data.source=local", "data.path=trainer/samples/emoji.jsonl"],
@@ -52,17 +56,66 @@ SAMPLES = {
 class Check:
     name: str
     recipe: str
-    model: str  # tiny-gemma3 | tiny-gemma4 | tiny-gemma3-vision | gemma3-270m | gemma3-1b-shape
-    mode: str  # train | vision | launch-fsdp | launch-ddp | resume | bench
+    model: str  # tiny-gemma3 | tiny-gemma4 | tiny-gemma3-vision | gemma3-270m | gemma3-1b-shape | w1-stack
+    mode: str  # train | vision | launch-fsdp | launch-ddp | resume | bench | block-stack | ddp-wrapper | qlora
     steps: int = 4
     timeout_s: int = 150
     gpu_only: bool = False  # planned, not run, in --dry-run
     note: str = ""  # what the check does and does not prove (in the results file)
+    variant: str = ""  # block-stack: eager | compiled | flex
 
 
 CHECKS = [
+    # first: W1 as it trains, at Gemma 4 31B's real widths (bench/gpu_w1.py); the MFU it implies is the check's main
+    # number. What the budget then leaves out is rerun with --only in a second call (bench/README.md).
+    Check(
+        "w1-stack-eager",
+        "text-to-sql-gemma4-31b",
+        "w1-stack",
+        "block-stack",
+        timeout_s=150,
+        variant="eager",
+        note="6 and 12 real-width Gemma 4 31B layers, W1's recipe, eager: per-layer time -> 60-layer MFU, GPU-busy "
+        "fraction, attention kernels, the SDPA backend for 512- and 256-wide heads",
+    ),
+    Check(
+        "w1-stack-compiled",
+        "text-to-sql-gemma4-31b",
+        "w1-stack",
+        "block-stack",
+        timeout_s=300,
+        variant="compiled",
+        note="the same with training.compile: regional (inductor; the dry run captures with Dynamo only)",
+    ),
+    Check(
+        "w1-stack-flex",
+        "text-to-sql-gemma4-31b",
+        "w1-stack",
+        "block-stack",
+        timeout_s=240,
+        variant="flex",
+        gpu_only=True,
+        note="the same with attn_implementation flex_attention: a block mask instead of sdpa's square",
+    ),
+    Check(
+        "w1-ddp-wrapper",
+        "text-to-sql-gemma4-31b",
+        "w1-stack",
+        "ddp-wrapper",
+        timeout_s=180,
+        note="6 real-width layers: no wrapper, DDP as this trainer sets it, DDP as transformers sets it for a "
+        "PeftModel; one rank, NCCL, through the Trainer's loop",
+    ),
+    Check(
+        "w3-qlora-1b-shape",
+        "emoji-gemma3-1b",
+        "gemma3-1b-shape",
+        "qlora",
+        steps=6,
+        timeout_s=180,
+        note="W3's 4-bit QLoRA (bitsandbytes, carried) on the Gemma 3 1B shape: the adapters train in float32",
+    ),
     Check("w3-emoji-tiny", "emoji-gemma3-1b", "tiny-gemma3", "train"),
-    # second: the measured MFU is the check's main number; what the budget then leaves out is rerun with --only
     Check("bench-1b-shape", "emoji-gemma3-1b", "gemma3-1b-shape", "bench", timeout_s=180, gpu_only=True),
     Check("w3-emoji-tiny-save-resume", "emoji-gemma3-1b", "tiny-gemma3", "resume"),
     Check("w2-products-tiny", "product-descriptions-gemma3-4b", "tiny-gemma3-vision", "vision"),
@@ -73,7 +126,7 @@ CHECKS = [
         "tiny-gemma4",
         "launch-ddp",
         note="the DDP recipe's single-process path: at world_size 1 accelerate renders distributed_type NO "
-        "(NCCL refuses two ranks on one GPU), so no gradient all-reduce runs",
+        "(NCCL refuses two ranks on one GPU), so no gradient all-reduce runs (w1-ddp-wrapper runs the wrapper)",
     ),
     Check(
         "w1-sql-tiny-fsdp-resume",
@@ -129,6 +182,7 @@ def recipe_overrides(check: Check, model_path: str, out_dir: Path, dry_run: bool
         "output.push_to_hub=false",
         "evaluation.enabled=false",
         "distributed.world_size=1",
+        "training.compile=none",  # the w1-stack checks measure compiling; the tiny checks keep their budget
     ]
     if check.mode in {"launch-fsdp", "launch-fsdp-resume"}:
         sets.append("distributed.strategy=fsdp")
@@ -136,7 +190,9 @@ def recipe_overrides(check: Check, model_path: str, out_dir: Path, dry_run: bool
         sets.append("distributed.strategy=ddp")
     if check.recipe == "product-descriptions-gemma3-4b":
         sets += ["training.max_length=512", "training.gradient_accumulation_steps=1"]
-    if dry_run or importlib.util.find_spec("bitsandbytes") is None or not _cuda():
+    if check.mode == "qlora":
+        pass  # 4-bit on the GPU, and on a CPU too (bitsandbytes 0.50 has CPU kernels): the dry run takes the same path
+    elif dry_run or importlib.util.find_spec("bitsandbytes") is None or not _cuda():
         sets.append("quantization=null")  # QLoRA needs CUDA bitsandbytes
     if dry_run:
         sets.append("model.dtype=float32")  # a CPU trains the tiny models in fp32
@@ -230,6 +286,11 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out_dir = Path(spec["out_dir"])
     overrides = list(spec["overrides"])
     result: dict[str, Any] = {"lm_head_kernel": lm_head_kernel()}
+    if check.mode in gpu_w1.MODES:
+        measured = gpu_w1.MODES[check.mode]({**spec, "variant": check.variant})
+        if check.mode == "block-stack" and measured.get("full_model_mfu") is not None and _cuda():
+            measured["mfu"] = measured["full_model_mfu"]
+        return result | measured
     if check.mode == "launch-fsdp-resume":
         steps = next(item for item in overrides if item.startswith("training.max_steps="))
         first = [item if item != steps else "training.max_steps=2" for item in overrides]
@@ -304,6 +365,7 @@ def prepare_models(workdir: Path, dry_run: bool) -> dict[str, str | None]:
     has_270m = has_270m_package()
     models["gemma3-270m"] = "local:gemma3-270m" if has_270m and not dry_run else None
     models["gemma3-1b-shape"] = "gemma3-1b"  # random weights in memory; the 270M's tokenizer, else a tiny one
+    models["w1-stack"] = "w1-stack"  # Gemma 4 31B's decoder built in the check's process (bench/gpu_w1.py)
     return models
 
 
@@ -401,6 +463,10 @@ def run_check(
         return CheckResult(**_ids(check), status="skipped", detail=f"time budget: {left_s:.0f} s left")
     if check.mode == "bench":
         return run_bench(check, workdir, timeout)
+    if check.model == "gemma3-1b-shape" and not args.dry_run and importlib.util.find_spec("bitsandbytes") is None:
+        return CheckResult(
+            **_ids(check), status="failed", detail="bitsandbytes is not installed (carry the wheelhouse)"
+        )
     out_dir = workdir / "runs" / check.name
     spec = {
         "check": asdict(check),
@@ -463,7 +529,25 @@ def environment() -> dict[str, Any]:
     for module in ("triton", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes"):
         spec = importlib.util.find_spec(module)
         info[module] = None if spec is None else _version(module)
+    info["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+    info["image_pins"] = image_pins()
+    info["differs_from_image"] = {
+        name: {"here": info.get(name if name != "torch" else "torch"), "image": pin}
+        for name, pin in info["image_pins"].items()
+        if not str(info.get(name) or "").startswith(pin.split("+")[0])
+    }
     return info
+
+
+def image_pins(path: Path = REPO_ROOT / "trainer" / "requirements-gpu.txt") -> dict[str, str]:
+    """The trainer image's versions of the libraries the check reports (trainer/requirements-gpu.txt's pins)."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        name = name.split("[")[0].strip().lower()
+        if version and name in {"torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes"}:
+            pins[name] = version.split()[0].rstrip("\\").strip()
+    return pins
 
 
 def _version(module: str) -> str | None:

@@ -2,7 +2,7 @@
 # The prepared GPU check (bench/gpu_check.py): each recipe's first steps on CUDA, results to a file.
 #
 #   bench/prepare_wheelhouse.sh               # here, with PyPI: the wheels the GPU machine lacks (one carry)
-#   bench/gpu_check.sh [--only a,b] [--out F] # there: installs them offline, probes, runs the checks (~300 s)
+#   bench/gpu_check.sh [--only a,b] [--out F] # there: installs them offline, probes, runs the checks (~480 s)
 #   bench/gpu_check.sh --probe-only           # there: the install and the probe only (seconds)
 #   bench/gpu_check.sh --dry-run --out F.json # on a CPU: the same plan with tiny models (plumbing only)
 #
@@ -21,7 +21,7 @@ fi
 WHEELHOUSE=${WHEELHOUSE:-build/gpu-wheelhouse}
 SITE=${GPU_SITE:-/tmp/gpu-site}
 probe_only=false
-hard_stop=420  # the 300 s budget, the models' preparation and a margin: under the device call's timeout_s
+hard_stop=560  # the 480 s budget, the models' preparation and a margin: under the device call's timeout_s (590)
 args=()
 for arg in "$@"; do
   if [ "$arg" = --probe-only ]; then probe_only=true; else args+=("$arg"); fi
@@ -45,5 +45,5 @@ if [ ${#site_arg[@]} -gt 0 ]; then  # installed just now: check it (a CPU venv t
   "$PY" bench/prepare_wheelhouse.py --probe "$WHEELHOUSE" "${site_arg[@]}"
 fi
 if $probe_only; then exit 0; fi
-# the driver keeps its own budget (--budget-s: 300 s, 900 s with --dry-run); this is the hard stop
+# the driver keeps its own budget (--budget-s: 480 s, 900 s with --dry-run); this is the hard stop
 exec timeout "${GPU_CHECK_HARD_STOP_S:-$hard_stop}" "$PY" bench/gpu_check.py ${args[@]+"${args[@]}"}  # bash < 4.4: set -u

