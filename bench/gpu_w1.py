@@ -9,11 +9,10 @@
 - `ddp_wrapper`: the same 6-layer stack without a wrapper, in DDP as this trainer sets it, and in DDP as
   transformers sets it for a PeftModel (find_unused_parameters, broadcast_buffers): one rank, NCCL (gloo in the dry
   run), through the Trainer's loop.
-- `qlora`: W3's recipe on the Gemma 3 1B shape (random weights saved once), loaded in 4-bit by bitsandbytes: the
-  adapters' dtype and tokens/s.
+- `qlora`: W3's recipe on the Gemma 3 1B shape (random weights saved once) in 4 bit: the adapters' dtype, tokens/s.
 
-The model and tokenizer are built here; every other piece (sft_config, LoRA, new_sft_trainer, the compile switch,
-the DDP settings) is the trainer's. Loss values are meaningless (random weights); times are not.
+The model and tokenizer are built here, all else (sft_config, LoRA, new_sft_trainer, compiling, DDP's settings) is
+the trainer's. Loss values are meaningless (random weights); times are not.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Decisions (docs/decisions/sft-training-run.md, with the output layout under `out
   than the recipe's stops it first.
 - The SFTConfig is built before the model (FSDP2's RAM-efficient loading needs torch.distributed up); then every
   rank waits up to STARTUP_TIMEOUT for local rank 0's download (docs/decisions/startup-barrier.md).
-- `training.extra` goes verbatim to SFTConfig. It does not launch processes (trainer/launch.py).
+- `training.extra` goes verbatim to SFTConfig (launching: trainer/launch.py; DDP, compiling, phases: docs/performance.md).
 """
 
 from __future__ import annotations

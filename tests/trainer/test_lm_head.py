@@ -1,7 +1,7 @@
 """The labels-only LM head (trainer/lm_head.py) computes the same loss, gradients and metrics as trl's full head.
 
 trl 1.16's fused head projects every position on a CPU and only the labelled ones on Triton devices;
-ours takes trl's labelled-only branch on the CPU too. Each test runs the same tiny model twice, with
+ours projects only the labelled ones everywhere (one `nonzero`). Each test runs the same tiny model twice, with
 trl's own choice and with ours, and compares what training uses: the loss (also against the model's
 own cross-entropy over full logits), every LoRA gradient, and the per-token log-probabilities, entropy
 and top-1 hits trl logs as `entropy` and `mean_token_accuracy`. A spy on trl's head kernel counts the
