@@ -226,11 +226,14 @@ def full_model_mfu(per_depth: dict[int, dict[str, Any]], peak_tflops: float) -> 
     outside = a["seconds_per_micro_step"] - shallow * per_layer
     layers = step_ops.W1_SHAPE.layers
     full_s = outside + layers * per_layer
+    from trainer.recipe import load_recipe, sample_token_lengths
+
+    recipe = load_recipe(step_ops.W1)
+    lengths = sample_token_lengths()["tasks"][recipe.data.task.value]["conversation"]
+    mean_len = statistics.fmean(n for n in lengths if n <= recipe.training.max_length)  # Gemma's tokenizer's count
     tokens = a["tokens_per_micro_step"]
-    lora = step_ops.W1_SHAPE.lora_params(
-        16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    flops = tokens * useful_flops_per_token(step_ops.W1_SHAPE, lora, mean_len=tokens / 4)
+    lora = step_ops.W1_SHAPE.lora_params(recipe.lora.r, recipe.lora.target_modules)
+    flops = tokens * useful_flops_per_token(step_ops.W1_SHAPE, lora, mean_len)
     return {
         "per_layer_ms": round(per_layer * 1e3, 3),
         "outside_layers_ms": round(outside * 1e3, 2),
