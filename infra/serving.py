@@ -206,13 +206,18 @@ def finished_runs(layout: ServedLayout, markers: list[Any]) -> list[str]:
     return sorted(runs, key=lambda r: (runs[r], r))
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def _no_run(cfg: StackConfig, layout: ServedLayout, bucket: str, run: RunState | None) -> pulumi.RunError:
     """No export of this recipe is marked complete: the run is still going, or (its `_RUN_COMPLETE.json` there) it
     finished without the export this stack serves, as runs did before the trainer wrote it (docs/serving.md)."""
     if run is not None and run.finished is not None:
         again = run.inputs["generation"] + 1
         return pulumi.RunError(
-            f"servingEnabled=true but run {run.name} finished without a {layout.artefact} export: no "
+            f"servingEnabled=true but run {run.name} finished without {_article(layout.artefact)} {layout.artefact} "
+            "export: no "
             f"gs://{bucket}/{layout.marker_glob} ({layout.why}; a run made before the trainer wrote that export). "
             f"Fix: pulumi config set {RUN_GENERATION_KEY} {again} && pulumi up (one paid run, which writes it), or "
             "pulumi config set servingEnabled false"

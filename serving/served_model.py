@@ -31,6 +31,8 @@ MERGE_REASONS = {
     "modules_to_save": "the adapter carries whole copies of {modules} (lora.modules_to_save), which vLLM refuses "
     f"('vLLM only supports modules_to_save being None', vllm/lora/peft_helper.py, {VLLM_VERSION})",
     "architecture": f"vLLM {VLLM_VERSION} has no LoRA for {{architecture}} (no SupportsLoRA in vllm/model_executor/models)",
+    "vision_tower": "the adapter also trains the vision tower (lora.vision_tower), which vLLM applies only with "
+    f"--enable-tower-connector-lora, not confirmed for Gemma 3 at {VLLM_VERSION}: the merged export answers as trained",
 }
 ADAPTER_WHY = "vLLM serves LoRA adapters for this architecture and the run stages its base in the bucket"
 
@@ -54,6 +56,8 @@ def merge_reason(recipe: Recipe, base_staged: bool) -> str | None:
         return MERGE_REASONS["no_staged_base"]
     if recipe.lora.modules_to_save:
         return MERGE_REASONS["modules_to_save"].format(modules=", ".join(recipe.lora.modules_to_save))
+    if recipe.lora.vision_tower:
+        return MERGE_REASONS["vision_tower"]
     architecture = served_architecture(recipe.model.name_or_path)
     if architecture not in VLLM_LORA_ARCHITECTURES:
         return MERGE_REASONS["architecture"].format(architecture=architecture or recipe.model.name_or_path)

@@ -722,12 +722,12 @@ class Recipe(_Strict):
 
     @property
     def writes_merged(self) -> bool:
-        """Whether a run exports the merged model: `output.merge`, or an adapter with `lora.modules_to_save`, which
-        vLLM refuses to load as an adapter (vllm/lora/peft_helper.py), so its merged export is the one form of the run
-        that can be served (docs/serving.md, "Adapters, not copies"). Decided by the trainer, not the recipe file:
-        the file's bytes name the run (infra/run_identity.py), and an edit of them would train every finished run again.
-        """
-        return self.output.merge or bool(self.lora.modules_to_save)
+        """Whether a run exports the merged model: `output.merge`, or an adapter vLLM cannot serve as one (an
+        adapter with `lora.modules_to_save`, which vllm/lora/peft_helper.py refuses; one on the vision tower,
+        `lora.vision_tower`, which vLLM applies only with its tower/connector LoRA, not confirmed for Gemma 3), so its
+        merged export is the one form of the run that can be served (docs/serving.md, "Adapters, not copies").
+        Decided by the trainer, not the recipe file: the file's bytes name the run (infra/run_identity.py)."""
+        return self.output.merge or bool(self.lora.modules_to_save) or self.lora.vision_tower
 
     @property
     def max_new_tokens(self) -> int:

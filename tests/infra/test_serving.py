@@ -91,29 +91,35 @@ class TestEveryStackServes:
             validate({**CLOUD_RUN, "servingEnabled": True, "servingGpuType": "nvidia-rtx-pro-6000",
                       "gcp:region": "us-east4"}, "dev", True)  # fmt: skip
 
-    def test_the_vision_stack_merges_because_vllm_refuses_modules_to_save(self) -> None:
+    def test_the_vision_stack_serves_its_merged_export_because_its_adapter_trains_the_tower(self) -> None:
+        """The shipped vision recipe trains LoRA on the vision tower too (lora.vision_tower): vLLM applies that only
+        with tower/connector LoRA, not confirmed for Gemma 3, so the trainer merges the run and the service loads
+        the merged export, with its image encoder."""
         run = run_stack("ray-gemma3-vision", overrides=SERVING_ON, assume_trained=True)
+        assert "vision tower" in run.outputs["servedArtefact"]
+        args = container(run)["args"]
+        assert args[0].endswith("/merged") and "--enable-lora" not in args
+        assert "--language-model-only" not in args, "it answers images"
+
+    def test_an_adapter_with_modules_to_save_is_served_merged(self) -> None:
+        """vLLM refuses an adapter that carries modules_to_save; the trainer merges such a run whatever
+        `output.merge` says (Recipe.writes_merged), so serving it is no config error; where only `output.merge`
+        decides (dev: no staged base), false is still refused."""
+        saved = "lora.modules_to_save=[lm_head,embed_tokens]"
+        run = run_stack("ray-gemma3-vision", overrides={**SERVING_ON, "recipeOverrides": [saved]}, assume_trained=True)
         assert "modules_to_save" in run.outputs["servedArtefact"] and "lm_head" in run.outputs["servedArtefact"]
         args = container(run)["args"]
-        assert args[0] == f"/mnt/models/runs/ft-product-descriptions-gemma3-{RID}/merged"
+        assert args[0].startswith("/mnt/models/runs/ft-product-descriptions-gemma3-") and args[0].endswith("/merged")
         assert "--enable-lora" not in args and "--language-model-only" not in args, "it answers images"
-
-    def test_the_vision_recipe_file_is_not_edited_to_merge(self) -> None:
-        """Its bytes name the run (infra/run_identity.py): `merge: true` in the file would train every finished vision
-        run again. Its modules_to_save adapter is merged by the trainer instead (Recipe.writes_merged), so serving
-        it is no config error; where only `output.merge` decides (dev: no staged base), false is still refused."""
-        from trainer.recipe import load_recipe
-
-        recipe = load_recipe("product-descriptions-gemma3-4b")
-        assert recipe.output.merge is False and recipe.lora.modules_to_save and recipe.writes_merged
-        overrides = {**SERVING_ON, "recipeOverrides": ["output.merge=false"]}
+        overrides = {**SERVING_ON, "recipeOverrides": [saved, "output.merge=false"]}
         run = run_stack("ray-gemma3-vision", overrides=overrides, assume_trained=True)
         assert container(run)["args"][0].endswith("/merged")
         with pytest.raises(ConfigError, match=r"output.merge is false\. Fix: .*output.merge=true"):
             run_stack("dev", overrides={**SERVING_ON, "recipeOverrides": ["output.merge=false"]})
 
     def test_a_run_that_finished_without_the_export_names_the_one_new_run(self) -> None:
-        """A vision run trained before the trainer merged it has `_RUN_COMPLETE.json` and no merged export."""
+        """A run trained before the trainer marked the export this stack serves has `_RUN_COMPLETE.json` and no
+        marked export."""
         from tests.infra.test_finished_runs import completed, up
 
         first = up("ray-gemma3-vision")

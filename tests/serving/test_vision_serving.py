@@ -40,7 +40,7 @@ def merged(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("vision")
     base = save_tiny_vision_model(root / "base")
     recipe = load_recipe("product-descriptions-gemma3-4b")
-    assert recipe.lora.modules_to_save, "the recipe's adapter keeps lm_head/embed_tokens: why it is served merged"
+    assert recipe.writes_merged, "the recipe's adapter trains the vision tower: why it is served merged"
     model = get_peft_model(AutoModelForImageTextToText.from_pretrained(base), lora_config(recipe.lora))
     model.save_pretrained(root / "adapter")
     processor = AutoProcessor.from_pretrained(base)
