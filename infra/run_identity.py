@@ -40,6 +40,7 @@ GKE_JOB_PREFIX, GKE_JOB_NAME_MAX = "train", 56  # Indexed pods are `<job>-<index
 GKE_RAY_PREFIX, GKE_RAY_NAME_MAX = "ft", 40
 GKE_KEY_DIGITS, CLOUD_RUN_KEY_DIGITS = 8, 12
 RUN_GENERATION_KEY = "runGeneration"
+RECORD_RESOURCE = "run-key"  # the record's resource is `<stack base>-run-key-<run>`
 
 
 def recipe_digest(cfg: StackConfig) -> str:
@@ -241,13 +242,15 @@ def declare_record(
     name: str, cfg: StackConfig, run: RunState, bucket: pulumi.Input[str], after: list[pulumi.Resource]
 ) -> gcp.storage.BucketObject:
     """`runs/<run>/_RUN_KEY.json`: the key and inputs this run is the run of, and the trainer image it started with.
-    Written once per run folder (later changes of the image are not written over it) and kept by `destroy`, as
-    the run folder is."""
+    One resource per run folder (its name in the URN), written once (later changes of the image are not written
+    over it) and kept by `destroy` or the next run, as the run folder is. Under one URN for every run, the engine
+    would create the next run's record with this run's content: an `ignore_changes` input keeps the old state's
+    value in a replacement too (pulumi/pulumi step_generator.go `processIgnoreChanges`)."""
     record = {"key": run.key, "inputs": run.inputs, "trainerImage": run.started_with or run.trainer_content}
     if run.origin == "adopted":
         record["trainerImage"] = None  # started by an earlier program: its image is not known here
     return gcp.storage.BucketObject(
-        f"{name}-run-key",
+        f"{name}-{RECORD_RESOURCE}-{run.name}",
         bucket=bucket,
         name=f"{run.folder}/{RUN_KEY_FILE}",
         content=json.dumps(record, indent=2, sort_keys=True),

@@ -31,6 +31,7 @@ from unittest import mock
 import yaml
 
 from infra.offline.engine import MOCK_TRAINED_RUN, REPO_ROOT, Recorded, StackRun, is_unknown, run_stack
+from infra.run_identity import RECORD_RESOURCE
 
 RULES_FILE = Path(__file__).with_name("provider_rules.yaml")
 RESULTS_FILE = Path(__file__).with_name("impact_results.json")
@@ -190,6 +191,22 @@ def _delete_first(resource: Recorded, rule: Rule, old: dict[str, Any], new: dict
     return False
 
 
+def sent_inputs(resource: Recorded, old: Recorded | None) -> dict[str, Any]:
+    """The inputs `pulumi up` sends for `resource`, whose URN held `old` in the state (None: not in it): each
+    `ignore_changes` path takes the old state's value whenever there is one, for an update and for the create of a
+    replacement alike (pulumi/pulumi pkg/resource/deploy/step_generator.go: `processIgnoreChanges` runs on every
+    resource with an old state, before the diff decides between update and replace)."""
+    inputs = resource.plain_inputs()
+    if old is None:
+        return inputs
+    previous = old.plain_inputs()
+    for ignored in resource.ignore_changes:
+        head = ignored.split(".")[0]
+        if head in previous:
+            inputs[head] = previous[head]
+    return inputs
+
+
 def classify(before: StackRun, after: StackRun, rule_table: dict[str, Rule] | None = None) -> dict[str, Impact]:
     """What `pulumi up` does to each custom resource when the stack goes from `before` to `after`."""
     table = rule_table or rules()
@@ -209,10 +226,8 @@ def classify(before: StackRun, after: StackRun, rule_table: dict[str, Rule] | No
             continue
         news, from_replaced = _with_unknowns(resource, replaced)
         previous = old.plain_inputs()
-        for ignored in resource.ignore_changes:
-            head = ignored.split(".")[0]
-            if head in previous:
-                news[head] = previous[head]
+        sent = sent_inputs(resource, old)
+        news |= {head: sent[head] for head in {i.split(".")[0] for i in resource.ignore_changes} if head in previous}
         provider = resource.provider.rsplit("::", 1)[0] if resource.provider else ""
         reasons: tuple[str, ...]
         if provider in replaced:
@@ -585,6 +600,8 @@ NOTABLE = ("cluster", "bucket", "registry", "net", "nodes", "k8s", "job", "rayjo
 
 def _short(impact: Impact, stack: str) -> str:
     name = impact.name.removeprefix(f"gft-{stack}-")
+    if name.startswith(f"{RECORD_RESOURCE}-"):  # one per run folder: the run's name says nothing more here
+        name = RECORD_RESOURCE
     return f"{name}*" if impact.delete_first else name
 
 

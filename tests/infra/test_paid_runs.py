@@ -17,7 +17,8 @@ import pytest
 
 from infra.foundation import FINISHED_OUTPUT, RUN_MARKER
 from infra.offline import impact
-from infra.offline.engine import StackRun, run_stack
+from infra.offline.engine import Recorded, StackRun, run_stack
+from infra.run_identity import RUN_KEY_FILE
 from trainer.cost_line import PRICE_FILE
 from trainer.recipe import recipe_sha256
 
@@ -48,17 +49,33 @@ def starts_training(run: StackRun) -> bool:
     return bool(declared)
 
 
-def finished(run: StackRun) -> dict[str, str]:
-    """The bucket after `run` finished: its record (as the program wrote it, when it writes one), price file and
-    completion marker."""
+def records(run: StackRun) -> list[Recorded]:
+    """The run records (`runs/<run>/_RUN_KEY.json`) the program declares."""
+    return [
+        r
+        for r in run.resources
+        if r.type == "gcp:storage/bucketObject:BucketObject"
+        and str(r.plain_inputs().get("name", "")).endswith(f"/{RUN_KEY_FILE}")
+    ]
+
+
+def written(run: StackRun, before: StackRun | None = None) -> dict[str, str]:
+    """The records `run`'s `up` writes into the bucket, with the content the engine sends after an `up` of `before`:
+    an `ignore_changes` input keeps the old state's value even in a replacement (`impact.sent_inputs`)."""
+    olds = {r.urn: r for r in before.resources} if before is not None else {}
+    sent = [impact.sent_inputs(r, olds.get(r.urn)) for r in records(run)]
+    return {f"{bucket(run.stack)}/{inputs['name']}": inputs["content"] for inputs in sent}
+
+
+def finished(run: StackRun, before: StackRun | None = None) -> dict[str, str]:
+    """The bucket after `run` (an `up` made after `before`) finished: its record (as the engine wrote it), price file
+    and completion marker."""
     where = folder(run)
-    objects = {
+    return {
         f"{bucket(run.stack)}/{where}/{PRICE_FILE}": "{}",
         f"{bucket(run.stack)}/{where}/{RUN_MARKER}": '{"completed_at": 1}',
+        **written(run, before),
     }
-    for record in (r.plain_inputs() for r in run.resources if r.name == f"gft-{run.stack}-run-key"):
-        objects[f"{bucket(run.stack)}/{record['name']}"] = record["content"]
-    return objects
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -80,6 +97,25 @@ def test_a_run_generation_trains_it_again() -> None:
     assert folder(again) != folder(first) and starts_training(again)
     line = again.outputs["paidRun"]
     assert line.startswith("a paid training run starts") and "runGeneration changed" in line, line
+
+
+@pytest.mark.parametrize("stack", ("dev", "a4-gemma4"))
+def test_the_next_up_finds_a_new_run_under_its_own_record(stack: str) -> None:
+    """The `up` that starts a new run writes that run's key into its folder, so the next `up` sees the run going on,
+    then finished, and a return to the first run's inputs finds the first run (its record names them)."""
+    first = up(stack)
+    bucket_then = finished(first)
+    second = up(stack, bucket_then, runGeneration=1)
+    assert starts_training(second) and folder(second) != folder(first)
+    running = {**bucket_then, **written(second, before=first), f"{bucket(stack)}/{folder(second)}/{PRICE_FILE}": "{}"}
+    third = up(stack, running, runGeneration=1)
+    assert folder(third) == folder(second)
+    assert third.outputs["paidRun"].startswith("no new paid run starts"), third.outputs["paidRun"]
+    done = {**running, f"{bucket(stack)}/{folder(second)}/{RUN_MARKER}": '{"completed_at": 2}'}
+    fourth = up(stack, done, runGeneration=1)
+    assert not starts_training(fourth) and " has finished " in fourth.outputs["paidRun"], fourth.outputs["paidRun"]
+    back = up(stack, done)
+    assert folder(back) == folder(first) and not starts_training(back), back.outputs["paidRun"]
 
 
 def test_new_overrides_are_a_new_run_and_say_so() -> None:
@@ -120,7 +156,7 @@ class TestUpgradeFromImageNamedRuns:
         assert folder(pulled) == f"runs/{name}"
         line = pulled.outputs["paidRun"]
         assert "named by an earlier version of this program) has finished" in line, line
-        record = pulled.by_name(f"gft-{stack}-run-key")
+        record = pulled.by_name(f"gft-{stack}-run-key-{name}")
         assert record.plain_inputs()["name"] == f"runs/{name}/_RUN_KEY.json", "adopted for good"
         assert record.retain_on_delete
 
