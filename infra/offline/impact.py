@@ -77,6 +77,19 @@ def rules_digest() -> str:
     return hashlib.sha256(RULES_FILE.read_bytes()).hexdigest()[:16]
 
 
+# What a plan and its classification are made of: the program and this planner (infra/), the project and stack files.
+# Left out: trainer/ (a pull of it is a row of its own) and the recipes (they name runs, which the table does not).
+PROGRAM_FILES = ("infra/**/*.py", "infra/**/*.yaml", "Pulumi*.yaml")
+
+
+def program_digest(root: Path = REPO_ROOT) -> str:
+    """sha256 over the names and bytes of `PROGRAM_FILES`: the committed table is of this program only."""
+    digest = hashlib.sha256()
+    for path in sorted({p for pattern in PROGRAM_FILES for p in root.glob(pattern) if p.is_file()}):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class Impact:
     """What `pulumi up` does to one resource."""
@@ -638,7 +651,7 @@ def compute(changes: tuple[Change, ...] = CHANGES) -> dict[str, Any]:
     for change in changes:
         cells = {stack: asdict(row(change, stack, befores)) for stack in change.stacks}
         results.append({"label": change.label, "key": change.key, "cells": cells})
-    return {"rules": rules_digest(), "changes": catalogue_digest(), "rows": results}
+    return {"rules": rules_digest(), "changes": catalogue_digest(), "program": program_digest(), "rows": results}
 
 
 def render(results: dict[str, Any]) -> str:
