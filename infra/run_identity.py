@@ -40,6 +40,7 @@ GKE_JOB_PREFIX, GKE_JOB_NAME_MAX = "train", 56  # Indexed pods are `<job>-<index
 GKE_RAY_PREFIX, GKE_RAY_NAME_MAX = "ft", 40
 GKE_KEY_DIGITS, CLOUD_RUN_KEY_DIGITS = 8, 12
 RUN_GENERATION_KEY = "runGeneration"
+GKE_WORKLOAD_KIND = {Workload.GKE_JOB: "Job", Workload.GKE_RAY: "RayJob"}
 RECORD_RESOURCE = "run-key"  # the record's resource is `<stack base>-run-key-<run>`
 
 
@@ -129,6 +130,13 @@ class RunState:
     trainer_content: str | None = None
     """The trainer image's content now, and (`started_with`) when the run's record was written."""
     started_with: str | None = None
+    workload: str | None = None
+    """The GKE object that runs it (Job, RayJob): a new trainer image replaces it, and the run restarts from its last
+    checkpoint. None on Cloud Run, where an execution under way keeps its image."""
+
+    @property
+    def image_changed(self) -> bool:
+        return bool(self.started_with and self.trainer_content and self.started_with != self.trainer_content)
 
     @property
     def folder(self) -> str:
@@ -144,15 +152,20 @@ class RunState:
         earlier = " (named by an earlier version of this program)" if self.origin == "adopted" else ""
         if self.finished is not None:
             image = (
-                "; the trainer image changed since it started, which trains nothing again"
-                if self.started_with and self.trainer_content and self.started_with != self.trainer_content
-                else ""
+                "; the trainer image changed since it started, which trains nothing again" if self.image_changed else ""
             )
             return f"no paid run starts: run {self.name}{earlier} has finished ({self.finished}){image}; {again}"
         if self.origin != "new":
+            restart = ""
+            if self.workload is not None and (self.image_changed or self.origin == "adopted"):
+                why = "changed since it started" if self.image_changed else "it started with is not recorded"
+                restart = (
+                    f"; the trainer image {why}: a {self.workload} this preview replaces restarts the run from its "
+                    "last checkpoint"
+                )
             return (
                 f"no new paid run starts: run {self.name}{earlier} has not finished; it goes on (or, if its workload "
-                "is gone, starts again from its last checkpoint)"
+                f"is gone, starts again from its last checkpoint){restart}"
             )
         return f"a paid training run starts: {self.name}, because {self.reason()}"
 
@@ -235,7 +248,16 @@ def resolve(cfg: StackConfig, bucket_kept: bool, trainer_content: str | None = N
         return RunState(name, key, inputs, origin, None, previous=previous, trainer_content=trainer_content)
     marker = f"gs://{bucket_name(cfg)}/{RUNS_PREFIX}/{chosen.folder}/{RUN_MARKER}" if chosen.finished else None
     started = (chosen.record or {}).get("trainerImage")
-    return RunState(chosen.folder, key, inputs, origin, marker, trainer_content=trainer_content, started_with=started)
+    return RunState(
+        chosen.folder,
+        key,
+        inputs,
+        origin,
+        marker,
+        trainer_content=trainer_content,
+        started_with=started,
+        workload=GKE_WORKLOAD_KIND.get(cfg.workload),
+    )
 
 
 def declare_record(

@@ -91,6 +91,20 @@ def test_a_trainer_pull_starts_no_finished_run_again(stack: str, monkeypatch: py
     assert "runGeneration 1" in line, "the line says how to train again"
 
 
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_trainer_pull_during_a_run_says_whether_it_restarts(stack: str) -> None:
+    """On GKE the pull replaces the Job or RayJob (its pod template holds the image): the line says the run restarts
+    from its last checkpoint. A Cloud Run execution under way keeps its image: nothing to say."""
+    first = up(stack)
+    running = {**written(first), f"{bucket(stack)}/{folder(first)}/{PRICE_FILE}": "{}"}
+    pulled = up(stack, running, what_if="trainer")
+    line = pulled.outputs["paidRun"]
+    assert folder(pulled) == folder(first) and line.startswith("no new paid run starts"), line
+    workloads = [i for i in impact.classify(first, pulled).values() if i.type in WORKLOADS and i.action == "replace"]
+    restarts = "the trainer image changed since it started: a " in line and "restarts the run from its last" in line
+    assert restarts == bool(workloads) == (stack != "dev"), (line, workloads)
+
+
 def test_a_run_generation_trains_it_again() -> None:
     first = up("a4-gemma4")
     again = up("a4-gemma4", finished(first), runGeneration=1)
