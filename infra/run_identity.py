@@ -1,8 +1,9 @@
 """A training run's identity: what makes `pulumi up` start a paid run, and the one line that says whether it does.
 
 Decisions (why and sources: docs/decisions/run-identity.md)
-- A run is named by what the user asks for: the recipe file's bytes (its base model among them), the bytes of
-  the repository data files it reads, the overrides, and `runGeneration`. Not the trainer image: pulling an
+- A run is named by what the user asks for: the recipe's content (its base model among them; not its comments
+  or layout), the bytes of the repository data files it reads, the overrides, and `runGeneration`. Not the
+  trainer image: pulling an
   update of trainer/ trains no finished run again (a run under way restarts on it, from its checkpoint), and not
   where the run's pods go (capacity, GPU type: a moved run resumes its checkpoints).
 - Each run's folder holds `_RUN_KEY.json`, written by the program and kept by `destroy`: the key it started for.
@@ -10,9 +11,8 @@ Decisions (why and sources: docs/decisions/run-identity.md)
 - Run folders without a record were named by an earlier version of the program (from the image's content): the
   first `up` after it takes the newest of them as the stack's run, so a finished run stays finished and a
   running one keeps its name. From then on the record decides.
-- `RunState.line()` is what the preview prints: whether this `up` starts a paid run, why, and how to ask for one.
-Not here: the content of data in a bucket (the program cannot read it: a new file there is announced with
-`runGeneration` or a new `data.path`), the workloads' manifests (infra/gke_job.py, ray_job.py, cloud_run.py).
+- `RunState.line()`, printed by the preview: whether this `up` starts a paid run, why, how to ask for one.
+Not here: data in a bucket (unread: announce new files with `runGeneration` or a new `data.path`), manifests.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pulumi_gcp as gcp
 from infra.config import StackConfig, Workload
 from infra.foundation import RUN_MARKER, bucket_name
 from trainer.cost_line import PRICE_FILE
-from trainer.recipe import REPO_ROOT, parse_recipe, recipe_sha256
+from trainer.recipe import REPO_ROOT, parse_recipe, recipe_content_sha256
 
 RUNS_PREFIX = "runs"
 RUN_KEY_FILE = "_RUN_KEY.json"
@@ -45,8 +45,8 @@ RECORD_RESOURCE = "run-key"  # the record's resource is `<stack base>-run-key-<r
 
 
 def recipe_digest(cfg: StackConfig) -> str:
-    """sha256 of the recipe file's bytes (a shipped name or the user's file)."""
-    return recipe_sha256(cfg.recipe_source)
+    """sha256 of what the recipe file says, parsed (a shipped name or the user's file): comments do not count."""
+    return recipe_content_sha256(cfg.recipe_source)
 
 
 def data_digest(cfg: StackConfig) -> str:

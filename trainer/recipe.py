@@ -573,10 +573,14 @@ class DataSpec(RowsSpec):
 
 
 class CompileMode(StrEnum):
-    """`training.compile`: eager, or each decoder layer compiled in place (trainer/regional_compile.py)."""
+    """`training.compile`: eager, each decoder layer compiled in place (trainer/regional_compile.py), or `auto`:
+    compiled where the host is what limits a step (a bf16 model on CUDA without FSDP2: W1, docs/performance.md),
+    eager elsewhere (a CPU, 4-bit layers, FSDP2). The default, so a shipped recipe says nothing of it and a
+    release that changes the choice trains no finished run again (infra/run_identity.py)."""
 
     NONE = "none"
     REGIONAL = "regional"
+    AUTO = "auto"
 
 
 class TrainingSpec(_Strict):
@@ -602,9 +606,9 @@ class TrainingSpec(_Strict):
     assistant_only_loss: bool = True
     gradient_checkpointing: bool = False
     compile: CompileMode = Field(
-        CompileMode.NONE,
-        description="none | regional: torch.compile each decoder layer (fewer, fused kernels per step; "
-        "compiles for a few minutes at the start)",
+        CompileMode.AUTO,
+        description="auto | none | regional: torch.compile each decoder layer (fewer, fused kernels per step; "
+        "compiles for a few minutes at the start); auto compiles a bf16 model on CUDA without FSDP2",
     )
     logging_steps: int = Field(10, gt=0)
     save_steps: int = Field(100, gt=0)
@@ -726,7 +730,7 @@ class Recipe(_Strict):
         adapter with `lora.modules_to_save`, which vllm/lora/peft_helper.py refuses; one on the vision tower,
         `lora.vision_tower`, which vLLM applies only with its tower/connector LoRA, not confirmed for Gemma 3), so its
         merged export is the one form of the run that can be served (docs/serving.md, "Adapters, not copies").
-        Decided by the trainer, not the recipe file: the file's bytes name the run (infra/run_identity.py)."""
+        Decided by the trainer, not the recipe file: what the file says names the run (infra/run_identity.py)."""
         return self.output.merge or bool(self.lora.modules_to_save) or self.lora.vision_tower
 
     @property
@@ -778,8 +782,17 @@ def recipe_path(name_or_path: str) -> Path:
 
 
 def recipe_sha256(name_or_path: str) -> str:
-    """sha256 of the recipe file's bytes: the platforms start a new training run when it changes."""
+    """sha256 of the recipe file's bytes (what runs were named by before `recipe_content_sha256`)."""
     return hashlib.sha256(recipe_path(name_or_path).read_bytes()).hexdigest()
+
+
+def recipe_content_sha256(name_or_path: str) -> str:
+    """sha256 of what the recipe file says, parsed: the platforms start a new training run when it changes. A
+    comment, the layout or the order of keys is no new run (a release that rewords a shipped recipe's comments
+    trains nothing again); a value is. Defaults the file leaves out are the trainer's, like its code."""
+    data = yaml.safe_load(recipe_path(name_or_path).read_text())
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

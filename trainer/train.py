@@ -291,14 +291,29 @@ def build_trainer(
             callbacks=[mirror_callback(location), metrics_log_callback(recipe), *callbacks],
         )
         trainer.add_callback(ddp_check(trainer))
-        if recipe.training.compile is CompileMode.REGIONAL and getattr(trainer, "is_fsdp_enabled", False):
+        mode = compile_mode(recipe, trainer)
+        if mode is CompileMode.REGIONAL and getattr(trainer, "is_fsdp_enabled", False):
             log.warning("training.compile=regional is not applied under FSDP2: its layers run eagerly")
-        elif recipe.training.compile is CompileMode.REGIONAL:
+        elif mode is CompileMode.REGIONAL:
             from trainer.regional_compile import compile_decoder_layers, eager_after_training
 
             log.info("compiled %d decoder layers in place", compile_decoder_layers(trainer.model))
             trainer.add_callback(eager_after_training())
     return trainer, inputs.tokenizer
+
+
+def compile_mode(recipe: Recipe, trainer: Any) -> Any:
+    """`training.compile` with `auto` decided: regional for a bf16 model on CUDA without FSDP2, else none."""
+    import torch
+
+    from trainer.recipe import CompileMode
+
+    mode = recipe.training.compile
+    if mode is not CompileMode.AUTO:
+        return mode
+    quantized = recipe.quantization is not None and recipe.quantization.load_in_4bit
+    eager = quantized or getattr(trainer, "is_fsdp_enabled", False) or not torch.cuda.is_available()
+    return CompileMode.NONE if eager else CompileMode.REGIONAL
 
 
 def ddp_settings(model_wrapped: Any) -> dict[str, bool] | None:

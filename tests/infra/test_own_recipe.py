@@ -56,6 +56,17 @@ def test_its_content_changes_the_run_id(own_dir: Path) -> None:
     assert run_stack("dev", overrides={"recipe": _rel(recipe)}).outputs["runId"] != first
 
 
+def test_its_comments_and_layout_are_no_new_run(own_dir: Path) -> None:
+    """A reworded comment, a blank line or another key order is the same recipe: no paid run starts for it."""
+    recipe = own_dir / "tickets-dev.yaml"
+    recipe.write_text(dev_recipe())
+    first = run_stack("dev", overrides={"recipe": _rel(recipe)}).outputs["runId"]
+    edited = "# my team's copy of the template\n\n" + dev_recipe().replace("# ", "#  ")
+    assert edited != dev_recipe()
+    recipe.write_text(edited)
+    assert run_stack("dev", overrides={"recipe": _rel(recipe)}).outputs["runId"] == first
+
+
 def test_the_image_context_holds_it_where_the_trainer_finds_it(own_dir: Path, tmp_path: Path) -> None:
     recipe = own_dir / "tickets-dev.yaml"
     recipe.write_text(dev_recipe())

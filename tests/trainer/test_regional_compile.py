@@ -11,6 +11,7 @@ bench/step_ops.py --compile measures inductor's kernels.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -69,3 +70,40 @@ def test_w1_layers_compile_whole_once_per_kind_and_train_the_same(
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
     keys = compiled.model.state_dict().keys()
     assert not any("_orig_mod" in key for key in keys)  # checkpoints and adapters keep their names
+
+
+class TestAutoCompile:
+    """`training.compile: auto` (the default): compiled where the host limits a step, eager elsewhere; so no shipped
+    recipe names it, and changing the choice in a release trains no finished run again (infra/run_identity.py)."""
+
+    @staticmethod
+    def _mode(overrides: list[str], cuda: bool, fsdp: bool, monkeypatch: pytest.MonkeyPatch) -> str:
+        import torch
+
+        from trainer.recipe import load_recipe
+        from trainer.train import compile_mode
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        recipe = load_recipe("text-to-sql-gemma4-31b", overrides)
+        return str(compile_mode(recipe, SimpleNamespace(is_fsdp_enabled=fsdp)))
+
+    def test_w1_on_cuda_compiles_and_its_recipe_does_not_say_so(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from trainer.recipe import load_recipe, recipe_path
+
+        assert load_recipe("text-to-sql-gemma4-31b").training.compile == "auto"
+        assert "compile:" not in recipe_path("text-to-sql-gemma4-31b").read_text()
+        assert self._mode([], cuda=True, fsdp=False, monkeypatch=monkeypatch) == "regional"
+
+    @pytest.mark.parametrize(
+        ("overrides", "cuda", "fsdp"),
+        [([], False, False), ([], True, True), (["quantization.load_in_4bit=true"], True, False)],
+        ids=["cpu", "fsdp2", "4-bit"],
+    )
+    def test_elsewhere_it_runs_eagerly(
+        self, overrides: list[str], cuda: bool, fsdp: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        assert self._mode(overrides, cuda, fsdp, monkeypatch) == "none"
+
+    def test_a_recipe_that_says_so_gets_what_it_says(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        assert self._mode(["training.compile=none"], cuda=True, fsdp=False, monkeypatch=monkeypatch) == "none"
+        assert self._mode(["training.compile=regional"], cuda=False, fsdp=False, monkeypatch=monkeypatch) == "regional"
