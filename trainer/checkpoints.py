@@ -49,10 +49,11 @@ def checkpoint_step(path: str | Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON to a temporary file in the same folder, then rename: readers never see half a file."""
+def write_json_atomic(path: Path, payload: dict[str, Any], sort_keys: bool = True) -> None:
+    """Write JSON to a temporary file in the same folder, then rename: readers never see half a file. `sort_keys`
+    False keeps the payload's order where it means something (a summary's phases, in the order they ran)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=sort_keys))
     os.replace(tmp, path)
 
 

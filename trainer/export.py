@@ -139,7 +139,7 @@ def publish_run(
     from trainer.checkpoints import upload_dir  # looked up per call: tests record uploads by patching it
 
     summary_path = location.local / SUMMARY_FILE
-    write_json_atomic(summary_path, summary)
+    write_json_atomic(summary_path, summary, sort_keys=False)
     if location.remote:
         from fsspec.core import url_to_fs
 
