@@ -105,6 +105,7 @@ def merge_and_export(
     base_path = resolve_model_path(base_model)
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    untie_if_separate(merged)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(
             adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_path
@@ -116,6 +117,21 @@ def merge_and_export(
         write_completion_marker(out_dir, **merged_details(base_model, adapter_dir, dtype))
     log.info("exported merged model to %s", out_dir)
     return out_dir
+
+
+def untie_if_separate(model: Any) -> None:
+    """Say `tie_word_embeddings: false` in every config of a model whose head is no longer its input embedding.
+
+    An adapter with `modules_to_save` [lm_head, embed_tokens] trains two copies; merged, they stay two tensors and peft
+    sets the flag only on the top-level config. A vision checkpoint's text_config keeps `true`, and vLLM builds the
+    language model from that text_config: it ties the head to embed_tokens and skips the saved lm_head.weight
+    (Gemma3ForCausalLM, vllm/model_executor/models/gemma3.py, v0.28.0), serving a head the run never trained.
+    """
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embeddings is None or head.weight.data_ptr() == embeddings.weight.data_ptr():
+        return
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
 
 
 def merged_details(base_model: str, adapter_dir: str | Path, dtype: str = "bfloat16") -> dict[str, Any]:
