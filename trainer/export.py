@@ -3,13 +3,13 @@
     .venv/bin/python -m trainer.export --base local:gemma3-270m --adapter outputs/emoji-local/adapter         --out outputs/emoji-local/merged
 
 Decisions (docs/decisions/merged-export.md):
-- The base is reloaded in bf16 (never the 4-bit weights, not fp16), the adapter merged, and saved as
-  safetensors with the tokenizer (a vision run's processor), chat template and a generation_config that stops
-  at `<end_of_turn>`.
+- The base is reloaded in bf16 (never the 4-bit weights, not fp16), the adapter merged, and saved as safetensors
+  with the tokenizer (a vision run's processor), chat template and a generation_config that stops at `<end_of_turn>`.
 - `_COMPLETE.json` (base, adapter, time, every file's size) is written LAST and atomically, a stale one removed
   first; `serving/completion.py` is the one reader that decides a folder is complete.
 - A run publishes in one order on every output kind (`publish_run`): `run_summary.json` with its evaluation,
-  then the adapter's and the merged model's markers: whoever finds a marker finds the run's scores.
+  then the adapter's and the merged model's markers: whoever finds a marker finds the run's scores. A Gemma 4
+  adapter gets the v_proj LoRA vLLM reads on shared-kv layers (`add_shared_kv_value_lora`, docs/serving.md).
 - Every exported file is made world-readable first (safetensors writes 0600; the serving image is uid 2000).
 - `output.push_to_hub` (off by default) uploads the export, or the adapter when not merged, to a private repo
   unless `output.hub_private` is false, with HF_TOKEN from the environment, never logged.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -145,14 +146,19 @@ def publish_run(
     adapter_dir: Path,
     merged_dir: Path | None,
     base_model: str,
+    model_config: Any = None,
 ) -> None:
     """Write the run's summary, then mark its exports complete, in that order locally and at a remote output.dir.
 
     Every reader that finds a marker (the serving gate, `serving/completion.py`, a person) so finds the summary with
     the run's evaluation already there: a `pulumi up` between the two, or a job killed there, cannot see an export
-    without its scores. The adapter's marker records its base, which serving loads it on.
+    without its scores. The adapter's marker records its base, which serving loads it on. `model_config`: the trained
+    model's, for the value LoRA vLLM needs on layers whose values are their keys (`add_shared_kv_value_lora`).
     """
     from trainer.checkpoints import upload_dir  # looked up per call: tests record uploads by patching it
+
+    if model_config is not None:
+        add_shared_kv_value_lora(adapter_dir, model_config)
 
     summary_path = location.local / SUMMARY_FILE
     write_json_atomic(summary_path, summary, sort_keys=False)
@@ -169,6 +175,51 @@ def publish_run(
         upload_dir(adapter_dir, f"{location.remote}/adapter", marker=COMPLETION_MARKER)
         if merged_dir is not None:
             upload_dir(merged_dir, f"{location.remote}/merged", marker=COMPLETION_MARKER)
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_K_LORA = re.compile(r"^(.*\.layers\.(\d+)\.self_attn\.)k_proj(\.lora_[AB]\.weight)$")
+
+
+def shared_kv_layers(model_config: Any) -> set[int]:
+    """The layers whose values are their keys (Gemma 4 `attention_k_eq_v`: the full-attention layers, no v_proj)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if not getattr(text, "attention_k_eq_v", False):
+        return set()
+    return {n for n, kind in enumerate(getattr(text, "layer_types", None) or []) if kind == "full_attention"}
+
+
+def add_shared_kv_value_lora(adapter_dir: str | Path, model_config: Any) -> list[int]:
+    """Copy each shared-kv layer's k_proj LoRA to its v_proj in the saved adapter; the layers it did this for.
+
+    In transformers such a layer has no v_proj: its values are the k_proj output, LoRA included. vLLM v0.28.0 loads
+    the base's k_proj into both the key and the value slot of its packed qkv_proj (gemma4.py `_weight_iterator`) but
+    applies an adapter per slot, the value slot's from `v_proj` (lora/model_manager.py `_create_merged_loras_inplace`:
+    a missing one is none), so without the copy the served values miss the k_proj LoRA the run trained. peft ignores
+    the extra tensors when it loads the adapter (`set_peft_model_state_dict` loads with strict=False).
+    """
+    layers = shared_kv_layers(model_config)
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not layers or not path.is_file():
+        return []
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as weights:
+        metadata = weights.metadata()
+        tensors = {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118 (safe_open has no iter)
+    added = set()
+    for name, tensor in list(tensors.items()):
+        match = _K_LORA.match(name)
+        if match and int(match.group(2)) in layers:
+            value = f"{match.group(1)}v_proj{match.group(3)}"
+            if value not in tensors:
+                tensors[value] = tensor.clone()
+                added.add(int(match.group(2)))
+    if added:
+        save_file(tensors, str(path), metadata=metadata)
+        log.info("adapter: the k_proj LoRA of shared-kv layers %s copied to v_proj for vLLM", sorted(added))
+    return sorted(added)
 
 
 def is_adapter(directory: str | Path) -> bool:

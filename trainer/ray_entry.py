@@ -355,7 +355,7 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
             }
         )
         # the summary, then the exports' markers, on every output kind (trainer/export.py publish_run)
-        publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path)
+        publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path, trainer.model.config)
         # last, as `python -m trainer` does: what `pulumi up` and `main` read to start nothing for this run again
         location.mark_run_complete(
             {

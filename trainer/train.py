@@ -436,7 +436,7 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     if trainer.is_world_process_zero():
         # the summary, then the exports' markers (trainer/export.py publish_run), then the logs
         with phase("publish"):
-            publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path)
+            publish_run(location, summary, adapter_dir, merged_dir, recipe.model.name_or_path, trainer.model.config)
             _publish_logs(location)
         if recipe.output.push_to_hub and recipe.output.hub_model_id:
             with phase("push_to_hub"):
