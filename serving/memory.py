@@ -124,14 +124,18 @@ def served_memory(
     loras: int = 0,
     language_model_only: bool = False,
     max_num_seqs: int | None = None,
+    untied_head: bool = False,
 ) -> ServedMemory:
-    """The estimate for `model` (a Hub id or a folder the memory model reads) served by vLLM on `gpu`."""
+    """The estimate for `model` (a Hub id or a folder the memory model reads) served by vLLM on `gpu`; `untied_head`:
+    a merged export whose head was trained apart from the embeddings (`modules_to_save`), a tensor of its own."""
     shape = model_shape(model, REPO_ROOT)
     if shape is None:
         raise UnknownModelError(f"no shape for {model!r} in trainer/memory_plan.py (MODEL_SHAPES) or a config.json")
     batch_tokens, default_seqs = batch_defaults(gpu)
     seqs = min(max_num_seqs or default_seqs, default_seqs * 4)
     params = shape.params + (0 if language_model_only else shape.vision_params)
+    if untied_head and shape.tied_embeddings:
+        params += shape.embedding_params
     lora = 0.0
     if lora_rank and loras:
         lora = shape.lora_params(lora_rank, "all-linear") * BF16 * loras

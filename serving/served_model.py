@@ -81,6 +81,8 @@ class ServedModel:
     """A text recipe on a multimodal checkpoint: no image is ever sent, so vLLM skips the encoder (its profiling)."""
     lora_rank: int | None
     adapters: int
+    untied_head: bool = False
+    """A merged export of an adapter that trained lm_head whole: vLLM loads it as a tensor of its own."""
 
     def memory(self, gpu: str, max_model_len: int, max_num_seqs: int | None = None) -> ServedMemory:
         """serving/memory.py's estimate of this model on `gpu`."""
@@ -92,6 +94,7 @@ class ServedModel:
             loras=self.adapters,
             language_model_only=self.language_model_only,
             max_num_seqs=max_num_seqs,
+            untied_head=self.untied_head,
         )
 
     def smallest_gpu(self, max_model_len: int, max_num_seqs: int | None = None) -> str | None:
@@ -115,4 +118,5 @@ def served_model(recipe: Recipe, base_staged: bool, compared_runs: int = 0) -> S
         language_model_only=recipe.model.text_only and architecture.endswith("ForConditionalGeneration"),
         lora_rank=lora_rank_for(recipe.lora.r) if adapters else None,
         adapters=adapters,
+        untied_head=bool(reason) and "lm_head" in recipe.lora.modules_to_save,
     )

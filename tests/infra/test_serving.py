@@ -267,3 +267,17 @@ def test_the_memory_model_counts_what_vllm_reserves() -> None:
     assert with_loras.lora_gb > 1 and with_loras.kv_room_gb < rtx.kv_room_gb
     longer = served_memory("google/gemma-4-31B-it", "nvidia-rtx-pro-6000", 32768, language_model_only=True)
     assert longer.kv_per_request_gb > rtx.kv_per_request_gb
+
+
+def test_the_vision_stacks_merged_export_counts_its_own_head() -> None:
+    """The vision recipe trains lm_head whole (modules_to_save): its merged export saves the head as a tensor of its
+    own, which vLLM loads beside embed_tokens (trainer/export.py `untie_if_separate`): 262,208 x 2,560 bf16 more."""
+    from infra.serving import served_memory_of
+
+    run = run_stack("ray-gemma3-vision", overrides=SERVING_ON, assume_trained=True)
+    assert run.cfg is not None
+    served = served_memory_of(run.cfg)
+    shared = served_memory("google/gemma-3-4b-it", "nvidia-l4", run.cfg.serving_max_model_len)
+    assert served.weights_gb == pytest.approx(shared.weights_gb + 262_208 * 2560 * 2 / 1e9)
+    assert served.fits and served.kv_room_gb < shared.kv_room_gb
+    assert f"weights {served.weights_gb:.1f}" in run.outputs["servingMemory"]
