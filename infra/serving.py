@@ -46,7 +46,9 @@ from serving.startup import (
 from serving.vllm_args import ALLOWED_LORA_RANKS, VLLM_HEALTH_PATH, Dtype, VllmServerConfig, model_type_of, render_args
 from trainer.base_weights import BASE_MARKER, BASE_SUBDIR
 from trainer.base_weights import _key as staged_base_key
-from trainer.recipe import Recipe, load_recipe
+from trainer.export import SHARED_KV_VALUE_LORA
+from trainer.memory_plan import model_shape
+from trainer.recipe import REPO_ROOT, Recipe, load_recipe
 
 SERVICE_CPU, SERVICE_MEMORY_GIB = 8, 32
 VLLM_PORT = 8000
@@ -308,6 +310,29 @@ def adapter_facts(cfg: StackConfig, layout: ServedLayout, rid: str, text: str | 
     return AdapterFacts(rank=int(config["r"]), base=base)
 
 
+def check_shared_kv_value_lora(layout: ServedLayout, rid: str, marker_text: str, run: RunState | None) -> None:
+    """Refuse an adapter on a base with shared keys and values (Gemma 4 31B) that was published without the v_proj
+    LoRA vLLM reads there (trainer/export.py `add_shared_kv_value_lora`): served, its values would miss the k_proj
+    LoRA the run trained on every full-attention layer."""
+    shape = model_shape(layout.base_model, REPO_ROOT)
+    if shape is None or not shape.k_eq_v:
+        return
+    marker = json.loads(marker_text or "null")
+    if isinstance(marker, dict) and SHARED_KV_VALUE_LORA in marker:
+        return
+    again = (
+        f"pulumi config set {RUN_GENERATION_KEY} {run.inputs['generation'] + 1} && pulumi up (one paid run)"
+        if run
+        else ("train again")
+    )
+    raise pulumi.RunError(
+        f"run {rid}'s adapter was published before the trainer wrote the value LoRA vLLM needs on "
+        f"{layout.base_model}'s shared-kv layers ({SHARED_KV_VALUE_LORA} is not in its {COMPLETION_MARKER}; "
+        f"docs/serving.md, 'Adapters, not copies'): served, its values would miss the k_proj LoRA the run trained. "
+        f"Fix: {again}, or pin another run with pulumi config set servingRunId RUN_ID"
+    )
+
+
 @dataclass(frozen=True)
 class ServedRuns:
     """The runs the service loads: the gated (or pinned) one first, then the compared ones."""
@@ -389,6 +414,7 @@ def served_runs(
                 check_listed_export(cfg, layout, rid, marker_text, listed, bucket_name)
                 if layout.artefact is Artefact.ADAPTER:
                     ranks[rid] = adapter_facts(cfg, layout, rid, config_text).rank
+                    check_shared_kv_value_lora(layout, rid, marker_text, run)
             if layout.artefact is Artefact.ADAPTER and not base_objects:
                 raise pulumi.RunError(
                     f"run {primary} has no staged base: gs://{bucket_name}/{layout.base_folder(primary)}/{BASE_MARKER} "

@@ -157,8 +157,10 @@ def publish_run(
     """
     from trainer.checkpoints import upload_dir  # looked up per call: tests record uploads by patching it
 
-    if model_config is not None:
+    adapter_details: dict[str, Any] = {}
+    if model_config is not None and shared_kv_layers(model_config):
         add_shared_kv_value_lora(adapter_dir, model_config)
+        adapter_details[SHARED_KV_VALUE_LORA] = sorted(shared_kv_layers(model_config))
 
     summary_path = location.local / SUMMARY_FILE
     write_json_atomic(summary_path, summary, sort_keys=False)
@@ -168,7 +170,7 @@ def publish_run(
         fs, root = url_to_fs(location.remote)
         fs.makedirs(root, exist_ok=True)
         fs.put_file(str(summary_path), f"{root}/{SUMMARY_FILE}")
-    write_completion_marker(adapter_dir, base_model=base_model, kind="adapter")
+    write_completion_marker(adapter_dir, base_model=base_model, kind="adapter", **adapter_details)
     if merged_dir is not None:
         write_completion_marker(merged_dir, **merged_details(base_model, adapter_dir))
     if location.remote:
@@ -178,6 +180,9 @@ def publish_run(
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# In an adapter's marker: the shared-kv layers whose value LoRA vLLM reads was written (the Pulumi program refuses a
+# Gemma 4 adapter published without it: infra/serving.py).
+SHARED_KV_VALUE_LORA = "shared_kv_value_lora"
 _K_LORA = re.compile(r"^(.*\.layers\.(\d+)\.self_attn\.)k_proj(\.lora_[AB]\.weight)$")
 
 

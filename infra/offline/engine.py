@@ -281,7 +281,9 @@ def assumed_run(cfg: StackConfig, rid: str = MOCK_TRAINED_RUN) -> dict[str, str]
     `publish_run`): its summary, the adapter and the merged export each with its marker, and on GKE the base it
     staged (trainer/base_weights.py). Its id is `rid` (MOCK_TRAINED_RUN), cut to the stack's run id length."""
     from infra.serving import run_id_length, served_layout
-    from trainer.recipe import load_recipe
+    from trainer.export import SHARED_KV_VALUE_LORA
+    from trainer.memory_plan import model_shape
+    from trainer.recipe import REPO_ROOT, load_recipe
 
     recipe = load_recipe(cfg.recipe_source, cfg.recipe_overrides)
     layout = served_layout(cfg, recipe)
@@ -298,11 +300,15 @@ def assumed_run(cfg: StackConfig, rid: str = MOCK_TRAINED_RUN) -> dict[str, str]
         "merged": {name: "x" * size for name, size in MOCK_EXPORT_FILES.items()},
         "adapter": {"adapter_config.json": json.dumps(adapter_config), "adapter_model.safetensors": "x" * 4000},
     }
+    shape = model_shape(recipe.model.name_or_path, REPO_ROOT)
+    shared_kv = [n for n in range(shape.layers) if shape.is_global(n)] if shape is not None and shape.k_eq_v else None
     objects = {f"{folder}/run_summary.json": json.dumps({"recipe": recipe.name, "eval_loss": 0.5})}
     for kind, files in exports.items():
         objects.update({f"{folder}/{kind}/{name}": content for name, content in files.items()})
-        inventory = [{"path": name, "bytes": len(content)} for name, content in files.items()]
-        objects[f"{folder}/{kind}/_COMPLETE.json"] = json.dumps({"completed_at": 0, "files": inventory})
+        marker: dict[str, Any] = {"completed_at": 0, "files": [{"path": n, "bytes": len(c)} for n, c in files.items()]}
+        if kind == "adapter" and shared_kv is not None:
+            marker[SHARED_KV_VALUE_LORA] = shared_kv  # trainer/export.py add_shared_kv_value_lora
+        objects[f"{folder}/{kind}/_COMPLETE.json"] = json.dumps(marker)
     if cfg.workload is not Workload.CLOUD_RUN:
         base = layout.base_folder(rid)
         objects[f"{base}/config.json"] = "{}"

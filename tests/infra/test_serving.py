@@ -18,6 +18,7 @@ from infra.offline.engine import MOCK_TRAINED_RUN, run_stack
 from serving.memory import served_memory
 from serving.startup import STARTUP_WINDOW, Loader, cold_start, covers, window_for
 from tests.infra.test_config import CLOUD_RUN
+from trainer.export import SHARED_KV_VALUE_LORA
 
 SERVICE = "gcp:cloudrunv2/service:Service"
 SERVING_ON = {"servingEnabled": True, "servingInvokers": ["user:alice@example.com"]}
@@ -29,8 +30,11 @@ def container(run) -> dict:  # type: ignore[no-untyped-def]
     return run.one(SERVICE).plain_inputs()["template"]["containers"][0]
 
 
-def a4_run(rid: str, r: int = 16, summary: float | None = 0.5, base: bool = True, **adapter: object) -> dict[str, str]:
-    """What a finished a4-gemma4 run leaves in its bucket (trainer/export.py publish_run, trainer/base_weights.py)."""
+def a4_run(
+    rid: str, r: int = 16, summary: float | None = 0.5, base: bool = True, value_lora: bool = True, **adapter: object
+) -> dict[str, str]:
+    """What a finished a4-gemma4 run leaves in its bucket (trainer/export.py publish_run, trainer/base_weights.py);
+    `value_lora`: its adapter marker records the v_proj LoRA written for Gemma 4's shared-kv layers."""
     folder = f"{A4_BUCKET}/runs/{a4_stem()}-{rid}"
     config = {
         "r": r,
@@ -41,7 +45,8 @@ def a4_run(rid: str, r: int = 16, summary: float | None = 0.5, base: bool = True
     files = {"adapter_config.json": json.dumps({**config, **adapter}), "adapter_model.safetensors": "x" * 100}
     objects = {f"{folder}/adapter/{name}": content for name, content in files.items()}
     inventory = [{"path": n, "bytes": len(c)} for n, c in files.items()]
-    objects[f"{folder}/adapter/_COMPLETE.json"] = json.dumps({"files": inventory, "kind": "adapter"})
+    marker = {"files": inventory, "kind": "adapter"} | ({SHARED_KV_VALUE_LORA: [5, 11]} if value_lora else {})
+    objects[f"{folder}/adapter/_COMPLETE.json"] = json.dumps(marker)
     if summary is not None:
         objects = {f"{folder}/run_summary.json": json.dumps({"eval_loss": summary}), **objects}
     if base:
@@ -164,6 +169,16 @@ class TestAdaptersNotCopies:
             pulumi.RunError, match=r"trained on google/gemma-3-27b-it, the service loads google/gemma-4"
         ):
             run_stack("a4-gemma4", overrides=SERVING_ON, bucket_objects=other_base)
+
+    def test_an_adapter_without_the_value_lora_of_shared_kv_layers_is_refused(self) -> None:
+        """Published before the trainer wrote it (trainer/export.py add_shared_kv_value_lora), vLLM would serve the
+        31B's full-attention values without the k_proj LoRA the run trained."""
+        old = a4_run("aaaaaaaa", value_lora=False)
+        with pytest.raises(pulumi.RunError, match=r"run aaaaaaaa's adapter was published before .* shared-kv layers"):
+            run_stack("a4-gemma4", overrides=SERVING_ON, bucket_objects=old)
+        objects = {**a4_run("aaaaaaaa", value_lora=False), **a4_run("bbbbbbbb")}
+        run = run_stack("a4-gemma4", overrides={**SERVING_ON, "servingRunId": "bbbbbbbb"}, bucket_objects=objects)
+        assert run.outputs["servingRunId"] == "bbbbbbbb"
 
     def test_a_run_without_its_staged_base_is_not_served_from_the_hub(self) -> None:
         with pytest.raises(pulumi.RunError, match=r"has no staged base: .*_BASE_COMPLETE\.json.*never the Hub"):

@@ -10,11 +10,14 @@ the published adapter; the run's own values are transformers' effective k_proj (
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+
+from trainer.export import COMPLETION_MARKER, SHARED_KV_VALUE_LORA
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -88,6 +91,8 @@ def test_a_run_publishes_the_value_lora_vllm_would_otherwise_drop(tmp_path: Path
     trained_values = base_k + deltas[(1, "k")]  # transformers: value_states = k_proj(x), LoRA included
     assert not torch.allclose(trained_values, base_k), "training moved the k_proj LoRA off zero"
     torch.testing.assert_close(vllm_value_weight(base_k, deltas, 1), trained_values)
+    marker = json.loads((adapter / COMPLETION_MARKER).read_text())
+    assert marker[SHARED_KV_VALUE_LORA] == [1], "the marker says so: the Pulumi program refuses an adapter without it"
 
 
 def test_only_shared_kv_layers_get_a_copy_and_only_once(trained_adapter) -> None:
