@@ -285,14 +285,18 @@ def test_the_memory_model_counts_what_vllm_reserves() -> None:
 
 
 def test_the_vision_stacks_merged_export_counts_its_own_head() -> None:
-    """The vision recipe trains lm_head whole (modules_to_save): its merged export saves the head as a tensor of its
-    own, which vLLM loads beside embed_tokens (trainer/export.py `untie_if_separate`): 262,208 x 2,560 bf16 more."""
+    """A vision run that trains lm_head whole (the seed's modules_to_save, one override away): its merged export
+    saves the head as a tensor of its own, which vLLM loads beside embed_tokens (trainer/export.py
+    `untie_if_separate`): 262,208 x 2,560 bf16 more. The shipped recipe trains no head: its export shares it."""
     from infra.serving import served_memory_of
 
-    run = run_stack("ray-gemma3-vision", overrides=SERVING_ON, assume_trained=True)
+    saved = {**SERVING_ON, "recipeOverrides": ["lora.modules_to_save=[lm_head,embed_tokens]"]}
+    run = run_stack("ray-gemma3-vision", overrides=saved, assume_trained=True)
     assert run.cfg is not None
     served = served_memory_of(run.cfg)
     shared = served_memory("google/gemma-3-4b-it", "nvidia-l4", run.cfg.serving_max_model_len)
     assert served.weights_gb == pytest.approx(shared.weights_gb + 262_208 * 2560 * 2 / 1e9)
     assert served.fits and served.kv_room_gb < shared.kv_room_gb
     assert f"weights {served.weights_gb:.1f}" in run.outputs["servingMemory"]
+    shipped = run_stack("ray-gemma3-vision", overrides=SERVING_ON, assume_trained=True)
+    assert shipped.cfg is not None and served_memory_of(shipped.cfg).weights_gb == pytest.approx(shared.weights_gb)

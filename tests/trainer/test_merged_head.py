@@ -1,7 +1,7 @@
 """A merged export whose head was trained apart from its embeddings says so where vLLM reads it.
 
-The vision recipe's adapter keeps whole copies of lm_head and embed_tokens (`modules_to_save`), so its merged
-export (what the ray-gemma3-vision stack serves) has two tensors. vLLM v0.28.0 builds the Gemma 3 language model
+The seed's vision recipe kept whole copies of lm_head and embed_tokens (`modules_to_save`; one override brings it
+back, docs/performance.md), so such a run's merged export (what the ray-gemma3-vision stack serves) has two tensors. vLLM v0.28.0 builds the Gemma 3 language model
 from the checkpoint's text_config (gemma3_mm.py `init_vllm_registered_model(hf_config=config.text_config)`) and,
 when that config says `tie_word_embeddings`, ties the head to embed_tokens and skips every saved `lm_head.` weight
 (Gemma3ForCausalLM.__init__ and load_weights, vllm/model_executor/models/gemma3.py). The test reads the export as
@@ -38,7 +38,8 @@ def merged_vision_export(tmp_path: Path, train_head: bool) -> tuple[Path, torch.
 
     base = save_tiny_vision_model(tmp_path / "base")
     recipe = load_recipe("product-descriptions-gemma3-4b")
-    spec = recipe.lora if train_head else recipe.lora.model_copy(update={"modules_to_save": []})
+    saved = ["lm_head", "embed_tokens"] if train_head else []  # the seed's modules_to_save, or none
+    spec = recipe.lora.model_copy(update={"modules_to_save": saved})
     model = get_peft_model(AutoModelForImageTextToText.from_pretrained(base), lora_config(spec))
     trained = None
     for name, param in model.named_parameters():
