@@ -78,6 +78,14 @@ def stage_base_model(name: str, revision: str | None, location: OutputLocation) 
     return str(local)
 
 
+def merge_base(name: str, revision: str | None, location: OutputLocation) -> str:
+    """What the merge at a run's end reloads the base from: the folder staged for this run on this node (no Hub
+    download while the run's nodes wait, no Hub outage that kills a trained run), else `name` itself."""
+    from trainer.model_files import resolve_model_path
+
+    return stage_base_model(resolve_model_path(name), revision, location)
+
+
 def hub_name(model: Any, name: str) -> None:
     """Make a model loaded from a staged folder carry its Hub id (what the adapter config records)."""
     model.name_or_path = name

@@ -275,6 +275,7 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
     import ray.train
     from ray.train.huggingface.transformers import prepare_trainer
 
+    from trainer.base_weights import merge_base
     from trainer.checkpoints import OutputLocation
     from trainer.export import clear_completion_marker, merge_and_export, publish_run
     from trainer.metrics_log import send_to_container_stdout
@@ -333,13 +334,11 @@ def train_loop_per_worker(config: dict[str, Any], extra_callbacks: Sequence[Trai
         if recipe.writes_merged:  # what serving loads when vLLM cannot take the adapter (docs/serving.md)
             if not recipe.output.merge:
                 log.info(
-                    "output.merge is false, but the adapter saves %s whole (lora.modules_to_save), which vLLM cannot "
-                    "load: the merged export is written too, the form of this run that can be served",
-                    ", ".join(recipe.lora.modules_to_save),
+                    "output.merge is false, but vLLM cannot serve this adapter as one (lora.modules_to_save or "
+                    "lora.vision_tower): the merged export is written too, the form of this run that can be served"
                 )
-            merged_dir = merge_and_export(
-                recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=processor, mark=False
-            )
+            base = merge_base(recipe.model.name_or_path, recipe.model.revision, checkpoints_here)
+            merged_dir = merge_and_export(base, adapter_dir, location.local / "merged", tokenizer=processor, mark=False)
         eval_loss = evaluation["after"]["loss"] if evaluation else None
         summary = run_summary(recipe, trainer, train_output, eval_loss, None, time.perf_counter() - started)
         summary.update(

@@ -29,7 +29,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.base_weights import stage_base_model
+from trainer.base_weights import merge_base, stage_base_model
 from trainer.checkpoints import RUN_MARKER, OutputLocation, checkpoint_step, mirror_callback, upload_dir
 from trainer.cost_line import SUMMARY_COST_KEY, run_cost_line
 from trainer.export import SUMMARY_FILE as SUMMARY_FILE
@@ -418,9 +418,8 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     merged_dir = None
     if recipe.writes_merged and trainer.is_world_process_zero():
         with phase("merge"):
-            merged_dir = merge_and_export(
-                recipe.model.name_or_path, adapter_dir, location.local / "merged", tokenizer=tokenizer, mark=False
-            )
+            base = merge_base(recipe.model.name_or_path, recipe.model.revision, location)
+            merged_dir = merge_and_export(base, adapter_dir, location.local / "merged", tokenizer=tokenizer, mark=False)
 
     summary = run_summary(
         recipe, trainer, train_output, eval_loss, resume_from, time.perf_counter() - started, phase.seconds

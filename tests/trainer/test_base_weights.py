@@ -81,6 +81,16 @@ def test_a_restart_reads_the_base_from_the_bucket_and_the_adapter_names_the_hub_
         assert (restart.local / BASE_SUBDIR / staged.name / "model.safetensors").is_file()
         assert base == loaded == HUB_ID
 
+        # the merge at the run's end reloads the staged folder, not the Hub, while the run's nodes wait
+        from trainer.base_weights import merge_base
+        from trainer.export import merge_and_export
+
+        hub.requests.clear()
+        source = merge_base(HUB_ID, None, restart)
+        assert source == str(restart.local / BASE_SUBDIR / staged.name)
+        merge_and_export(source, tmp_path / "adapter-2", tmp_path / "merged", dtype="float32")
+        assert set(hub.requests) <= peft_check, f"the merge must read the staged base, not the Hub: {hub.requests}"
+
 
 def test_only_hub_ids_are_staged(tmp_path: Path) -> None:
     assert is_hub_id("google/gemma-4-31b-it") and is_hub_id("gpt2")
