@@ -6,8 +6,8 @@ GKE's and Cloud Run's agents parse a single-line JSON object on stdout into the 
 infra/monitoring.py declares one metric per field below (meaning and sources: docs/operations.md, "Watching a run").
 Decisions
 - `train` at each logging step (loss, step, epoch, tokens/s since the previous line, cost so far), `eval` at each
-  evaluation, `heartbeat` every HEARTBEAT_S from train begin to train end (seconds since the last step and since
-  the process started): the alerts read the heartbeat, which a finished, failed or deleted run no longer writes.
+  evaluation, `heartbeat` every HEARTBEAT_S from the process's start to train end (seconds since the last step, or
+  before training since the current start-up phase began): the alerts read it; a finished run no longer writes it.
 - The heartbeat is a thread: a rank blocked in a collective or a data loader waits with the GIL released.
 - World rank 0 only: one line is one observation of the whole run. Cost = the stack's price file x wall time.
 - A Ray worker's stdout is a file of Ray's: in a pod the Ray entry sends the lines to the container's own stdout.
@@ -124,6 +124,7 @@ class MetricLines:
         self.max_steps: int | None = None
         self.last_step_at = started_at
         self._tokens: tuple[float, int] | None = None  # (time, tokens seen) at the previous train line
+        self.phase: str | None = None  # a start-up phase (StartupHeartbeat), None once training runs
 
     def load_price(self) -> None:
         try:
@@ -175,11 +176,12 @@ class MetricLines:
 
     def heartbeat(self) -> None:
         since = max(0.0, self.clock() - self.last_step_at)
-        self._emit(
-            HEARTBEAT_EVENT,
-            f"step {self.step}, {since:.0f} s since the last step",
-            {STEP: self.step, SINCE_STEP_S: round(since, 1)},
+        message = (
+            f"starting: {self.phase}, {since:.0f} s in it"
+            if self.phase
+            else f"step {self.step}, {since:.0f} s since the last step"
         )
+        self._emit(HEARTBEAT_EVENT, message, {STEP: self.step, SINCE_STEP_S: round(since, 1)})
 
 
 class _Heartbeat(threading.Thread):
@@ -201,6 +203,39 @@ class _Heartbeat(threading.Thread):
             del owner
             if self.stopped.wait(self.interval):
                 return
+
+
+def is_world_rank_zero() -> bool:
+    """Before torch.distributed exists: the launcher's RANK (torchrun, accelerate launch), none for one process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class StartupHeartbeat:
+    """The heartbeat from the process's start to `on_train_begin` (world rank 0): staging and loading the weights,
+    the rendezvous of the ranks. Each phase that begins is progress, so a stall alert names a stuck start-up (a
+    rank that never joins, a download that hangs) as it names a stuck step, instead of burning GPUs silently."""
+
+    def __init__(self, recipe: Recipe, interval: float | None = None, enabled: bool | None = None) -> None:
+        self.lines = MetricLines(recipe.output.dir, process_started_at())
+        self.phase = self.lines.phase = "start"
+        self.interval = HEARTBEAT_S if interval is None else interval
+        self._thread: _Heartbeat | None = None
+        if is_world_rank_zero() if enabled is None else enabled:
+            self.lines.load_price()
+            self._thread = _Heartbeat(self, self.interval)
+            self._thread.start()
+
+    def progress(self, phase: str) -> None:
+        """A start-up phase begins (trainer/train.py `Phases`)."""
+        self.phase = self.lines.phase = phase
+        self.lines.stepped(0)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._thread.stopped.set()
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=5)
+            self._thread = None
 
 
 def metrics_log_callback(recipe: Recipe, interval: float | None = None) -> TrainerCallback:

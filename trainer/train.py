@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -76,11 +76,15 @@ class Phases:
     read from the process's creation time. Node provisioning and the image pull happen before any process:
     bench/time_to_model.py models them."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Callable[[str], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.on_start = on_start
+        """Told each phase's name as it begins (the start-up heartbeat, trainer/metrics_log.py)."""
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if self.on_start is not None:
+            self.on_start(name)
         started = time.perf_counter()
         try:
             yield
@@ -379,6 +383,7 @@ def finished_result(recipe: Recipe) -> RunResult | None:
 def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult:
     """Train, save the adapter, optionally merge, write run_summary.json, mirror everything to output.dir."""
     from trainer.export import clear_completion_marker, merge_and_export, publish_run, push_to_hub
+    from trainer.metrics_log import StartupHeartbeat
 
     started = time.perf_counter()
     phase = Phases()
@@ -393,9 +398,15 @@ def main(recipe: Recipe, callbacks: Sequence[TrainerCallback] = ()) -> RunResult
     location = OutputLocation.from_dir(recipe.output.dir)
     location.local.mkdir(parents=True, exist_ok=True)
     preemption = preemption_callback()
-    trainer, tokenizer = build_trainer(recipe, location, [*callbacks, preemption], phase)
-    with phase("find_checkpoint"):
-        resume_from = find_resume_checkpoint(location, trainer.args)
+    startup = StartupHeartbeat(recipe)  # world rank 0: the alerts see a stuck start-up too
+    phase.on_start = startup.progress
+    try:
+        trainer, tokenizer = build_trainer(recipe, location, [*callbacks, preemption], phase)
+        with phase("find_checkpoint"):
+            resume_from = find_resume_checkpoint(location, trainer.args)
+    finally:
+        startup.stop()  # the training loop's own heartbeat starts at on_train_begin
+        phase.on_start = None
     if resume_from is not None:
         log.info("resuming from %s", resume_from)
     preemption.install()

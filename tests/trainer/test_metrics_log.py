@@ -120,6 +120,15 @@ class TestARealRunFeedsEveryMetric:
         waits = [p.value for p in recorded(stacks["dev"], real_run["lines"])["gft/dev/since_step_s"]]
         assert max(waits) >= 0.5, waits
 
+    def test_the_start_up_beats_before_the_first_step(self, real_run: dict[str, Any]) -> None:
+        """Loading the model and building the trainer come before any step: the heartbeat already runs (a rank that
+        never joins, a download that hangs, raise the stall alert too), naming the phase it is in."""
+        events = [json.loads(line) for line in real_run["lines"]]
+        first_train = next(i for i, e in enumerate(events) if e[metrics_log.EVENT] == "train")
+        early = [e for e in events[:first_train] if e[metrics_log.EVENT] == "heartbeat"]
+        assert early and early[0]["message"].startswith("starting: "), events[:first_train]
+        assert all(e[metrics_log.STEP] == 0 for e in early)
+
     def test_no_heartbeat_outlives_the_run(self, real_run: dict[str, Any]) -> None:
         assert not [t for t in real_run["threads"] if t.name == "gft-metrics-heartbeat"]
 
@@ -231,3 +240,34 @@ def test_the_ray_workers_vision_trainer_writes_them_too(
     points = recorded(stacks["ray-gemma3-vision"], metric_lines(capsys.readouterr().out))
     for key in ("loss", "step", "epoch", "tokens_per_second", "since_step_s", "elapsed_s"):
         assert points[f"gft/ray-gemma3-vision/{key}"], key
+
+
+class TestStartupHeartbeat:
+    """trainer/metrics_log.py `StartupHeartbeat`: from the process's start to the training loop, on world rank 0."""
+
+    def test_a_phase_that_hangs_grows_and_the_next_phase_is_progress(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    ) -> None:
+        beat = metrics_log.StartupHeartbeat(tiny_recipe(tmp_path, tmp_path / "run"), interval=0.05, enabled=True)
+        try:
+            beat.progress("wait_for_ranks")
+            time.sleep(0.4)  # the other node never joins
+            hung = [json.loads(line) for line in metric_lines(capsys.readouterr().out)]
+            beat.progress("build_trainer")
+            time.sleep(0.15)
+        finally:
+            beat.stop()
+        after = [json.loads(line) for line in metric_lines(capsys.readouterr().out)]
+        assert max(e[metrics_log.SINCE_STEP_S] for e in hung) >= 0.3, hung
+        assert any(e["message"].startswith("starting: wait_for_ranks") for e in hung)
+        assert after and all(e[metrics_log.SINCE_STEP_S] < 0.3 for e in after), after
+        assert not [t for t in threading.enumerate() if t.name == "gft-metrics-heartbeat"]
+
+    def test_only_world_rank_zero_beats(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("RANK", "3")
+        beat = metrics_log.StartupHeartbeat(tiny_recipe(tmp_path, tmp_path / "run"), interval=0.05)
+        time.sleep(0.15)
+        beat.stop()
+        assert metric_lines(capsys.readouterr().out) == []
