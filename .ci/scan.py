@@ -83,10 +83,12 @@ def rendered_manifests(out: Path) -> dict[str, str]:
     Returns file -> label (stack/kind[/template]: one object of a kind per stack, and a run's name changes with its
     content), which names a finding's target."""
     sys.path.insert(0, str(REPO_ROOT))
+    from infra.offline.staging import contexts_staged_one_at_a_time
     from infra.offline.validate_manifests import manifest_files, plan_all, ray_pod_templates
 
     plan = out / "plan"
-    plan_all(plan)
+    with contexts_staged_one_at_a_time():  # make test runs this beside pytest's workers, which stage them too
+        plan_all(plan)
     labels: dict[str, str] = {}
     for number, path in enumerate(manifest_files(plan)):
         stack = path.parent.parent.name

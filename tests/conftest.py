@@ -15,11 +15,9 @@ A run without xdist (`pytest tests/...`) is unchanged but for that lock, the gro
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -141,17 +139,7 @@ def _one_torch_thread_per_worker() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _image_contexts_staged_one_at_a_time() -> Iterator[None]:
-    import infra.images
+    from infra.offline.staging import contexts_staged_one_at_a_time
 
-    original = infra.images.stage_context
-    lock_path = infra.images.STAGED_CONTEXTS.parent / ".image-context.lock"
-
-    def locked(*args: Any, **kwargs: Any) -> Path:
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with lock_path.open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return original(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(infra.images, "stage_context", locked)
+    with contexts_staged_one_at_a_time():  # the workers and `make test`'s scanner plans share the staging folder
         yield
