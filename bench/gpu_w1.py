@@ -276,6 +276,30 @@ def block_stack(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def ddp_wrap(find_unused: bool, broadcast: bool, backend: str) -> Any:
+    """`train_stack`'s `wrap`: the trainer's model in DDP with these settings on a one-rank group, as accelerate's
+    `prepare_model` wraps it with several ranks: first its own preparation without the DDP step (autocast to the
+    run's mixed precision, the device), then DDP. The Trainer's loop then keeps the wrapper and prepares only the
+    optimizer, so a bare DDP(model) would run without autocast: LoRA in fp32 and casts the no-wrapper run has not.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def wrap(trainer: Any) -> Any:
+        # what the run asks for, so the trainer's own check (trainer/train.py ddp_check) accepts the wrapper
+        trainer.args.ddp_find_unused_parameters, trainer.args.ddp_broadcast_buffers = find_unused, broadcast
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=0, world_size=1)
+        model = trainer.accelerator.prepare_model(trainer.model, evaluation_mode=True)  # autocast, device; no DDP
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+        return DistributedDataParallel(
+            model, device_ids=devices, find_unused_parameters=find_unused, broadcast_buffers=broadcast
+        )
+
+    return wrap
+
+
 def ddp_wrapper(spec: dict[str, Any]) -> dict[str, Any]:
     """The 6-layer stack with no wrapper, in DDP with this trainer's settings and with transformers' for a PeftModel,
     one rank (NCCL on a GPU), each through the Trainer's loop."""
@@ -284,7 +308,6 @@ def ddp_wrapper(spec: dict[str, Any]) -> dict[str, Any]:
 
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     dry_run = spec["dry_run"]
     workdir = Path(spec["out_dir"])
@@ -294,24 +317,11 @@ def ddp_wrapper(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     backend = "nccl" if torch.cuda.is_available() else "gloo"
 
-    def wrapped(find_unused: bool, broadcast: bool) -> Any:
-        def wrap(trainer: Any) -> Any:
-            # what the run asks for, so the trainer's own check (trainer/train.py ddp_check) accepts the wrapper
-            trainer.args.ddp_find_unused_parameters, trainer.args.ddp_broadcast_buffers = find_unused, broadcast
-            if not dist.is_initialized():
-                dist.init_process_group(backend, rank=0, world_size=1)
-            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else None
-            return DistributedDataParallel(
-                trainer.model, device_ids=devices, find_unused_parameters=find_unused, broadcast_buffers=broadcast
-            )
-
-        return wrap
-
     runs = {}
     for name, wrap in (
         ("no wrapper", None),
-        ("ddp, this trainer's settings", wrapped(False, False)),
-        ("ddp, transformers' settings for a PeftModel", wrapped(True, True)),
+        ("ddp, this trainer's settings", ddp_wrap(False, False, backend)),
+        ("ddp, transformers' settings for a PeftModel", ddp_wrap(True, True, backend)),
     ):
         model = stack_model(DEPTHS[0], dry_run)
         tag = name.split(",")[0].replace(" ", "-") + str(len(runs))
