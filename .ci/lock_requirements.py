@@ -8,7 +8,7 @@ A job with `id-token: write` installs with `pip install --require-hashes --only-
 no unreviewed release runs with its identity. The lock pins each distribution by version and the sha256
 of its wheel, from `pip download --only-binary :all:`; run it with CPython 3.11 on Linux x86_64 (the
 runners' platform) after changing the requirements (tests/lint/test_requirements_lock.py fails until
-then). Why: docs/decisions/ci-hashed-locks.md.
+then). Why: docs/ci.md#hashed-locks.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     python3 .ci/plan_digest.py events.jsonl          # sha256:… of every step that changes something
     python3 .ci/plan_digest.py --list events.jsonl   # the steps, one a line
 
-Decisions (why and sources: docs/decisions/reviewed-plan-digest.md)
+Decisions (why and sources: docs/ci.md#the-reviewed-plans-digest)
 - Not Pulumi's update plans (experimental, and blind to resources created inside an unknown `apply`):
   deploy.yml previews again and stops unless this digest equals the reviewed one (PULUMI_REVIEWED_PLAN).
 - Steps from the engine event log (`--event-log`, which needs PULUMI_DEBUG_COMMANDS=true).

@@ -7,7 +7,7 @@
 Environment (set by GitHub Actions): GITHUB_SERVER_URL, GITHUB_REPOSITORY, GITHUB_RUN_ID, GITHUB_SHA,
 GITHUB_STEP_SUMMARY (`--summary`), GITHUB_API_URL, GITHUB_TOKEN and PR_NUMBER (`--comment`).
 
-Decisions (why and sources: docs/decisions/ci-preview-report.md)
+Decisions (why and sources: docs/ci.md#the-preview-report)
 - Runs whatever the preview's exit code (pulumi/actions comments only on success): passed or FAILED, the
   run link, each policy violation, every `error:` line, the output's tail within GitHub's comment limit.
 - One comment per stack, by a hidden marker, edited only if the workflow's own identity wrote it.

@@ -12,7 +12,7 @@
 # interrupted run; PULUMI_LOG (default $RUNNER_TEMP/pulumi.log). Writes exit-code, log and plan-digest to
 # $GITHUB_OUTPUT for the report step (.ci/preview_report.py).
 #
-# Decisions (the evidence: docs/decisions/pulumi-run.md)
+# Decisions (the evidence: docs/ci.md#one-sigint-then-the-lock)
 # - The stack is selected, never created; a stack file not on its own KMS key stops before Pulumi runs.
 # - `up`/`destroy` with PULUMI_REVIEWED_PLAN preview again and run only if the digest is the reviewed one.
 # - `up`/`destroy` run under `timeout --foreground --signal=INT`, in a session of their own: past the budget,

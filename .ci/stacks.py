@@ -7,7 +7,7 @@
     python3 .ci/stacks.py --components ray-gemma3-vision   # gke-gcloud-auth-plugin,kubectl (deploy.yml)
     python3 .ci/stacks.py --outputs >> "$GITHUB_OUTPUT"   # cloud-run=[...] and gke=[...] for job matrices
 
-Decisions (why: docs/decisions/ci-stack-list.md)
+Decisions (why: docs/ci.md#the-stack-list-from-the-stack-files)
 - Standard library only: it runs on a bare runner and wherever the one-time setup runs.
 - Workload and features (`reservation`, `gpu-quota`, `budget`, `cloud-build`, `alert-emails`) are read from the stack
   file's lines; tests check them against a real YAML parse and the validated configuration.

@@ -7,10 +7,10 @@ own parser (its files and variables, with pip's precedence) and handed to uv: in
 extra-index-url, find-links, no-index, constraint, and cert (as SSL_CERT_FILE, or SSL_CERT_DIR for a
 folder). uv chooses among all indexes as pip does (`--index-strategy unsafe-best-match`). Bytecode is
 not compiled here: the first import of a module writes it (the Makefile lets Python write it), and the
-tests import a fraction of site-packages (docs/decisions/uv-install.md). A pip setting that changes what is resolved and is not
+tests import a fraction of site-packages (docs/development.md#uv-with-pips-sources). A pip setting that changes what is resolved and is not
 handed on (pre, prefer-binary, only-/no-binary, build constraints, uploaded-prior-to, require-hashes)
 exits 3, and `make venv` installs with pip; so does any failure here (pip's parser is internal API).
-The evidence: docs/decisions/uv-install.md.
+The evidence: docs/development.md#uv-with-pips-sources.
 
     .venv/bin/python .ci/uv_install.py -r requirements-dev.txt          # what `make venv` runs
     .venv/bin/python .ci/uv_install.py --print -r requirements-dev.txt  # print the uv command (and its env) instead

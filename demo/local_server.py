@@ -7,7 +7,7 @@
     with LocalServer("outputs/emoji-local/merged") as server:   # a free port, stopped on exit
         chat(server.url, [{"role": "user", "content": "Translate to emoji: I love pizza"}])
 
-Decision (docs/decisions/local-server.md): the server is the one transformers ships (transformers 5.23
+Decision (docs/development.md#the-local-server): the server is the one transformers ships (transformers 5.23
 `transformers serve`: chat with streaming, completions, models, health; image parts for vision models), built from
 its own parts (`ModelManager`, the handlers, `build_server`) with the model preloaded. `VllmFace`, an ASGI layer in
 front of it, keeps only the differences a client of the Cloud Run service would notice, each named in

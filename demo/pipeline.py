@@ -10,7 +10,7 @@ held-out rows; fine-tune (the `emoji-local` recipe, LoRA); check the export as t
 (demo/local_server.py) and ask with serving/client.py; write the loss curve, a summary and each stack's cost
 of the same wall time (infra/offline/plan.py `cost_on_each_stack`).
 
-Decisions (docs/decisions/demo-pipeline.md): the recipe's 60 steps; outputs in `outputs/demo`; the base's
+Decisions (docs/development.md#the-demo-pipeline): the recipe's 60 steps; outputs in `outputs/demo`; the base's
 scores cached once; an interrupted run resumes, a finished one is replaced, only its own folders deleted;
 port and disk checked first; the server always stopped. It does not touch the cloud.
 """

@@ -5,7 +5,7 @@
     pulumi config set --path 'budgetEmails[0]' alice@example.com
     pulumi up
 
-Decisions (why and sources: docs/decisions/budget-guard.md)
+Decisions (why and sources: docs/costs.md#the-budget)
 - Declared only when the stack sets `billingAccount` and `budgetUsd`.
 - Scoped to the project (by number, from the bucket's output: no extra read in a preview) AND the
   label `stack=<stack>`: other stacks in the project do not count, unlabelled spend neither.

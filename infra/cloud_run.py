@@ -1,6 +1,6 @@
 """Stack `dev`: a Cloud Run GPU Job trains (the vLLM service, as on every stack, is infra/serving.py's).
 
-Decisions (why: docs/decisions/cloud-run-training-start.md)
+Decisions (why: docs/cloud-run.md#training-starts-with-gcloud-run-jobs-execute)
 - A run is `run_id`, 12 hex characters of its key (infra/run_identity.py; never the trainer image); it names
   the run folder on the mounted bucket, so each run resumes only its own checkpoints.
 - `pulumi up` starts training with `gcloud run jobs execute --async`, triggered by `run_id` only (no execution

@@ -6,7 +6,7 @@ description in `Pulumi.yaml` (a test keeps the two in step). Validation runs bef
 resource is declared: a bad stack fails with every problem listed, each naming the key,
 the value, what is allowed and the command that fixes it.
 
-Decisions (docs/decisions/typed-stack-config.md)
+Decisions (docs/program.md#one-typed-configuration-checked-first)
 - Keys are flat (Pulumi's project config types no maps): labels are arrays of `key=value`. Defaults that
   depend on the workload (GPU type, GPUs per node, timeouts) are computed here, not in `Pulumi.yaml`.
 - The recipe must be sized for the ranks the stack starts (nodes x gpusPerNode) and its run must fit the

@@ -2,7 +2,7 @@
 
     runCostCeilingUsd = (hourly price x nodes + cluster fee) x (deadline + tail) x attempts
 
-Decisions (why and sources: docs/decisions/run-cost-ceiling.md)
+Decisions (why and sources: docs/costs.md#the-ceiling-is-an-upper-bound)
 - The ceiling follows each workload's real deadline and retries: gke-job 1 attempt (its deadline covers
   retries); gke-ray `backoffLimit` + 1, plus the cluster TTL; cloud-run `maxRetries` + 1, no tail.
 - GKE nodes outlive their Pods: `NODE_RELEASE_S` per attempt; GKE runs add the cluster fee for the window.

@@ -1,6 +1,6 @@
 """Wait, during `pulumi up`, until a cluster's CustomResourceDefinitions are Established.
 
-Decisions (why and sources: docs/decisions/crd-wait-by-kubectl.md)
+Decisions (why and sources: docs/gke.md#waiting-for-the-ray-crds-with-kubectl)
 - The GKE Ray operator add-on installs the Ray CRDs on its own schedule, and pulumi-kubernetes retries
   an unknown kind for about a minute only: so a pulumi-command step runs `kubectl` where `pulumi up`
   runs, polls until each CRD exists, then `kubectl wait --for=condition=Established`.

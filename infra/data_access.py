@@ -1,6 +1,6 @@
 """The trainer's read grant on the user's training data in a bucket (`gs://` sources, `data.eval_path`, `data.image_dir`).
 
-Decisions (why and sources: docs/decisions/training-data-read-grant.md)
+Decisions (why and sources: docs/identities.md#read-access-to-exactly-the-data-prefix)
 - Exactly what the recipe reads: `roles/storage.objectViewer` on the data's bucket, to the trainer's
   service account, with an IAM Condition on the object prefix when the URL names one (list under the
   prefix's folder, read under the prefix). The stack's own bucket, Hub and local data need no grant.
@@ -58,7 +58,7 @@ def data_read_grants(cfg: StackConfig) -> list[tuple[str, list[str]]]:
 
     One grant, not one per prefix: IAM bindings are keyed by their condition, and a grant per prefix named by its
     place in the list moved a prefix's binding to another resource whenever a prefix was added before it; the
-    replaced resource's delete then removed the binding (docs/decisions/training-data-read-grant.md)."""
+    replaced resource's delete then removed the binding (docs/identities.md#read-access-to-exactly-the-data-prefix)."""
     buckets: dict[str, list[str]] = {}
     for bucket, prefix in data_read_scopes(cfg):
         buckets.setdefault(bucket, []).append(prefix)

@@ -7,10 +7,10 @@ Decisions
   the one resource it uses; no basic role. `infra/offline/permissions.py` says what each needs.
 - The accounts are adopted when they exist and kept by `pulumi destroy` (which deletes their grants);
   `grants_to(identity)` lists every grant to one identity and waits `IAM_PROPAGATION_S` after them.
-  Why: docs/decisions/service-accounts-outlive-destroy.md.
+  Why: docs/identities.md#one-account-per-identity-kept-by-destroy.
 - The bucket outlives `pulumi destroy` (`bucketForceDestroy` removes it), soft delete is off unless
   `bucketSoftDeleteDays` says, and an existing bucket is adopted, its labels included:
-  docs/decisions/bucket-outlives-destroy.md.
+  docs/operations.md#the-bucket-outlives-destroy.
 - The HF token (Cloud Run only) and `servingApiKey` go to Secret Manager, each with its reader's grant.
   Kubernetes identities and Workload Identity belong to the GKE components.
 """
@@ -258,7 +258,7 @@ class Foundation(pulumi.ComponentResource):
         after_apis = pulumi.ResourceOptions(parent=self, depends_on=self.apis)
 
         # Adopted when the CI setup created them first; kept by `destroy`
-        # (docs/decisions/service-accounts-outlive-destroy.md).
+        # (docs/identities.md#one-account-per-identity-kept-by-destroy).
         adopt_accounts = pulumi.ResourceOptions(parent=self, depends_on=self.apis, ignore_changes=["display_name"])
         self.accounts = {
             identity: gcp.serviceaccount.Account(
@@ -299,7 +299,7 @@ class Foundation(pulumi.ComponentResource):
                 # the state with that ID the option does nothing (pulumi/pulumi step_generator.go imports only when
                 # there is no old state or its ID differs), so `labels` and every other setting update as for any
                 # resource; after a destroy the import reads the bucket and the same `up` updates it to the program's
-                # inputs (docs/decisions/bucket-outlives-destroy.md).
+                # inputs (docs/operations.md#the-bucket-outlives-destroy).
                 import_=adopt,
             ),
         )

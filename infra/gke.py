@@ -3,7 +3,7 @@
     pulumi up --stack a4-gemma4            # cluster + training Job
     gcloud container clusters get-credentials gft-a4-gemma4 --region us-central1 --project PROJECT
 
-Decisions (why and sources: docs/decisions/gke-cluster-and-provider.md, docs/decisions/gke-network.md)
+Decisions (why and sources: docs/gke.md#one-autopilot-cluster-one-keyless-provider, docs/gke.md#the-stacks-own-vpc-no-cloud-nat)
 - Autopilot, regional: GKE adds the GPU nodes a Pod asks for and removes them after, so none idles.
 - Workload Identity pool set explicitly; nodes run as the stack's node account; the Ray operator
   add-on only for the Ray workload; deletion protection off by default (a disposable stack).
@@ -258,7 +258,7 @@ class AutopilotCluster(pulumi.ComponentResource):
             # No `cluster_identifier`: while one is set and unchanged, pulumi-kubernetes keeps the provider (and so
             # every Namespace, Secret and Job in state) over a cluster replaced under the same name. Without it the
             # provider is replaced exactly when the kubeconfig's cluster (endpoint, CA) changes or becomes unknown, as
-            # it does for a cluster being replaced (docs/decisions/gke-cluster-and-provider.md).
+            # it does for a cluster being replaced (docs/gke.md#one-autopilot-cluster-one-keyless-provider).
             # Objects are applied server-side (the v4 default) so fields set by GKE's admission
             # (Autopilot adds tolerations and resource defaults) do not show as drift.
             enable_server_side_apply=True,

@@ -3,7 +3,7 @@
     pulumi up --stack a4-gemma4                      # cluster, identity, secret, and the training Job
     kubectl logs -f job/<jobName> -n gft-<stack>   # the exact command is a stack output
 
-Decisions (why and sources: docs/decisions/gke-training-job.md)
+Decisions (why and sources: docs/gke.md#the-training-job)
 - Top to bottom: `declare` → `TrainingJob` → `render_training_job`, a pure function of a
   `gke_workload.GpuRun` to manifests (a headless Service when nodes > 1, the Job).
 - Named `train-<recipe>-<key8>` by the run's key (infra/run_identity.py): a new trainer image or a move to spot

@@ -3,7 +3,7 @@
 Flow of a workload (`infra.gke_job`, `infra.ray_job`): `declare_gke_base` (cluster, namespace, what pods
 wait for) → `gpu_run` (name, placement, labels; image and bucket as slots) → its own renderer, built on
 `trainer_container` and `gpu_pod_template` → `fill_slots` → `GkeBase.outputs`. Nothing here calls back.
-Decisions (why and sources: docs/decisions/gke-workload-identity-and-placement.md)
+Decisions (why and sources: docs/gke.md#namespace-workload-identity-placement)
 - One namespace per stack (default `gft-<stack>`), so its Workload Identity principal is the stack's own;
   pods act as the trainer's Google service account (bound on that account only, bucket access only).
 - The HF token is the Kubernetes Secret `hf-secret`, read only through `secretKeyRef`.

@@ -1,6 +1,6 @@
 """The trainer and serving images, built and wired in by digest.
 
-Decisions (why: docs/decisions/image-content-identity.md)
+Decisions (why: docs/program.md#images-pinned-by-digest-rebuilt-by-content)
 - Three modes (`imageBuild`): `docker` builds locally with pulumi-docker-build; `cloud-build` runs
   `gcloud builds submit` as the stack's builder account when the context's hash changes and reads the
   digest back; `prebuilt` takes pinned references from config. The shipped stacks use `cloud-build`.
@@ -8,7 +8,7 @@ Decisions (why: docs/decisions/image-content-identity.md)
   the build context's content hash: known in a preview, the same from any checkout.
 - What is built is what is hashed: `stage_context` copies the hashed files with normalised permission
   bits, and paths given to the providers are relative, so laptop and CI build the same thing.
-- No credential is a resource input (docs/decisions/ci-credentials-and-identities.md): `docker` mode
+- No credential is a resource input (docs/identities.md#no-credential-in-a-resource-input): `docker` mode
   pushes with the machine's Docker credential helper (`gcloud auth configure-docker`).
 Not here: pushing to other registries, multi-arch builds (the GPU nodes are amd64).
 """
@@ -127,7 +127,7 @@ def content_hash(spec: ImageSpec) -> str:
 
 def stage_context(spec: ImageSpec, root: Path = STAGED_CONTEXTS) -> Path:
     """A fresh copy of the image's `context_files` in `root/<name>`, with permission bits that do not depend on
-    the checkout's umask (docs/decisions/image-content-identity.md); returns the copy's folder, the context the
+    the checkout's umask (docs/program.md#images-pinned-by-digest-rebuilt-by-content); returns the copy's folder, the context the
     build reads."""
     target = root / spec.name
     if target.exists():

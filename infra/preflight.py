@@ -3,7 +3,7 @@
     pulumi preview --stack a4-gemma4     # stops here, naming the key, when the capacity cannot exist
     pulumi config set preflight warn     # report the same problems as warnings and go on
 
-Decisions (why and sources: docs/decisions/preflight-checks-the-cloud.md)
+Decisions (why and sources: docs/program.md#preflight-asks-the-cloud)
 - `infra.config` judges values on their own; preflight asks the cloud, through the provider's invokes
   (so it runs in previews and under mocks). `check(cfg)` reports every problem at once with its fix.
 - `preflight`: `strict` (default) stops, `warn` logs, `off` skips; `check_cost_ceiling` always applies.
@@ -333,7 +333,7 @@ def _quota_fix(cfg: StackConfig, need: QuotaNeed) -> str:
 def _quota_unreadable(cfg: StackConfig, need: QuotaNeed, error: Exception) -> str:
     text = str(error)
     where = f"GPU quota {need.quota.quota_id} ({need.quota.service}) in project {cfg.project}"
-    # user ADC: Cloud Quotas bills the call to a quota project (docs/decisions/preflight-checks-the-cloud.md)
+    # user ADC: Cloud Quotas bills the call to a quota project (docs/program.md#preflight-asks-the-cloud)
     if QUOTA_PROJECT_MISSING in text:
         fix = (
             f"the Cloud Quotas API needs a quota project with user credentials: export "

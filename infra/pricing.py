@@ -6,7 +6,7 @@ Every figure carries its source, the date the source stated it and how sure it i
 SECONDARY, BOUND, UNCONFIRMED). Prices move, so a stack overrides them with `trainingHourPriceUsd` /
 `servingHourPriceUsd`; a figure the table lacks must be overridden before a ceiling can be enforced.
 
-Decisions (why and sources: docs/decisions/run-cost-ceiling.md)
+Decisions (why and sources: docs/costs.md#the-ceiling-is-an-upper-bound)
 - Units: a GKE node-hour (the whole machine) and a Cloud Run instance-hour; rounded UP to whole cents,
   so each stays an upper bound and fits the label the policy pack reads (`cost_labels`).
 - Figures are for us-central1; Spot and flex-start fall back to on-demand where no figure of their own.
@@ -198,7 +198,8 @@ def gke_node_hour(cfg: StackConfig) -> HourlyPrice | None:
     basis: list[Price] = [on_demand]
     usd = on_demand.usd
     spot = rates.get("spot") if cfg.capacity is Capacity.SPOT else None
-    if spot is not None:  # without a Spot figure, the on-demand one bounds it (docs/decisions/run-cost-ceiling.md)
+    # without a Spot figure, the on-demand one bounds it (docs/costs.md#the-ceiling-is-an-upper-bound)
+    if spot is not None:
         basis = [spot]
         usd = spot.usd
     return HourlyPrice(_cents(usd), what, tuple(basis), _weakest(basis, cfg.region))

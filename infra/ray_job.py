@@ -2,7 +2,7 @@
 
     pulumi up --stack ray-gemma3-vision   # cluster (+ Ray add-on), identity, secret, RayJob; outputs: kubectl commands
 
-Decisions (why and sources: docs/decisions/ray-job-shape.md, docs/decisions/ray-preemption.md)
+Decisions (why and sources: docs/gke.md#the-rayjob, docs/distributed.md#ray-workers-save-on-a-prestop-hook)
 - Top to bottom: `declare` → `RayTraining` → pure renderers of a `RayRunSpec` (a `gke_workload.GpuRun`
   plus Ray's fields) to manifests, validated offline against KubeRay's schema and rules.
 - `rayCluster: ephemeral` (default): the RayJob brings its cluster, deleted 60 s after the job ends;

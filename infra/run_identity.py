@@ -1,6 +1,6 @@
 """A training run's identity: what makes `pulumi up` start a paid run, and the one line that says whether it does.
 
-Decisions (why and sources: docs/decisions/run-identity.md)
+Decisions (why and sources: docs/program.md#a-paid-run-only-when-asked)
 - A run is named by what the user asks for: the recipe's content (its base model among them; not its comments
   or layout), the bytes of the repository data files it reads, the overrides, and `runGeneration`. Not the
   trainer image: pulling an

@@ -1,6 +1,6 @@
 """The serving gate (every stack): the vLLM Service moves to a newly finished run only when it is not worse.
 
-Decisions (sources and the publication order they rely on: docs/decisions/serving-gate.md)
+Decisions (sources and the publication order they rely on: docs/cloud-run.md#the-serving-gate)
 - A run's evaluation is its `run_summary.json`: the held-out loss `eval_loss` (lower is better) and, where the run
   answered held-out rows, its score `eval.after[eval.score]` (higher is better; trainer/run_eval.py).
 - No state is read: walking the finished runs oldest first, the served run moves to the next one when its loss is not

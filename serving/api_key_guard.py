@@ -10,7 +10,7 @@ startup probe) needs `Authorization: Bearer <key>`: a new vLLM route is closed u
 - Refused: HTTP 401 with vLLM's own body plus `WWW-Authenticate: Bearer`; a WebSocket closed before it is accepted.
 - Without `VLLM_API_KEY` (or with it empty) every request passes unchanged; vLLM's check still runs inside this one.
 vLLM adds the class with `app.add_middleware()`, outermost of its middlewares; serving/vllm_args.py renders the flag
-when the service has a key. Standard library and Starlette only. Sources: docs/decisions/api-key-guard.md.
+when the service has a key. Standard library and Starlette only. Sources: docs/cloud-run.md#the-api-key-guard.
 """
 
 from __future__ import annotations

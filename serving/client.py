@@ -6,7 +6,7 @@
     python -m serving.client --impersonate-service-account ci@PROJECT.iam.gserviceaccount.com "…"   # CI
     from serving.client import chat; chat("http://127.0.0.1:8000", [{"role": "user", "content": "I love pizza"}])
 
-Decisions (docs/decisions/client-credentials.md): standard library only; an identity token or API key the
+Decisions (docs/cloud-run.md#the-chat-clients-credentials): standard library only; an identity token or API key the
 client found by itself (`$GEMMA_FT_ID_TOKEN`, gcloud, `$GEMMA_FT_API_KEY`) goes only to a URL in
 `$GEMMA_FT_URL`/`$GEMMA_FT_TRUSTED_URLS` (API keys also to this machine), never over http, never printed, and no
 redirect is followed; with an API key the token travels in `X-Serverless-Authorization`. Every failure says

@@ -8,7 +8,7 @@ Decision: a folder is complete when the trainer's marker (`_COMPLETE.json`, writ
 `trainer.export.write_completion_marker`) parses and lists an inventory (`files`: relative path and size) the
 folder still matches (each file exists, has its size, is readable by this process), plus `config.json` for a
 model or `adapter_config.json` for an adapter. A marker alone passes an interrupted copy, an overwritten file or
-0600 weights, which then fail inside vLLM after minutes (docs/decisions/merged-export.md). The serving image's
+0600 weights, which then fail inside vLLM after minutes (docs/trainer.md#the-merged-export). The serving image's
 entrypoint (this file, run with the image's python3), the local server, the demo and the Pulumi program use these
 rules; the program checks the inventory's names against a listing (`check_inventory`, sizes unknown).
 Standard library only. It does not wait (the entrypoint does) and does not know about buckets.

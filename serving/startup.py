@@ -12,7 +12,7 @@ an initial delay no longer than the fastest expected start, a window about 2.5 t
 Cloud Run limits in `PROBE_LIMITS`. The entrypoint's marker wait is subtracted from vLLM's budget here and
 nowhere else; the client waits this window plus one `--timeout`. Every served model gets its own estimate from the
 request and window (`cold_start`, `window_for`). Sources and what is unconfirmed (all estimated, nothing measured):
-docs/decisions/cloud-run-startup-window.md, docs/serving.md. Standard library only (the client imports it).
+docs/cloud-run.md#a-short-start-and-a-probe-fitted-to-it, docs/serving.md. Standard library only (the client imports it).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the rendered list starts with the model path and never repeats `serve`:
     >>> render_args(VllmServerConfig(model="/mnt/models/merged", max_model_len=4096))[:3]
     ['/mnt/models/merged', '--served-model-name', 'gemma']
 
-Decisions (sources: docs/decisions/vllm-server-args.md): every flag relied on is a typed field checked at
+Decisions (sources: docs/cloud-run.md#vllm-settings-are-typed-fields): every flag relied on is a typed field checked at
 `pulumi preview` (`float16` for Gemma 2/3 refused, as vLLM would); `extra_args` refuses duplicates of a field,
 credentials and `--middleware`, prefixes included; an API key brings `serving.api_key_guard.ApiKeyGuard`;
 served sampling is greedy (`served_sampling_defaults()`, shared with demo/local_server.py); `max_num_seqs` is

@@ -4,7 +4,9 @@ Links are checked as GitHub renders them: a relative target is a path from the f
 `#anchor` must be the slug GitHub gives one of the target's headings (lower case, punctuation dropped,
 spaces to hyphens, `-1`, `-2` … for repeats: github/cmark-gfm's anchor filter, as github.com applies it).
 Links inside code blocks and code spans are text, not links. Docstrings state a decision in at most 15 lines
-(counted as `ast.get_docstring(node, clean=False)` splits); the evidence lives in docs/decisions/.
+(counted as `ast.get_docstring(node, clean=False)` splits); the evidence lives in the topic pages' Decisions, and
+every public source and UNCONFIRMED note the decision records cited when they were folded into those pages
+(`docs_sources.txt`) is still cited there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 160
-DOCSTRING_MAX_LINES = 15  # the decision in a few lines; the evidence in docs/decisions/
+DOCSTRING_MAX_LINES = 15  # the decision in a few lines; the evidence in a docs/ page's Decisions
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.DOTALL)
@@ -105,6 +107,78 @@ def broken_links(source: Path, markdown: str) -> list[str]:
     return broken
 
 
+# GitHub owners whose repositories the decisions cite by name (`owner/repo`, `owner/repo#123`)
+SOURCE_OWNERS = (
+    "Dao-AILab", "GoogleCloudPlatform", "docker", "fsspec", "ggml-org", "google", "hashicorp", "hivellm", "huggingface",
+    "iann0036", "modelscope", "pulumi", "pypa", "pytorch", "ray-project", "tobymao", "triton-lang", "vllm-project",
+    "willthames",
+)  # fmt: skip
+_URL = re.compile(r"https?://[^\s)<>`\"']+")
+_OWNER_REPO = re.compile(r"(?<![\w./-])((?:" + "|".join(SOURCE_OWNERS) + r")/[\w.-]*\w)(?:\s*#(\d+))?")
+_PATH = re.compile(r"(?<![\w./-])([a-z][\w.-]*(?:/[\w.+-]+)+)")
+_PATH_SOURCE = re.compile(r"\.(?:go|py|ts|c|tf|yaml|json|md|toml|txt|sh)$")
+_ISSUE = re.compile(r"(?<![\w/#])#\d{2,}\b")
+_NOTE_WORDS = 8
+
+
+def _flat(markdown: str) -> str:
+    """The text with each link reduced to its text and whitespace to single spaces."""
+    return " ".join(re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown).split())
+
+
+def sources(markdown: str) -> set[str]:
+    """The public sources `markdown` cites: every URL, `owner/repo` and `owner/repo#N` of `SOURCE_OWNERS`, `#N`
+    references, and every path outside this repository's folders (one with a source file's extension, or 3+ parts)."""
+    local = {f.relative_to(REPO_ROOT).parts[0] for f in tracked_files()}
+    found = {url.rstrip(".,;:") for url in _URL.findall(markdown)}
+    text = re.sub(r"\]\([^)]*\)", "]", _URL.sub(" ", markdown))  # a link target is a path in this repository
+    for repo, issue in _OWNER_REPO.findall(text):
+        found.add(f"{repo}#{issue}" if issue else repo)
+    for token in _PATH.findall(text):
+        token = token.rstrip("./")
+        parts = token.split("/")
+        if parts[0] not in local and "<" not in token and (_PATH_SOURCE.search(token) or len(parts) >= 3):
+            found.add(token)
+    return found | set(_ISSUE.findall(text))
+
+
+def unconfirmed_notes(markdown: str) -> list[str]:
+    """The first words of every UNCONFIRMED note, each within its bullet or paragraph."""
+    blocks = re.split(r"\n(?=\s*(?:- |#|\n))", markdown)
+    notes = []
+    for block in map(_flat, blocks):
+        for start in (m.start() for m in re.finditer("UNCONFIRMED", block)):
+            notes.append(" ".join(block[start:].split()[:_NOTE_WORDS]))
+    return notes
+
+
+def docs_text() -> str:
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO_ROOT / "docs").glob("*.md")))
+
+
+def frozen_sources() -> list[str]:
+    lines = (REPO_ROOT / "tests" / "docs_sources.txt").read_text(encoding="utf-8").splitlines()
+    return [line for line in lines if line and not line.startswith("# ")]
+
+
+_DOCS_ANCHOR = re.compile(r"(?<![\w/.-])docs/([a-z0-9-]+\.md)#([\w-]+)")
+
+
+def stale_anchors(files: list[Path]) -> list[str]:
+    """Every `docs/PAGE.md#anchor` named in `files` (code, comments, docstrings) whose page or heading is gone."""
+    found = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for page, anchor in _DOCS_ANCHOR.findall(text):
+            target = REPO_ROOT / "docs" / page
+            if not target.exists() or anchor not in anchors(target.read_text(encoding="utf-8")):
+                found.append(f"{path.name}: docs/{page}#{anchor}")
+    return found
+
+
 class TestReadme:
     def test_readme_is_short(self) -> None:
         lines = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
@@ -126,18 +200,32 @@ class TestReadme:
                 assert not timed, f"{doc.relative_to(REPO_ROOT)}: {line.strip()}"
 
 
-class TestDecisionRecords:
-    def test_every_record_is_listed_in_the_index(self) -> None:
-        folder = REPO_ROOT / "docs" / "decisions"
-        index = (folder / "README.md").read_text(encoding="utf-8")
-        records = sorted(p.name for p in folder.glob("*.md") if p.name != "README.md")
-        assert records and [r for r in records if f"]({r})" not in index] == []
+class TestDecisions:
+    def test_every_source_the_records_cited_is_still_cited(self) -> None:
+        """The records folded into the topic pages named these sources and open questions; losing one loses the
+        evidence for a decision. A line goes only with the claim it supports (and the claim's code)."""
+        cited = sources(docs_text())
+        notes = _flat(docs_text())
+        lost = [line for line in frozen_sources() if line not in cited and line not in notes]
+        assert frozen_sources() and lost == [], f"no longer cited under docs/: {lost}"
+
+    def test_the_records_folder_is_gone_and_every_page_has_decisions(self) -> None:
+        assert not (REPO_ROOT / "docs" / "decisions").exists(), "decisions live in the topic pages now"
+        index = (REPO_ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+        pages = [p for p in sorted((REPO_ROOT / "docs").glob("*.md")) if p.name != "README.md"]
+        assert [p.name for p in pages if f"]({p.name})" not in index] == [], "a page docs/README.md does not list"
+        with_decisions = [p.name for p in pages if "\n## Decisions\n" in p.read_text(encoding="utf-8")]
+        assert len(with_decisions) >= 5, with_decisions
 
 
 class TestLinks:
     @pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
     def test_every_relative_link_resolves(self, doc: Path) -> None:
         assert broken_links(doc, doc.read_text(encoding="utf-8")) == []
+
+    def test_every_docs_anchor_a_file_names_resolves(self) -> None:
+        """Docstrings and comments point at a decision as `docs/PAGE.md#anchor`: the heading must still be there."""
+        assert stale_anchors(tracked_files()) == []
 
     def test_no_tracked_file_points_outside_the_repository(self) -> None:
         """A user of the repository has only the repository: every source is cited by its public name."""
@@ -146,7 +234,7 @@ class TestLinks:
 
 class TestDocstrings:
     def test_every_docstring_is_at_most_15_lines(self) -> None:
-        """A docstring states its decision; sources and history go to a record in docs/decisions/."""
+        """A docstring states its decision; sources and history go to a docs/ page's Decisions."""
         python = [p for p in tracked_files() if p.suffix == ".py" and p.exists()]
         assert python and long_docstrings(python) == []
 
@@ -186,9 +274,28 @@ class TestTheCheckCanFail:
         assert len(broken) == 3, broken
         assert broken[0].startswith("gone.md:") and "#no-such-heading" in broken[1] and "hosts" in broken[2]
 
+    def test_a_stale_anchor_in_a_comment_is_reported(self, tmp_path: Path) -> None:
+        d = "docs" + "/"  # spelled in parts, so this file's own scan does not find them
+        (tmp_path / "m.py").write_text(f"# why: {d}ci.md#hashed-locks, {d}ci.md#gone, {d}gone.md#x, {d}ci.md\n")
+        assert stale_anchors([tmp_path / "m.py"]) == [f"m.py: {d}ci.md#gone", f"m.py: {d}gone.md#x"]
+
     def test_links_in_code_are_not_links(self) -> None:
         text = "`[a](gone.md)`\n\n```markdown\n[b](gone.md)\n```\n"
         assert broken_links(REPO_ROOT / "README.md", text) == []
+
+    def test_a_source_or_note_dropped_from_the_pages_is_reported(self) -> None:
+        record = (
+            "- Read pulumi/pulumi v3.1 `pkg/engine/project.go` and vllm-project/vllm#58144 (PR #9727),\n"
+            "  https://example.com/a.html, and `infra/config.py` [here](../costs.md).\n"
+            "- UNCONFIRMED: whether the thing holds on a real cluster;\n  check with a cluster.\n"
+        )
+        assert sources(record) == {
+            "pulumi/pulumi", "pkg/engine/project.go", "vllm-project/vllm#58144", "#9727", "https://example.com/a.html"
+        }  # fmt: skip
+        assert unconfirmed_notes(record) == ["UNCONFIRMED: whether the thing holds on a real"]
+        kept = "pulumi/pulumi `pkg/engine/project.go`, vllm-project/vllm#58144 #9727 https://example.com/a.html"
+        frozen = [*sorted(sources(record)), *unconfirmed_notes(record)]
+        assert [s for s in frozen if s not in sources(kept) and s not in _flat(kept)] == [frozen[-1]]
 
     def test_github_slugs(self) -> None:
         text = "# What `pulumi destroy` keeps, and `pulumi up` again\n## Guards\n## Guards\n"

@@ -1,6 +1,6 @@
 """The base model's weights staged once per run in the bucket: a restart reads them there, not from the Hub.
 
-Decision (docs/decisions/base-weights-staged-in-bucket.md): when `output.dir` is a URL and the model a Hub id,
+Decision (docs/trainer.md#base-weights-staged-in-the-bucket): when `output.dir` is a URL and the model a Hub id,
 the first process on each node to take the node's file lock (`fcntl.flock`: no process group exists yet)
 fetches the model into the node's staging folder, from `<output.dir>/_base/<id>@<revision>/` when that holds
 its marker, else from the Hub; global rank 0 then copies it to the bucket, marker last. A retried pod (a new

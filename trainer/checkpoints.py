@@ -2,7 +2,7 @@
 
     .venv/bin/python -c "from trainer.checkpoints import OutputLocation;         print(OutputLocation.from_dir('gs://bucket/runs/emoji').latest_checkpoint())"
 
-Decisions (docs/decisions/checkpoints-mirrored-with-markers.md):
+Decisions (docs/trainer.md#checkpoints-mirrored-with-markers):
 - `output.dir` is a local folder or an fsspec URL (`gs://…`); training writes to a LOCAL staging folder, each
   checkpoint is mirrored to the remote and marked complete LAST (`_CHECKPOINT_COMPLETE.json`); a resume takes
   the latest marked checkpoint, local or remote, and ignores unmarked ones.

@@ -4,7 +4,7 @@
     collator = VisionSFTCollator(processor, max_length=1024)
     batch = collator([{"messages": [...], "images": [PIL.Image]}, ...])   # input_ids, pixel_values, labels, …
 
-Decisions (docs/decisions/vision-collator-labels.md):
+Decisions (docs/trainer.md#vision-batches):
 - The processor does the work: the chat template renders, one `processor(text, images)` call per batch expands
   images into soft tokens and pixel_values; no special tokens added (the text starts with `<bos>`).
 - Labels mask padding and every image token, by ids read from the processor, never typed in; the prompt is

@@ -5,7 +5,7 @@ its backward projects every row again). A CPU step's labelled rows (trainer/lm_h
 projects once, keeps the shifted logits for the backward (up to `KEEP_LOGITS_BYTES`, else it projects again),
 and multiplies in the orientation MKL runs fastest (`weight @ hidden.T`). Its contract is trl's: the same
 arguments, five outputs and gradients (tests/trainer/test_cpu_logprob.py compares each). Sources:
-docs/decisions/labels-only-lm-head.md; timings: bench/RESULTS.md.
+docs/trainer.md#the-labels-only-lm-head; timings: bench/RESULTS.md.
 
 Not done here: CUDA/XPU keep trl's Triton kernel; the logits are float32 from the rows' dtype (autocast's when
 on, as trl).

@@ -3,7 +3,7 @@
     .venv/bin/python -c "from trainer.data import preview; preview('emoji-local')"
     .venv/bin/python -m trainer.data check my-recipe.yaml        # or a data file: check data.jsonl
 
-Decisions (sources: docs/decisions/training-data-rows.md):
+Decisions (sources: docs/trainer.md#training-rows):
 - Rows come from the Hub or from files and fsspec URLs (trainer/data_files.py `read_files`); a mixture
   (`data.sources`) makes each source's first rows trl conversations and concatenates them (trl's fractions).
 - Before the model loads, the first CHECK_ROWS rows of a standard format are checked; a bad one stops the run
@@ -271,7 +271,7 @@ def _save_tokenizer_by_digest(pickler: Any, tokenizer: Any) -> None:
 
 
 def fingerprint_tokenizers_by_digest(tokenizer: Any) -> None:
-    """Make datasets fingerprint this tokenizer's class by digest (docs/decisions/training-data-rows.md).
+    """Make datasets fingerprint this tokenizer's class by digest (docs/trainer.md#training-rows).
 
     datasets' `Pickler` is used for fingerprints only (`datasets.fingerprint.Hasher`), and picks a
     reducer by the exact type (`utils/_dill.py` `pklregister`); ordinary pickling is untouched.

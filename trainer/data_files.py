@@ -3,7 +3,7 @@
 The recipe (trainer/recipe.py) counts rows here to plan its optimizer steps; the loader (trainer/data.py) reads
 them here. This module imports neither: it knows files, URLs and rows, not formats or recipes.
 
-Decisions (docs/decisions/training-data-rows.md):
+Decisions (docs/trainer.md#training-rows):
 - Local files and fsspec URLs (`gs://bucket/tickets/*.jsonl`) go through one function, `read_files`, so a
   `memory://` URL in a test takes the path a `gs://` one takes on the cluster; a glob's matches are read in name
   order. Parquet is read as Arrow tables (and counted from its footer); JSON Lines, JSON and CSV as records.

@@ -6,7 +6,7 @@
 
 Scores: emoji F1 over SETS of emoji (order and repetition ignored), SQL execution match, ROUGE-L F1 over words for
 descriptions and the user's own formats, exact match, and for every task the held-out loss of the answer tokens.
-Decisions (the definitions and the sources: docs/decisions/held-out-evaluation.md):
+Decisions (the definitions and the sources: docs/trainer.md#held-out-evaluation):
 - A GPU loads the recipe's dtype with `device_map="auto"`, a CPU float32; an adapter loads its base, then itself
   (a QLoRA adapter is scored on the unquantised base it is merged into and served with).
 - Greedy generation in left-padded batches (the same outputs as one at a time); the held-out loss is one forward
@@ -78,7 +78,7 @@ def extract_emoji(text: str) -> list[str]:
 
 
 def emoji_f1(prediction: str, reference: str) -> float:
-    """F1 over the sets of emoji in prediction and reference (docs/decisions/held-out-evaluation.md)."""
+    """F1 over the sets of emoji in prediction and reference (docs/trainer.md#held-out-evaluation)."""
     predicted, expected = set(extract_emoji(prediction)), set(extract_emoji(reference))
     if not predicted and not expected:
         return 1.0
@@ -276,7 +276,7 @@ _WORD = re.compile(r"\w+")
 
 
 def rouge_l_f1(prediction: str, reference: str) -> float:
-    """ROUGE-L F1 over lower-cased words (docs/decisions/held-out-evaluation.md); two empty texts score 1."""
+    """ROUGE-L F1 over lower-cased words (docs/trainer.md#held-out-evaluation); two empty texts score 1."""
     pred, ref = _WORD.findall(prediction.lower()), _WORD.findall(reference.lower())
     if not pred or not ref:
         return float(pred == ref)

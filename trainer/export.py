@@ -2,7 +2,7 @@
 
     .venv/bin/python -m trainer.export --base local:gemma3-270m --adapter outputs/emoji-local/adapter         --out outputs/emoji-local/merged
 
-Decisions (docs/decisions/merged-export.md):
+Decisions (docs/trainer.md#the-merged-export):
 - The base is reloaded in bf16 (never the 4-bit weights, not fp16), the adapter merged, and saved as safetensors
   with the tokenizer (a vision run's processor), chat template and a generation_config that stops at `<end_of_turn>`.
 - `_COMPLETE.json` (base, adapter, time, every file's size) is written LAST and atomically, a stale one removed

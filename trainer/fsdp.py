@@ -2,15 +2,15 @@
 
 Decisions:
 - The block FSDP wraps is looked up, not typed in: `decoder_layer_class` builds the model's text stack on
-  the meta device and returns its class from `_no_split_modules` (docs/decisions/fsdp2-config.md).
+  the meta device and returns its class from `_no_split_modules` (docs/distributed.md#fsdp2s-configuration).
 - `render_accelerate_config` writes accelerate 1.15's own keys: FSDP2, transformer-based wrap, reshard after
   forward, FULL_STATE_DICT, RAM-efficient loading, no offload; LoRA gradients reduce in fp32
   (`reduce_gradients_in_fp32`), compute stays bf16 (same record).
 - `save_adapter_fsdp_safe` gathers every adapter tensor before rank 0 writes it, and a checkpoint under FSDP
   holds the adapter, not the gathered model (`checkpoints_without_the_base`,
-  docs/decisions/fsdp-checkpoints-adapter-only.md).
+  docs/distributed.md#fsdp-checkpoints-hold-the-adapter-only).
 - `fsdp2_loads_persistent_buffers` broadcasts persistent buffers (Gemma 4's `layer_scalar`) apart from
-  accelerate's RAM-efficient loading, which fails on them (docs/decisions/fsdp2-ram-efficient-loading.md).
+  accelerate's RAM-efficient loading, which fails on them (docs/distributed.md#only-rank-0-reads-the-base-weights).
 It launches nothing (trainer/launch.py does) and shards nothing itself (accelerate does, from the config).
 """
 

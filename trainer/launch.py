@@ -7,7 +7,7 @@
     python -m trainer.launch --recipe emoji-local --nproc-per-node 4 --cpu \
         --set distributed.world_size=4      # CPUs only, over gloo; the recipe sized for 4 ranks
 
-Decisions (docs/decisions/accelerate-launch.md): the recipe's strategy (`auto` resolved by the memory model)
+Decisions (docs/distributed.md#one-launcher-per-node): the recipe's strategy (`auto` resolved by the memory model)
 renders DDP or FSDP2 (trainer/fsdp.py); one process per node writes the config and `os.execve`s into
 `accelerate launch`, so SIGTERM reaches the ranks; the processes must total `distributed.world_size` (else
 exit 2); `--cpu` also exports `ACCELERATE_USE_CPU`; torchrun waits `WORKER_SHUTDOWN_S` for a preemption

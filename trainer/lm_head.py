@@ -10,7 +10,7 @@ read, trainer/step_syncs.py), `index_select` in, `index_copy` out. Loss, gradien
 trl's kernel (Triton where it builds). `new_sft_trainer` is the package's one SFTTrainer constructor.
 
 XLA/Neuron/HPU keep trl's full branch (recompilation); if a trl upgrade removes `_use_triton`, the patch warns and
-does nothing. Sources: docs/decisions/labels-only-lm-head.md.
+does nothing. Sources: docs/trainer.md#the-labels-only-lm-head.
 """
 
 from __future__ import annotations

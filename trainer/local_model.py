@@ -7,7 +7,7 @@ dequantise them into a float32 `Gemma3ForCausalLM`, and saves a normal model fol
 and `<end_of_turn>` as a stop token, once per machine. The weights look like the pre-trained base, not the
 instruction-tuned model (which checkpoint is UNCONFIRMED).
 
-Decisions (docs/decisions/local-gemma3-270m.md):
+Decisions (docs/development.md#the-local-gemma-3-270m):
 - The cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE` overrides it); `local:gemma3-270m` is
   `<root>/gemma3-270m`; the training path finds it (trainer/model_files.py), only entry points build it here.
 - Atomic: built under a temporary name, renamed when complete, its marker written last; one build at a time per

@@ -9,7 +9,7 @@ The estimate (`estimate`) is deliberately simple and conservative (bench/mfu_est
 Model shapes come from the published config (`MODEL_SHAPES`, keyed by Hub id), else from a local folder's
 config.json or the one the Hugging Face cache holds (`model_shape`); an unknown remote model has no shape, and a
 stack refuses it (infra/config.py). Frozen weights are bf16, or 4-bit for QLoRA (`weight_bytes`); a Gemma 3
-vision checkpoint adds its SigLIP tower and projector. Sources: docs/decisions/model-memory.md.
+vision checkpoint adds its SigLIP tower and projector. Sources: docs/trainer.md#model-memory-refuse-what-the-gpus-cannot-hold.
 Standard library only: recipe validation runs in the Pulumi program, which has no torch.
 """
 
@@ -245,11 +245,12 @@ _GEMMA4_31B = ModelShape(
     global_head_dim=512,
     global_kv_heads=4,
     k_eq_v=True,
-    source=_hub("gemma-4-31B-it") + " (text_config; its vision tower is not counted: docs/decisions/model-memory.md)",
+    source=_hub("gemma-4-31B-it")
+    + " (text_config; its vision tower is not counted: docs/trainer.md#model-memory-refuse-what-the-gpus-cannot-hold)",
 )
 
-# Hub id (lower case) -> shape. Each entry's numbers are its config.json's (docs/decisions/model-memory.md lists the
-# copies they were checked against); -pt and -it checkpoints of a size share one config.
+# Hub id (lower case) -> shape. Each entry's numbers are its config.json's (the copies they were checked against:
+# docs/trainer.md#model-memory-refuse-what-the-gpus-cannot-hold); -pt and -it checkpoints of a size share one config.
 _GEMMA3 = {
     "gemma-3-270m": (640, 2048, 18, 4, 1, 256, 262_144, 512, False),
     "gemma-3-1b": (1152, 6912, 26, 4, 1, 256, 262_144, 512, False),

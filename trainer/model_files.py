@@ -5,7 +5,7 @@ folder this machine built, and never builds it: the builder (trainer/local_model
 is the demo's and the entry points' (`python -m trainer`, `trainer.launch`), which build it first when a recipe
 names it. A folder that is not built is a `LocalModelError` naming the command that builds it.
 
-Decisions (docs/decisions/local-gemma3-270m.md): the cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE`
+Decisions (docs/development.md#the-local-gemma-3-270m): the cache root is `~/.cache/gemma-finetune` (`GEMMA_FT_CACHE`
 overrides it); a build is complete when its marker exists.
 """
 

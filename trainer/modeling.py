@@ -12,7 +12,7 @@ Decisions:
 - A tokenizer without a chat template gets trl's ORIGINAL `<name>.jinja` (trl swaps in `<name>_training.jinja`
   for assistant-only loss itself), so the template saved with the model is the one used for inference.
 - Under FSDP2's RAM-efficient loading, ranks other than local rank 0 read no weight at all
-  (docs/decisions/fsdp2-ram-efficient-loading.md). Ray/FSDP wrappers and batches are built elsewhere.
+  (docs/distributed.md#only-rank-0-reads-the-base-weights). Ray/FSDP wrappers and batches are built elsewhere.
 """
 
 from __future__ import annotations

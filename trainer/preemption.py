@@ -1,12 +1,12 @@
 """A SIGTERM (a Spot or flex-start preemption, a node drain, a deleted Job) saves a resumable checkpoint, then stops.
 
-Decision (docs/decisions/sigterm-checkpoint.md): each rank's handler only sets a flag; at the end of the optimizer
+Decision (docs/distributed.md#sigterm-saves-the-step): each rank's handler only sets a flag; at the end of the optimizer
 step in progress the ranks agree (an all-reduce MAX, every step), the Trainer saves that step's checkpoint
 (mirrored, marker last: trainer/checkpoints.py) and stops; `trainer.train.main` raises `Preempted`, `python -m
 trainer` exits 143 and the retried pod resumes from that step. torchrun's agent passes the signal on, and
 `trainer.launch` raises its shutdown timeout so the pod's grace period is the only bound.
 
-Ray workers cannot be reached by the signal (docs/decisions/ray-preemption.md): their pods get a preStop hook
+Ray workers cannot be reached by the signal (docs/distributed.md#ray-workers-save-on-a-prestop-hook): their pods get a preStop hook
 (`prestop_command`, infra/ray_job.py) that writes a notice file, which the same callback reads at each step end
 (`notice=`), and waits for the trainer's acknowledgement that the checkpoint is with Ray (`ACK_SUFFIX`).
 

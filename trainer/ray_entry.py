@@ -7,9 +7,9 @@
 A thin adapter: `TorchTrainer` around the core's Hugging Face trainer (`prepare_trainer`), Ray Train V2 on;
 `--num-workers` must be the recipe's `distributed.world_size` (else exit 2); GPU-less workers train with
 `use_cpu`; vision recipes get trainer/collators.py, over-long rows dropped, DDP's unused-parameter search off
-(docs/decisions/ray-train-workers.md). Checkpoints reach Ray after a barrier, each file once and complete,
-under the recipe's run name so a retry resumes (docs/decisions/ray-train-checkpoints.md); preemption is a
-preStop notice read at each step end (docs/decisions/ray-preemption.md). Rank 0 writes the adapter, the merged export
+(docs/distributed.md#ray-train-workers). Checkpoints reach Ray after a barrier, each file once and complete,
+under the recipe's run name so a retry resumes (docs/distributed.md#ray-checkpoints-reported-once-complete); preemption is a
+preStop notice read at each step end (docs/distributed.md#ray-workers-save-on-a-prestop-hook). Rank 0 writes the adapter, the merged export
 (`Recipe.writes_merged`) and run_summary.json before their markers (`publish_run`), then `_RUN_COMPLETE.json`: with
 it there, `main` starts no worker again. `RAY_VERSION` is the image's Ray; nothing heavy is imported at import time.
 It does not decide the cluster's shape (infra/ray_job.py does) and does not use Ray Data.

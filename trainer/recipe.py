@@ -8,7 +8,7 @@ the results go. It is validated on load (`parse_recipe`: unknown keys are reject
 - packing may not cut the updates per epoch by more than 2x without `training.packing_reason`; a packed
   micro-batch of several rows needs flash_attention_2, which Gemma 4 cannot use; `constant` cannot warm up.
 `world_size_problem` refuses a process count other than `distributed.world_size`, for which every number is
-computed. The rules and their sources: docs/decisions/recipe-run-checks.md.
+computed. The rules and their sources: docs/trainer.md#a-recipe-is-checked-on-load.
 
 Only pydantic and PyYAML are imported: the Pulumi program reads recipes, and `pulumi up` installs no torch.
 
@@ -971,7 +971,7 @@ def _updates_per_epoch(sequences: int, batch: int, accumulation: int, world_size
 
 
 def step_plan(recipe: Recipe) -> StepPlan:
-    """The optimizer updates of the recipe's run, computed from its data (docs/decisions/recipe-run-checks.md)."""
+    """The optimizer updates of the recipe's run, computed from its data (docs/trainer.md#a-recipe-is-checked-on-load)."""
     data, t = recipe.data, recipe.training
     rows = data_rows(data)
     rows = min(rows, data.max_rows or rows)
@@ -1003,7 +1003,7 @@ def step_plan(recipe: Recipe) -> StepPlan:
 
 
 def check_run(recipe: Recipe) -> list[str]:
-    """What is wrong with the run the recipe describes (empty when nothing is): docs/decisions/recipe-run-checks.md."""
+    """What is wrong with the run the recipe describes (empty when nothing is): docs/trainer.md#a-recipe-is-checked-on-load."""
     plan = step_plan(recipe)
     t, problems = recipe.training, []
     how = (

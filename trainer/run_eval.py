@@ -6,7 +6,7 @@
              "after": {"loss": 1.02, "exact_match": 0.41, "rouge_l_f1": 0.63},     # the tuned one
              "examples": [{"reference": "billing", "before": "Hello! How can", "after": "billing"}, ...]}
 
-Decisions (docs/decisions/held-out-evaluation.md):
+Decisions (docs/trainer.md#held-out-evaluation):
 - Both sides are measured after training on the one model in memory: "before" with the LoRA adapter switched off
   (peft `disable_adapter()`, which computes the frozen base), "after" with it on. One load, one sharding, the same
   code for one process, DDP and FSDP, never a second copy of a 31B model.

@@ -3,7 +3,7 @@
     from trainer.sql_eval import execution_match, evaluate_sql
     execution_match("SELECT COUNT(*) FROM t", "SELECT COUNT(id) FROM t", "CREATE TABLE t (id INT); INSERT INTO t VALUES (1);")
 
-Decisions (the rewrites, the sandbox's rules and their sources: docs/decisions/sql-execution-match.md):
+Decisions (the rewrites, the sandbox's rules and their sources: docs/trainer.md#text-to-sql-judged-by-execution):
 - The MySQL-flavoured gretel rows run in an in-memory SQLite: sqlglot parses MySQL, rewrites MySQL-only
   constructs, generates SQLite; missing MySQL functions are registered Python functions (`MYSQL_FUNCTIONS`).
 - Each connection is a sandbox (no ATTACH, no extensions, an authorizer that denies by default); prediction

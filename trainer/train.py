@@ -4,7 +4,7 @@
     .venv/bin/python -c "from trainer.recipe import load_recipe; from trainer.train import main; \
         print(main(load_recipe('emoji-local', ['training.max_steps=5'])).summary)"
 
-Decisions (docs/decisions/sft-training-run.md, with the output layout under `output.dir`):
+Decisions (docs/trainer.md#a-training-run, with the output layout under `output.dir`):
 - Loss on the assistant's tokens only, with any chat template: trl's `assistant_only_loss`, else (a template trl
   cannot patch, Gemma 4's) prompt/completion pairs with `completion_only_loss`. Packing and
   `training.padding_free` batch without pad tokens.
@@ -12,7 +12,7 @@ Decisions (docs/decisions/sft-training-run.md, with the output layout under `out
   `output.dir` holds `_RUN_COMPLETE.json` returns that summary before loading anything; a process count other
   than the recipe's stops it first.
 - The SFTConfig is built before the model (FSDP2's RAM-efficient loading needs torch.distributed up); then every
-  rank waits up to STARTUP_TIMEOUT for local rank 0's download (docs/decisions/startup-barrier.md).
+  rank waits up to STARTUP_TIMEOUT for local rank 0's download (docs/distributed.md#a-startup-barrier-of-its-own).
 - `training.extra` goes verbatim to SFTConfig (launching: trainer/launch.py; DDP, compiling, phases: docs/performance.md).
 """
 

@@ -1,6 +1,6 @@
 """Whether this machine can build what Triton compiles at its first kernel launch, and trl's kernel choice by it.
 
-Decision (docs/decisions/triton-driver-stub.md): the trainer image ships a C compiler and the Python headers,
+Decision (docs/trainer.md#a-c-compiler-for-triton): the trainer image ships a C compiler and the Python headers,
 so trl's Triton kernels run on a GPU (and Liger or `torch.compile` could). Triton 3.7.1 compiles its CUDA
 driver stub (`triton/backends/nvidia/driver.c`, which includes `Python.h`) with
 `triton/runtime/build.py` `_build` the first time a kernel launches: the compiler is `$CC`, else `gcc`,

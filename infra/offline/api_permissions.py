@@ -7,7 +7,7 @@ here fails the proof, so the CI grants cannot drift from the program.
 
     .venv/bin/python -m infra.offline.permissions --stack dev    # every need of every identity of a stack, with its call
 
-Decisions (why and sources: docs/decisions/permission-proof.md)
+Decisions (why and sources: docs/identities.md#every-grant-proven-from-role-data)
 - Data, one row per kind of call with its source: `RESOURCES`, `INVOKES`, `COMMANDS`, `KUBERNETES`.
 - A preview reads only resources with an `import_` ID, runs every invoke and Kubernetes dry runs, no commands.
 - `read` counts for `pulumi up`; engine options (`retain_on_delete`, `import_`, `ignore_changes`) remove calls.

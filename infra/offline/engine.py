@@ -5,7 +5,7 @@
 engine, and returns every resource the program declared (type, name, parent, dependencies,
 options, inputs with secrets kept wrapped) plus the stack outputs.
 
-Decisions (why: docs/decisions/offline-engine-mocks.md)
+Decisions (why: docs/program.md#offline-the-real-sdk-under-one-mock-engine)
 - One `Mocks` class fills what a real provider computes; everything else echoes the inputs.
 - `preview=True` is a first preview: every computed output is the engine's unknown sentinel.
 - Invokes answer as for a ready project (reservations, GPU quotas); per-run overrides model the rest.
@@ -343,7 +343,7 @@ class Mocks(pulumi_mocks.Mocks):
     one per id (oldest first, all older than `bucket_objects`). `existing_buckets` are already in the project: the
     bucket list answers with them, and creating one fails with 409 unless it is imported.
     `existing_accounts` are service account ids already in the project: creating one fails with 409
-    unless the account says `createIgnoreAlreadyExists` (docs/decisions/offline-engine-mocks.md).
+    unless the account says `createIgnoreAlreadyExists` (docs/program.md#offline-the-real-sdk-under-one-mock-engine).
     """
 
     def __init__(

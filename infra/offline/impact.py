@@ -10,7 +10,7 @@ path replaces, `ignore_changes` paths are left out, an input from a replaced res
 provider replaces what it manages (pulumi/pulumi step_generator.go), the Kubernetes provider decides as its
 `DiffConfig` does. `run_effect` reads what that does to the training run. `make impact` plans `CHANGES` on every
 stack and writes docs/operations.md's table and impact_results.json (tests/infra/test_change_impact.py checks them).
-Why: docs/decisions/change-impact.md. Not here: drift from live state, provider errors, what a real API accepts.
+Why: docs/operations.md#day-two-from-the-providers-own-rules. Not here: drift from live state, provider errors, what a real API accepts.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ PREBUILT = {
     "trainerImage": "us-central1-docker.pkg.dev/p/r/trainer@sha256:" + "1" * 64,
     "servingImage": "us-central1-docker.pkg.dev/p/r/serving@sha256:" + "2" * 64,
 }
-# Declared keys with no row, and why (docs/decisions/change-impact.md).
+# Declared keys with no row, and why (docs/operations.md#day-two-from-the-providers-own-rules).
 UNPLANNED_KEYS = {
     "workload": "another workload is another stack: make plan shows what it creates",
     "gpusPerNode": "every GPU the GKE stacks use comes 8 per node (a change is refused); as `nodes` otherwise",

@@ -7,7 +7,7 @@ its grants cover exactly that, from public role data.
 
 For every stack and variant, the program runs under mocks and each identity must have nothing `missing`
 (every need granted where it applies, conditions included) and nothing `unneeded` (every role serves a need).
-Decisions (why and sources: docs/decisions/permission-proof.md)
+Decisions (why and sources: docs/identities.md#every-grant-proven-from-role-data)
 - Grants: the IAM resources the program plans, and the one-time CI setup (infra/bootstrap/ci-identities.yaml).
 - Needs: rows for the workloads (`RUNTIMES`); derived for the CI identities from what the program declares
   (`infra.offline.api_permissions`), so a new kind of call fails the proof.

@@ -8,7 +8,7 @@
 for `KUBERNETES_VERSION`; KubeRay kinds against infra/offline/schemas/kuberay.schema.json, KubeRay's own
 admission rules (`kuberay_rule_errors`) and each pod template as a Pod; a kind with no schema is
 reported as skipped. Every error is listed with its path; a value redacted to "[secret]" is reported,
-not failed; integral floats are warnings. Why: docs/decisions/offline-manifest-validation.md.
+not failed; integral floats are warnings. Why: docs/program.md#offline-every-manifest-validated-strictly.
 Not here: server-side admission (Autopilot's own rules), policy checks (infra/policy does those).
 """
 

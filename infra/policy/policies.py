@@ -5,7 +5,7 @@ engine sends them to a policy pack (camelCase keys, secrets unwrapped) and retur
 sentences (empty: the resource passes). `__main__.py` wraps each in a `ResourceValidationPolicy`
 (`resource_policies()`); the tests call the functions over every resource of every stack under mocks.
 
-Decisions (the rules table: infra/policy/README.md; why: docs/decisions/policy-pack-judges-structure.md)
+Decisions (the rules table: infra/policy/README.md; why: docs/program.md#the-policy-pack-judges-structure)
 - Checks look at structure, not names: any `containers` list must pin images, any `env` list must hold
   no literal credential, any resource asking for a GPU must be bounded by a deadline or a visible label.
 - Nothing public but a Cloud Run service the stack made public (`invokerIamDisabled` plus `public: "true"`).

@@ -73,7 +73,8 @@ class TestCommittedTable:
 
         planned = {c.key for c in impact.CHANGES}
         # Serving keys with the same effect as the planned ones (a Cloud Run Service update), secrets' twins, and the
-        # keys that only pick images / prices / budgets: each is in decisions/change-impact.md's list instead.
+        # keys that only pick images / prices / budgets: each is in `impact.UNPLANNED_KEYS` instead
+        # (docs/operations.md#day-two-from-the-providers-own-rules).
         described = set(impact.UNPLANNED_KEYS)
         assert set(DECLARED) - planned - described == set(), "a key with no row and no line in UNPLANNED_KEYS"
 

@@ -1,7 +1,7 @@
 """A fresh clone's first `pulumi up`, replayed the way the Pulumi CLI installs and starts the program.
 
 The steps are pulumi/pulumi v3.259.0's (each with its source file and function:
-docs/decisions/pulumi-install.md): `main: infra/` makes `infra/` the program directory; the pip toolchain's
+docs/program.md#how-pulumi-up-installs-the-program): `main: infra/` makes `infra/` the program directory; the pip toolchain's
 venv is `<project root>/.venv`; `EnsureVenv` does nothing when `.venv/bin/python` exists, else
 `python3 -m venv` (`CommandPath`: `$PULUMI_PYTHON_CMD`, else python3, else python), then, with the venv
 activated (`ActivateVirtualEnv`: PATH, VIRTUAL_ENV, no PYTHONHOME) in the program directory,

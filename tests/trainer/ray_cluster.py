@@ -5,7 +5,7 @@ KubeRay's `ray start ... --block` commands; only what a shared machine forces is
 dashboard on loopback, `--num-cpus`, a small object store, a short temp dir). `KUBERAY_PROBE` is KubeRay's
 own probe command, run as the probe execs it. `plan_ray_stack` plans the ray-gemma3-vision stack offline
 (infra/offline/engine.py `run_stack`) with only `recipeOverrides` a user could set and hands out what KubeRay
-would read from the RayJob. The KubeRay sources: docs/decisions/ray-tests-on-a-real-cluster.md.
+would read from the RayJob. The KubeRay sources: docs/distributed.md#ray-tests-on-a-real-cluster.
 
 Teardown ends only what this module started (each `ray start --block` process group, then any process naming
 this cluster's temp dir, by pid); it never runs `ray stop`, which would stop every Ray on the machine.

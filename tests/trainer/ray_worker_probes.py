@@ -8,7 +8,7 @@ each attempt ran, and every upload (`trainer.checkpoints.upload_dir`) and Ray ch
 
 On the first attempt rank 0 is a slow writer of checkpoint N (its `optimizer.pt` stays half on disk for
 `slow_write_s`) and the other ranks start their part only once that half is there, so a rank that copies
-without waiting copies it half-written, every time (docs/decisions/ray-train-checkpoints.md). Once every rank
+without waiting copies it half-written, every time (docs/distributed.md#ray-checkpoints-reported-once-complete). Once every rank
 has reported checkpoint N it raises: FailureConfig restarts the group, which must resume from checkpoint N.
 
 Everything is written under `record_dir` (workers are other processes); imported by the Ray workers

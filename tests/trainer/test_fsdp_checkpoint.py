@@ -1,7 +1,7 @@
 """A W1 checkpoint under FSDP2 holds the adapter and what resuming needs, and gathers none of the base weights.
 
 Why it matters: transformers' checkpoint under FSDP with FULL_STATE_DICT gathers the WHOLE model to rank 0's
-CPU at every `save_steps` to keep a small adapter (docs/decisions/fsdp-checkpoints-adapter-only.md); now a
+CPU at every `save_steps` to keep a small adapter (docs/distributed.md#fsdp-checkpoints-hold-the-adapter-only); now a
 checkpoint is the adapter-only FSDP model file, the optimizer, scheduler, RNG and trainer state
 (trainer/fsdp.py `checkpoints_without_the_base`).
 

@@ -4,7 +4,7 @@ Why it matters: the a4-gemma4 Job runs 8 ranks on one node sharing one local sta
 lost node lands on an EMPTY staging folder and resumes from the bucket. Two things broke that: every rank
 downloaded the checkpoint into the same folder at once (now local rank 0 downloads, the others wait), and rank
 0 marked a checkpoint before the other ranks had written their `rng_state_<rank>.pth` (now a barrier first).
-docs/decisions/checkpoints-mirrored-with-markers.md has the rules.
+docs/trainer.md#checkpoints-mirrored-with-markers has the rules.
 
 W1 on a tiny Gemma 4, 3 processes of `python -m trainer.launch --cpu` (gloo on loopback), a `file://` bucket.
 A sitecustomize module delays the real functions: ranks 1 and 2 save their RNG state 1.5 s late (transformers'

@@ -1,7 +1,7 @@
 """FSDP2's RAM-efficient loading, under 2 ranks: only rank 0 reads the weights; rank 1 still ends up with the model.
 
 Why it matters: on an A4 node 8 ranks load Gemma 4 31B before FSDP shards it; ranks other than local rank 0
-must never read the weights (trainer/modeling.py; docs/decisions/fsdp2-ram-efficient-loading.md).
+must never read the weights (trainer/modeling.py; docs/distributed.md#only-rank-0-reads-the-base-weights).
 
 accelerate's own launcher starts 2 processes over gloo on loopback with the config `trainer.launch` renders
 for the W1 recipe; each runs `trainer.train.training_inputs` and reports its peak RSS growth. accelerate

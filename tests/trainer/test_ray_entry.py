@@ -261,7 +261,7 @@ def test_a_preempted_worker_pod_saves_the_step_it_had_and_the_restart_resumes_th
     before SIGTERM; it must return once the step's checkpoint is with Ray, and Ray's restart resume there.
 
     Not the signal itself: SIGTERM to the worker node's `ray start --block` stops every Ray process of the
-    node within ~1 s and would take the Ray tests' shared cluster down (docs/decisions/ray-preemption.md).
+    node within ~1 s and would take the Ray tests' shared cluster down (docs/distributed.md#ray-workers-save-on-a-prestop-hook).
     """
     import dataclasses
     import subprocess

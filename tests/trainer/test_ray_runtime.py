@@ -1,7 +1,7 @@
 """The Ray runtime the RayJob gets: the image's exact Ray, a head KubeRay can probe, the planned entrypoint.
 
 Why it matters: every mock and schema check passes while a head without the dashboard's packages never
-becomes ready (`ray[train]` alone lacks the `default` extra; docs/decisions/ray-tests-on-a-real-cluster.md).
+becomes ready (`ray[train]` alone lacks the `default` extra; docs/distributed.md#ray-tests-on-a-real-cluster).
 
 - One Ray version: the image's and the dev venv's pins, installed Ray, `trainer.ray_entry.RAY_VERSION`, the
   stack's default and stack-file `rayVersion`, the rendered RayJob's; the `default` extra in both files.

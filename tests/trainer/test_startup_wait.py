@@ -4,7 +4,7 @@ Why it matters: only local rank 0 reads the weights (first download of Gemma 4 3
 other ranks waited at trl's dataset preparation, a barrier bounded by `ddp_timeout` (30 min), and a slower
 download killed every rank. Before the fix this test failed there ("Timed out waiting 12000ms", rank 1 in
 trl's `_prepare_dataset`); now rank 1 waits at the trainer's own startup barrier (trainer/train.py;
-sources: docs/decisions/startup-barrier.md).
+sources: docs/distributed.md#a-startup-barrier-of-its-own).
 
 2 processes started by `python -m trainer.launch --cpu` (accelerate launch -> torchrun, gloo on loopback)
 train a tiny Gemma 3. A sitecustomize module sets the two conditions of the cloud run:

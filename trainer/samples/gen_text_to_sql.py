@@ -9,7 +9,7 @@ MySQL-flavoured, as in gretel, and tests/trainer/test_sql_eval.py checks each go
 Decision: like gretel, each row carries its own `sql_context`; what spreads the lengths (rows inserted
 `ROW_COUNTS`/`ROW_WEIGHTS`, extra columns, an unused lookup table, the query's size) is drawn per row with a
 fixed seed, to the dataset card's scale with a long right tail. The card's totals, our reading of them
-(UNCONFIRMED) and the sample's lengths: docs/decisions/bundled-samples.md. Not matched: gretel's vocabulary
+(UNCONFIRMED) and the sample's lengths: docs/trainer.md#the-bundled-samples. Not matched: gretel's vocabulary
 or its 100 domains; 120 rows cannot show a distribution's far tail.
 """
 

@@ -9,7 +9,7 @@ and chat template, exactly as the data loader measures (`trainer.data.conversati
   expansion by Gemma 3's processor (256 soft tokens and the markers around them).
 - `answer`: the reference answer plus its `<end_of_turn>` (what generation must be allowed to produce).
 Not measured: Gemma 4's tokenizer (the same 262k vocabulary) and the real Hub datasets
-(docs/decisions/bundled-samples.md).
+(docs/trainer.md#the-bundled-samples).
 """
 
 from __future__ import annotations
