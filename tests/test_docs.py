@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,15 +41,17 @@ def tracked_files() -> list[Path]:
     return [REPO_ROOT / n for n in names.splitlines()]
 
 
-def pointers_outside(files: list[Path]) -> list[str]:
-    found = []
+def texts(files: list[Path]) -> Iterator[tuple[Path, str]]:
+    """Each readable text file of `files` with its text (binary and deleted files are skipped)."""
     for path in files:
         try:
-            text = path.read_text(encoding="utf-8")
+            yield path, path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, FileNotFoundError):
             continue
-        found += [f"{path}: {outside}" for outside in OUTSIDE if outside in text]
-    return found
+
+
+def pointers_outside(files: list[Path]) -> list[str]:
+    return [f"{path}: {outside}" for path, text in texts(files) for outside in OUTSIDE if outside in text]
 
 
 def long_docstrings(files: list[Path], limit: int = DOCSTRING_MAX_LINES) -> list[str]:
@@ -167,11 +170,7 @@ _DOCS_ANCHOR = re.compile(r"(?<![\w/.-])docs/([a-z0-9-]+\.md)#([\w-]+)")
 def stale_anchors(files: list[Path]) -> list[str]:
     """Every `docs/PAGE.md#anchor` named in `files` (code, comments, docstrings) whose page or heading is gone."""
     found = []
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, FileNotFoundError):
-            continue
+    for path, text in texts(files):
         for page, anchor in _DOCS_ANCHOR.findall(text):
             target = REPO_ROOT / "docs" / page
             if not target.exists() or anchor not in anchors(target.read_text(encoding="utf-8")):
