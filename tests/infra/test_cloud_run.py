@@ -479,7 +479,8 @@ class TestApiKey:
 
     def test_every_description_of_the_keys_scope_says_what_is_guarded(self) -> None:
         """The docs used to say the key guards /v1 only, then that /invocations stays open; with the guard the
-        key covers every route except /health, and each description must say so and not the old scope."""
+        key covers every route except /health, and each description must say so and not the old scope. The
+        one-line key descriptions say the scope; the pages say why (/invocations, open in vLLM alone)."""
         from pathlib import Path
 
         import yaml
@@ -490,20 +491,32 @@ class TestApiKey:
         root = Path(__file__).resolve().parents[2]
         config = yaml.safe_load((root / "Pulumi.yaml").read_text())["config"]
         serving = (root / "docs" / "serving.md").read_text()
+        cloud_run_page = (root / "docs" / "cloud-run.md").read_text()
+        guard = cloud_run_page[cloud_run_page.index("### The API key guard") :]
         docs = {
             "Pulumi.yaml servingApiKey": config["servingApiKey"]["description"],
             "Pulumi.yaml servingPublic": config["servingPublic"]["description"],
             "docs/serving.md": serving[serving.index("**`servingPublic: true`") :][:1800],
             "infra/serving.py": serving_module.__doc__ or "",
         }
+        guard = guard[: guard.find("\n#", 1)]
+        flat_guard = " ".join(guard.split()).replace("`", "")
+        assert "except OPEN_PATHS, /health only" in flat_guard and VLLM_KEYLESS_INFERENCE_ROUTE in flat_guard, guard
+        program = (root / "docs" / "program.md").read_text()
+        docs["docs/program.md servingApiKey"] = next(
+            row for row in program.splitlines() if "| `servingApiKey` |" in row
+        )
         for where, text in docs.items():
             flat = " ".join(text.split()).replace("`", "")
+            if where == "Pulumi.yaml servingPublic":  # one line: pair it with the key; no scope to state
+                assert "servingApiKey" in flat and not any(s in flat for s in ("/v1 routes", "stays open")), flat
+                continue
             assert f"every route except {VLLM_HEALTH_PATH}" in flat or f"every route but {VLLM_HEALTH_PATH}" in flat, (
                 f"{where} does not say the key covers every route but {VLLM_HEALTH_PATH}"
             )
             for stale in ("/v1 routes", "does not close it", "stays open", "stay open", "is not access control"):
                 assert stale not in flat, f"{where} still says {stale!r}"
-            if where != "Pulumi.yaml servingPublic":
+            if not where.startswith(("Pulumi.yaml", "docs/program.md")):  # one line: the why is on the linked pages
                 assert VLLM_KEYLESS_INFERENCE_ROUTE in flat, f"{where} does not say why: vLLM alone leaves it open"
 
     def test_no_key_no_secret(self) -> None:
